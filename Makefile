@@ -1,0 +1,49 @@
+# One command surface: make install / test / demo / prepare-<dataset> / bench.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+SOURCE_MANTIS  ?= TIGER-Lab/Mantis-Instruct
+SOURCE_INFOVQA ?= Ahren09/InfoVQA
+SOURCE_VIDEO   ?= lmms-lab/LLaVA-Video-178K
+WORKERS ?= 2
+DEMO   ?= demo_out
+
+.PHONY: install test test-fast demo bench check prepare-mantis prepare-infovqa prepare-llava-video clean
+
+install: $(STAMP)
+
+# torch==2.13.0 first (an unpinned torch pulled by a dependency would be a multi-GB CUDA build),
+# unless the venv already imports a torch (e.g. a CUDA build installed by the cluster's recipe).
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow"
+
+check: $(STAMP)
+	$(PY) -m ruff check . || true
+
+prepare-mantis: $(STAMP)
+	$(PY) -m converters mantis --source $(or $(SOURCE),$(SOURCE_MANTIS)) --out $(or $(OUT),data/mantis) --workers $(WORKERS)
+
+prepare-infovqa: $(STAMP)
+	$(PY) -m converters infovqa --source $(or $(SOURCE),$(SOURCE_INFOVQA)) --out $(or $(OUT),data/infovqa) --workers $(WORKERS)
+
+prepare-llava-video: $(STAMP)
+	$(PY) -m converters llava-video --source $(or $(SOURCE),$(SOURCE_VIDEO)) --out $(or $(OUT),data/llava-video) --workers $(WORKERS)
+
+demo: $(STAMP)
+	$(PY) -m converters.demo --out $(DEMO)
+
+bench: $(STAMP)
+	$(PY) bench/bench_converters.py --out bench_out
+
+clean:
+	rm -rf $(DEMO) bench_out

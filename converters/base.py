@@ -1,0 +1,95 @@
+"""The contract between a dataset converter and the shared pipeline.
+
+A converter module (mantis.py, infovqa.py, llava_video.py) implements `SourceDataset`: it lists
+the source splits, groups their rows into units (one unit = one output sample), and builds each
+unit into a canonical sample or rejects its rows with reasons. Everything else (partitions,
+workers, shards, resume, accounting, energon prepare) is the pipeline's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from energon_tasks.sample_format import CanonicalSample
+
+Target = Literal["train", "val", "test", "carve"]
+
+#: How source split names map to Energon splits ("carve": train, with val carved out per sample).
+_VAL_NAMES = {"val", "validation", "valid", "dev"}
+
+
+def target_of(split: str, config_has_val: bool) -> Target:
+    """The Energon split a source split feeds."""
+    if split in _VAL_NAMES:
+        return "val"
+    if split == "test":
+        return "test"
+    return "train" if config_has_val else "carve"
+
+
+class UsageError(Exception):
+    """Bad arguments or source (missing, unknown config, unwritable output): one line, exit 2."""
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class SourceSplit:
+    config: str
+    split: str  #: as the source names it
+    target: Target
+    num_rows: int
+
+
+@dataclass(slots=True, kw_only=True)
+class Unit:
+    key: str  #: the output sample key
+    rows: list[int]  #: source row indices (InfoVQA groups several questions of one image)
+    ids: list[str]  #: source ids of those rows
+
+
+@dataclass(slots=True, kw_only=True)
+class Reject:
+    id: str
+    config: str
+    split: str
+    row: int
+    reason: str
+    detail: str
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "config": self.config, "split": self.split, "row": self.row,
+                "reason": self.reason, "detail": self.detail}
+
+
+@dataclass(slots=True, kw_only=True)
+class Built:
+    """What building one unit gave: a sample (possibly of a subset of its rows) and rejects."""
+
+    sample: CanonicalSample | None = None
+    parts: dict[str, bytes] = field(default_factory=dict)  #: media part name -> bytes
+    rejects: list[Reject] = field(default_factory=list)
+
+
+class SourceDataset(Protocol):
+    """One source dataset, opened with its options. Must survive `fork` into worker processes."""
+
+    name: str  #: "mantis" | "infovqa" | "llava-video"
+
+    def splits(self) -> list[SourceSplit]:
+        """The (config, split) pairs to convert, in a fixed order."""
+
+    def units(self, split: SourceSplit) -> list[Unit]:
+        """Every row of the split in exactly one unit, in a deterministic order."""
+
+    def build(self, split: SourceSplit, unit: Unit) -> Built:
+        """Turn one unit into a sample; bad rows become rejects (never raise for bad data)."""
+
+    def fingerprint(self) -> dict:
+        """Options that change the output (a resumed run must use the same)."""
+
+
+def reject_all(split: SourceSplit, unit: Unit, reason: str, detail: str) -> Built:
+    """Every row of the unit rejected for the same reason."""
+    return Built(rejects=[Reject(id=i, config=split.config, split=split.split, row=r,
+                                 reason=reason, detail=detail)
+                          for r, i in zip(unit.rows, unit.ids)])

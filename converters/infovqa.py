@@ -1,0 +1,123 @@
+"""Ahren09/InfoVQA (high-resolution infographics) -> canonical samples.
+
+Accepts the Ahren09 spelling (`image`, `question`, `answer`: list) and the lmms-lab/DocVQA
+`InfographicVQA` spelling (`questionId`, `question`, `answers`, ...). The ~5 questions that share
+one infographic become ONE multi-turn sample, so the image is stored and later encoded once
+(`one_question_per_sample=True` turns this off); rows are grouped by a hash of the image bytes,
+in order of first appearance. Rows without answers (the test split) are rejected with reason
+`no_answer`. Images keep their original bytes and resolution: resizing is the loader's job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import datasets
+
+from converters.base import Built, Reject, SourceSplit, Unit, reject_all
+from converters.hub import Source, open_splits, resolve_configs
+from converters.media import MediaError, image_media, probe_image
+from energon_tasks.sample_format import (
+    IMAGE_PLACEHOLDER,
+    CanonicalSample,
+    SourceRef,
+    Turn,
+    sample_key,
+)
+
+HUB_ID = "Ahren09/InfoVQA"
+DATASET = "infovqa"
+
+
+def _answers(row: dict) -> list[str]:
+    value = row.get("answer", row.get("answers"))
+    if isinstance(value, str):
+        value = [value]
+    return [a.strip() for a in (value or []) if isinstance(a, str) and a.strip()]
+
+
+def _image_digests(table: datasets.Dataset) -> list[str]:
+    """BLAKE2 of each row's image bytes, read from the Arrow column without decoding."""
+    digests = []
+    for chunk in table.data.column("image").chunks:
+        for data in chunk.field("bytes").to_pylist():
+            digests.append(hashlib.blake2b(data or b"", digest_size=16).hexdigest())
+    return digests
+
+
+class InfoVQASource:
+    """InfoVQA opened for conversion (see module docstring)."""
+
+    name = DATASET
+
+    def __init__(self, source: Source, configs: list[str] | None = None,
+                 splits: list[str] | None = None, one_question_per_sample: bool = False):
+        self.source = source
+        self.one_question_per_sample = one_question_per_sample
+        self.configs = resolve_configs(source, configs)
+
+        def load(config, split):
+            table = source.load(config, split)
+            return table.cast_column("image", datasets.Image(decode=False))
+
+        self._splits, self._tables = open_splits(source, self.configs, splits, load)
+
+    def fingerprint(self) -> dict:
+        return {"location": self.source.location, "configs": self.configs,
+                "one_question_per_sample": self.one_question_per_sample}
+
+    def splits(self) -> list[SourceSplit]:
+        return self._splits
+
+    def units(self, split: SourceSplit) -> list[Unit]:
+        table = self._tables[(split.config, split.split)]
+        if "questionId" in table.column_names:
+            ids = [str(i) for i in table.data.column("questionId").to_pylist()]
+        else:
+            ids = [f"{split.split}-{row}" for row in range(len(table))]
+        digests = _image_digests(table)
+        if self.one_question_per_sample:
+            groups = {row: [row] for row in range(len(table))}
+        else:
+            groups: dict[str, list[int]] = {}
+            for row, digest in enumerate(digests):
+                groups.setdefault(digest, []).append(row)
+        return [Unit(key=sample_key(DATASET, split.config, split.split, rows[0],
+                                    f"info_{digests[rows[0]]}"),
+                     rows=rows, ids=[ids[r] for r in rows]) for rows in groups.values()]
+
+    def build(self, split: SourceSplit, unit: Unit) -> Built:
+        table = self._tables[(split.config, split.split)]
+        rows = [table[r] for r in unit.rows]
+        rejects, kept, turns = [], [], []
+        for row_index, source_id, row in zip(unit.rows, unit.ids, rows):
+            answers = _answers(row)
+            question = row.get("question")
+            if not answers or not isinstance(question, str) or not question.strip():
+                reason = "no_answer" if not answers else "bad_conversation"
+                rejects.append(Reject(id=source_id, config=split.config, split=split.split,
+                                      row=row_index, reason=reason,
+                                      detail="no answers" if not answers else "no question"))
+                continue
+            prefix = f"{IMAGE_PLACEHOLDER}\n" if not turns else ""
+            turns.append(Turn(role="user", content=prefix + question.strip()))
+            turns.append(Turn(role="assistant", content=answers[0], answers=answers))
+            kept.append((row_index, source_id))
+        if not kept:
+            return Built(rejects=rejects)
+        image = rows[0]["image"] or {}
+        name = image.get("path") or f"{unit.ids[0]}.jpg"
+        try:
+            probed = probe_image(image.get("bytes") or b"", name)
+        except MediaError as err:
+            return reject_all(split, unit, err.reason, err.detail)
+        entry, data = image_media(0, probed, name)
+        sample = CanonicalSample(
+            dataset=DATASET,
+            source=SourceRef(config=split.config, split=split.split,
+                             ids=[i for _, i in kept], rows=[r for r, _ in kept]),
+            conversation=turns,
+            media=[entry],
+            fixups=["reencoded_image"] if probed.reencoded_from else [],
+        )
+        return Built(sample=sample, parts={entry.part: data}, rejects=rejects)

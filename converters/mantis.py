@@ -1,0 +1,153 @@
+"""TIGER-Lab/Mantis-Instruct (interleaved multi-image conversations) -> canonical samples.
+
+Rows come from `load_dataset(source, config, split=...)` and hold only image paths; the images
+are read member by member from `<config>/<split>_images.zip`, or from the part zips listed in
+`<config>/<split>_images_zips.txt`, never extracted. One row = one sample.
+
+Repairs and rejects, as Mantis's own trainer treats its data:
+- fewer `<image>` than images: the missing placeholders are prepended to the first user turn
+  (fixup `prepended_image_placeholders`);
+- more placeholders than images, `images=None` with placeholders, a missing or unsafe member, an
+  undecodable image, a malformed conversation: the row is rejected with that reason.
+Image formats are detected from the bytes (some `.png` members are JPEG).
+"""
+
+from __future__ import annotations
+
+from converters.archives import ZipMembers, safe_member_name
+from converters.base import Built, SourceSplit, Unit, UsageError, reject_all
+from converters.hub import Source, open_splits, resolve_configs
+from converters.media import MediaError, image_media, probe_image
+from energon_tasks.sample_format import (
+    IMAGE_PLACEHOLDER,
+    CanonicalSample,
+    SourceRef,
+    Turn,
+    sample_key,
+)
+
+HUB_ID = "TIGER-Lab/Mantis-Instruct"
+DATASET = "mantis"
+
+
+def parse_conversation(messages) -> list[Turn] | str:
+    """Turns from the source's `conversation` list, or the reason it is malformed."""
+    if not isinstance(messages, list) or not messages:
+        return "conversation is empty or not a list"
+    turns = []
+    for message in messages:
+        role = (message or {}).get("role")
+        content = (message or {}).get("content")
+        if role not in ("user", "assistant", "system") or not isinstance(content, str):
+            return f"bad message {str(message)[:80]!r}"
+        if "<video>" in content:
+            return "a <video> placeholder in an image dataset"
+        turns.append(Turn(role=role, content=content))
+    if not any(t.role == "assistant" for t in turns):
+        return "no assistant turn"
+    if not any(t.role == "user" for t in turns):
+        return "no user turn"
+    return turns
+
+
+def prepend_missing_placeholders(turns: list[Turn], n_images: int) -> int:
+    """Mantis's rule for rows with fewer `<image>` than images; returns how many were added."""
+    missing = n_images - sum(t.content.count(IMAGE_PLACEHOLDER) for t in turns)
+    if missing > 0:
+        first_user = next(t for t in turns if t.role == "user")
+        first_user.content = IMAGE_PLACEHOLDER * missing + first_user.content
+    return max(0, missing)
+
+
+class MantisSource:
+    """Mantis-Instruct opened for conversion (see module docstring)."""
+
+    name = DATASET
+
+    def __init__(self, source: Source, configs: list[str] | None = None,
+                 splits: list[str] | None = None):
+        self.source = source
+        self.configs = resolve_configs(source, configs)
+        self._splits, self._tables = open_splits(source, self.configs, splits)
+        self._members: dict[tuple[str, str], ZipMembers] = {}
+
+    def fingerprint(self) -> dict:
+        return {"location": self.source.location, "configs": self.configs}
+
+    def splits(self) -> list[SourceSplit]:
+        return self._splits
+
+    def units(self, split: SourceSplit) -> list[Unit]:
+        self._open_images(split)  # index the zips before workers fork
+        ids = self._tables[(split.config, split.split)].data.column("id").to_pylist()
+        return [Unit(key=sample_key(DATASET, split.config, split.split, row, str(i)),
+                     rows=[row], ids=[str(i)]) for row, i in enumerate(ids)]
+
+    def _open_images(self, split: SourceSplit) -> ZipMembers:
+        key = (split.config, split.split)
+        if key not in self._members:
+            prefix = f"{split.config}/{split.split}_images"
+            single = self.source.file_path(f"{prefix}.zip")
+            if single is not None:
+                zips = [single]
+            else:
+                listing = self.source.file_path(f"{prefix}_zips.txt")
+                if listing is None:
+                    raise UsageError(f"--source {self.source.location}: neither {prefix}.zip "
+                                     f"nor {prefix}_zips.txt exists")
+                names = [n.strip() for n in listing.read_text().splitlines() if n.strip()]
+                zips = []
+                for name in names:
+                    path = self.source.file_path(f"{split.config}/{name}")
+                    if path is None:
+                        raise UsageError(f"--source {self.source.location}: part zip "
+                                         f"{split.config}/{name} listed but missing")
+                    zips.append(path)
+            self._members[key] = ZipMembers(zips)
+        return self._members[key]
+
+    def build(self, split: SourceSplit, unit: Unit) -> Built:
+        row = self._tables[(split.config, split.split)][unit.rows[0]]
+        turns = parse_conversation(row.get("conversation", row.get("conversations")))
+        if isinstance(turns, str):
+            return reject_all(split, unit, "bad_conversation", turns)
+        images = row.get("images")
+        n_placeholders = sum(t.content.count(IMAGE_PLACEHOLDER) for t in turns)
+        if images is None and n_placeholders:
+            return reject_all(split, unit, "images_none_with_placeholders",
+                              f"{n_placeholders} <image> and images=None")
+        images = images or []
+        if n_placeholders > len(images):
+            return reject_all(split, unit, "too_many_placeholders",
+                              f"{n_placeholders} <image> for {len(images)} images")
+        fixups = ["prepended_image_placeholders"] if prepend_missing_placeholders(
+            turns, len(images)) else []
+        members = self._open_images(split)
+        media, parts = [], {}
+        for index, image in enumerate(images):
+            path = (image or {}).get("path") or ""
+            name = safe_member_name(path)
+            if name is None:
+                return reject_all(split, unit, "unsafe_member_name", repr(path))
+            data = members.read(name)
+            if data is None:
+                return reject_all(split, unit, "missing_image", f"{path} not in the image zip")
+            try:
+                probed = probe_image(data, path)
+            except MediaError as err:
+                return reject_all(split, unit, err.reason, err.detail)
+            entry, data = image_media(index, probed, path)
+            media.append(entry)
+            parts[entry.part] = data
+            if probed.reencoded_from:
+                fixups.append("reencoded_image")
+        sample = CanonicalSample(
+            dataset=DATASET,
+            source=SourceRef(config=split.config, split=split.split, ids=unit.ids,
+                             rows=unit.rows),
+            conversation=turns,
+            media=media,
+            fixups=fixups,
+            extra={"source": row.get("source")} if row.get("source") else {},
+        )
+        return Built(sample=sample, parts=parts)

@@ -1,0 +1,144 @@
+"""Media probing for the converters: format from content, sizes, decodability, video metadata.
+
+Images keep their original bytes. A probe detects the format from the bytes (never from the file
+name), reads the stored size and proves the image decodes (JPEG at a reduced DCT scale, which
+parses the whole entropy-coded stream at a fraction of the cost). Formats that common loaders do not
+decode by extension are re-encoded losslessly to PNG and the original format is recorded.
+Videos are probed with PyAV without decoding more than their first frame.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+import av
+from PIL import Image
+
+from energon_tasks.sample_format import IMAGE_EXTENSIONS, Media
+
+# PIL aliases that are the same bytes as a stored format (MPO is a JPEG with extra frames).
+_FORMAT_ALIASES = {"MPO": "JPEG"}
+
+
+class MediaError(Exception):
+    """A media file cannot be used; `reason` is the reject reason recorded for its row."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(slots=True, frozen=True)
+class ProbedImage:
+    data: bytes  #: bytes to store (the original unless re-encoded)
+    ext: str  #: member extension, e.g. "jpg"
+    format: str  #: lower-case format name, e.g. "jpeg"
+    width: int
+    height: int
+    reencoded_from: str | None  #: original format when re-encoded to PNG
+
+
+@dataclass(slots=True, frozen=True)
+class ProbedVideo:
+    width: int
+    height: int
+    duration_s: float
+    frames: int
+    fps: float
+    codec: str
+
+
+def probe_image(data: bytes, name: str = "") -> ProbedImage:
+    """Detect format and size from the bytes and prove they decode.
+
+    Raises:
+        MediaError: reason "undecodable_image" when PIL cannot open or decode the bytes.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            fmt = _FORMAT_ALIASES.get(img.format or "", img.format or "")
+            width, height = img.size
+            if fmt == "JPEG":
+                img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
+            img.load()
+    except Exception as exc:  # PIL raises many types for corrupt data
+        raise MediaError("undecodable_image", f"{name}: {type(exc).__name__}: {exc}") from None
+    if fmt in IMAGE_EXTENSIONS:
+        return ProbedImage(data, IMAGE_EXTENSIONS[fmt], fmt.lower(), width, height, None)
+    # Decodable by PIL, but not a format loaders expect by extension: lossless PNG copy.
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    if img.mode not in ("1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"):
+        img = img.convert("RGBA" if "A" in img.getbands() else "RGB")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return ProbedImage(buf.getvalue(), "png", "png", width, height, fmt.lower() or "unknown")
+
+
+def probe_video(data: bytes, name: str = "") -> ProbedVideo:
+    """Read duration, frame count, fps, size and codec; decode only the first frame.
+
+    The frame count is the container's; when the container does not state it, packets are counted
+    by demuxing (no decoding).
+
+    Raises:
+        MediaError: "unreadable_video" (cannot open or decode), "zero_frame_video" (no frames).
+    """
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise MediaError("zero_frame_video", f"{name}: no video stream")
+            stream = container.streams.video[0]
+            frames = int(stream.frames or 0)
+            if frames == 0:
+                frames = sum(1 for p in container.demux(stream) if p.size)
+                container.seek(0)
+            if frames == 0:
+                raise MediaError("zero_frame_video", f"{name}: the video stream has no frames")
+            first = next(container.decode(stream), None)
+            if first is None:
+                raise MediaError("unreadable_video", f"{name}: no frame decodes")
+            fps = float(stream.average_rate or stream.guessed_rate or 0) or None
+            if stream.duration is not None and stream.time_base is not None:
+                duration = float(stream.duration * stream.time_base)
+            elif container.duration is not None:
+                duration = container.duration / 1_000_000
+            else:
+                duration = frames / fps if fps else 0.0
+            fps = fps or (frames / duration if duration else 0.0)
+            return ProbedVideo(
+                width=int(first.width),
+                height=int(first.height),
+                duration_s=round(duration, 6),
+                frames=frames,
+                fps=round(fps, 6),
+                codec=stream.codec_context.name,
+            )
+    except MediaError:
+        raise
+    except Exception as exc:  # PyAV/FFmpeg errors are many types
+        raise MediaError("unreadable_video", f"{name}: {type(exc).__name__}: {exc}") from None
+
+
+def image_media(index: int, probed: ProbedImage, source_name: str | None) -> tuple[Media, bytes]:
+    """The format entry and the bytes of the index-th image of a sample."""
+    part = f"img{index}.{probed.ext}"
+    media = Media(part=part, kind="image", format=probed.format, width=probed.width,
+                  height=probed.height, bytes=len(probed.data), source_name=source_name,
+                  reencoded_from=probed.reencoded_from)
+    return media, probed.data
+
+
+def video_media(index: int, data: bytes, ext: str, probed: ProbedVideo,
+                source_name: str | None) -> tuple[Media, bytes]:
+    """The format entry and the bytes of the index-th video of a sample."""
+    media = Media(part=f"vid{index}.{ext}", kind="video", format=ext, width=probed.width,
+                  height=probed.height, bytes=len(data), source_name=source_name,
+                  duration_s=probed.duration_s, frames=probed.frames, fps=probed.fps,
+                  codec=probed.codec)
+    return media, data

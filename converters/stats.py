@@ -1,0 +1,94 @@
+"""Dataset statistics written by a conversion: `stats.json` and `stats_histograms.png`.
+
+Distributions of images per sample, megapixels per image, video duration and frames, text tokens
+(approximate: 4 characters per token) and the estimated visual tokens per sample under Qwen2.5-VL
+(factor 28) and Qwen3-VL (factor 32) at the default budgets, computed from the media metadata
+alone with the loader's own geometry (energon_tasks.geometry), plus the conversion speed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+#: Budgets of the estimates (Megatron-Bridge defaults; see docs/format.md).
+MIN_PIXELS = 200_704
+MAX_PIXELS = 1_003_520
+VIDEO_FPS = 2.0
+MAX_NUM_FRAMES = 60
+CHARS_PER_TOKEN = 4
+MODELS = ("qwen2.5-vl", "qwen3-vl")
+
+
+def visual_tokens(model: str, record: dict) -> int:
+    """Estimated visual tokens of one sample (images and videos) at the default budgets."""
+    from energon_tasks.geometry import get_geometry
+
+    geo = get_geometry(model)
+    total = 0
+    for width, height in record["images"]:
+        total += geo.image_grid(height, width, min_pixels=MIN_PIXELS,
+                                max_pixels=MAX_PIXELS).visual_tokens
+    for _duration, frames, width, height, fps in record["videos"]:
+        chosen = geo.video_frame_indices(frames, fps, video_fps=VIDEO_FPS,
+                                         max_num_frames=MAX_NUM_FRAMES)
+        total += geo.video_grid(len(chosen), height, width).visual_tokens
+    return total
+
+
+def _describe(values) -> dict:
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.size == 0:
+        return {"count": 0}
+    q = np.percentile(arr, [50, 90, 99])
+    return {"count": int(arr.size), "mean": round(float(arr.mean()), 3),
+            "p50": round(float(q[0]), 3), "p90": round(float(q[1]), 3),
+            "p99": round(float(q[2]), 3), "max": round(float(arr.max()), 3),
+            "sum": round(float(arr.sum()), 3)}
+
+
+def write_stats(out: Path, records: list[dict], conversion: dict) -> dict:
+    """Write stats.json and the histogram PNG; returns the headline numbers for the summary."""
+    series = {
+        "images_per_sample": [len(r["images"]) for r in records],
+        "megapixels_per_image": [w * h / 1e6 for r in records for w, h in r["images"]],
+        "videos_per_sample": [len(r["videos"]) for r in records],
+        "video_duration_s": [v[0] for r in records for v in r["videos"]],
+        "video_frames": [v[1] for r in records for v in r["videos"]],
+        "text_tokens_approx": [r["text_chars"] / CHARS_PER_TOKEN for r in records],
+    }
+    for model in MODELS:
+        series[f"visual_tokens_{model}"] = [visual_tokens(model, r) for r in records]
+    stats = {
+        "budget": {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "video_fps": VIDEO_FPS,
+                   "max_num_frames": MAX_NUM_FRAMES, "chars_per_token": CHARS_PER_TOKEN},
+        "samples": len(records),
+        "distributions": {name: _describe(values) for name, values in series.items()},
+        "conversion": conversion,
+    }
+    (out / "stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
+    _plot(out / "stats_histograms.png", series)
+    return {name: d.get("mean") for name, d in stats["distributions"].items()}
+
+
+def _plot(path: Path, series: dict[str, list]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [(name, values) for name, values in series.items() if values and any(values)]
+    cols = 3
+    rows = max(1, -(-len(shown) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax, (name, values) in zip(axes.flat, shown):
+        ax.hist(values, bins=min(40, max(5, len(set(values)))), color="#4477aa")
+        ax.set_title(name.replace("_", " "), fontsize=9)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80, metadata={"Software": None})
+    plt.close(fig)
