@@ -25,6 +25,12 @@ from converters.stats import write_stats
 
 SPLITS = ("train", "val", "test")
 
+#: Energon 7.4's `info` and `lint` cannot read a CrudeWebdataset config (info wants a
+#: `sample_type`, lint a cooker), so they get this typed view of the same shards.
+INSPECT_CONFIG = "inspect.yaml"
+_INSPECT_VIEW = {"sample_type": {"__module__": "megatron.energon", "__class__": "TextSample"},
+                 "field_map": {"text": "json"}}
+
 
 def _energon() -> list[str]:
     exe = Path(sys.executable).with_name("energon")
@@ -98,6 +104,9 @@ def _prepare(out: Path, records: list[dict], workers: int) -> list[str]:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"energon prepare failed: {proc.stderr.strip()[-2000:]}")
+    header = ("# Typed view for `energon info/lint --dataset-config inspect.yaml` (Energon 7.4's\n"
+              "# tools cannot read the CrudeWebdataset dataset.yaml). Train with dataset.yaml.\n")
+    (out / ".nv-meta" / INSPECT_CONFIG).write_text(header + yaml.safe_dump(_INSPECT_VIEW))
     return list(parts)
 
 

@@ -10,6 +10,7 @@ Videos are probed with PyAV without decoding more than their first frame.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -22,10 +23,14 @@ from energon_tasks.sample_format import IMAGE_EXTENSIONS, Media
 _FORMAT_ALIASES = {"MPO": "JPEG"}
 
 
+_ADDRESS = re.compile(r" ?<[^<>]* at 0x[0-9a-fA-F]+>")
+
+
 class MediaError(Exception):
     """A media file cannot be used; `reason` is the reject reason recorded for its row."""
 
     def __init__(self, reason: str, detail: str):
+        detail = _ADDRESS.sub("", detail)  # object addresses would make rejects.jsonl unstable
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail

@@ -1,0 +1,442 @@
+"""energon_tasks.geometry (+ mrope, CLI) against the transformers processors and models it mirrors.
+
+Every expected value comes from transformers (installed here, run locally, nothing downloaded) or
+from a hand-worked example written out in the test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as hf_image
+import transformers.models.qwen3_vl.video_processing_qwen3_vl as hf_video3
+from PIL import Image
+from transformers.video_utils import VideoMetadata
+
+from energon_tasks.geometry import (
+    QWEN2_5_VL,
+    QWEN3_VL,
+    get_geometry,
+    mrope_position_ids,
+    smart_resize,
+)
+
+MODELS = [QWEN2_5_VL, QWEN3_VL]
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 151655, 151656, 151652, 151653
+
+
+def hf_image_processor(geometry, min_pixels=None, max_pixels=None):
+    """The PIL image processor configured as the model's published preprocessor_config.json."""
+    return hf_image.Qwen2VLImageProcessorPil(
+        patch_size=geometry.patch_size,
+        merge_size=geometry.merge_size,
+        temporal_patch_size=geometry.temporal_patch_size,
+        image_mean=list(geometry.image_mean),
+        image_std=list(geometry.image_std),
+        min_pixels=min_pixels or geometry.default_min_pixels,
+        max_pixels=max_pixels or geometry.default_max_pixels,
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen2_video_processor():
+    """transformers' Qwen2VLVideoProcessor (Qwen2.5-VL's), imported with torchvision stubbed.
+
+    Its module imports torchvision at the top but the pure methods used here (resize arithmetic in
+    ``get_num_of_video_patches``, ``patchify``) never touch it; the stub is removed right after.
+    """
+    from transformers.utils import import_utils
+
+    import_utils.is_torchvision_available()  # evaluated (False) before the stub exists
+    names = [
+        "torchvision",
+        "torchvision.transforms",
+        "torchvision.transforms.v2",
+        "torchvision.transforms.v2.functional",
+    ]
+    module_name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
+    saved = {name: sys.modules.get(name) for name in [*names, module_name]}
+    for name in names:
+        sys.modules[name] = types.ModuleType(name)
+    try:
+        module = importlib.import_module(module_name)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = value
+    return module.Qwen2VLVideoProcessor(cap_pixels_per_frame=False)
+
+
+def _pixel_settings(geometry):
+    f2 = geometry.factor**2
+    return [
+        (geometry.default_min_pixels, geometry.default_max_pixels),
+        (3136, 1003520),
+        (256 * f2, 1280 * f2),
+        (4 * f2, 16384 * f2),
+        (1, 4 * f2),
+        (64 * f2, 64 * f2),
+    ]
+
+
+def _random_sizes(seed: int, count: int) -> list[tuple[int, int]]:
+    """Tiny, huge, extreme-aspect (up to 1:200) and ordinary sizes, plus fixed corner cases."""
+    rng = random.Random(seed)
+    sizes = [(1, 1), (3, 3), (1, 200), (200, 1), (3, 600), (28, 5600), (45, 9000)]
+    sizes += [(9000, 6000), (6000, 9000), (10000, 10000), (27, 29), (13, 2600)]
+    while len(sizes) < count:
+        pick = rng.random()
+        if pick < 0.2:
+            h, w = rng.randint(1, 64), rng.randint(1, 64)
+        elif pick < 0.4:
+            short = rng.randint(1, 60)
+            h, w = short, min(10000, short * rng.randint(50, 200))
+        elif pick < 0.55:
+            h, w = rng.randint(4000, 10000), rng.randint(4000, 10000)
+        else:
+            h, w = (int(math.exp(rng.uniform(math.log(16), math.log(5000)))) for _ in range(2))
+        if max(h, w) / min(h, w) <= 200:
+            sizes.append((h, w) if rng.random() < 0.5 else (w, h))
+    return sizes
+
+
+@pytest.mark.parametrize("geometry", MODELS, ids=lambda g: g.name)
+def test_image_grid_matches_hf_resize_for_random_sizes(geometry):
+    sizes = _random_sizes(seed=geometry.patch_size, count=220)
+    processor = hf_image_processor(geometry)
+    for height, width in sizes:
+        for min_pixels, max_pixels in _pixel_settings(geometry):
+            grid = geometry.image_grid(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+            expected = hf_image.smart_resize(height, width, geometry.factor, min_pixels, max_pixels)
+            patches = processor.get_number_of_image_patches(
+                height, width, {"min_pixels": min_pixels, "max_pixels": max_pixels}
+            )
+            case = (height, width, min_pixels, max_pixels)
+            assert (grid.resized_height, grid.resized_width) == expected, case
+            assert grid.grid_thw == (
+                1,
+                expected[0] // geometry.patch_size,
+                expected[1] // geometry.patch_size,
+            ), case
+            assert grid.visual_tokens * geometry.merge_size**2 == patches, case
+
+
+@pytest.mark.parametrize("geometry", MODELS, ids=lambda g: g.name)
+def test_image_grid_matches_full_hf_processor(geometry):
+    sizes = [(3, 3), (1, 200), (200, 1), (27, 29), (480, 640), (1080, 1920), (45, 9000)]
+    sizes += [s for s in _random_sizes(seed=7, count=60) if s[0] * s[1] <= 2_000_000][:20]
+    sizes.append((9000, 6000))
+    for index, (height, width) in enumerate(sizes):
+        min_pixels, max_pixels = _pixel_settings(geometry)[index % 3 + 1]
+        processor = hf_image_processor(geometry, min_pixels, max_pixels)
+        image = Image.new("RGB", (width, height), (index * 7 % 256, 80, 160))
+        out = processor(images=[image], return_tensors="np")
+        grid = geometry.image_grid(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+        assert out["image_grid_thw"].tolist() == [list(grid.grid_thw)], (height, width)
+        assert out["pixel_values"].shape[0] == math.prod(grid.grid_thw)
+
+
+@pytest.mark.parametrize("geometry", MODELS, ids=lambda g: g.name)
+@pytest.mark.parametrize("size", [(37, 91), (480, 640), (300, 45), (1000, 7), (64, 64)])
+def test_pixel_values_match_hf(geometry, size):
+    height, width = size
+    rng = np.random.default_rng(height * width)
+    image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    expected = hf_image_processor(geometry)(images=[image], return_tensors="np")["pixel_values"]
+    grid = geometry.image_grid(height, width)
+    resized = image.resize((grid.resized_width, grid.resized_height), Image.BICUBIC)
+    pixels = geometry.normalize(np.asarray(resized).transpose(2, 0, 1)[None])
+    ours = geometry.patchify(pixels)
+    assert ours.dtype == np.float32 and ours.shape == expected.shape
+    np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("geometry", MODELS, ids=lambda g: g.name)
+def test_aspect_ratio_over_200_is_a_one_line_error_like_hf(geometry):
+    for height, width in [(1, 201), (201, 1), (3, 601), (50, 10001)]:
+        with pytest.raises(ValueError):
+            hf_image.smart_resize(height, width, geometry.factor, 3136, 1003520)
+        with pytest.raises(ValueError, match=f"{height}x{width}") as error:
+            geometry.image_grid(height, width)
+        assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="0x5"):
+        smart_resize(0, 5, factor=28, min_pixels=1, max_pixels=100)
+
+
+def test_get_geometry_names():
+    assert get_geometry("qwen2.5-vl") is get_geometry("qwen2_5_vl") is QWEN2_5_VL
+    assert get_geometry("qwen3-vl") is get_geometry("Qwen3_VL") is QWEN3_VL
+    assert QWEN2_5_VL.factor == 28 and QWEN3_VL.factor == 32
+    with pytest.raises(ValueError, match="qwen2.5-vl.*qwen3-vl"):
+        get_geometry("qwen2-vl")
+
+
+VIDEO_CASES = [  # (total_frames, source_fps, video_fps, max_frames, min_frames)
+    (total, src, fps, cap, low)
+    for total in (1, 2, 3, 5, 9, 48, 61, 300, 1001, 18000, 123457)
+    for src in (24.0, 29.97, 30.0, 60.0)
+    for fps in (0.5, 1.0, 2.0, 4.0)
+    for cap, low in ((768, 4), (60, 4), (15, 2), (8, 8))
+]
+
+
+def test_qwen3_frame_indices_match_hf_sample_frames():
+    processors = {}
+    for total, src, fps, cap, low in VIDEO_CASES:
+        key = (cap, low)
+        if key not in processors:
+            processors[key] = hf_video3.Qwen3VLVideoProcessor(max_frames=cap, min_frames=low)
+        metadata = VideoMetadata(total_num_frames=total, fps=src)
+        expected = processors[key].sample_frames(metadata, fps=fps).tolist()
+        ours = QWEN3_VL.video_frame_indices(
+            total, src, video_fps=fps, max_num_frames=cap, min_num_frames=low
+        )
+        assert ours == expected, (total, src, fps, cap, low)
+
+
+def test_qwen2_5_frame_indices_follow_qwen_vl_utils():
+    # Hand-worked: 10 s at 30 fps, 2 fps -> 20 frames, torch.linspace(0, 299, 20).round():
+    # step 299/19 = 15.74 -> 0, 16, 31, 47, 63, ..., 283, 299.
+    picks = QWEN2_5_VL.video_frame_indices(300, 30.0, video_fps=2.0)
+    assert len(picks) == 20 and picks[:5] == [0, 16, 31, 47, 63] and picks[-2:] == [283, 299]
+    # 10 frames at 30 fps: 0.67 frames at 2 fps, raised to min 4 -> linspace(0, 9, 4).
+    assert QWEN2_5_VL.video_frame_indices(10, 30.0, video_fps=2.0) == [0, 3, 6, 9]
+    # 3 frames: min(4, floor2(3)=2, 3) -> 2 frames; 1 frame cannot fill a temporal patch.
+    assert QWEN2_5_VL.video_frame_indices(3, 30.0, video_fps=2.0) == [0, 2]
+    with pytest.raises(ValueError, match="1 frame"):
+        QWEN2_5_VL.video_frame_indices(1, 30.0, video_fps=2.0)
+    # Long clips: qwen-vl-utils' readers pick with float32 torch.linspace, which rounds a few
+    # frames differently from float64 (36000 frames, pick 744 of 768: 744 * 35999 / 767 =
+    # 34919.4994 exactly, but float32 lands on 34919.5 -> 34920).
+    for total in (36000, 86400, 172800):
+        picks = QWEN2_5_VL.video_frame_indices(total, 24.0, video_fps=2.0)
+        assert picks == torch.linspace(0, total - 1, 768).round().long().tolist()
+    assert QWEN2_5_VL.video_frame_indices(36000, 24.0, video_fps=2.0)[744] == 34920
+    for total, src, fps, cap, low in VIDEO_CASES:
+        if total < 2:
+            continue
+        picks = QWEN2_5_VL.video_frame_indices(
+            total, src, video_fps=fps, max_num_frames=cap, min_num_frames=low
+        )
+        assert len(picks) % 2 == 0 and 2 <= len(picks) <= min(cap, total)
+        assert picks[0] == 0 and picks[-1] == total - 1 and picks == sorted(set(picks))
+
+
+@pytest.mark.parametrize("frames", [2, 3, 4, 7, 16, 61, 768])
+def test_qwen3_video_grid_matches_hf(frames):
+    processor = hf_video3.Qwen3VLVideoProcessor()
+    settings = [(4096, 25165824), (131072, 786432), (4096, 16384 * frames)]
+    for height, width in [(5, 5), (31, 700), (360, 640), (1080, 1920), (2160, 3840), (17, 3000)]:
+        for min_pixels, max_pixels in settings:
+            grid = QWEN3_VL.video_grid(
+                frames, height, width, min_pixels=min_pixels, max_pixels=max_pixels
+            )
+            expected = hf_video3.smart_resize(
+                frames, height, width, 2, 32, min_pixels=min_pixels, max_pixels=max_pixels
+            )
+            kwargs = {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}
+            patches = processor.get_num_of_video_patches(frames, height, width, kwargs)
+            assert (grid.resized_height, grid.resized_width) == expected
+            assert grid.grid_thw[0] == math.ceil(frames / 2)
+            assert grid.visual_tokens * 4 == patches
+    with pytest.raises(ValueError, match="1 frame"):
+        QWEN3_VL.video_grid(1, 360, 640)
+
+
+@pytest.mark.parametrize("frames", [1, 2, 5, 16, 768])
+def test_qwen2_5_video_grid_matches_hf(qwen2_video_processor, frames):
+    for height, width in [(5, 5), (31, 700), (360, 640), (1080, 1920), (2160, 3840)]:
+        for min_pixels, max_pixels in [(100352, 602112), (3136, 12845056), (128 * 784, 128 * 784)]:
+            grid = QWEN2_5_VL.video_grid(
+                frames, height, width, min_pixels=min_pixels, max_pixels=max_pixels
+            )
+            kwargs = {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}
+            patches = qwen2_video_processor.get_num_of_video_patches(frames, height, width, kwargs)
+            expected = hf_image.smart_resize(height, width, 28, min_pixels, max_pixels)
+            assert (grid.resized_height, grid.resized_width) == expected
+            assert grid.visual_tokens * 4 == patches
+
+
+@pytest.mark.parametrize("frames", [1, 3, 4])
+@pytest.mark.parametrize("geometry", MODELS, ids=lambda g: g.name)
+def test_video_patchify_matches_hf_layout(geometry, frames, qwen2_video_processor):
+    hf = qwen2_video_processor if geometry is QWEN2_5_VL else hf_video3.Qwen3VLVideoProcessor()
+    shape = (frames, 3, 2 * geometry.factor, 3 * geometry.factor)
+    pixels = np.random.default_rng(frames).standard_normal(shape).astype(np.float32)
+    expected, grid_t, grid_h, grid_w = hf.patchify(
+        torch.from_numpy(pixels)[None], geometry.patch_size, geometry.merge_size, 2
+    )
+    ours = geometry.patchify(pixels)
+    assert (grid_t, grid_h, grid_w) == (math.ceil(frames / 2), 4, 6)
+    np.testing.assert_array_equal(ours, expected[0].numpy())
+
+
+# ---- M-RoPE -------------------------------------------------------------------------------------
+
+TINY_TEXT = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=200,
+)
+TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16)
+
+
+@pytest.fixture(scope="module")
+def hf_models():
+    """Tiny Qwen2.5-VL / Qwen3-VL models built from local configs (only get_rope_index is used)."""
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    mrope = dict(mrope_section=[2, 1, 1])
+    qwen2_5 = Qwen2_5_VLConfig(
+        text_config=dict(TINY_TEXT, rope_scaling=dict(type="mrope", **mrope)),
+        vision_config=dict(TINY_VISION, fullatt_block_indexes=[0], tokens_per_second=2),
+    )
+    qwen3 = Qwen3VLConfig(
+        text_config=dict(TINY_TEXT, rope_scaling=dict(rope_type="default", **mrope)),
+        vision_config=dict(TINY_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16),
+    )
+    return {"qwen2.5-vl": Qwen2_5_VLModel(qwen2_5), "qwen3-vl": Qwen3VLModel(qwen3)}
+
+
+def _random_sample(rng: random.Random, qwen3: bool):
+    """Token ids with images and videos laid out as each model's processor does, and the grids."""
+    ids, images, videos, seconds = [], [], [], []
+
+    def text(n):
+        return [rng.randint(0, 150000) for _ in range(n)]
+
+    for _ in range(rng.randint(1, 5)):
+        ids += text(rng.randint(0, 6))
+        h, w = 2 * rng.randint(1, 8), 2 * rng.randint(1, 8)
+        if rng.random() < 0.6:
+            images.append((1, h, w))
+            ids += [VISION_START] + [IMAGE_TOKEN] * (h * w // 4) + [VISION_END]
+            continue
+        span = max(h, w) // 2  # keep Qwen2.5-VL's temporal reach within the spatial one (see below)
+        second = rng.choice([0.25, 0.5, 1 / 3, 2 / 3, 1.0, 1.5])
+        t = rng.randint(1, max(1, min(6, int((span - 1) / (2 * second)) + 1)))
+        videos.append((t, h, w))
+        seconds.append(second)
+        if qwen3:  # one vision span per temporal patch, a timestamp text before each
+            for _ in range(t):
+                ids += text(4) + [VISION_START] + [VIDEO_TOKEN] * (h * w // 4) + [VISION_END]
+        else:
+            ids += [VISION_START] + [VIDEO_TOKEN] * (t * h * w // 4) + [VISION_END]
+    return ids + text(rng.randint(0, 6)), images, videos, seconds
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
+def test_mrope_matches_hf_get_rope_index(hf_models, name):
+    """Random samples; Qwen2.5-VL videos keep int((t-1)*step) < max(h, w)/2, where transformers
+    5.x and the original max+1 rule agree (test_mrope_text_after_long_video covers the rest)."""
+    rng = random.Random(name)
+    for _ in range(60):
+        ids, images, videos, seconds = _random_sample(rng, qwen3=name == "qwen3-vl")
+        input_ids = torch.tensor([ids])
+        types_ = (input_ids == IMAGE_TOKEN).int() + 2 * (input_ids == VIDEO_TOKEN).int()
+        kwargs = dict(
+            image_grid_thw=torch.tensor(images) if images else None,
+            video_grid_thw=torch.tensor(videos) if videos else None,
+        )
+        steps = None
+        if name == "qwen2.5-vl" and videos:
+            kwargs["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
+            steps = [float(np.float32(2) * np.float32(s)) for s in seconds]  # tokens_per_second=2
+        expected, _ = hf_models[name].get_rope_index(input_ids, types_, **kwargs)
+        ours = mrope_position_ids(
+            ids,
+            image_token_id=IMAGE_TOKEN,
+            video_token_id=VIDEO_TOKEN,
+            image_grid_thw=images,
+            video_grid_thw=videos,
+            video_time_steps=steps,
+        )
+        np.testing.assert_array_equal(ours, expected[:, 0].numpy())
+
+
+def test_mrope_text_after_long_video():
+    """Hand-worked, from the original Qwen2.5-VL get_rope_index docstring: merged grid 3x2x2,
+    interval 50 (tokens_per_second 25, 2 frames per patch, 1 fps): vision t 0/50/100, text 101..."""
+    ids = [VIDEO_TOKEN] * 12 + [1, 2, 3, 4, 5]
+    ours = mrope_position_ids(
+        ids,
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=VIDEO_TOKEN,
+        video_grid_thw=[(3, 4, 4)],
+        video_time_steps=[50.0],
+    )
+    assert ours[0, :12].tolist() == [0] * 4 + [50] * 4 + [100] * 4
+    assert ours[1, :12].tolist() == [0, 0, 1, 1] * 3
+    assert ours[2, :12].tolist() == [0, 1, 0, 1] * 3
+    assert (ours[:, 12:] == np.arange(101, 106)).all()
+
+
+def test_mrope_rejects_cut_spans():
+    common = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN)
+    with pytest.raises(ValueError, match="does not fit"):
+        mrope_position_ids([1] + [IMAGE_TOKEN] * 3, image_grid_thw=[(1, 4, 4)], **common)
+    with pytest.raises(ValueError, match="1/2 image"):
+        mrope_position_ids([1] + [IMAGE_TOKEN] * 4, image_grid_thw=[(1, 4, 4)] * 2, **common)
+    with pytest.raises(ValueError, match="0/1 video"):
+        mrope_position_ids([1, 2], video_grid_thw=[(2, 4, 4)], **common)
+    assert mrope_position_ids([], **common).shape == (3, 0)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "energon_tasks", "grid", *args]
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=root)
+
+
+def test_cli_grid_prints_inputs_in_command_line_order():
+    args = "--model qwen3-vl --image 480x640 --video 300x360x640 --source-fps 30 --image 3x3"
+    result = _run_cli(*args.split(), "--max-pixels", "1003520")
+    assert result.returncode == 0, result.stderr
+    entries = json.loads(result.stdout)
+    assert [e["kind"] for e in entries] == ["image", "video", "image"]
+    for entry, size in zip(entries[::2], [(480, 640), (3, 3)], strict=True):
+        expected = hf_image.smart_resize(*size, 32, QWEN3_VL.default_min_pixels, 1003520)
+        assert entry["input"] == list(size)
+        assert [entry["resized_height"], entry["resized_width"]] == list(expected)
+        assert entry["grid_thw"] == [1, expected[0] // 16, expected[1] // 16]
+        assert entry["visual_tokens"] == expected[0] * expected[1] // 32**2
+    video = entries[1]
+    frames = len(
+        hf_video3.Qwen3VLVideoProcessor().sample_frames(
+            VideoMetadata(total_num_frames=300, fps=30.0), fps=2
+        )
+    )
+    assert video["input"] == [300, 360, 640] and video["frames_sampled"] == frames == 20
+    grid = QWEN3_VL.video_grid(frames, 360, 640)
+    assert video["grid_thw"] == list(grid.grid_thw) and video["visual_tokens"] == grid.visual_tokens
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--model", "qwen2.5-vl", "--image", "12"], ["--model", "qwen3-vl", "--image", "1x300"]],
+)
+def test_cli_bad_input_is_one_line_exit_2(args):
+    result = _run_cli(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert args[-1] in result.stderr
