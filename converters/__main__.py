@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from converters.base import UsageError
-from converters.pipeline import Options, convert
+from converters.pipeline import Options, check_output, convert
 
 _DEFAULT_SHARD_SIZE = {"mantis": 1000, "infovqa": 200, "llava-video": 100}
 
@@ -58,6 +58,7 @@ def _run(make_source, out: Path, workers, num_partitions, partition_index, val_f
                        partition_index=partition_index, val_fraction=val_fraction,
                        shard_size=shard_size)
         opts.check()
+        check_output(out)  # before opening the source, which may download or cache a lot
         summary = convert(make_source(), opts)
     except UsageError as err:
         click.echo(f"error: {err}", err=True)
@@ -94,7 +95,8 @@ def dataset_command(dataset: str, hub_id: str, *extra_options):
             def make_source():
                 from converters.hub import Source
 
-                return fn(Source(source), out, _csv(configs), _csv(splits), **extra)
+                cache = out / ".work" / "datasets_cache"
+                return fn(Source(source, cache), out, _csv(configs), _csv(splits), **extra)
 
             _run(make_source, out, workers, num_partitions, partition_index, val_fraction,
                  shard_size)

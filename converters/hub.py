@@ -20,8 +20,9 @@ from converters.base import UsageError
 class Source:
     """A dataset source: `location` is a local folder or a hub id like "TIGER-Lab/Mantis-Instruct"."""
 
-    def __init__(self, location: str):
+    def __init__(self, location: str, cache_dir: Path | None = None):
         self.location = location
+        self.cache_dir = cache_dir
         path = Path(location).expanduser()
         if path.exists():
             if not path.is_dir():
@@ -51,8 +52,13 @@ class Source:
                              f"{config!r} ({type(exc).__name__}: {_first_line(exc)})") from None
 
     def load(self, config: str | None, split: str) -> datasets.Dataset:
-        """The split as a memory-mapped Arrow table (no media decoding)."""
-        return datasets.load_dataset(self.ref, config, split=split)
+        """The split as a memory-mapped Arrow table (no media decoding).
+
+        A local folder gets its own cache (`cache_dir`): `datasets` keys the cache of a local
+        folder by its name and card only, so a shared cache can serve stale rows.
+        """
+        cache = str(self.cache_dir) if self.local and self.cache_dir else None
+        return datasets.load_dataset(self.ref, config, split=split, cache_dir=cache)
 
     def data_files(self, config: str | None, split: str) -> list[str]:
         """Resolved data file URLs/paths of a split, as `load_dataset` would read them."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path, PurePosixPath
 
+import datasets
+
 from converters.archives import FolderMembers, TarGzMembers, safe_member_name
 from converters.base import Built, SourceSplit, Unit, UsageError, reject_all
 from converters.hub import Source, open_data_file, open_splits, resolve_configs
@@ -79,15 +81,20 @@ class LlavaVideoSource:
         self._videos: dict[str, TarGzMembers | FolderMembers] = {}
 
     def _load(self, config: str, split: str):
+        """The annotation records; the `json` module reads files whose column types disagree."""
         try:
-            return self.source.load(config, split)
-        except Exception:  # e.g. DatasetGenerationError: column types disagree across records
-            records = []
-            for url in self.source.data_files(config, split):
-                with open_data_file(url) as f:
-                    records.extend(json.load(f))
-            self.json_fallbacks.append(f"{config}/{split}")
-            return records
+            table = self.source.load(config, split)
+            if isinstance(table.features.get("id"), datasets.Value):
+                return table
+            # mixed-type ids can load as a Json feature with JSON-encoded values: read raw
+        except Exception:  # e.g. DatasetGenerationError: column types disagree across files
+            pass
+        records = []
+        for url in self.source.data_files(config, split):
+            with open_data_file(url) as f:
+                records.extend(json.load(f))
+        self.json_fallbacks.append(f"{config}/{split}")
+        return records
 
     def fingerprint(self) -> dict:
         return {"location": self.source.location, "configs": self.configs}

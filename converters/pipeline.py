@@ -88,7 +88,8 @@ def _run_one(spec: ShardSpec) -> dict:
     return write_shard(state["out"], state["source"], state["splits"], spec)
 
 
-def _check_output(out: Path) -> None:
+def check_output(out: Path) -> None:
+    """The output folder exists (or is created) and is writable, else a UsageError."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"
@@ -120,7 +121,7 @@ def convert(source: SourceDataset, opts: Options) -> dict | None:
         The summary when this run finalized the dataset, else None (other partitions pending).
     """
     opts.check()
-    _check_output(opts.out)
+    check_output(opts.out)
     splits = source.splits()
     fingerprint = {"dataset": source.name, "source": source.fingerprint(),
                    "val_fraction": opts.val_fraction, "shard_size": opts.shard_size,
