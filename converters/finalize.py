@@ -86,7 +86,7 @@ def _summarize(out: Path, records: list[dict], options: dict) -> dict:
     }
 
 
-def _prepare(out: Path, records: list[dict], workers: int) -> list[str]:
+def _prepare(out: Path, records: list[dict], workers: int, media_metadata: bool) -> list[str]:
     """Run `energon prepare`; returns the Energon split parts that hold samples."""
     shards = [r["shard"] for r in records if r["shard"]]
     parts: dict[str, str] = {}
@@ -98,7 +98,9 @@ def _prepare(out: Path, records: list[dict], workers: int) -> list[str]:
         parts[f"{split}/{folder}"] = f"shards/{split}/{re.escape(folder)}/.*"
     cmd = _energon() + ["prepare", str(out), "--non-interactive", "--force-overwrite",
                         "--no-progress", "--num-workers", str(max(1, workers)),
-                        "--sample-type", "CrudeWebdataset", "--media-metadata-by-extension"]
+                        "--sample-type", "CrudeWebdataset"]
+    if media_metadata:
+        cmd.append("--media-metadata-by-extension")
     for name, pattern in parts.items():
         cmd += ["--split-parts", f"{name}:{pattern}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -168,9 +170,11 @@ def finalize(out: Path, splits=None, *, workers: int = 1) -> dict | None:
                 f.write(json.dumps(rej, sort_keys=True) + "\n")
         summary["stats"] = write_stats(out, [s for rec in records for s in rec["stats"]],
                                        summary["conversion"])
-        split_parts = _prepare(out, records, workers) if summary["shards"] else []
+        split_parts = (_prepare(out, records, workers, options["energon_media_metadata"])
+                       if summary["shards"] else [])
         summary["energon_split_parts"] = split_parts
         if split_parts:
             _write_metadataset(out, summary, split_parts)
         (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+        shutil.rmtree(work / "datasets_cache", ignore_errors=True)  # a local source's table copy
         return summary

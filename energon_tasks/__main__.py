@@ -121,6 +121,13 @@ def grid(ctx: click.Context, model: str, images, videos, **options) -> None:
     click.echo(json.dumps(entries, indent=2))
 
 
+from energon_tasks.inspect_cmd import inspect  # noqa: E402
+from energon_tasks.preview_cmd import preview  # noqa: E402
+
+cli.add_command(inspect)
+cli.add_command(preview)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; user errors (bad option, bad size) -> one line on stderr and 2.
 

@@ -83,12 +83,17 @@ class CanonicalSample:
     format_version: int = FORMAT_VERSION
 
     def to_json_bytes(self) -> bytes:
-        """Deterministic JSON (sorted keys, no None fields inside media/turns)."""
-        doc = dataclasses.asdict(self)
-        doc["media"] = [{k: v for k, v in m.items() if v is not None or k in _ALWAYS}
-                        for m in doc["media"]]
-        doc["conversation"] = [{k: v for k, v in t.items() if v is not None}
-                               for t in doc["conversation"]]
+        """Deterministic JSON (sorted keys; None fields of turns and video-only media dropped)."""
+        doc = {
+            "format_version": self.format_version,
+            "dataset": self.dataset,
+            "source": {"config": self.source.config, "split": self.source.split,
+                       "ids": list(self.source.ids), "rows": list(self.source.rows)},
+            "conversation": [_without_none(t, ()) for t in self.conversation],
+            "media": [_without_none(m, _ALWAYS) for m in self.media],
+            "fixups": list(self.fixups),
+            "extra": self.extra,
+        }
         return json.dumps(doc, sort_keys=True, ensure_ascii=False).encode("utf-8")
 
     @classmethod
@@ -113,7 +118,12 @@ class CanonicalSample:
         return [m for t in self.conversation for m in PLACEHOLDER_RE.findall(t.content)]
 
 
-_ALWAYS = {"source_name", "reencoded_from"}
+_ALWAYS = ("source_name", "reencoded_from")
+
+
+def _without_none(obj, keep: tuple[str, ...]) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+            if getattr(obj, f.name) is not None or f.name in keep}
 
 
 def sample_key(dataset: str, config: str, split: str, row: int, source_id: str) -> str:

@@ -30,7 +30,7 @@ def _same_output(a, b):
 
 
 def test_byte_identical_rerun_with_other_worker_count(sources, mantis_out, tmp_path):
-    _mantis(sources, tmp_path / "again", "--workers", "2")
+    _mantis(sources, tmp_path / "again", "--workers", "2", "--energon-media-metadata")
     _same_output(mantis_out, tmp_path / "again")
 
 

@@ -1,0 +1,165 @@
+"""Settings of the Qwen-VL task encoder: one dataclass, validated as a whole.
+
+This module owns every knob of the loader side (pixel limits, media caps, the visual-token and
+sequence budgets, padding, context parallel divisibility, packing, the decompression-bomb cap and
+the model / tokenizer names) and the rules they must satisfy together. ``train.py`` loads YAML plus
+``key=value`` overrides into ``TaskEncoderConfig.from_dict``; unknown keys are an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from energon_tasks.geometry import QwenVLGeometry, get_geometry
+
+#: Hub id of the tokenizer / processor used when ``tokenizer`` is not set.
+DEFAULT_TOKENIZERS = {
+    "qwen2.5-vl": "Qwen/Qwen2.5-VL-7B-Instruct",
+    "qwen3-vl": "Qwen/Qwen3-VL-8B-Instruct",
+}
+
+
+class ConfigError(ValueError):
+    """One or more settings are invalid; the message lists every problem."""
+
+
+@dataclass(slots=True, kw_only=True)
+class TaskEncoderConfig:
+    """Every knob of the Qwen-VL task encoder (``None`` = the model's processor default)."""
+
+    model: str = "qwen2.5-vl"  #: geometry name, see ``energon_tasks.geometry.get_geometry``
+    tokenizer: str | None = None  #: hub id or local folder; None -> DEFAULT_TOKENIZERS[model]
+    min_pixels: int | None = None  #: image area floor after resize
+    max_pixels: int | None = 1003520  #: image area ceiling after resize (1280 * 28**2)
+    video_min_pixels: int | None = None  #: video floor (per frame, or clip volume for Qwen3-VL)
+    video_max_pixels: int | None = None  #: video ceiling (per frame, or clip volume for Qwen3-VL)
+    video_fps: float = 2.0  #: frames sampled per second of video, uniformly over the clip
+    max_num_frames: int = 60  #: cap on sampled frames per video
+    max_num_images: int = 10  #: cap on images per sample (turns are cut beyond it)
+    max_visual_tokens: int = 16384  #: cap on visual tokens per sample (resize, then cut, then skip)
+    seq_length: int = 4096  #: cap on tokens per sample, and the packed row length
+    pad_to_multiple_of: int = 8  #: batch length multiple
+    fixed_length: bool = False  #: pad every batch to seq_length (pipeline parallel)
+    context_parallel_size: int = 1  #: lengths are padded to a multiple of 2 * CP when CP > 1
+    packing: bool = False  #: pack several samples per row (Energon packing hooks)
+    packing_buffer_size: int = 64  #: samples Energon buffers before each packing selection
+    max_source_pixels: int = 89_478_485  #: decompression-bomb cap on stored pixels (PIL default)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def geometry(self) -> QwenVLGeometry:
+        """The model's geometry (``get_geometry(model)``)."""
+        return get_geometry(self.model)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """``tokenizer`` or the model's default hub id."""
+        return self.tokenizer or DEFAULT_TOKENIZERS[self.geometry.name]
+
+    def image_pixels(self) -> tuple[int, int]:
+        """(min_pixels, max_pixels) of images, defaults filled from the geometry."""
+        geometry = self.geometry
+        low = geometry.default_min_pixels if self.min_pixels is None else self.min_pixels
+        high = geometry.default_max_pixels if self.max_pixels is None else self.max_pixels
+        return low, high
+
+    def video_pixels(self) -> tuple[int, int]:
+        """(video_min_pixels, video_max_pixels), defaults filled from the geometry."""
+        geometry = self.geometry
+        low = self.video_min_pixels
+        high = self.video_max_pixels
+        return (
+            geometry.default_video_min_pixels if low is None else low,
+            geometry.default_video_max_pixels if high is None else high,
+        )
+
+    def length_multiple(self) -> int:
+        """Every batch length is a multiple of this: lcm(pad_to_multiple_of, 2 * CP if CP > 1)."""
+        cp = 2 * self.context_parallel_size if self.context_parallel_size > 1 else 1
+        return math.lcm(self.pad_to_multiple_of, cp)
+
+    def validate(self) -> None:
+        """Check all settings together.
+
+        Raises:
+            ConfigError: every problem found, one per line.
+        """
+        problems = []
+        try:
+            get_geometry(self.model)
+        except ValueError as error:
+            problems.append(f"model: {error}")
+        positive = [
+            "video_fps", "max_num_frames", "max_num_images", "max_visual_tokens", "seq_length",
+            "pad_to_multiple_of", "context_parallel_size", "packing_buffer_size",
+            "max_source_pixels",
+        ]
+        for name in positive:
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
+                problems.append(f"{name}: must be a positive number, got {getattr(self, name)!r}")
+        for low, high in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            for name, value in ((low, lo), (high, hi)):
+                if value is not None and (not isinstance(value, int) or value < 1):
+                    problems.append(f"{name}: must be a positive integer or null, got {value!r}")
+            if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+                problems.append(f"{low} ({lo}) is above {high} ({hi})")
+        if not problems and self.seq_length % self.length_multiple():
+            problems.append(
+                f"seq_length ({self.seq_length}) must be a multiple of {self.length_multiple()} "
+                "(pad_to_multiple_of and 2 * context_parallel_size)"
+            )
+        if problems:
+            raise ConfigError("invalid task encoder config:\n  " + "\n  ".join(problems))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TaskEncoderConfig":
+        """Build from a mapping (YAML, or ``key=value`` strings from the command line).
+
+        String values are converted to the field's type ("true"/"false", numbers, "null").
+
+        Raises:
+            ConfigError: unknown keys, unconvertible values, or invalid settings (all listed).
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        problems = [f"unknown key {key!r}" for key in values if key not in fields]
+        kwargs = {}
+        for key, value in values.items():
+            if key not in fields:
+                continue
+            try:
+                kwargs[key] = _coerce(value, str(fields[key].type))
+            except ValueError:
+                problems.append(f"{key}: cannot read {value!r} as {fields[key].type}")
+        if problems:
+            valid = ", ".join(fields)
+            raise ConfigError(
+                "invalid task encoder config:\n  " + "\n  ".join(problems) + f"\n  valid: {valid}"
+            )
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (for logs and checkpoints)."""
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, type_name: str) -> Any:
+    """Convert a command-line string to the annotated type; other values pass through."""
+    if not isinstance(value, str) or type_name.startswith("str"):
+        return value
+    if value.lower() in ("null", "none") and "None" in type_name:
+        return None
+    if type_name.startswith("bool"):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(value)
+        return value.lower() in ("true", "1", "yes")
+    if type_name.startswith("int"):
+        return int(value)
+    if type_name.startswith("float"):
+        return float(value)
+    return value

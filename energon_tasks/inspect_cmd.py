@@ -1,0 +1,167 @@
+"""``python -m energon_tasks inspect``: predict the budget's effect from shard metadata only.
+
+This module owns the dry run: it reads only the ``K.json`` members of a split's shards (tarfile;
+no pixel is decoded), runs the task encoder's own planner (``QwenVLTaskEncoder.plan_sample``, so
+the prediction is what the loader does) and reports how many samples are kept / resized /
+frame-sampled / cut / skipped per reason, the distributions of text, visual and total tokens, and
+optionally PNG histograms. Only decode-time skips (corrupt media bytes) are not predictable here.
+It also provides ``iter_samples``, the shard reader ``preview`` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import numpy as np
+import yaml
+
+from energon_tasks.config import TaskEncoderConfig
+
+#: Budget knobs exposed as options: (option name, config field, type).
+KNOBS = [
+    ("--min-pixels", "min_pixels", int),
+    ("--max-pixels", "max_pixels", int),
+    ("--video-min-pixels", "video_min_pixels", int),
+    ("--video-max-pixels", "video_max_pixels", int),
+    ("--video-fps", "video_fps", float),
+    ("--max-num-frames", "max_num_frames", int),
+    ("--max-num-images", "max_num_images", int),
+    ("--max-visual-tokens", "max_visual_tokens", int),
+    ("--seq-length", "seq_length", int),
+]
+
+
+def shard_paths(dataset_dir: Path, split: str) -> list[Path]:
+    """Tar files of a split part, from ``.nv-meta/split.yaml`` (brace patterns expanded).
+
+    Raises:
+        click.UsageError: no such split part (the message lists the existing ones).
+    """
+    import braceexpand
+
+    splits = yaml.safe_load((dataset_dir / ".nv-meta" / "split.yaml").read_text())["split_parts"]
+    if split not in splits:
+        raise click.UsageError(f"{dataset_dir}: no split part {split!r}; have {sorted(splits)}")
+    return [dataset_dir / name for pattern in splits[split]
+            for name in braceexpand.braceexpand(pattern)]
+
+
+def iter_samples(
+    dataset_dir: Path, split: str, *, with_media: bool = False
+) -> Iterator[tuple[str, bytes, dict[str, bytes]]]:
+    """(key, K.json bytes, media parts) of every sample of a split, in shard order.
+
+    Without ``with_media`` only the JSON members are read (media dict empty).
+    """
+    for path in shard_paths(dataset_dir, split):
+        with tarfile.open(path) as tar:
+            key, doc, media = None, None, {}
+            for member in tar:
+                name_key, _, part = member.name.partition(".")
+                if name_key != key:
+                    if doc is not None:
+                        yield key, doc, media
+                    key, doc, media = name_key, None, {}
+                if part == "json":
+                    doc = tar.extractfile(member).read()
+                elif with_media:
+                    media[part] = tar.extractfile(member).read()
+            if doc is not None:
+                yield key, doc, media
+
+
+def _stats(values: list[int]) -> dict:
+    if not values:
+        return {"count": 0}
+    array = np.asarray(values)
+    quantiles = np.percentile(array, [50, 90, 99]).round(1).tolist()
+    return {"count": len(values), "min": int(array.min()), "p50": quantiles[0],
+            "p90": quantiles[1], "p99": quantiles[2], "max": int(array.max()),
+            "mean": round(float(array.mean()), 1), "sum": int(array.sum())}
+
+
+def predict(dataset_dir: Path, split: str, encoder) -> dict:
+    """Counters and token distributions the loader will produce for one epoch of ``split``."""
+    from energon_tasks.sample_format import CanonicalSample
+
+    counters, tokens = Counter(), {"text": [], "visual": [], "total": []}
+    for key, doc, _ in iter_samples(dataset_dir, split):
+        plan = encoder.plan_sample(CanonicalSample.from_json(doc), key)
+        counters.update(plan.counters())
+        if not plan.skip:
+            tokens["text"].append(plan.text_tokens)
+            tokens["visual"].append(plan.visual_tokens)
+            tokens["total"].append(plan.total_tokens)
+    return {"dataset": str(dataset_dir), "split": split, "config": encoder.config.to_dict(),
+            "counters": dict(sorted(counters.items())),
+            "tokens": {name: _stats(values) for name, values in tokens.items()},
+            "_values": tokens}
+
+
+def write_histograms(report: dict, out: Path) -> Path:
+    """One PNG with the text / visual / total token histograms of the kept samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for axis, (name, values) in zip(axes, report["_values"].items(), strict=True):
+        axis.hist(values or [0], bins=30, color="#4878a8")
+        axis.set_title(f"{name} tokens per kept sample")
+        axis.set_xlabel("tokens")
+    axes[0].set_ylabel("samples")
+    figure.suptitle(f"{report['dataset']} [{report['split']}]  seq_length "
+                    f"{report['config']['seq_length']}")
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=80)
+    plt.close(figure)
+    return out
+
+
+def make_encoder(model: str, tokenizer: str | None, knobs: dict):
+    """A task encoder for planning only (tokenizer loaded from a hub id or folder)."""
+    from energon_tasks.qwen_vl import QwenVLTaskEncoder
+
+    values = {"model": model, "tokenizer": tokenizer,
+              **{k: v for k, v in knobs.items() if v is not None}}
+    return QwenVLTaskEncoder(TaskEncoderConfig.from_dict(values))
+
+
+def knob_options(function):
+    """Decorate a click command with the budget knobs, --model and --tokenizer."""
+    for flag, field, kind in reversed(KNOBS):
+        function = click.option(flag, field, type=kind, help=f"TaskEncoderConfig.{field}")(function)
+    function = click.option("--tokenizer", help="Hub id or folder (default: the model's).")(
+        function)
+    return click.option("--model", default="qwen2.5-vl", show_default=True,
+                        help="qwen2.5-vl or qwen3-vl.")(function)
+
+
+@click.command("inspect")
+@click.argument("dataset_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--split", default="train", show_default=True, help="Split part to read.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--plots", type=click.Path(path_type=Path), help="Write histograms to this PNG.")
+@knob_options
+def inspect(dataset_dir, split, as_json, plots, model, tokenizer, **knobs) -> None:
+    """Dry run of the budget over DATASET_DIR's metadata (no pixel decoded)."""
+    report = predict(dataset_dir, split, make_encoder(model, tokenizer, knobs))
+    if plots:
+        write_histograms(report, plots)
+    report.pop("_values")
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"{dataset_dir} [{split}]: {report['counters'].get('samples', 0)} samples")
+    for name, count in report["counters"].items():
+        click.echo(f"  {name:28s} {count}")
+    for name, stats in report["tokens"].items():
+        shown = ", ".join(f"{k} {v}" for k, v in stats.items())
+        click.echo(f"  {name} tokens: {shown}")

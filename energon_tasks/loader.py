@@ -1,0 +1,102 @@
+"""Train / val loaders over an Energon dataset folder or a metadataset YAML.
+
+This module owns the wiring of ``get_train_dataset`` / ``get_val_dataset`` and
+``get_savable_loader`` with a ``WorkerConfig`` whose rank is the data-parallel rank (every
+context / tensor / pipeline-parallel rank of one replica must read the same samples), and the
+packing buffer taken from the task encoder's config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron.energon import (
+    WorkerConfig,
+    get_savable_loader,
+    get_train_dataset,
+    get_val_dataset,
+)
+
+from energon_tasks.qwen_vl import QwenVLTaskEncoder
+
+
+def _worker_config(dp_rank: int, dp_size: int, num_workers: int, seed_offset: int) -> WorkerConfig:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data-parallel rank {dp_rank} is not in [0, {dp_size})")
+    return WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers,
+                        seed_offset=seed_offset)
+
+
+def _packing(task_encoder: QwenVLTaskEncoder) -> int | None:
+    config = task_encoder.config
+    return config.packing_buffer_size if config.packing else None
+
+
+def get_train_loader(
+    path: str | Path,
+    *,
+    task_encoder: QwenVLTaskEncoder,
+    batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    num_workers: int = 2,
+    shuffle_buffer_size: int = 100,
+    max_samples_per_sequence: int = 100,
+    seed_offset: int = 0,
+    split_part: str = "train",
+):
+    """The infinite, savable training loader (``save_state_rank`` / ``restore_state_rank``).
+
+    Args:
+        path: dataset folder (``.nv-meta/dataset.yaml``) or a metadataset YAML.
+        task_encoder: the Qwen-VL task encoder (its config decides packing).
+        batch_size: rows per batch (packed rows when packing).
+        dp_rank: data-parallel rank (Energon rank); dp_size: data-parallel world size.
+        num_workers: loader worker processes per rank (0 = in the main process).
+        shuffle_buffer_size: samples in the shuffle buffer.
+        max_samples_per_sequence: samples read in a row from one shard before switching.
+        seed_offset: changes the shuffle order.
+        split_part: Energon split part ("train", or "train/<config>").
+
+    Raises:
+        ValueError: a rank outside [0, dp_size).
+    """
+    dataset = get_train_dataset(
+        str(path),
+        split_part=split_part,
+        worker_config=_worker_config(dp_rank, dp_size, num_workers, seed_offset),
+        batch_size=batch_size,
+        packing_buffer_size=_packing(task_encoder),
+        shuffle_buffer_size=shuffle_buffer_size,
+        max_samples_per_sequence=max_samples_per_sequence,
+        task_encoder=task_encoder,
+    )
+    return get_savable_loader(dataset)
+
+
+def get_val_loader(
+    path: str | Path,
+    *,
+    task_encoder: QwenVLTaskEncoder,
+    batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    num_workers: int = 2,
+    split_part: str = "val",
+    limit: int | None = None,
+):
+    """One epoch of validation batches, in a fixed order (savable as well).
+
+    Raises:
+        ValueError: a rank outside [0, dp_size).
+    """
+    dataset = get_val_dataset(
+        str(path),
+        split_part=split_part,
+        worker_config=_worker_config(dp_rank, dp_size, num_workers, 0),
+        batch_size=batch_size,
+        packing_buffer_size=_packing(task_encoder),
+        limit=limit,
+        task_encoder=task_encoder,
+    )
+    return get_savable_loader(dataset)

@@ -1,0 +1,353 @@
+"""The Qwen-VL task encoder (Qwen2.5-VL, Qwen3-VL) for Energon 7.x.
+
+This module owns the path from a crude shard sample to model inputs. Hooks, in Energon's order:
+
+1. ``cook_conversation`` (cooker): crude dict -> ``ConversationSample`` (parsed ``K.json`` + the
+   raw media bytes, decoded lazily; subflavors kept, plus ``config`` from the JSON);
+2. ``encode_sample``: ChatML tokens of each turn -> ``budget.plan`` from metadata only (a skip
+   decodes nothing) -> decode the kept media at their planned size -> tokens with
+   ``<|vision_start|><|image_pad|>*n<|vision_end|>`` (or the video span) at each placeholder,
+   labels (-100 outside assistant content + its ``<|im_end|>``), loss mask, M-RoPE positions,
+   ``pixel_values`` in the HF processors' row layout, grids;
+3. ``select_samples_to_pack`` / ``pack_selected_samples`` (packing on): rows of at most
+   ``seq_length`` tokens, vision cost (patches) balanced across the rows of one buffer;
+4. ``batch``: pad to the length multiple (or ``seq_length`` with ``fixed_length``) and carry the
+   budget counters of this worker since its previous batch.
+
+Video spans: Qwen2.5-VL ``<|vision_start|><|video_pad|>*n<|vision_end|>``; Qwen3-VL as its
+processor, ``<|vision_start|>`` + per temporal patch ``<T.T seconds><|vision_start|>
+<|video_pad|>*n<|vision_end|>`` + ``<|vision_end|>``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from megatron.energon import (
+    Cooker,
+    DefaultTaskEncoder,
+    Sample,
+    SkipSample,
+    basic_sample_keys,
+    edataclass,
+    stateless,
+)
+
+from energon_tasks import budget
+from energon_tasks.batch import IGNORE_INDEX, EncodedSample, QwenVLBatch, collate, pack_samples
+from energon_tasks.config import TaskEncoderConfig
+from energon_tasks.decode import MediaError, decode_image, decode_video_frames
+from energon_tasks.geometry import ImageGrid, mrope_position_ids
+from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
+
+#: Qwen2.5-VL vision_config.tokens_per_second: M-RoPE time units per second of video.
+QWEN2_5_TOKENS_PER_SECOND = 2
+
+
+@edataclass
+class ConversationSample(Sample):
+    """A cooked sample: the conversation and its media, not decoded yet."""
+
+    conversation: CanonicalSample  #: the parsed K.json (metadata of every media item)
+    media_bytes: dict  #: part name (e.g. "img0.jpg") -> stored bytes
+
+
+@stateless
+def cook_conversation(crude: dict) -> ConversationSample:
+    """Crude webdataset dict (raw bytes, ``decoder=None``) -> ``ConversationSample``.
+
+    Raises:
+        ValueError: no ``json`` part or an unreadable one (the message names the key).
+    """
+    key = crude["__key__"]
+    try:
+        parsed = CanonicalSample.from_json(crude["json"])
+    except (KeyError, ValueError, TypeError) as error:
+        raise ValueError(f"sample {key}: bad K.json: {error}") from error
+    base = basic_sample_keys(crude)
+    base["__subflavors__"] = {"config": parsed.source.config, **(base["__subflavors__"] or {})}
+    parts = {m.part: crude[m.part] for m in parsed.media if m.part in crude}
+    return ConversationSample(**base, conversation=parsed, media_bytes=parts)
+
+
+@dataclass(slots=True, kw_only=True)
+class TurnTokens:
+    """One turn of the ChatML template, tokenized around its placeholders."""
+
+    header: list[int]  #: <|im_start|> + "role\n"
+    pieces: list[list[int]]  #: content text before, between and after the placeholders
+    footer: list[int]  #: <|im_end|> + "\n"
+    supervised: bool  #: assistant turn: pieces + <|im_end|> carry loss
+
+    def count(self) -> int:
+        """Tokens of the turn outside its visual spans."""
+        return len(self.header) + sum(map(len, self.pieces)) + len(self.footer)
+
+
+class QwenVLTaskEncoder(DefaultTaskEncoder):
+    """Energon task encoder for Qwen2.5-VL / Qwen3-VL SFT (see the module docstring for stages).
+
+    Args:
+        config: every knob (``TaskEncoderConfig``).
+        tokenizer: a transformers tokenizer with the Qwen special tokens; loaded from
+            ``config.tokenizer_name`` when None.
+    """
+
+    decoder = None  # raw bytes: media are decoded in encode_sample, at their planned size
+    cookers = [Cooker(cook_conversation)]
+
+    def __init__(self, config: TaskEncoderConfig, tokenizer=None) -> None:
+        super().__init__()
+        if tokenizer is None:
+            from energon_tasks.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(config.tokenizer_name)
+        self.config, self.tokenizer, self.geometry = config, tokenizer, config.geometry
+        ids = tokenizer.convert_tokens_to_ids
+        self.im_start, self.im_end = ids("<|im_start|>"), ids("<|im_end|>")
+        self.vision_start, self.vision_end = ids("<|vision_start|>"), ids("<|vision_end|>")
+        self.image_pad, self.video_pad = ids("<|image_pad|>"), ids("<|video_pad|>")
+        pad = tokenizer.pad_token_id
+        self.pad_id = ids("<|endoftext|>") if pad is None else pad
+        self.newline = self.encode_text("\n")
+        self._pending: Counter = Counter()  # counters since the last batch (this process)
+        self._totals: Counter = Counter()  # counters since creation (this process)
+
+    # ---- text ---------------------------------------------------------------------------------
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain text; special-token strings inside it are NOT special."""
+        if not text:
+            return []
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)[
+            "input_ids"
+        ]
+
+    def tokenize_turns(self, sample: CanonicalSample) -> list[TurnTokens]:
+        """Each turn's template and content tokens, split at its placeholders."""
+        return [
+            TurnTokens(
+                header=[self.im_start, *self.encode_text(f"{turn.role}\n")],
+                pieces=[self.encode_text(p) for p in PLACEHOLDER_RE.split(turn.content)],
+                footer=[self.im_end, *self.newline],
+                supervised=turn.role == "assistant",
+            )
+            for turn in sample.conversation
+        ]
+
+    # ---- vision spans -------------------------------------------------------------------------
+
+    def video_timestamps(self, media: Media, frames: Sequence[int]) -> list[float]:
+        """Seconds of each temporal patch (mean of its frames), as Qwen3-VL's processor."""
+        step = self.geometry.temporal_patch_size
+        picks = list(frames) + [frames[-1]] * (-len(frames) % step)
+        seconds = [i / media.fps for i in picks]
+        return [(seconds[i] + seconds[i + step - 1]) / 2 for i in range(0, len(seconds), step)]
+
+    def span(self, media: Media, grid_thw: Sequence[int], frames: Sequence[int] = ()) -> list[int]:
+        """Token ids of one media span (markers, pads, Qwen3-VL timestamps)."""
+        t, h, w = grid_thw
+        per_patch = h * w // self.geometry.merge_size**2
+        if media.kind == "image":
+            return [self.vision_start, *[self.image_pad] * (t * per_patch), self.vision_end]
+        if self.geometry.frame_sampling != "transformers_qwen3":
+            return [self.vision_start, *[self.video_pad] * (t * per_patch), self.vision_end]
+        ids = [self.vision_start]
+        for second in self.video_timestamps(media, frames):
+            ids += self.encode_text(f"<{second:.1f} seconds>")
+            ids += [self.vision_start, *[self.video_pad] * per_patch, self.vision_end]
+        return [*ids, self.vision_end]
+
+    def _video_extra(self, media: Media, frames: Sequence[int], grid: ImageGrid) -> int:
+        return len(self.span(media, grid.grid_thw, frames)) - grid.visual_tokens
+
+    # ---- plan, decode, assemble -----------------------------------------------------------------
+
+    def plan_sample(
+        self, sample: CanonicalSample, key: str, turns: list[TurnTokens] | None = None
+    ) -> budget.Plan:
+        """The budget plan of a sample from its metadata and text tokens (nothing decoded)."""
+        turns = self.tokenize_turns(sample) if turns is None else turns
+        return budget.plan(sample, key=key, config=self.config,
+                           turn_text_tokens=[t.count() for t in turns],
+                           video_extra_tokens=self._video_extra)
+
+    def decode_media(
+        self, plan: budget.Plan, sample: CanonicalSample, media_bytes: dict
+    ) -> list[np.ndarray]:
+        """uint8 (T, H, W, 3) pixels of each kept media item at its planned size (T = 1: image).
+
+        Raises:
+            MediaError: a missing part or bad media (reason + key + part in the message).
+        """
+        out = []
+        for item in plan.media:
+            media = sample.media[item.index]
+            name = f"{plan.key}.{media.part}"
+            if media.part not in media_bytes:
+                raise MediaError("missing_media", f"{name}: member not in the shard")
+            size = (item.grid.resized_height, item.grid.resized_width)
+            cap = self.config.max_source_pixels
+            if item.kind == "image":
+                image = decode_image(media_bytes[media.part], size=size, max_source_pixels=cap,
+                                     name=name)
+                out.append(image.pixels[None])
+            else:
+                video = decode_video_frames(media_bytes[media.part], item.frame_indices,
+                                            size=size, max_source_pixels=cap, name=name)
+                out.append(video.frames)
+        return out
+
+    def _time_step(self, media: Media, frames: Sequence[int]) -> float:
+        """Qwen2.5-VL M-RoPE time step of a video: tokens_per_second * seconds per grid_t."""
+        sampled_fps = len(frames) / media.frames * media.fps
+        seconds = np.float32(self.geometry.temporal_patch_size / sampled_fps)
+        return float(np.float32(QWEN2_5_TOKENS_PER_SECOND) * seconds)
+
+    def assemble(
+        self, sample: CanonicalSample, plan: budget.Plan, turns: list[TurnTokens],
+        pixels: list[np.ndarray], base: dict,
+    ) -> EncodedSample:
+        """Tokens, labels, positions and pixel rows of a planned, decoded sample."""
+        ids, labels = [], []
+        grids = {"image": [], "video": []}
+        rows = {"image": [], "video": []}
+        steps = []
+        items = iter(zip(plan.media, pixels, strict=True))
+        for turn in turns[: plan.kept_turns]:
+            ids += turn.header
+            labels += [IGNORE_INDEX] * len(turn.header)
+            for number, piece in enumerate(turn.pieces):
+                if number:
+                    item, frames = next(items)
+                    media = sample.media[item.index]
+                    grid = (item.grid.grid_thw[0], frames.shape[1] // self.geometry.patch_size,
+                            frames.shape[2] // self.geometry.patch_size)
+                    span = self.span(media, grid, item.frame_indices)
+                    ids += span
+                    labels += [IGNORE_INDEX] * len(span)
+                    grids[item.kind].append(grid)
+                    normalized = self.geometry.normalize(frames.transpose(0, 3, 1, 2))
+                    rows[item.kind].append(self.geometry.patchify(normalized))
+                    if item.kind == "video":
+                        steps.append(self._time_step(media, item.frame_indices))
+                ids += piece
+                labels += piece if turn.supervised else [IGNORE_INDEX] * len(piece)
+            ids += turn.footer
+            labels += [self.im_end if turn.supervised else IGNORE_INDEX]
+            labels += [IGNORE_INDEX] * (len(turn.footer) - 1)
+        qwen3 = self.geometry.frame_sampling == "transformers_qwen3"
+        positions = mrope_position_ids(
+            ids, image_token_id=self.image_pad, video_token_id=self.video_pad,
+            image_grid_thw=grids["image"], video_grid_thw=grids["video"],
+            spatial_merge_size=self.geometry.merge_size,
+            video_time_steps=None if qwen3 else steps)
+        width = 3 * self.geometry.temporal_patch_size * self.geometry.patch_size**2
+
+        def stack(kind: str) -> torch.Tensor:
+            if not rows[kind]:
+                return torch.zeros((0, width), dtype=torch.float32)
+            return torch.from_numpy(np.concatenate(rows[kind]))
+
+        label_tensor = torch.tensor(labels, dtype=torch.int64)
+        return EncodedSample(
+            **base,
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            labels=label_tensor,
+            loss_mask=(label_tensor != IGNORE_INDEX).to(torch.float32),
+            position_ids=torch.from_numpy(positions),
+            pixel_values=stack("image"),
+            image_grid_thw=torch.tensor(grids["image"], dtype=torch.int64).reshape(-1, 3),
+            pixel_values_videos=stack("video"),
+            video_grid_thw=torch.tensor(grids["video"], dtype=torch.int64).reshape(-1, 3),
+            seq_lens=torch.tensor([len(ids)], dtype=torch.int64),
+        )
+
+    # ---- counters -----------------------------------------------------------------------------
+
+    def _count(self, counters: dict[str, int]) -> None:
+        self._pending.update(counters)
+        self._totals.update(counters)
+
+    def counters(self) -> dict[str, int]:
+        """Budget counters of every sample this process encoded (workers: see batch field)."""
+        return dict(self._totals)
+
+    # ---- Energon hooks ------------------------------------------------------------------------
+
+    @stateless
+    def encode_sample(self, sample: ConversationSample) -> EncodedSample:
+        """Plan, decode, tokenize one sample.
+
+        Raises:
+            SkipSample: over budget or bad media (counted as ``skipped_<reason>`` first).
+        """
+        key, conversation = sample.__key__, sample.conversation
+        turns = self.tokenize_turns(conversation)
+        plan = self.plan_sample(conversation, key, turns)
+        if plan.skip:
+            self._count(plan.counters())
+            raise SkipSample(plan.detail)
+        try:
+            pixels = self.decode_media(plan, conversation, sample.media_bytes)
+        except MediaError as error:
+            self._count({"samples": 1, f"skipped_{error.reason}": 1})
+            raise SkipSample(f"sample {key}: {error}") from None
+        self._count(plan.counters())
+        base = {name: getattr(sample, name)
+                for name in ("__key__", "__restore_key__", "__subflavors__", "__sources__")}
+        return self.assemble(conversation, plan, turns, pixels, base)
+
+    def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
+        """Group a buffer into rows of <= seq_length tokens with balanced vision cost.
+
+        Samples are placed largest first (by the larger of their token and patch shares) into
+        the fullest row that still has room for both their tokens and their patches; the patch
+        room of a row is 1.25x the buffer's mean patches per row (at least the largest sample).
+        """
+        capacity = self.config.seq_length
+        tokens = [len(s.input_ids) for s in samples]
+        patches = [len(s.pixel_values) + len(s.pixel_values_videos) for s in samples]
+        rows_needed = max(1, math.ceil(sum(tokens) / capacity))
+        patch_room = max([1, *patches, math.ceil(1.25 * sum(patches) / rows_needed)])
+        order = sorted(range(len(samples)),
+                       key=lambda i: (-max(tokens[i] / capacity, patches[i] / patch_room), i))
+        rows: list[list[int]] = []  # [tokens, patches, *members]
+        for i in order:
+            fits = [r for r in rows if r[0] + tokens[i] <= capacity
+                    and r[1] + patches[i] <= patch_room]
+            if fits:
+                row = max(fits, key=lambda r: r[0])
+                row[0], row[1] = row[0] + tokens[i], row[1] + patches[i]
+                row.append(i)
+            else:
+                rows.append([tokens[i], patches[i], i])
+        return [[samples[i] for i in sorted(row[2:])] for row in rows]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[EncodedSample]) -> EncodedSample:
+        """Concatenate one selected group (positions restart per sample; ``seq_lens`` kept)."""
+        return pack_samples(samples)
+
+    @stateless
+    def batch(self, samples: list[EncodedSample]) -> QwenVLBatch:
+        """Pad rows (to the length multiple, or seq_length with fixed_length); add counters."""
+        counters = dict(self._pending)
+        self._pending.clear()
+        result = collate(
+            samples, pad_id=self.pad_id, multiple=self.config.length_multiple(),
+            fixed_length=self.config.seq_length if self.config.fixed_length else None,
+            packed=self.config.packing, budget_counters=counters)
+        real = int(result.attention_mask.sum())
+        result.budget_counters.update(tokens_real=real, tokens_total=result.input_ids.numel())
+        return result
+
+    @stateless
+    def encode_batch(self, batch: QwenVLBatch) -> QwenVLBatch:
+        """Identity: the batch is final."""
+        return batch

@@ -1,0 +1,59 @@
+"""`inspect` predicts what the loader does; `preview` renders one sample as HTML."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from energon_tasks.__main__ import main
+from energon_tasks.loader import get_val_loader
+
+KNOBS = {"min_pixels": 784, "max_num_images": 2, "max_visual_tokens": 20,
+         "seq_length": 128}
+
+
+def cli_knobs(knobs: dict) -> list[str]:
+    return [arg for name, value in knobs.items()
+            for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
+@pytest.mark.parametrize(("fixture", "model"), [("mantis_out", "qwen2.5-vl"),
+                                                ("video_out", "qwen3-vl")])
+def test_inspect_agrees_with_the_loader(request, make_encoder, tokenizer_dir, capsys, tmp_path,
+                                        fixture, model):
+    dataset = request.getfixturevalue(fixture)
+    knobs = dict(KNOBS, max_num_frames=6) if fixture == "video_out" else KNOBS
+    plots = tmp_path / "hist.png"
+    code = main(["inspect", str(dataset), "--model", model, "--tokenizer", str(tokenizer_dir),
+                 "--json", "--plots", str(plots), *cli_knobs(knobs)])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert plots.stat().st_size > 1000
+    predicted = report["counters"]
+    if fixture == "mantis_out":  # the knobs exercise the policy on this data
+        assert predicted.get("resized") and predicted.get("turns_cut")
+        assert any(name.startswith("skipped_") for name in predicted)
+    encoder = make_encoder(model=model, **knobs)
+    seen, real = Counter(), 0
+    for batch in get_val_loader(dataset, task_encoder=encoder, batch_size=4, num_workers=0,
+                                split_part="train"):
+        seen.update(batch.budget_counters)
+        real += int(batch.attention_mask.sum())
+    seen.update(encoder._pending)  # skips after the last batch
+    got = {k: v for k, v in seen.items() if not k.startswith("tokens_")}
+    assert got == predicted
+    assert real == report["tokens"]["total"]["sum"]
+
+
+def test_preview_writes_html_with_resized_media(tokenizer_dir, mantis_out, tmp_path, capsys):
+    out = tmp_path / "p.html"
+    code = main(["preview", str(mantis_out), "--index", "1", "--tokenizer", str(tokenizer_dir),
+                 "--max-pixels", "50000", "--out", str(out)])
+    assert code == 0 and capsys.readouterr().out.strip() == str(out)
+    page = out.read_text()
+    assert page.count("data:image/png;base64,") >= 1
+    assert "grid_thw" in page and "visual tokens" in page and "tokens]" in page
+    assert main(["preview", str(mantis_out), "--index", "100000", "--tokenizer",
+                 str(tokenizer_dir)]) == 2
