@@ -278,6 +278,25 @@ class QwenVLGeometry:
         std = np.asarray(self.image_std, dtype=np.float32)[:, None, None]
         return (scaled - mean) / std
 
+    def normalization_table(self) -> np.ndarray:
+        """(C, 256) float32: ``normalize`` of every uint8 value per channel (same float ops)."""
+        values = np.arange(256, dtype=np.uint8)[None, :, None].repeat(len(self.image_mean), 0)
+        return self.normalize(values)[:, :, 0]
+
+    def pixel_rows(self, frames: np.ndarray) -> np.ndarray:
+        """uint8 frames (T, H, W, C) -> normalised float32 patch rows, equal to
+        ``patchify(normalize(frames.transpose(0, 3, 1, 2)))`` but 3-4x cheaper: the layout is
+        done on uint8 (a quarter of the bytes) and normalising is a per-channel table look-up.
+        """
+        rows = self.patchify(np.asarray(frames, dtype=np.uint8).transpose(0, 3, 1, 2))
+        table = self.normalization_table()
+        out = np.empty(rows.shape, dtype=np.float32)
+        per_channel = rows.shape[1] // table.shape[0]
+        for channel in range(table.shape[0]):
+            cols = slice(channel * per_channel, (channel + 1) * per_channel)
+            np.take(table[channel], rows[:, cols], out=out[:, cols])
+        return out
+
     def patchify(self, pixels: np.ndarray) -> np.ndarray:
         """(T, C, H, W) normalised pixels -> (grid_t*grid_h*grid_w, C*temporal*patch*patch).
 

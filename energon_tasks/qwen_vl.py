@@ -232,8 +232,7 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
                     ids += span
                     labels += [IGNORE_INDEX] * len(span)
                     grids[item.kind].append(grid)
-                    normalized = self.geometry.normalize(frames.transpose(0, 3, 1, 2))
-                    rows[item.kind].append(self.geometry.patchify(normalized))
+                    rows[item.kind].append(self.geometry.pixel_rows(frames))
                     if item.kind == "video":
                         steps.append(self._time_step(media, item.frame_indices))
                 ids += piece

@@ -440,3 +440,13 @@ def test_cli_bad_input_is_one_line_exit_2(args):
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     assert args[-1] in result.stderr
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3])
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
+def test_pixel_rows_equal_normalize_then_patchify(name, frames):
+    geo = get_geometry(name)
+    pixels = np.random.default_rng(frames).integers(
+        0, 256, (frames, geo.factor * 3, geo.factor * 5, 3), dtype=np.uint8)
+    expected = geo.patchify(geo.normalize(pixels.transpose(0, 3, 1, 2)))
+    assert np.array_equal(geo.pixel_rows(pixels), expected)

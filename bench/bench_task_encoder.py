@@ -1,0 +1,506 @@
+"""Per-core throughput of the Qwen-VL task encoder side by side with the reference path and the floor.
+
+One process, one run, everything timed on the same machine (single-threaded numpy/torch):
+
+1. InfoVQA-like high-resolution JPEGs (1500x4000 .. 2500x6000, quality 90), per image:
+   (a) reference: qwen-vl-utils ``fetch_image`` steps reproduced here (qwen-vl-utils does not import
+       on our CPU machines: open, RGB with alpha on white, ``smart_resize`` factor 28, PIL resize)
+       followed by transformers' ``Qwen2VLImageProcessorPil`` (min_pixels 200704, max_pixels
+       1003520) -> ``pixel_values``;
+   (b) ours: the task encoder's public steps end to end on a one-image conversation
+       (``tokenize_turns`` -> ``plan_sample`` -> ``decode_media`` -> ``assemble``: JPEG draft
+       decode at the planned size, normalise, patchify, tokens, labels, M-RoPE positions);
+   (c) floor: PIL decode at the needed DCT scale (``draft``) + resize to the target + float32
+       normalise only (no patchify, no tokens).
+2. Mantis-like samples of 12 images (400..900 px a side), per sample, the same three paths.
+3. Video: a 60 s 640x360 H.264 clip (keyframe every 2 s): 16 frames with ``decode_video_frames``
+   (seek to the chosen frames only) against decoding every frame and keeping the same 16.
+4. Packing: the real loader (``get_train_loader``, 0 workers) over a Mantis lookalike converted with
+   ``python -m converters mantis``: share of non-pad tokens over N batches, packing on and off.
+5. Memory per worker: peak RSS of a fresh spawned process that runs (b) over the images of 1 and 2
+   (what one loader worker holds), and the bytes of one batch's tensors.
+
+Each timing: one warm-up, then 3 repeats, median.
+
+Usage: python bench/bench_task_encoder.py --out bench_out/te [--quick]
+Writes <out>/task_encoder.json and prints a markdown table (copied into
+docs/benchmarks_task_encoder.md).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+# Per-core numbers: keep BLAS / torch / OpenMP to one thread (must happen before numpy / torch).
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import click  # noqa: E402
+import numpy as np  # noqa: E402
+from PIL import Image, ImageDraw  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MIN_PIXELS, MAX_PIXELS = 200704, 1003520  # Megatron-Bridge defaults (256 / 1280 * 28**2)
+CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
+CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
+REPEATS = 3
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+
+def document_jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
+    """InfoVQA-like page: smooth colour blocks + grain + dark text-like strokes, JPEG q90."""
+    base = rng.integers(60, 255, (height // 64 + 2, width // 64 + 2, 3), dtype=np.uint8)
+    image = Image.fromarray(base).resize((width, height), Image.BICUBIC)
+    draw = ImageDraw.Draw(image)
+    for _ in range(height // 12):  # "text lines": runs of short dark boxes
+        y = int(rng.integers(0, height - 20))
+        x = int(rng.integers(0, width // 2))
+        for _ in range(int(rng.integers(5, 25))):
+            w = int(rng.integers(6, 30))
+            draw.rectangle([x, y, x + w, y + int(rng.integers(8, 16))],
+                           fill=tuple(int(v) for v in rng.integers(0, 80, 3)))
+            x += w + int(rng.integers(4, 10))
+    array = np.asarray(image, dtype=np.int16)
+    array += rng.integers(-8, 8, (1, width, 3), dtype=np.int16)  # cheap column grain
+    array += rng.integers(-8, 8, (height, 1, 3), dtype=np.int16)
+    buffer = io.BytesIO()
+    Image.fromarray(array.clip(0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def photo_jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
+    """Photo-like JPEG (smooth colour field + grain), quality 90."""
+    base = rng.integers(0, 255, (height // 32 + 2, width // 32 + 2, 3), dtype=np.uint8)
+    image = Image.fromarray(base).resize((width, height), Image.BICUBIC)
+    array = np.asarray(image, dtype=np.int16) + rng.integers(-12, 12, (height, width, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(array.clip(0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def make_video(seconds: int, fps: int, width: int, height: int, gop: int) -> bytes:
+    """H.264 mp4 of a textured scene panning and zooming, plus grain: decoding costs as real."""
+    import av
+
+    rng = np.random.default_rng(7)
+    field = rng.integers(0, 255, (height // 8 + 40, width // 8 + 80, 3), dtype=np.uint8)
+    texture = np.asarray(Image.fromarray(field).resize((width * 2, height * 2), Image.BICUBIC))
+    grain = rng.integers(-10, 10, (8, height, width, 3), dtype=np.int16)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0",
+                          "preset": "veryfast", "crf": "23"}
+        for i in range(seconds * fps):
+            x = int((width / 2) * (0.5 + 0.5 * np.sin(i / 40)))
+            y = int((height / 2) * (0.5 + 0.5 * np.cos(i / 55)))
+            frame = texture[y:y + height, x:x + width].astype(np.int16) + grain[i % 8]
+            video_frame = av.VideoFrame.from_ndarray(frame.clip(0, 255).astype(np.uint8),
+                                                     format="rgb24")
+            for packet in stream.encode(video_frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+# ---- the three image paths --------------------------------------------------------------------
+
+
+def reference_fetch_image(data: bytes):
+    """qwen-vl-utils ``fetch_image`` steps: open, RGB (alpha on white), smart_resize(28), resize."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    image = Image.open(io.BytesIO(data))
+    if image.mode == "RGBA":
+        white = Image.new("RGB", image.size, (255, 255, 255))
+        white.paste(image, mask=image.split()[3])
+        image = white
+    else:
+        image = image.convert("RGB")
+    height, width = smart_resize(image.height, image.width, factor=28,
+                                 min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    return image.resize((width, height))
+
+
+def make_reference_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+
+
+def reference_path(processor, images: list[bytes]):
+    fetched = [reference_fetch_image(data) for data in images]
+    out = processor(images=fetched, return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def floor_path(images: list[bytes], sizes: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Decode at the needed DCT scale + resize to the target + float32 normalise; nothing else."""
+    out = []
+    for data, (height, width) in zip(images, sizes, strict=True):
+        image = Image.open(io.BytesIO(data))
+        image.draft("RGB", (width, height))
+        image = image.convert("RGB")
+        if image.size != (width, height):
+            image = image.resize((width, height), Image.BICUBIC)
+        array = np.asarray(image, dtype=np.float32)
+        out.append((array * np.float32(1 / 255) - CLIP_MEAN) / CLIP_STD)
+    return out
+
+
+def conversation_of(images: list[bytes]):
+    """A canonical one-turn conversation whose user turn holds every image (JPEG)."""
+    from energon_tasks.sample_format import CanonicalSample, Media, SourceRef, Turn
+
+    media = []
+    for i, data in enumerate(images):
+        width, height = Image.open(io.BytesIO(data)).size
+        media.append(Media(part=f"img{i}.jpg", kind="image", format="jpeg", width=width,
+                           height=height, bytes=len(data)))
+    sample = CanonicalSample(
+        dataset="bench", source=SourceRef(config="bench", split="train", ids=["x"], rows=[0]),
+        conversation=[Turn(role="user", content="<image>" * len(images) + " What is shown?"),
+                      Turn(role="assistant", content="The answer is 42 percent.")],
+        media=media)
+    return sample, {f"img{i}.jpg": data for i, data in enumerate(images)}
+
+
+def ours_path(encoder, sample, parts, key: str = "bench"):
+    """The task encoder's public steps, as ``encode_sample`` runs them."""
+    turns = encoder.tokenize_turns(sample)
+    plan = encoder.plan_sample(sample, key, turns)
+    if plan.skip:
+        raise RuntimeError(f"bench sample skipped by the budget: {plan.detail}")
+    pixels = encoder.decode_media(plan, sample, parts)
+    base = {"__key__": key, "__restore_key__": (), "__subflavors__": {}, "__sources__": ()}
+    return encoder.assemble(sample, plan, turns, pixels, base), plan
+
+
+def make_encoder(tokenizer_dir: str, **fields):
+    from energon_tasks.config import TaskEncoderConfig
+    from energon_tasks.qwen_vl import QwenVLTaskEncoder
+    from energon_tasks.tokenizer import load_tokenizer
+
+    config = TaskEncoderConfig(model="qwen2.5-vl", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                               **fields)
+    return QwenVLTaskEncoder(config, tokenizer=load_tokenizer(tokenizer_dir))
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+
+def timed(fn, repeats: int = REPEATS) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def image_section(encoder, processor, samples: list[list[bytes]], repeats: int) -> dict:
+    """Three paths over ``samples`` (each a list of image bytes); totals per path."""
+    prepared = [conversation_of(images) for images in samples]
+    plans = [ours_path(encoder, sample, parts)[1] for sample, parts in prepared]
+    sizes = [[(m.grid.resized_height, m.grid.resized_width) for m in plan.media] for plan in plans]
+    tokens = sum(m.grid.visual_tokens for plan in plans for m in plan.media)
+
+    # correctness: our pixel rows and grids equal the reference's shape, values close
+    ours0, _ = ours_path(encoder, *prepared[0])
+    ref_pixels, ref_grid = reference_path(processor, samples[0])
+    if tuple(ours0.pixel_values.shape) != tuple(ref_pixels.shape) or not bool(
+            (ours0.image_grid_thw == ref_grid).all()):
+        raise RuntimeError(f"shape mismatch: ours {tuple(ours0.pixel_values.shape)} "
+                           f"vs reference {tuple(ref_pixels.shape)}")
+    mean_abs_diff = float((ours0.pixel_values - ref_pixels.float()).abs().mean())
+
+    seconds = {
+        "reference": timed(lambda: [reference_path(processor, images) for images in samples],
+                           repeats),
+        "ours": timed(lambda: [ours_path(encoder, s, p) for s, p in prepared], repeats),
+        "ours_decode_media_only": timed(
+            lambda: [encoder.decode_media(plan, s, p)
+                     for plan, (s, p) in zip(plans, prepared, strict=True)], repeats),
+        "floor": timed(lambda: [floor_path(images, size)
+                                for images, size in zip(samples, sizes, strict=True)], repeats),
+    }
+    n = len(samples)
+    return {
+        "samples": n,
+        "images": sum(map(len, samples)),
+        "visual_tokens": tokens,
+        "source_pixels_mean": float(np.mean([Image.open(io.BytesIO(d)).size[0]
+                                             * Image.open(io.BytesIO(d)).size[1]
+                                             for images in samples for d in images])),
+        "mean_abs_pixel_diff_vs_reference": mean_abs_diff,
+        "seconds": seconds,
+        "ours_assemble_share": 1 - seconds["ours_decode_media_only"] / seconds["ours"],
+        "samples_per_s": {k: n / v for k, v in seconds.items()},
+        "visual_tokens_per_s": {k: tokens / v for k, v in seconds.items()},
+        "ours_speedup_vs_reference": seconds["reference"] / seconds["ours"],
+        "ours_time_vs_floor": seconds["ours"] / seconds["floor"],
+        "pixel_values_bytes_per_sample": int(ours0.pixel_values.numel() * 4),
+        "uint8_bytes_per_sample": int(sum(h * w * 3 for h, w in sizes[0])),
+    }
+
+
+def video_section(quick: bool, repeats: int) -> dict:
+    import av
+
+    from energon_tasks.decode import decode_video_frames
+
+    fps, seconds, width, height = 30, 60, 640, 360
+    gop = 2 * fps
+    start = time.perf_counter()
+    data = make_video(seconds, fps, width, height, gop)
+    encode_s = time.perf_counter() - start
+    with av.open(io.BytesIO(data)) as container:
+        total = container.streams.video[0].frames or seconds * fps
+    picks = np.linspace(0, total - 1, 16).round().astype(int).tolist()
+    size = (height // 28 * 28, width // 28 * 28)  # 336 x 616, as smart_resize(360, 640)
+
+    def ours():
+        return decode_video_frames(data, picks, size=size, max_source_pixels=89_478_485)
+
+    def decode_all():
+        wanted, kept = set(picks), []
+        with av.open(io.BytesIO(data)) as container:
+            for index, frame in enumerate(container.decode(video=0)):
+                if index in wanted:
+                    image = frame.to_image().resize((size[1], size[0]), Image.BICUBIC)
+                    kept.append(np.asarray(image))
+        return kept
+
+    result = ours()
+    all_frames = decode_all()
+    same = all(np.array_equal(a, b) for a, b in zip(result.frames, all_frames, strict=True))
+    times = {"ours_seek": timed(ours, repeats), "decode_all": timed(decode_all, repeats)}
+    return {
+        "clip": f"{seconds} s {width}x{height} H.264 {fps} fps, keyframe every {gop} frames "
+                f"({gop / fps:g} s), libx264 veryfast crf 23",
+        "frames_total": total, "frames_sampled": len(picks), "bytes": len(data),
+        "encode_s": encode_s,
+        "ours_decoded_frames": result.decoded_frames, "ours_seeks": result.seeks,
+        "frames_identical_to_decode_all": same,
+        "seconds": times,
+        "speedup": times["decode_all"] / times["ours_seek"],
+        "bound_decode_all_over_needed_frames": total / result.decoded_frames,
+    }
+
+
+def packing_section(tokenizer_dir: str, batches: int, work: Path) -> dict:
+    from converters.lookalikes.mantis import build_mantis
+    from energon_tasks.loader import get_train_loader
+
+    build_mantis(work / "src", configs={"llava_665k_multi": 40, "nlvr2": 40,
+                                        "birds-to-words": 40}, pitfalls=False)
+    dataset = work / "dataset"
+    subprocess.run([sys.executable, "-m", "converters", "mantis", "--source",
+                    str(work / "src" / "Mantis-Instruct"), "--out", str(dataset)],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = {}
+    for packing in (True, False):
+        encoder = make_encoder(tokenizer_dir, seq_length=4096, packing=packing)  # buffer 64
+        loader = get_train_loader(dataset / "metadataset.yaml", task_encoder=encoder,
+                                  batch_size=2 if packing else 4, num_workers=0,
+                                  shuffle_buffer_size=64, max_samples_per_sequence=20)
+        real = total = samples = 0
+        batch_bytes, start = [], time.perf_counter()
+        for _, batch in zip(range(batches), loader):
+            real += int(batch.attention_mask.sum())
+            total += batch.input_ids.numel()
+            samples += (len(batch.cu_seqlens) - 1) if packing else len(batch.__key__)
+            batch_bytes.append(sum(
+                getattr(batch, name).numel() * getattr(batch, name).element_size()
+                for name in ("input_ids", "labels", "loss_mask", "attention_mask",
+                             "position_ids", "pixel_values", "image_grid_thw",
+                             "pixel_values_videos", "video_grid_thw", "cu_seqlens")
+                if getattr(batch, name) is not None))
+        out["packed" if packing else "unpacked"] = {
+            "batches": batches, "rows_per_batch": 2 if packing else 4,
+            "seq_length": 4096, "non_pad_share": real / total, "tokens_total": total,
+            "samples": samples, "seconds": time.perf_counter() - start,
+            "batch_tensor_bytes_median": int(statistics.median(batch_bytes)),
+        }
+        del loader
+    return out
+
+
+# ---- memory of one worker -----------------------------------------------------------------
+
+
+def _memory_worker(tokenizer_dir: str, image_dir: str, queue) -> None:
+    """Spawned child: what one loader worker holds while encoding the image sections."""
+    import psutil
+
+    import threading
+
+    encoder = make_encoder(tokenizer_dir, max_num_images=16, seq_length=16384)
+    process = psutil.Process()
+    baseline = process.memory_info().rss
+    peak, stop = [baseline], threading.Event()
+
+    def sample_rss() -> None:  # current RSS every 2 ms (ru_maxrss also counts import spikes)
+        while not stop.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=sample_rss, daemon=True)
+    thread.start()
+    result = {}
+    for name in ("infovqa", "mantis"):
+        groups = json.loads((Path(image_dir) / f"{name}.json").read_text())
+        for files in groups:
+            images = [(Path(image_dir) / f).read_bytes() for f in files]
+            encoded, _ = ours_path(encoder, *conversation_of(images))
+            del encoded
+        result[f"peak_rss_after_{name}"] = peak[0]
+    stop.set()
+    thread.join()
+    result.update(rss_after_imports=baseline,
+                  ru_maxrss_whole_process=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    queue.put(result)
+
+
+def memory_section(tokenizer_dir: str, image_dir: Path) -> dict:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_memory_worker, args=(tokenizer_dir, str(image_dir), queue))
+    process.start()
+    result = queue.get(timeout=300)
+    process.join()
+    return result
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def table(result: dict) -> str:
+    lines = ["| case | reference | ours | floor | ours / reference | ours time / floor time |",
+             "|---|---|---|---|---|---|"]
+    for name, label in (("infovqa", "InfoVQA-like, 1 image/sample"),
+                        ("mantis", "Mantis-like, 12 images/sample")):
+        s = result[name]
+        cells = [f"{s['samples_per_s'][k]:.2f} samples/s, {s['visual_tokens_per_s'][k]:,.0f} tok/s"
+                 for k in ("reference", "ours", "floor")]
+        lines.append(f"| {label} | {' | '.join(cells)} | {s['ours_speedup_vs_reference']:.2f}x "
+                     f"(target >= 4x) | {s['ours_time_vs_floor']:.2f}x (target <= 1.3x) |")
+    v = result["video"]
+    lines.append(
+        f"| video 16 of {v['frames_total']} frames, keyframe {v['clip'].split('(')[1].split(')')[0]}"
+        f" | decode all {v['seconds']['decode_all'] * 1000:.0f} ms | seek {v['seconds']['ours_seek'] * 1000:.0f} ms "
+        f"({v['ours_decoded_frames']} frames decoded, {v['ours_seeks']} seeks) | - | "
+        f"{v['speedup']:.2f}x (target >= 5x; bound {v['bound_decode_all_over_needed_frames']:.1f}x) | - |")
+    p = result["packing"]
+    lines.append(f"| non-pad tokens, {p['packed']['batches']} batches, seq 4096 | unpacked "
+                 f"{100 * p['unpacked']['non_pad_share']:.1f} % | packed "
+                 f"{100 * p['packed']['non_pad_share']:.1f} % | - | target >= 95 % | - |")
+    m = result["memory"]
+    lines.append(f"| memory, one spawned worker (RSS sampled every 2 ms) | after imports "
+                 f"{mib(m['rss_after_imports'])} | peak {mib(m['peak_rss_after_infovqa'])} "
+                 f"(InfoVQA) / {mib(m['peak_rss_after_mantis'])} (+Mantis) | - | "
+                 f"ru_maxrss {mib(m['ru_maxrss_whole_process'])} (incl. import spike) | - |")
+    for name in ("infovqa", "mantis"):
+        s = result[name]
+        lines.append(f"| ours split, {name} | - | assemble (normalise, patchify, tokens, M-RoPE) "
+                     f"{100 * s['ours_assemble_share']:.0f} % of ours | - | - | - |")
+    lines.append(f"| bytes per sample | uint8 {mib(result['infovqa']['uint8_bytes_per_sample'])} "
+                 f"(InfoVQA) | pixel_values {mib(result['infovqa']['pixel_values_bytes_per_sample'])}"
+                 f" (InfoVQA), {mib(result['mantis']['pixel_values_bytes_per_sample'])} (Mantis) | "
+                 f"- | packed batch {mib(p['packed']['batch_tensor_bytes_median'])} | - |")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_out/te"),
+              show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer images / samples / batches (under 1 minute).")
+def main(out: Path, quick: bool) -> None:
+    """Run every section once and write <out>/task_encoder.json."""
+    import torch
+
+    torch.set_num_threads(1)
+    from energon_tasks.tokenizer import build_test_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    wall = time.perf_counter()
+    rng = np.random.default_rng(0)
+    repeats = 1 if quick else REPEATS
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tokenizer_dir = str(build_test_tokenizer(work / "tokenizer"))
+        image_dir = work / "images"
+        image_dir.mkdir()
+        n_info = 3 if quick else 12
+        info = []
+        for i in range(n_info):
+            width = int(rng.integers(1500, 2501))
+            height = int(rng.integers(4000, 6001))
+            info.append([document_jpeg(rng, width, height)])
+        n_mantis = 2 if quick else 10
+        mantis = [[photo_jpeg(rng, int(rng.integers(400, 901)), int(rng.integers(400, 901)))
+                   for _ in range(12)] for _ in range(n_mantis)]
+        for name, groups in (("infovqa", info), ("mantis", mantis)):
+            names = []
+            for s, images in enumerate(groups):
+                names.append([])
+                for i, data in enumerate(images):
+                    (image_dir / f"{name}_{s}_{i}.jpg").write_bytes(data)
+                    names[-1].append(f"{name}_{s}_{i}.jpg")
+            (image_dir / f"{name}.json").write_text(json.dumps(names))
+        print(f"data generated in {time.perf_counter() - wall:.1f} s", file=sys.stderr)
+
+        encoder = make_encoder(tokenizer_dir, max_num_images=16, seq_length=16384)
+        processor = make_reference_processor()
+        result = {
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "platform": platform.platform(), "threads": 1},
+            "quick": quick, "repeats": repeats,
+            "settings": {"model": "qwen2.5-vl", "min_pixels": MIN_PIXELS,
+                         "max_pixels": MAX_PIXELS},
+        }
+        result["infovqa"] = image_section(encoder, processor, info, repeats)
+        print(f"infovqa done {time.perf_counter() - wall:.1f} s", file=sys.stderr)
+        result["mantis"] = image_section(encoder, processor, mantis, repeats)
+        print(f"mantis done {time.perf_counter() - wall:.1f} s", file=sys.stderr)
+        result["video"] = video_section(quick, repeats)
+        print(f"video done {time.perf_counter() - wall:.1f} s", file=sys.stderr)
+        result["packing"] = packing_section(tokenizer_dir, 10 if quick else 30, work / "packing")
+        print(f"packing done {time.perf_counter() - wall:.1f} s", file=sys.stderr)
+        result["memory"] = memory_section(tokenizer_dir, image_dir)
+    result["wall_s"] = time.perf_counter() - wall
+    result["table"] = table(result)
+    (out / "task_encoder.json").write_text(json.dumps(result, indent=1))
+    print(result["table"])
+    print(f"\nwall {result['wall_s']:.0f} s; written {out / 'task_encoder.json'}")
+
+
+if __name__ == "__main__":
+    main()
