@@ -15,6 +15,8 @@ import io
 import json
 import os
 import platform
+import resource
+import shutil
 import tarfile
 import tempfile
 import time
@@ -150,22 +152,14 @@ def floor_infovqa(root: Path, out: Path) -> None:
 
 
 def floor_video(root: Path, out: Path) -> None:
-    config = "0_30_s_bench_v0_1"
-    records = json.loads((root / config / f"{config}_cap_processed.json").read_text())
-    videos = {}
-    for part in sorted((root / config).glob("*.tar.gz")):
-        with tarfile.open(part, "r:gz") as src:
-            for member in src:
-                videos[member.name.lstrip("./")] = src.extractfile(member).read()
+    records, videos = load_video_blobs(root)
     with _tar_writer(out / "floor.tar") as tar:
         for rec in records:
             _add(tar, f"{rec['id']}.vid0.mp4", videos[rec["video"]])
             _add(tar, f"{rec['id']}.json", json.dumps(rec["conversations"]).encode())
 
 
-def probe_all_videos(root: Path) -> float:
-    from converters.media import probe_video
-
+def load_video_blobs(root: Path) -> tuple[list[dict], dict[str, bytes]]:
     config = "0_30_s_bench_v0_1"
     records = json.loads((root / config / f"{config}_cap_processed.json").read_text())
     blobs = {}
@@ -173,13 +167,17 @@ def probe_all_videos(root: Path) -> float:
         with tarfile.open(part, "r:gz") as src:
             for member in src:
                 blobs[member.name.lstrip("./")] = src.extractfile(member).read()
-    start = time.perf_counter()
+    return records, blobs
+
+
+def probe_records(records: list[dict], blobs: dict[str, bytes]) -> None:
+    from converters.media import probe_video
+
     for rec in records:  # the converter probes once per annotation record
         probe_video(blobs[rec["video"]])
-    return time.perf_counter() - start
 
 
-def convert_timed(command: str, source: Path, out: Path, workers: int) -> float:
+def convert_timed(command: str, source: Path, out: Path, workers: int) -> tuple[float, float]:
     """Time one conversion as the CLI runs it, with a fresh `datasets` cache."""
     from converters.base import UsageError  # noqa: F401  (import cost outside the timing)
     from converters.hub import Source
@@ -193,43 +191,60 @@ def convert_timed(command: str, source: Path, out: Path, workers: int) -> float:
         import datasets
 
         datasets.config.HF_DATASETS_CACHE = Path(cache)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         src = Source(str(source))
         dataset = {"mantis": lambda: MantisSource(src),
                    "infovqa": lambda: InfoVQASource(src),
                    "llava-video": lambda: LlavaVideoSource(src, out / ".work")}[command]()
         convert(dataset, Options(out=out, workers=workers, shard_size=200, val_fraction=0.01))
-        return time.perf_counter() - start
+        return time.perf_counter() - start, cpu_seconds() - cpu
 
 
-def timed(fn, *args) -> float:
-    start = time.perf_counter()
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (workers, `energon prepare`)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one call."""
+    start, cpu = time.perf_counter(), cpu_seconds()
     fn(*args)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, cpu_seconds() - cpu
 
 
-def measure(name: str, root: Path, out: Path, workers: int) -> dict:
-    """Floor and conversion time of one source folder."""
+def _median(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    return (float(np.median([w for w, _ in runs])), float(np.median([c for _, c in runs])))
+
+
+def measure(name: str, root: Path, out: Path, workers: int, repeats: int) -> dict:
+    """Floor and conversion time of one source folder (median of `repeats` runs each)."""
     floors = {"mantis": floor_mantis, "infovqa": floor_infovqa, "llava-video": floor_video}
     floor_dir = out / f"floor-{root.name}"
     floor_dir.mkdir(parents=True, exist_ok=True)
-    floor_s = timed(floors[name], root, floor_dir)
-    conv_dir = out / f"conv-{root.name}-w{workers}"
-    conv_s = convert_timed(name, root, conv_dir, workers)
+    floor_s, floor_cpu = _median([timed(floors[name], root, floor_dir) for _ in range(repeats)])
+    conv_runs = []
+    for k in range(repeats):
+        conv_dir = out / f"conv-{root.name}-w{workers}-r{k}"
+        shutil.rmtree(conv_dir, ignore_errors=True)
+        conv_runs.append(convert_timed(name, root, conv_dir, workers))
+    conv_s, conv_cpu = _median(conv_runs)
     shard_s = sum(json.loads(p.read_text())["seconds"]
                   for p in (conv_dir / ".work" / "shards").rglob("*.json"))
     summary = json.loads((conv_dir / "summary.json").read_text())
     return {"input_mb": round(sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
                               / 1e6, 1),
             "rows": summary["rows_read"], "floor_s": round(floor_s, 3),
-            "convert_s": round(conv_s, 3), "shard_phase_s": round(shard_s, 3)}
+            "floor_cpu_s": round(floor_cpu, 3), "convert_s": round(conv_s, 3),
+            "convert_cpu_s": round(conv_cpu, 3), "shard_phase_s": round(shard_s, 3)}
 
 
 @click.command()
 @click.option("--out", default="bench_out", type=click.Path(path_type=Path))
 @click.option("--scale", default=1.0, help="Multiplies the amount of generated data.")
 @click.option("--workers", default=2, show_default=True)
-def main(out: Path, scale: float, workers: int) -> None:
+@click.option("--repeats", default=3, show_default=True, help="Median of this many runs.")
+def main(out: Path, scale: float, workers: int, repeats: int) -> None:
     """Each dataset at sizes N and 2N: the marginal ratio (floor 2N - floor N) / (convert 2N -
     convert N) is the throughput ratio once per-run constants (imports, `energon prepare` start,
     plots) are paid; the end-to-end ratio at 2N is reported beside it."""
@@ -243,32 +258,41 @@ def main(out: Path, scale: float, workers: int) -> None:
             root = out / "src" / f"{name}-x{factor}"
             if not root.exists():
                 make(root, base[name] * factor, np.random.default_rng(factor))
-            runs.append(measure(name, root, out, workers))
+        # warm-up: imports and first-use costs are paid once per process, not per conversion
+        measure(name, out / "src" / f"{name}-x1", out / "warmup", workers, 1)
+        for factor in (1, 2):
+            runs.append(measure(name, out / "src" / f"{name}-x{factor}", out, workers, repeats))
         small, big = runs
         row = {"small": small, "big": big,
                "marginal_ratio": round((big["floor_s"] - small["floor_s"])
                                        / (big["convert_s"] - small["convert_s"]), 3),
+               "marginal_cpu_ratio": round((big["floor_cpu_s"] - small["floor_cpu_s"])
+                                           / (big["convert_cpu_s"] - small["convert_cpu_s"]), 3),
+               "end_to_end_cpu_ratio": round(big["floor_cpu_s"] / big["convert_cpu_s"], 3),
                "end_to_end_ratio": round(big["floor_s"] / big["convert_s"], 3),
                "fixed_cost_s": round(small["convert_s"] - (big["convert_s"] - small["convert_s"]),
                                      3)}
         if name == "llava-video":
-            probe_s = probe_all_videos(out / "src" / f"{name}-x2")
-            row["probe_s"] = round(probe_s, 3)
-            row["probe_share"] = round(probe_s / big["convert_s"], 3)
+            _, probe_cpu = timed(probe_records, *load_video_blobs(out / "src" / f"{name}-x2"))
+            row["probe_cpu_s"] = round(probe_cpu, 3)
+            row["probe_share"] = round(probe_cpu / big["convert_cpu_s"], 3)
         results[name] = row
     (out / "converters.json").write_text(json.dumps(results, indent=1))
-    click.echo(f"| converter | rows N / 2N | input MB 2N | floor s N / 2N | convert s N / 2N "
-               f"({workers} workers) | marginal ratio | end-to-end ratio 2N | fixed cost s |")
-    click.echo("|---|---|---|---|---|---|---|---|")
+    click.echo(f"| converter | rows N / 2N | input MB 2N | floor CPU s N / 2N | convert CPU s "
+               f"N / 2N ({workers} workers) | marginal CPU ratio | end-to-end CPU ratio 2N | "
+               "wall s 2N floor / convert | end-to-end wall ratio 2N |")
+    click.echo("|---|---|---|---|---|---|---|---|---|")
     for name in makers:
         r = results[name]
         s, b = r["small"], r["big"]
-        click.echo(f"| {name} | {s['rows']} / {b['rows']} | {b['input_mb']} | {s['floor_s']} / "
-                   f"{b['floor_s']} | {s['convert_s']} / {b['convert_s']} | "
-                   f"{r['marginal_ratio']} | {r['end_to_end_ratio']} | {r['fixed_cost_s']} |")
+        click.echo(f"| {name} | {s['rows']} / {b['rows']} | {b['input_mb']} | "
+                   f"{s['floor_cpu_s']} / {b['floor_cpu_s']} | {s['convert_cpu_s']} / "
+                   f"{b['convert_cpu_s']} | {r['marginal_cpu_ratio']} | "
+                   f"{r['end_to_end_cpu_ratio']} | {b['floor_s']} / {b['convert_s']} | "
+                   f"{r['end_to_end_ratio']} |")
     v = results["llava-video"]
-    click.echo(f"\nvideo probing: {v['probe_s']} s = {v['probe_share']:.1%} of the LLaVA-Video "
-               "conversion at 2N")
+    click.echo(f"\nvideo probing: {v['probe_cpu_s']} CPU s = {v['probe_share']:.1%} of the "
+               "LLaVA-Video conversion's CPU time at 2N")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,10 @@ from pathlib import Path, PurePosixPath
 
 import datasets
 
-from converters.archives import FolderMembers, TarGzMembers, safe_member_name
+from converters.archives import FolderMembers, TarGzMembers
 from converters.base import Built, SourceSplit, Unit, UsageError, reject_all
 from converters.hub import Source, open_data_file, open_splits, resolve_configs
-from converters.media import MediaError, probe_video, video_media
+from converters.media import MediaError, fetch_media, probe_video, video_media
 from energon_tasks.sample_format import (
     IMAGE_PLACEHOLDER,
     VIDEO_EXTENSIONS,
@@ -130,14 +130,9 @@ class LlavaVideoSource:
             return reject_all(split, unit, "bad_conversation", parsed)
         turns, fixups = parsed
         path = record.get("video") or ""
-        name = safe_member_name(path) if isinstance(path, str) else None
-        if name is None:
-            return reject_all(split, unit, "unsafe_member_name", repr(path))
-        data = self._open_videos(split.config).read(name)
-        if data is None:
-            return reject_all(split, unit, "missing_video", f"{path} not in the video parts")
         try:
-            probed = probe_video(data, path)
+            name, data, probed = fetch_media(self._open_videos(split.config), path, probe_video,
+                                             "missing_video", "the video parts")
         except MediaError as err:
             return reject_all(split, unit, err.reason, err.detail)
         ext = PurePosixPath(name).suffix.lstrip(".").lower()

@@ -14,10 +14,10 @@ Image formats are detected from the bytes (some `.png` members are JPEG).
 
 from __future__ import annotations
 
-from converters.archives import ZipMembers, safe_member_name
+from converters.archives import ZipMembers
 from converters.base import Built, SourceSplit, Unit, UsageError, reject_all
 from converters.hub import Source, open_splits, resolve_configs
-from converters.media import MediaError, image_media, probe_image
+from converters.media import MediaError, fetch_media, image_media, probe_image
 from energon_tasks.sample_format import (
     IMAGE_PLACEHOLDER,
     CanonicalSample,
@@ -126,14 +126,9 @@ class MantisSource:
         media, parts = [], {}
         for index, image in enumerate(images):
             path = (image or {}).get("path") or ""
-            name = safe_member_name(path)
-            if name is None:
-                return reject_all(split, unit, "unsafe_member_name", repr(path))
-            data = members.read(name)
-            if data is None:
-                return reject_all(split, unit, "missing_image", f"{path} not in the image zip")
             try:
-                probed = probe_image(data, path)
+                _, _, probed = fetch_media(members, path, probe_image, "missing_image",
+                                           "the image zip")
             except MediaError as err:
                 return reject_all(split, unit, err.reason, err.detail)
             entry, data = image_media(index, probed, path)

@@ -162,3 +162,30 @@ def video_media(index: int, data: bytes, ext: str, probed: ProbedVideo,
                   duration_s=probed.duration_s, frames=probed.frames, fps=probed.fps,
                   codec=probed.codec)
     return media, data
+
+
+def fetch_media(members, path, probe, missing_reason: str, where: str):
+    """Read one media member by its untrusted source path and probe it.
+
+    Args:
+        members: archive or folder access with `read(name) -> bytes | None`.
+        path: the source's path of the member.
+        probe: `probe_image` or `probe_video`.
+        missing_reason: reject reason when the member is absent.
+        where: what was searched, for the detail message.
+
+    Returns:
+        (normalised name, bytes, probe result).
+
+    Raises:
+        MediaError: "unsafe_member_name", `missing_reason`, or the probe's reason.
+    """
+    from converters.archives import safe_member_name
+
+    name = safe_member_name(path) if isinstance(path, str) else None
+    if name is None:
+        raise MediaError("unsafe_member_name", repr(path))
+    data = members.read(name)
+    if data is None:
+        raise MediaError(missing_reason, f"{path} not in {where}")
+    return name, data, probe(data, path)
