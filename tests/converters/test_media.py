@@ -42,3 +42,15 @@ def test_format_loaders_do_not_read_is_reencoded_losslessly():
     assert (probed.ext, probed.reencoded_from) == ("png", "ppm")
     original = Image.open(io.BytesIO(data)).convert("RGB")
     assert Image.open(io.BytesIO(probed.data)).convert("RGB").tobytes() == original.tobytes()
+
+
+@pytest.mark.parametrize("fmt, mode, options", [
+    ("JPEG", "RGB", {"progressive": True}), ("JPEG", "CMYK", {}), ("JPEG", "L", {}),
+    ("PNG", "P", {}), ("PNG", "LA", {}), ("PNG", "I;16", {})])
+def test_header_sizes_match_pil(fmt, mode, options):
+    rgb = np.random.default_rng(1).integers(0, 255, (37, 91, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).convert(mode if mode != "I;16" else "L").convert(mode).save(
+        buf, fmt, **options)
+    probed = probe_image(buf.getvalue(), "x")
+    assert (probed.width, probed.height, probed.format) == (91, 37, fmt.lower())
