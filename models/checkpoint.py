@@ -1,0 +1,137 @@
+"""Process setup, model building and megatron-core distributed checkpoints of Qwen-VL models.
+
+This module owns ``init_parallel`` (gloo on CPU / nccl on GPU, parallel_state, seeded RNG
+tracker; CPU shims from models.cpu_compat), ``build_model``, TP slicing of a full (TP=1) state dict
+for this rank (``shard_for_rank``), and save/load of a self-describing checkpoint folder:
+megatron ``dist_checkpointing`` files + ``qwen_vl_model.json`` (our config) + ``hf_config.json``
+(the source HF config when imported). dist_checkpointing stores global tensors, so a checkpoint
+saved at one TP loads at any other (megatron reshards on load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from models.cpu_compat import cpu_only, enable_cpu_compat, seed_model_parallel
+from models.qwen_vl_config import QwenVLModelConfig, from_dict
+
+MODEL_JSON, HF_JSON = "qwen_vl_model.json", "hf_config.json"
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    """Initialise torch.distributed (single process when not under torchrun) and megatron."""
+    enable_cpu_compat()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = _free_port()
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group("gloo" if cpu_only() else "nccl")
+        if not cpu_only():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size() == tp
+                and ps.get_pipeline_model_parallel_world_size() == pp):
+            seed_model_parallel(seed)
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    seed_model_parallel(seed)
+
+
+def build_model(cfg: QwenVLModelConfig, use_te: bool | None = None):
+    from models.qwen_vl import QwenVL
+
+    model = QwenVL(cfg, use_te=use_te)
+    return model if cpu_only() else model.cuda()
+
+
+def weight_shapes(model) -> dict[str, torch.Size]:
+    """Our key -> full (TP=1) shape, computed from this rank's shards."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    shapes = {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state") or not isinstance(p, torch.Tensor):
+            continue
+        shape = list(p.shape)
+        if getattr(p, "tensor_model_parallel", False):
+            shape[p.partition_dim] *= tp
+        shapes[name] = torch.Size(shape)
+    return shapes
+
+
+def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Slice a full (TP=1) state dict to this rank's tensor-parallel shards of ``model``."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    local = {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue
+        tensor = full[name]
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            dim = p.partition_dim
+            owner = model.get_submodule(name.rsplit(".", 1)[0])
+            glu = name.split(".")[-2] == "linear_fc1" and owner.config.gated_linear_unit
+            if glu:
+                tensor = torch.cat([h.chunk(tp, dim)[rank] for h in tensor.chunk(2, 0)], dim=0)
+            else:
+                tensor = tensor.chunk(tp, dim)[rank]
+        local[name] = tensor.to(p.dtype)
+    return local
+
+
+def save_checkpoint(model, cfg: QwenVLModelConfig, out: Path, hf_config: dict | None = None):
+    """dist_checkpointing.save + self-description (call on every rank)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    out = Path(out)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MODEL_JSON).write_text(json.dumps(cfg.to_dict(), indent=2))
+        if hf_config is not None:
+            (out / HF_JSON).write_text(json.dumps(hf_config, indent=2))
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(out))
+    dist.barrier()
+
+
+def read_model_config(path: Path) -> QwenVLModelConfig:
+    path = Path(path)
+    if not (path / MODEL_JSON).is_file():
+        raise ValueError(f"{path} is not a Qwen-VL megatron checkpoint (no {MODEL_JSON})")
+    return from_dict(json.loads((path / MODEL_JSON).read_text()))
+
+
+def load_checkpoint(path: Path, use_te: bool | None = None):
+    """Build the model described by the checkpoint (current TP/PP) and load its weights."""
+    from megatron.core import dist_checkpointing
+
+    cfg = read_model_config(path)
+    model = build_model(cfg, use_te=use_te)
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(path))
+    model.load_state_dict(state, strict=False)
+    missing = [k for k in model.state_dict() if not k.endswith("_extra_state") and k not in state]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {missing[0]!r}")
+    return model.eval(), cfg

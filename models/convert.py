@@ -1,0 +1,210 @@
+"""Hugging Face <-> megatron-core checkpoints of Qwen2.5-VL / Qwen3-VL, and logit verification.
+
+    python -m models.convert hf-to-mcore --hf PATH_OR_ID --out DIR [--tp N]
+    python -m models.convert mcore-to-hf --mcore DIR --out DIR
+    python -m models.convert verify --hf PATH --mcore DIR
+
+``hf-to-mcore`` with ``--tp N > 1`` starts itself under ``torch.distributed.run`` with N processes
+(each writes its shards). ``verify`` runs transformers' model (fp32, eager attention) and ours on
+generated inputs (one image; several images of different sizes interleaved with text; a video)
+and prints JSON with the max absolute logit difference per input. Bad paths or a wrong model
+family: one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from models.qwen_vl_config import QwenVLModelConfig, from_hf_config, to_hf_dict
+
+
+# ------------------------------------------------------------------ inputs for verify / tests
+def mrope_positions(input_ids: torch.Tensor, grids: list[torch.Tensor], vision_ids: set[int],
+                    merge: int) -> torch.Tensor:
+    """(3, 1, L) M-RoPE positions of one row: text advances t/h/w; a visual run takes
+    (start + t, start + row, start + col) on the merged grid; text resumes at max + 1."""
+    ids, out, pos, k, i = input_ids.tolist(), [], 0, 0, 0
+    while i < len(ids):
+        if ids[i] in vision_ids:
+            t, h, w = (int(x) for x in grids[k])
+            h, w = h // merge, w // merge
+            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
+                                        indexing="ij")
+            out.append(torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos)
+            pos = int(out[-1].max()) + 1
+            i, k = i + t * h * w, k + 1
+        else:
+            out.append(torch.full((3, 1), pos))
+            pos, i = pos + 1, i + 1
+    return torch.cat(out, dim=1)[:, None, :]
+
+
+def make_inputs(cfg: QwenVLModelConfig, seed: int = 0) -> dict[str, dict]:
+    """Three single-row inputs: one image; 3 images of different sizes with text; a video."""
+    g = torch.Generator().manual_seed(seed)
+    v, merge = cfg.vision, cfg.vision.spatial_merge_size
+    dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    low = min(cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.lm.vocab_size)
+
+    def text(n):
+        return torch.randint(0, low, (n,), generator=g)
+
+    def visual(grid, token):
+        n = int(torch.tensor(grid).prod()) // merge ** 2
+        return torch.cat([torch.tensor([cfg.vision_start_token_id]), torch.full((n,), token),
+                          torch.tensor([cfg.vision_end_token_id])])
+
+    cases = {"one_image": [[1, 4, 6]], "images_interleaved": [[1, 4, 6], [1, 8, 4], [1, 2, 2]],
+             "video": [[2, 4, 4]]}
+    out = {}
+    for name, grids in cases.items():
+        video = name == "video"
+        token = cfg.video_token_id if video else cfg.image_token_id
+        parts = [text(5)]
+        for grid in grids:
+            parts += [visual(grid, token), text(3)]
+        ids = torch.cat(parts)
+        grid_t = torch.tensor(grids, dtype=torch.long)
+        pixels = torch.randn(int(grid_t.prod(-1).sum()), dim, generator=g)
+        pos = mrope_positions(ids, list(grid_t), {token}, merge)
+        key = "video" if video else "image"
+        out[name] = {"input_ids": ids[None], "position_ids": pos,
+                     f"pixel_values{'_videos' if video else ''}": pixels,
+                     f"{key}_grid_thw": grid_t}
+    return out
+
+
+def hf_logits(hf_model, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(**inputs).logits.float()
+
+
+def our_logits(model, inputs: dict) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    with torch.no_grad():
+        logits = model(**inputs)
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)
+        return logits.float()
+
+
+def load_hf_model(path: Path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type == "qwen3_vl":
+        from transformers import Qwen3VLForConditionalGeneration as cls
+    else:
+        from transformers import Qwen2_5_VLForConditionalGeneration as cls
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+# ------------------------------------------------------------------ commands
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve_hf(path_or_id: str) -> Path:
+    path = Path(path_or_id)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # noqa: BLE001 - any hub failure is a bad --hf for the user
+        _fail(f"--hf {path_or_id!r} is not a local folder and could not be downloaded ({exc})")
+
+
+def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
+    from models.checkpoint import build_model, init_parallel, save_checkpoint, shard_for_rank
+    from models.checkpoint import weight_shapes
+    from models.hf_mapping import hf_to_ours, read_hf_folder
+
+    folder = resolve_hf(hf)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--hf {hf}: no config.json")
+    cfg = from_hf_config(json.loads((folder / "config.json").read_text()))  # family check first
+    init_parallel(tp=tp, pp=pp)
+    hf_config, hf_sd = read_hf_folder(folder)
+    model = build_model(cfg, use_te=False)
+    full = hf_to_ours(hf_sd, cfg, weight_shapes(model))
+    model.load_state_dict(shard_for_rank(full, model), strict=False)
+    save_checkpoint(model, cfg, out, hf_config=hf_config)
+
+
+def mcore_to_hf(mcore: Path, out: Path) -> None:
+    from models.checkpoint import HF_JSON, init_parallel, load_checkpoint
+    from models.hf_mapping import is_our_key, ours_to_hf, write_hf_folder
+
+    init_parallel()
+    model, cfg = load_checkpoint(mcore, use_te=False)
+    sd = {k: v.detach() for k, v in model.state_dict().items() if is_our_key(k)}
+    hf_json = mcore / HF_JSON
+    config = json.loads(hf_json.read_text()) if hf_json.is_file() else to_hf_dict(cfg)
+    write_hf_folder(out, config, ours_to_hf(sd, cfg))
+
+
+def verify(hf: Path, mcore: Path) -> dict:
+    from models.checkpoint import init_parallel, load_checkpoint
+
+    init_parallel()
+    model, cfg = load_checkpoint(mcore, use_te=False)
+    hf_model = load_hf_model(hf)
+    report = {}
+    for name, inputs in make_inputs(cfg).items():
+        diff = (hf_logits(hf_model, inputs) - our_logits(model, inputs)).abs().max().item()
+        report[name] = {"max_abs_logit_diff": diff, "tokens": int(inputs["input_ids"].numel())}
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m models.convert",
+                                 description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-mcore")
+    a.add_argument("--hf", required=True)
+    a.add_argument("--out", required=True, type=Path)
+    a.add_argument("--tp", type=int, default=1)
+    a.add_argument("--pp", type=int, default=1)
+    b = sub.add_parser("mcore-to-hf")
+    b.add_argument("--mcore", required=True, type=Path)
+    b.add_argument("--out", required=True, type=Path)
+    c = sub.add_parser("verify")
+    c.add_argument("--hf", required=True, type=Path)
+    c.add_argument("--mcore", required=True, type=Path)
+    args = ap.parse_args(argv)
+
+    for attr in ("mcore",) + (("hf",) if args.command == "verify" else ()):
+        path = getattr(args, attr, None)
+        if path is not None and not Path(path).is_dir():
+            _fail(f"--{attr} {path} is not a folder")
+    try:
+        if args.command == "hf-to-mcore":
+            if args.pp != 1:
+                _fail("--pp > 1 is not supported yet (import at --pp 1; any PP can reshard later)")
+            if args.tp > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                       str(args.tp), "-m", "models.convert", *(argv or sys.argv[1:])]
+                raise SystemExit(subprocess.call(cmd))
+            hf_to_mcore(args.hf, args.out, args.tp, args.pp)
+        elif args.command == "mcore-to-hf":
+            mcore_to_hf(args.mcore, args.out)
+        else:
+            print(json.dumps(verify(args.hf, args.mcore), indent=2))
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+
+
+if __name__ == "__main__":
+    main()

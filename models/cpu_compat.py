@@ -1,0 +1,164 @@
+"""The one place for CPU accommodations of megatron-core.
+
+megatron-core has no CPU-only path: it calls ``torch.cuda.current_device()`` as a device in many
+places, allocates ``device="cuda"`` tensors in a few constructors, forks the CUDA RNG for dropout,
+and (0.19.x) imports ``triton`` unconditionally for one MoE kernel module. This module owns the
+shims that let the project's model, checkpoint and training code run unchanged on a CPU machine
+(gloo). Everything here is applied by one explicit call and does nothing when CUDA is available:
+
+    from models.cpu_compat import enable_cpu_compat, seed_model_parallel
+    enable_cpu_compat()                 # before importing megatron.core
+    ... parallel_state.initialize_model_parallel(...)
+    seed_model_parallel(1234)           # installs a CPU RNG tracker on CPU, megatron's own on GPU
+
+Written against megatron-core 0.16.1 and 0.19.x (attribute differences are guarded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import types
+
+import torch
+
+_ENABLED = False
+_FACTORIES = ("zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like",
+              "ones_like", "full_like", "randn", "rand", "randint")
+
+
+def cpu_only() -> bool:
+    """True when this process runs without CUDA (the shims are then active)."""
+    return not torch.cuda.is_available()
+
+
+def _stub_triton_kernel_module() -> None:
+    """megatron-core >= 0.19 imports triton in transformer/moe/ops/paged_stash.py (MoE only)."""
+    try:
+        import triton  # noqa: F401
+        return
+    except ImportError:
+        pass
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    if name in sys.modules:
+        return
+    stub = types.ModuleType(name)
+    stub.GLOBAL_BLOCK_SIZE = 1024
+
+    def _needs_triton(*_args, **_kwargs):
+        raise RuntimeError("MoE paged stash needs triton and CUDA")
+
+    stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = _needs_triton
+    sys.modules[name] = stub
+
+
+def _cpu_kwargs(kwargs: dict) -> dict:
+    kwargs.pop("pin_memory", None)
+    device = kwargs.get("device")
+    if device is not None and str(device).startswith("cuda"):
+        kwargs["device"] = "cpu"
+    return kwargs
+
+
+class _NullStream:
+    def wait_stream(self, *_args):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *_args):
+        return None
+
+
+def enable_cpu_compat(remap_tensor_literals: bool = False) -> bool:
+    """Apply the CPU shims once (idempotent); a no-op when CUDA is available.
+
+    Call before importing megatron.core. Returns True when the shims are active.
+
+    Args:
+        remap_tensor_literals: also remap ``torch.tensor(..., device="cuda")`` (megatron's
+            optimizer wrappers need it). Off by default: wrapping ``torch.tensor`` breaks
+            transformers' ``from_pretrained`` in the same process (rotary buffers come out
+            uninitialised), which the HF parity checks need.
+    """
+    global _ENABLED
+    if not cpu_only():
+        return False
+    if remap_tensor_literals and not getattr(torch.tensor, "_cpu_compat", False):
+        original_tensor = torch.tensor
+
+        @functools.wraps(original_tensor)
+        def tensor(*args, **kwargs):
+            return original_tensor(*args, **_cpu_kwargs(kwargs))
+
+        tensor._cpu_compat = True
+        torch.tensor = tensor
+    if _ENABLED:
+        return True
+    _stub_triton_kernel_module()
+    torch.cuda.current_device = lambda: "cpu"
+    for name in _FACTORIES:
+        original = getattr(torch, name)
+
+        @functools.wraps(original)
+        def wrapped(*args, __original=original, **kwargs):
+            return __original(*args, **_cpu_kwargs(kwargs))
+
+        setattr(torch, name, wrapped)
+    torch.Tensor.cuda = lambda self, *_args, **_kwargs: self
+    torch.cuda.synchronize = lambda *_args, **_kwargs: None
+    torch.cuda.empty_cache = lambda *_args, **_kwargs: None
+    torch.cuda.current_stream = lambda *_args, **_kwargs: _NullStream()
+    _ENABLED = True
+    return True
+
+
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CPURNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """megatron's tracker, forking the CPU generator instead of torch.cuda's."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            original = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(original)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            original = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(original)
+
+    return CPURNGStatesTracker
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker (after parallel_state is initialised).
+
+    On CPU a tracker that forks the CPU generator is installed first; on GPU this is exactly
+    ``model_parallel_cuda_manual_seed(seed)``.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.manual_seed(seed)
+    if cpu_only():
+        enable_cpu_compat()
+        mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom.model_parallel_cuda_manual_seed(seed)

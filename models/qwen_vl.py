@@ -1,0 +1,232 @@
+"""The Qwen2.5-VL / Qwen3-VL model: vision encoder + megatron-core GPTModel with M-RoPE.
+
+This module owns the assembled VLM (``QwenVL``): the language model (``GPTModel`` with
+``position_embedding_type='mrope'``; RMSNorm, SwiGLU, GQA; q/k/v biases for Qwen2.5-VL, per-head
+q/k RMSNorm for Qwen3-VL; local spec on CPU, TransformerEngine spec on GPU), the scatter of visual
+embeddings into the ``<|image_pad|>`` / ``<|video_pad|>`` positions in order, DeepStack (Qwen3-VL:
+features added to the outputs of the first LM layers, through forward hooks on those
+``TransformerLayer`` modules, because ``GPTModel`` has no per-layer input), and the loss on the
+batch contract (docs/batch_contract.md; labels are unshifted, the model shifts).
+
+Qwen3-VL's interleaved M-RoPE (t/h/w frequencies interleaved, ``mrope_interleaved``) is expressed
+with megatron's chunked ``mrope_section``: a section list of 1-wide chunks cycling t, h, w (zero-
+width chunks keep the cycle aligned), which megatron's ``MultimodalRotaryEmbedding`` applies as is.
+
+``encode_visual(pixel_values, grid_thw)`` is the one call into the vision tower: the vision
+data-parallel module (models/vision_dp.py) wraps or replaces it (``model.encode_visual = ...``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from models.cpu_compat import cpu_only
+from models.qwen_vl_config import QwenVLModelConfig
+from models.vision import QwenVisionEncoder
+
+IGNORE_INDEX = -100
+
+
+def megatron_mrope_section(section: list[int], interleaved: bool) -> list[int]:
+    """megatron chunk list (chunk j takes axis j % 3) reproducing HF's M-RoPE layout."""
+    if not interleaved:
+        return list(section)
+    half = sum(section)
+    owner = [0] * half  # HF Qwen3-VL: h on 1, 4, 7, ... < 3*h; w on 2, 5, 8, ... < 3*w
+    for axis, start in ((1, 1), (2, 2)):
+        for i in range(start, 3 * section[axis], 3):
+            owner[i] = axis
+    chunks: list[int] = []
+    for axis in owner:
+        if chunks and (len(chunks) - 1) % 3 == axis:
+            chunks[-1] += 1
+            continue
+        while len(chunks) % 3 != axis:
+            chunks.append(0)
+        chunks.append(1)
+    while len(chunks) % 3:
+        chunks.append(0)
+    return chunks
+
+
+def lm_transformer_config(cfg: QwenVLModelConfig) -> TransformerConfig:
+    t = cfg.lm
+    config = TransformerConfig(
+        num_layers=t.num_layers, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
+        num_attention_heads=t.num_heads, num_query_groups=t.num_kv_heads, kv_channels=t.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=t.rms_norm_eps, add_bias_linear=False,
+        add_qkv_bias=t.qkv_bias, qk_layernorm=t.qk_norm, gated_linear_unit=True,
+        activation_func=F.silu, bias_activation_fusion=False, hidden_dropout=0.0,
+        attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, use_cpu_initialization=cpu_only(),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    config.mrope_section = megatron_mrope_section(t.mrope_section, t.mrope_interleaved)
+    return config
+
+
+def lm_layer_spec(cfg: QwenVLModelConfig, use_te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.lm.qk_norm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=cfg.lm.qk_norm, normalization="RMSNorm")
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """(B, 1, L, L) bool, True = masked: causal within each packed segment of each row."""
+    seg = torch.zeros(batch * length, dtype=torch.long)
+    seg[cu_seqlens[1:-1].long()] = 1
+    seg = seg.cumsum(0).view(batch, length)
+    same = seg[:, :, None] == seg[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return ~(same & causal)[:, None]
+
+
+class QwenVL(MegatronModule):
+    """Vision encoder + M-RoPE GPTModel (see module docstring)."""
+
+    def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool | None = None):
+        config = lm_transformer_config(cfg)
+        super().__init__(config=config)
+        self.cfg = cfg
+        use_te = (not cpu_only()) if use_te is None else use_te
+        self.pre_process = parallel_state.is_pipeline_first_stage()
+        self.post_process = parallel_state.is_pipeline_last_stage()
+        self.vision = QwenVisionEncoder(cfg, use_te=use_te) if self.pre_process else None
+        self.language_model = GPTModel(
+            config=config, transformer_layer_spec=lm_layer_spec(cfg, use_te),
+            vocab_size=cfg.lm.vocab_size, max_sequence_length=cfg.lm.max_position_embeddings,
+            pre_process=self.pre_process, post_process=self.post_process,
+            share_embeddings_and_output_weights=cfg.lm.tie_embeddings,
+            position_embedding_type="mrope", rotary_base=cfg.lm.rope_theta,
+        )
+        self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        if cfg.vision.deepstack_visual_indexes and self.pre_process:
+            layers = self.language_model.decoder.layers
+            for i in range(min(len(cfg.vision.deepstack_visual_indexes), len(layers))):
+                layers[i].register_forward_hook(self._deepstack_hook(i))
+
+    # ---------------------------------------------------------------- vision
+    def encode_visual(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        """Run the vision tower: -> (embeds (sum t*h*w/4, H), DeepStack list of the same shape).
+
+        The hook the vision data-parallel module wraps (``model.encode_visual = wrapper``).
+        """
+        return self.vision(pixel_values, grid_thw)
+
+    def _deepstack_hook(self, index: int):
+        def hook(_module, _inputs, output):
+            if self._deepstack is None:
+                return output
+            mask, feats = self._deepstack  # mask (s, b) bool; feats: list of (n, H)
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = hidden.clone()
+            hidden[mask] = hidden[mask] + feats[index].to(hidden.dtype)
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+        return hook
+
+    def _check_counts(self, token_mask: torch.Tensor, grid_thw: torch.Tensor, kind: str,
+                      sample_keys=None) -> None:
+        """Each row's pad tokens must equal the embeddings of the items that start in it."""
+        per_item = (grid_thw.prod(-1) // self.cfg.vision.spatial_merge_size ** 2).tolist()
+        starts = [sum(per_item[:i]) for i in range(len(per_item))]
+        done = 0
+        for row, n_tokens in enumerate(token_mask.sum(1).tolist()):
+            consumed = sum(n for s, n in zip(starts, per_item) if done <= s < done + n_tokens)
+            if consumed != n_tokens:
+                name = f" ({sample_keys[row]})" if sample_keys else ""
+                raise ValueError(f"batch row {row}{name}: {n_tokens} <|{kind}_pad|> tokens but "
+                                 f"its {kind}s in order give {consumed} embeddings")
+            done += n_tokens
+        if done != sum(per_item):
+            row = token_mask.shape[0] - 1
+            name = f" ({sample_keys[row]})" if sample_keys else ""
+            raise ValueError(f"batch row {row}{name}: {kind}s left without tokens after it: the "
+                             f"batch has {done} <|{kind}_pad|> tokens but {sum(per_item)} {kind} "
+                             f"embeddings ({len(per_item)} {kind}s)")
+
+    def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+              video_grid_thw=None, sample_keys=None):
+        """Token embeddings with visual embeddings scattered in: (L, B, H) + DeepStack state."""
+        emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)
+        emb = emb.transpose(0, 1).clone()  # (B, L, H): row-major order of the pad tokens
+        visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        stacks: list[list[torch.Tensor]] = []
+        masks = []
+        for kind, token, pixels, grid in (
+                ("image", self.cfg.image_token_id, pixel_values, image_grid_thw),
+                ("video", self.cfg.video_token_id, pixel_values_videos, video_grid_thw)):
+            mask = input_ids == token
+            has_grid = grid is not None and grid.numel() > 0
+            if not has_grid and not mask.any():
+                continue
+            grid = grid if has_grid else torch.zeros(0, 3, dtype=torch.long)
+            self._check_counts(mask, grid.cpu(), kind, sample_keys)
+            feats, deepstack = self.encode_visual(pixels, grid)
+            emb[mask] = feats.to(emb.dtype)
+            visual_mask |= mask
+            masks.append(mask)
+            stacks.append(deepstack)
+        deepstack_state = None
+        if stacks and stacks[0]:
+            # DeepStack features in the order of the visual tokens (images and videos merged)
+            joint = []
+            for level in range(len(stacks[0])):
+                out = emb.new_zeros(int(visual_mask.sum()), emb.shape[-1])
+                for mask, stack in zip(masks, stacks):
+                    out[mask[visual_mask]] = stack[level].to(out.dtype)
+                joint.append(out)
+            deepstack_state = (visual_mask.t(), joint)
+        return emb.transpose(0, 1).contiguous(), deepstack_state
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input_ids, position_ids, pixel_values=None, image_grid_thw=None,
+                pixel_values_videos=None, video_grid_thw=None, labels=None, loss_mask=None,
+                cu_seqlens=None, sample_keys=None, **_unused):
+        """Batch-contract fields -> logits (B, L, V/TP) or (per-token loss (B, L), loss mask).
+
+        ``position_ids`` is (3, B, L) M-RoPE. With ``labels`` (unshifted, -100 = no loss) the
+        model predicts token t+1 at t and returns the per-token loss and the shifted loss mask.
+
+        Raises:
+            ValueError: the number of <|image_pad|>/<|video_pad|> tokens of a batch row differs
+                from the embeddings of its images/videos (the row and both counts are named).
+        """
+        batch, length = input_ids.shape
+        decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw,
+                                              pixel_values_videos, video_grid_thw, sample_keys)
+        attention_mask = None
+        if cu_seqlens is not None:
+            attention_mask = block_causal_mask(cu_seqlens.cpu(), batch, length)
+            attention_mask = attention_mask.to(decoder_input.device)
+        target = None
+        if labels is not None:
+            shifted = torch.full_like(labels, IGNORE_INDEX)
+            shifted[:, :-1] = labels[:, 1:]
+            if loss_mask is None:
+                loss_mask = (shifted != IGNORE_INDEX).float()
+            else:
+                mask = torch.zeros_like(loss_mask)
+                mask[:, :-1] = loss_mask[:, 1:]
+                loss_mask = mask * (shifted != IGNORE_INDEX)
+            target = shifted.clamp(min=0)
+        self._deepstack = deepstack
+        try:
+            out = self.language_model(input_ids=None, position_ids=position_ids,
+                                      attention_mask=attention_mask,
+                                      decoder_input=decoder_input, labels=target)
+        finally:
+            self._deepstack = None
+        if target is None:
+            return out
+        return out * loss_mask, loss_mask
+
+    def set_input_tensor(self, input_tensor):
+        self.language_model.set_input_tensor(input_tensor)

@@ -1,0 +1,243 @@
+"""Model shapes of Qwen2.5-VL and Qwen3-VL (dense): vision tower, language model, special tokens.
+
+This module owns the typed model config (``QwenVLModelConfig`` = ``VisionConfig`` + ``LMConfig``
++ token ids + the parallel layout a user starts from), its construction from a Hugging Face
+config (``from_hf_config``: a ``config.json`` dict or a transformers config object), from YAML
+(``load_yaml``, ``configs/qwen*_model*.yaml`` style, unknown keys rejected, dotted ``key=value``
+overrides), and back to a Hugging Face ``config.json`` dict (``to_hf_dict``, for export).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
+@dataclass(kw_only=True, slots=True)
+class VisionConfig:
+    """Vision tower shape. Fields marked (2.5) or (3) apply to one family only."""
+
+    depth: int  #: number of ViT blocks
+    hidden_size: int  #: ViT width
+    intermediate_size: int  #: MLP width
+    num_heads: int  #: attention heads
+    out_hidden_size: int  #: merger output width (= LM hidden size)
+    in_channels: int = 3
+    patch_size: int = 14  #: 14 (2.5), 16 (3)
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    hidden_act: str = "silu"  #: "silu" gated MLP (2.5); "gelu_pytorch_tanh" plain MLP (3)
+    rope_theta: float = 10000.0  #: 2D vision rotary base
+    norm_eps: float = 1e-6
+    window_size: int = 112  #: (2.5) window side in pixels
+    fullatt_block_indexes: list[int] = field(default_factory=list)  #: (2.5) full-attention blocks
+    num_position_embeddings: int = 0  #: (3) learned position table size (a square)
+    deepstack_visual_indexes: list[int] = field(default_factory=list)  #: (3) DeepStack taps
+
+
+@dataclass(kw_only=True, slots=True)
+class LMConfig:
+    """Language model shape (Qwen2 / Qwen3 decoder with M-RoPE)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  #: per-head width (hidden_size // num_heads for Qwen2.5)
+    mrope_section: list[int]  #: rotary frequencies per (t, h, w); sums to head_dim // 2
+    mrope_interleaved: bool = False  #: Qwen3-VL interleaves t/h/w over frequencies
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = True  #: Qwen2.5: q/k/v biases; Qwen3: none
+    qk_norm: bool = False  #: Qwen3: RMSNorm on q and k per head
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 128000
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """The parallel layout a user would start from (the trainer may override it)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class QwenVLModelConfig:
+    family: str  #: "qwen2_5_vl" or "qwen3_vl"
+    vision: VisionConfig
+    lm: LMConfig
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if sum(self.lm.mrope_section) * 2 != self.lm.head_dim:
+            raise ValueError(f"lm.mrope_section {self.lm.mrope_section} must sum to head_dim/2 = "
+                             f"{self.lm.head_dim // 2}")
+        if self.vision.out_hidden_size != self.lm.hidden_size:
+            raise ValueError(f"vision.out_hidden_size {self.vision.out_hidden_size} != "
+                             f"lm.hidden_size {self.lm.hidden_size}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------ Hugging Face config
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def from_hf_config(hf: Any) -> QwenVLModelConfig:
+    """Build from a Hugging Face Qwen2.5-VL / Qwen3-VL config (``config.json`` dict or object).
+
+    Raises:
+        ValueError: the config is not a Qwen2.5-VL or Qwen3-VL (dense) config.
+    """
+    model_type = _get(hf, "model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type must be one of {FAMILIES}, got {model_type!r}")
+    text, vis = _get(hf, "text_config"), _get(hf, "vision_config")
+    if text is None or vis is None:
+        raise ValueError("config has no text_config / vision_config")
+    rope = _get(text, "rope_parameters") or _get(text, "rope_scaling") or {}
+    hidden, heads = _get(text, "hidden_size"), _get(text, "num_attention_heads")
+    qwen3 = model_type == "qwen3_vl"
+    tie = _get(hf, "tie_word_embeddings")
+    if tie is None:
+        tie = _get(text, "tie_word_embeddings", False)
+    lm = LMConfig(
+        vocab_size=_get(text, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_get(text, "intermediate_size"),
+        num_layers=_get(text, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=_get(text, "num_key_value_heads") or heads,
+        head_dim=_get(text, "head_dim") or hidden // heads,
+        mrope_section=list(rope.get("mrope_section") or ([24, 20, 20] if qwen3 else [16, 24, 24])),
+        mrope_interleaved=bool(rope.get("mrope_interleaved", qwen3)),
+        rope_theta=float(rope.get("rope_theta", _get(text, "rope_theta", 1000000.0))),
+        rms_norm_eps=float(_get(text, "rms_norm_eps", 1e-6)),
+        qkv_bias=bool(_get(text, "attention_bias", False)) if qwen3 else True,
+        qk_norm=qwen3, tie_embeddings=bool(tie),
+        max_position_embeddings=_get(text, "max_position_embeddings", 128000),
+    )
+    vrope = _get(vis, "rope_parameters") or {}
+    vision = VisionConfig(
+        depth=_get(vis, "depth"), hidden_size=_get(vis, "hidden_size"),
+        intermediate_size=_get(vis, "intermediate_size"), num_heads=_get(vis, "num_heads"),
+        out_hidden_size=_get(vis, "out_hidden_size"), in_channels=_get(vis, "in_channels", 3),
+        patch_size=_get(vis, "patch_size"), temporal_patch_size=_get(vis, "temporal_patch_size", 2),
+        spatial_merge_size=_get(vis, "spatial_merge_size", 2),
+        hidden_act=_get(vis, "hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu"),
+        rope_theta=float(vrope.get("rope_theta", 10000.0)),
+        window_size=_get(vis, "window_size", 112) if not qwen3 else 0,
+        fullatt_block_indexes=[] if qwen3 else list(_get(vis, "fullatt_block_indexes", ()) or ()),
+        num_position_embeddings=_get(vis, "num_position_embeddings", 0) if qwen3 else 0,
+        deepstack_visual_indexes=(list(_get(vis, "deepstack_visual_indexes", ()) or ())
+                                  if qwen3 else []),
+    )
+    return QwenVLModelConfig(
+        family=model_type, vision=vision, lm=lm,
+        image_token_id=_get(hf, "image_token_id", 151655),
+        video_token_id=_get(hf, "video_token_id", 151656),
+        vision_start_token_id=_get(hf, "vision_start_token_id", 151652),
+        vision_end_token_id=_get(hf, "vision_end_token_id", 151653),
+    )
+
+
+def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
+    """A Hugging Face ``config.json`` dict for ``cfg`` (used by export when none was stored)."""
+    v, t, qwen3 = cfg.vision, cfg.lm, cfg.family == "qwen3_vl"
+    rope = {"rope_type": "default", "rope_theta": t.rope_theta, "mrope_section": t.mrope_section}
+    if qwen3:
+        rope["mrope_interleaved"] = t.mrope_interleaved
+    text = {"model_type": f"{cfg.family}_text", "vocab_size": t.vocab_size,
+            "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+            "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
+            "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
+            "rms_norm_eps": t.rms_norm_eps, "rope_parameters": rope, "hidden_act": "silu",
+            "max_position_embeddings": t.max_position_embeddings,
+            "tie_word_embeddings": t.tie_embeddings}
+    if qwen3:
+        text["attention_bias"] = t.qkv_bias
+    vision = {"model_type": f"{cfg.family}_vision" if qwen3 else "qwen2_5_vl_vision",
+              "depth": v.depth, "hidden_size": v.hidden_size,
+              "intermediate_size": v.intermediate_size, "num_heads": v.num_heads,
+              "out_hidden_size": v.out_hidden_size, "in_channels": v.in_channels,
+              "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+              "spatial_merge_size": v.spatial_merge_size, "hidden_act": v.hidden_act}
+    if qwen3:
+        vision.update(num_position_embeddings=v.num_position_embeddings,
+                      deepstack_visual_indexes=v.deepstack_visual_indexes)
+    else:
+        vision.update(window_size=v.window_size, fullatt_block_indexes=v.fullatt_block_indexes)
+    arch = "Qwen3VLForConditionalGeneration" if qwen3 else "Qwen2_5_VLForConditionalGeneration"
+    return {"architectures": [arch], "model_type": cfg.family, "text_config": text,
+            "vision_config": vision, "tie_word_embeddings": t.tie_embeddings,
+            "image_token_id": cfg.image_token_id, "video_token_id": cfg.video_token_id,
+            "vision_start_token_id": cfg.vision_start_token_id,
+            "vision_end_token_id": cfg.vision_end_token_id, "dtype": "float32"}
+
+
+# ------------------------------------------------------------------ YAML
+_SECTIONS = {"vision": VisionConfig, "lm": LMConfig, "parallel": ParallelConfig}
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ValueError(f"override {item!r} is not key=value")
+    key, value = item.split("=", 1)
+    *path, leaf = key.split(".")
+    node = raw
+    for part in path:
+        node = node.setdefault(part, {})
+    node[leaf] = yaml.safe_load(value)
+
+
+def from_dict(raw: dict) -> QwenVLModelConfig:
+    """Build from a plain dict (the YAML layout); every unknown key is reported together.
+
+    Raises:
+        ValueError: unknown or missing keys (all listed), or inconsistent shapes.
+    """
+    errors: list[str] = []
+    top = {f.name for f in dataclasses.fields(QwenVLModelConfig)}
+    errors += [f"unknown key {k!r}" for k in raw if k not in top]
+    parts: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        section = raw.get(name, {} if name == "parallel" else None)
+        if section is None:
+            errors.append(f"missing section {name!r}")
+            continue
+        known = {f.name for f in dataclasses.fields(cls)}
+        errors += [f"unknown key {name}.{k!r}" for k in section if k not in known]
+        try:
+            parts[name] = cls(**{k: v for k, v in section.items() if k in known})
+        except TypeError as exc:
+            errors.append(f"{name}: {exc}")
+    if errors:
+        raise ValueError("model config: " + "; ".join(errors))
+    rest = {k: v for k, v in raw.items() if k not in _SECTIONS}
+    return QwenVLModelConfig(**rest, **parts)
+
+
+def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> QwenVLModelConfig:
+    """Load ``configs/qwen*.yaml`` (with dotted ``key=value`` overrides)."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    for item in overrides:
+        _apply_override(raw, item)
+    return from_dict(raw)

@@ -1,0 +1,60 @@
+"""Core attention confined to segments (images, temporal slices, windows) of a packed sequence.
+
+Qwen-VL vision towers attend within each image / each temporal slice of a video (full-attention
+blocks) or within each window of one (window blocks, Qwen2.5-VL). Patches of all images of a
+batch are one packed sequence, so attention must be block-diagonal over ``cu_seqlens``.
+megatron-core's local ``DotProductAttention`` rejects packed sequences, and its THD path (TE)
+re-indexes rotary frequencies per segment from 0, which breaks the per-patch 2D rotary of the
+vision tower. This module is therefore the ``core_attention`` of the vision layer spec: it plugs
+into megatron's ``SelfAttention`` (which still owns the QKV/projection linears, tensor parallel
+sharding and rotary), reads the boundaries from ``packed_seq_params.cu_seqlens_q`` (passed with
+``qkv_format="sbhd"`` so megatron applies rotary per token), and runs
+``scaled_dot_product_attention`` on each segment (flash-attention varlen on GPU when installed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+
+try:  # optional GPU fast path
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # CPU machines, or GPU images without flash-attn
+    flash_attn_varlen_func = None
+
+
+class SegmentAttention(MegatronModule):
+    """Block-diagonal (per-segment) non-causal attention; a megatron ``core_attention`` module."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type=None,
+                 attention_dropout=None, softmax_scale=None, **_kwargs):
+        super().__init__(config=config)
+        pg_collection = _kwargs.get("pg_collection")
+        tp = (pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp")
+              else parallel_state.get_tensor_model_parallel_world_size())
+        self.heads = config.num_attention_heads // tp
+        self.scale = softmax_scale or config.kv_channels ** -0.5
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        """query/key/value: (s, 1, heads, head_dim) -> (s, 1, heads * head_dim)."""
+        if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
+            raise ValueError("SegmentAttention needs packed_seq_params.cu_seqlens_q")
+        cu = packed_seq_params.cu_seqlens_q
+        seq = query.shape[0]
+        q, k, v = (t[:, 0] for t in (query, key, value))  # (s, heads, head_dim)
+        if flash_attn_varlen_func is not None and q.is_cuda:
+            cu32 = cu.to(device=q.device, dtype=torch.int32)
+            longest = int(packed_seq_params.max_seqlen_q or (cu[1:] - cu[:-1]).max())
+            out = flash_attn_varlen_func(q, k, v, cu32, cu32, longest, longest,
+                                         softmax_scale=self.scale, causal=False)
+        else:
+            lengths = (cu[1:] - cu[:-1]).tolist()
+            outs = []
+            for qs, ks, vs in zip(*(t.transpose(0, 1).split(lengths, dim=1) for t in (q, k, v))):
+                outs.append(F.scaled_dot_product_attention(qs[None], ks[None], vs[None],
+                                                           scale=self.scale)[0])
+            out = torch.cat(outs, dim=1).transpose(0, 1) if outs else q.new_zeros(q.shape)
+        return out.reshape(seq, 1, -1)
