@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models.cpu_compat import cpu_only
 from models.qwen_vl_config import QwenVLModelConfig
 from models.vision import QwenVisionEncoder
+from models.vision_dp import VisionDPOverCP
 
 IGNORE_INDEX = -100
 
@@ -92,7 +93,14 @@ def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torc
 class QwenVL(MegatronModule):
     """Vision encoder + M-RoPE GPTModel (see module docstring)."""
 
-    def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool | None = None):
+    def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool | None = None,
+                 vision_dp_over_cp: bool | None = None):
+        """Args:
+            cfg: model shapes.
+            use_te: TransformerEngine layer specs (default: when CUDA is present).
+            vision_dp_over_cp: share the vision encoder's work over the context-parallel ranks
+                (models/vision_dp.py); None = on when CP > 1. Inactive is reported once, loudly.
+        """
         config = lm_transformer_config(cfg)
         super().__init__(config=config)
         self.cfg = cfg
@@ -107,6 +115,14 @@ class QwenVL(MegatronModule):
             share_embeddings_and_output_weights=cfg.lm.tie_embeddings,
             position_embedding_type="mrope", rotary_base=cfg.lm.rope_theta,
         )
+        self._vision_dp = None
+        if self.pre_process:
+            widths = [cfg.lm.hidden_size] * (1 + len(cfg.vision.deepstack_visual_indexes))
+            cp_group = (parallel_state.get_context_parallel_group()
+                        if parallel_state.model_parallel_is_initialized() else None)
+            self._vision_dp = VisionDPOverCP(
+                self._encode_flat, hidden_size=widths, merge_size=cfg.vision.spatial_merge_size,
+                cp_group=cp_group, enabled=vision_dp_over_cp)
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         if cfg.vision.deepstack_visual_indexes and self.pre_process:
             layers = self.language_model.decoder.layers
@@ -117,9 +133,15 @@ class QwenVL(MegatronModule):
     def encode_visual(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         """Run the vision tower: -> (embeds (sum t*h*w/4, H), DeepStack list of the same shape).
 
-        The hook the vision data-parallel module wraps (``model.encode_visual = wrapper``).
+        Runs through the vision data-parallel wrapper, which shares whole images / temporal
+        slices over the CP ranks when active and calls the tower directly otherwise.
         """
-        return self.vision(pixel_values, grid_thw)
+        embeds, *deepstack = self._vision_dp(pixel_values, grid_thw)
+        return embeds, list(deepstack)
+
+    def _encode_flat(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        embeds, deepstack = self.vision(pixel_values, grid_thw)
+        return (embeds, *deepstack)
 
     def _deepstack_hook(self, index: int):
         def hook(_module, _inputs, output):
