@@ -47,3 +47,20 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(DEMO) bench_out
+
+# --- training (train.py): the tiny Qwen-VL on the demo shards (`make demo`) on CPU by default.
+#     CONFIG= (a YAML in configs/), DATA= (dataset folder or metadataset.yaml), STEPS=, NPROC=
+#     (torchrun processes), OUT= (run folder: metrics.jsonl, checkpoints), ARGS= (more key=value).
+.PHONY: train-qwen-vl-mantis train-qwen-vl-infovqa train-qwen-vl-llava-video
+NPROC ?= 1
+TRAIN_LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY))
+TRAIN_ARGS = $(if $(DATA),data.path=$(DATA)) $(if $(STEPS),train.steps=$(STEPS)) $(if $(OUT),out=$(OUT)) $(ARGS)
+
+train-qwen-vl-mantis: $(STAMP)
+	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),configs/train_qwen_vl_mantis.yaml) $(TRAIN_ARGS)
+
+train-qwen-vl-infovqa: $(STAMP)
+	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),configs/train_qwen_vl_infovqa.yaml) $(TRAIN_ARGS)
+
+train-qwen-vl-llava-video: $(STAMP)
+	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),configs/train_qwen_vl_llava_video.yaml) $(TRAIN_ARGS)

@@ -1,0 +1,495 @@
+"""Reusable pieces of train.py: process layout, input checks, LR schedule, loss normalisation,
+throughput and FLOP accounting, logging, and the training checkpoint.
+
+Stages, in the order train.py uses them:
+
+1. ``check_layout`` / ``init_distributed``: world size vs TP x PP x CP, gloo (CPU) or nccl (GPU),
+   megatron ``parallel_state``, seeded RNG tracker (``models.cpu_compat`` on CPU).
+2. ``check_data_path`` / ``probe_first_batch``: a missing or empty dataset, or one whose samples
+   the budget all skips, is a ``UsageError`` before the model is built.
+3. ``lr_at``: linear warmup then cosine decay (the scheduler state is the step).
+4. ``loss_tokens`` / ``step_token_total``: per-token loss normalised over micro-batches, DP and CP.
+5. ``batch_flops`` / ``StepMeter`` / ``MetricsLogger``: throughput, estimated FLOPs, peak memory,
+   budget counters; console + metrics.jsonl + TensorBoard (+ wandb).
+6. ``save_checkpoint`` / ``read_train_state`` / ``load_checkpoint``: megatron dist_checkpointing
+   of model + optimizer, the Energon loader state of every DP rank, RNG, scheduler, config.
+
+Raises ``UsageError`` (one line; train.py exits 2) for every input problem it detects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import resource
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from models.cpu_compat import cpu_only, enable_cpu_compat, seed_model_parallel
+
+
+class UsageError(Exception):
+    """A bad input (config, data, layout, checkpoint): one line, exit code 2."""
+
+
+# ------------------------------------------------------------------ 1. layout
+@dataclass(frozen=True, slots=True)
+class Layout:
+    world: int
+    rank: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    dp_rank: int
+    cp_rank: int
+    first_in_replica: bool  #: tp, pp, cp rank 0: writes this replica's loader state
+
+
+def check_layout(world: int, tp: int, pp: int, cp: int, seq_length: int,
+                 fixed_length: bool) -> None:
+    """Raises UsageError (every problem) when the layout cannot be built."""
+    problems = []
+    if world % (tp * pp * cp):
+        problems.append(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if cp > 1 and seq_length % (2 * cp):
+        problems.append(f"task_encoder.seq_length {seq_length} is not divisible by 2*cp = {2 * cp}")
+    if pp > 1 and not fixed_length:
+        problems.append("parallel.pp > 1 needs task_encoder.fixed_length=true")
+    if problems:
+        raise UsageError("impossible parallel layout: " + "; ".join(problems))
+
+
+def init_distributed(tp: int, pp: int, cp: int, seed: int) -> Layout:
+    """gloo/nccl process group (plain python = one process), parallel_state, RNG tracker."""
+    enable_cpu_compat(remap_tensor_literals=True)  # megatron optimizer wrappers need it
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        if "MASTER_PORT" not in os.environ:
+            import socket
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        dist.init_process_group("gloo" if cpu_only() else "nccl")
+        if not cpu_only():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp)
+    seed_model_parallel(seed)
+    return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=tp, pp=pp, cp=cp,
+                  dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                  cp_rank=ps.get_context_parallel_rank(),
+                  first_in_replica=(ps.get_tensor_model_parallel_rank() == 0
+                                    and ps.get_pipeline_model_parallel_rank() == 0
+                                    and ps.get_context_parallel_rank() == 0))
+
+
+# ------------------------------------------------------------------ 2. data checks
+def check_data_path(path: str) -> None:
+    """Raises UsageError when ``data.path`` is unset, missing, or not an Energon dataset."""
+    if not path:
+        raise UsageError("data.path is not set (give DATA=<dataset folder or metadataset.yaml>)")
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"data.path {path} does not exist")
+    if p.is_dir() and not (p / ".nv-meta" / "dataset.yaml").is_file():
+        if (p / "metadataset.yaml").is_file():
+            raise UsageError(f"data.path {path} is a converter output folder: "
+                             f"use {p / 'metadataset.yaml'}")
+        raise UsageError(f"data.path {path} is not an Energon dataset "
+                         "(no .nv-meta/dataset.yaml) or it is empty")
+
+
+def _blend_members(path: str, split_part: str) -> list[tuple[str, str]]:
+    """(dataset, split part) of each member of a metadataset blend (weighted blends cannot be
+    read once without repeat); the path itself for a dataset folder or another layout."""
+    import yaml
+
+    p = Path(path)
+    if p.is_file():
+        try:
+            blend = yaml.safe_load(p.read_text())["splits"][split_part]["blend"]
+            return [(str(p.parent / m["path"]), m.get("split_part", split_part)) for m in blend]
+        except (KeyError, TypeError, yaml.YAMLError):
+            pass
+    return [(path, split_part)]
+
+
+def probe_first_batch(path: str, split_part: str, task_encoder) -> None:
+    """Read the dataset once (no repeat) until one batch comes out.
+
+    Raises:
+        UsageError: the dataset cannot be loaded, is empty, or the budget skips every sample
+            (the skip reasons are counted in the message).
+    """
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    try:
+        for member, part in _blend_members(path, split_part):
+            dataset = get_train_dataset(member, split_part=part, worker_config=worker_config,
+                                        batch_size=1, shuffle_buffer_size=None,
+                                        max_samples_per_sequence=None, task_encoder=task_encoder,
+                                        repeat=False)
+            for _batch in get_loader(dataset):
+                return
+    except Exception as error:  # noqa: BLE001 - energon raises many kinds; report in one line
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UsageError(f"data.path {path}: cannot load split {split_part!r}: "
+                         f"{type(error).__name__}: {first}") from None
+    counters = task_encoder.counters()
+    skipped = {k: v for k, v in sorted(counters.items()) if k.startswith("skipped_")}
+    if not counters.get("samples"):
+        raise UsageError(f"data.path {path}: split {split_part!r} has no samples")
+    raise UsageError(f"data.path {path}: all {counters['samples']} samples are skipped by the "
+                     f"budget ({', '.join(f'{k}={v}' for k, v in skipped.items())}); raise "
+                     "task_encoder.seq_length / max_visual_tokens / max_num_images")
+
+
+# ------------------------------------------------------------------ 3. schedule
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """LR of optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_lr``."""
+    if warmup_steps and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+# ------------------------------------------------------------------ 4. loss normalisation
+def loss_tokens(batch) -> int:
+    """Supervised tokens of a batch after the model's shift (what its loss mask counts)."""
+    shifted = batch.loss_mask[:, 1:] * (batch.labels[:, 1:] != -100)
+    return int(shifted.sum())
+
+
+def step_token_total(local_tokens: int) -> int:
+    """Supervised tokens of one optimizer step over all DP replicas (CP ranks share samples)."""
+    from megatron.core import parallel_state as ps
+
+    total = torch.tensor([float(local_tokens)])
+    if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return int(total.item())
+
+
+# ------------------------------------------------------------------ 5. metrics
+def batch_flops(batch, model_cfg) -> float:
+    """Estimated training FLOPs (forward + backward = 3x forward) of one batch.
+
+    LM: dense matmuls per real (non-pad) token + causal attention over each real sequence
+    (packed segments separately). Vision: per patch, blocks + patch embed; per merged token,
+    the merger; attention within each image / temporal slice (windows for Qwen2.5 window blocks).
+    """
+    lm, v = model_cfg.lm, model_cfg.vision
+    q, kv = lm.num_heads * lm.head_dim, lm.num_kv_heads * lm.head_dim
+    per_token = 2 * (lm.num_layers * (lm.hidden_size * (2 * q + 2 * kv)
+                                      + 3 * lm.hidden_size * lm.intermediate_size)
+                     + lm.hidden_size * lm.vocab_size)
+    if batch.cu_seqlens is not None:
+        lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).double()
+        real_lengths = lengths  # pad tails counted as a segment: small over-estimate
+    else:
+        real_lengths = batch.attention_mask.sum(1).double()
+    tokens = float(batch.attention_mask.sum())
+    lm_fwd = per_token * tokens + 2 * 2 * lm.num_layers * q * float((real_lengths ** 2).sum()) / 2
+    mlp = (3 if v.hidden_act == "silu" else 2) * v.hidden_size * v.intermediate_size
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    merged = v.hidden_size * v.spatial_merge_size ** 2
+    vis_fwd = 0.0
+    for grid in (batch.image_grid_thw, batch.video_grid_thw):
+        for t, h, w in grid.tolist():
+            patches = t * h * w
+            vis_fwd += 2 * patches * (v.depth * (4 * v.hidden_size ** 2 + mlp)
+                                      + patch_dim * v.hidden_size)
+            vis_fwd += 2 * patches / v.spatial_merge_size ** 2 * (merged * merged
+                                                                  + merged * v.out_hidden_size)
+            window = (v.window_size // v.patch_size) ** 2 if v.window_size else h * w
+            full = len(v.fullatt_block_indexes) if v.window_size else v.depth
+            span = full * h * w + (v.depth - full) * min(window, h * w)
+            vis_fwd += 2 * 2 * v.hidden_size * t * h * w * span
+    return 3.0 * (lm_fwd + vis_fwd)
+
+
+def peak_memory_gb() -> float:
+    if not cpu_only():
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+class StepMeter:
+    """Sums one logging window of batches (this rank), then all-reduces over DP replicas."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats = Counter()
+        self.budget = Counter()
+        self.time = self.wait = 0.0
+        self.steps = 0
+
+    def add_batch(self, batch, model_cfg) -> None:
+        self.stats["samples"] += sum(len(k.split(",")) for k in batch.__key__)
+        self.stats["tokens"] += int(batch.attention_mask.sum())
+        self.stats["loss_tokens"] += loss_tokens(batch)
+        merge = model_cfg.vision.spatial_merge_size ** 2
+        self.stats["visual_tokens"] += int(batch.image_grid_thw.prod(-1).sum()) // merge
+        self.stats["visual_tokens"] += int(batch.video_grid_thw.prod(-1).sum()) // merge
+        self.stats["images"] += int(batch.image_grid_thw.shape[0])
+        self.stats["videos"] += int(batch.video_grid_thw.shape[0])
+        self.stats["flops"] += batch_flops(batch, model_cfg)
+        self.budget.update(batch.budget_counters)
+
+    def summary(self, layout: Layout) -> dict:
+        """Window totals over DP replicas -> rates (per second of wall time)."""
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(self.stats)
+        bkeys = sorted(self.budget)
+        values = torch.tensor([float(self.stats[k]) for k in keys], dtype=torch.float64)
+        if layout.dp > 1:  # budget keys may differ by rank: gather them as json
+            dist.all_reduce(values, group=ps.get_data_parallel_group())
+            gathered = [None] * layout.dp
+            dist.all_gather_object(gathered, dict(self.budget), group=ps.get_data_parallel_group())
+            budget = Counter()
+            for g in gathered:
+                budget.update(g)
+            bkeys = sorted(budget)
+        else:
+            budget = self.budget
+        total = dict(zip(keys, values.tolist(), strict=True))
+        seconds = max(self.time, 1e-9)
+        out = {
+            "step_time_s": self.time / max(self.steps, 1),
+            "data_wait_s": self.wait / max(self.steps, 1),
+            "samples_per_s": total.get("samples", 0) / seconds,
+            "tokens_per_s": total.get("tokens", 0) / seconds,
+            "visual_tokens_per_s": total.get("visual_tokens", 0) / seconds,
+            "images_per_s": total.get("images", 0) / seconds,
+            "tflops_per_s": total.get("flops", 0) / seconds / 1e12,
+            "tflops_per_s_per_rank": total.get("flops", 0) / seconds / 1e12 / layout.world,
+            "peak_mem_gb": peak_memory_gb(),
+        }
+        out["budget"] = {k: int(budget[k]) for k in bkeys}
+        return out
+
+
+class MetricsLogger:
+    """Console + ``metrics.jsonl`` + TensorBoard (when importable) + wandb (when asked)."""
+
+    def __init__(self, out: Path, *, enabled: bool, tensorboard: bool, wandb: bool,
+                 wandb_project: str, config: dict, append: bool):
+        self.enabled = enabled
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        self.file = open(out / "metrics.jsonl", "a" if append else "w")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:
+                print("[train] TensorBoard not installed: logging to metrics.jsonl only")
+        if wandb:
+            try:
+                import wandb as wb
+                self.wandb = wb.init(project=wandb_project, config=config, dir=str(out))
+            except ImportError:
+                print("[train] wandb not installed: skipped")
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        budget = record.get("budget", {})
+        print(f"[train] step {record['step']:>5} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+              f"gnorm {record['grad_norm']:.3f} step {record['step_time_s']:.2f}s "
+              f"wait {record['data_wait_s']:.2f}s {record['samples_per_s']:.1f} samp/s "
+              f"{record['tokens_per_s']:.0f} tok/s {record['visual_tokens_per_s']:.0f} vis/s "
+              f"{record['images_per_s']:.1f} img/s {record['tflops_per_s']:.4f} TFLOP/s "
+              f"mem {record['peak_mem_gb']:.2f}GB "
+              f"skipped {sum(v for k, v in budget.items() if k.startswith('skipped_'))}",
+              flush=True)
+        flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        flat.update({f"budget/{k}": v for k, v in budget.items()})
+        if self.tb is not None:
+            for key, value in flat.items():
+                self.tb.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(flat, step=record["step"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+# ------------------------------------------------------------------ grad norm / clipping
+def clip_main_grads(model, max_norm: float) -> float:
+    """Global L2 norm of the DDP ``main_grad`` buffers (TP/PP-aware); scale them to max_norm.
+
+    The CPU path of gradient clipping (megatron's clip_grad_norm needs CUDA tensors). Call after
+    ``finalize_model_grads``, when every DP rank holds the reduced gradients.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    grads = [p.main_grad for p in model.parameters()
+             if getattr(p, "main_grad", None) is not None
+             and param_is_not_tensor_parallel_duplicate(p)]
+    sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else \
+        torch.zeros((), dtype=torch.float64)
+    if dist.is_initialized() and ps.get_model_parallel_group().size() > 1:
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.mul_(scale)
+    return norm
+
+
+# ------------------------------------------------------------------ 6. checkpoints
+TRAIN_STATE = "train_state.json"
+
+
+def rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": None if cpu_only() else torch.cuda.get_rng_state(),
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and not cpu_only():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step folder, or a checkpoint dir with a ``latest`` file -> the step folder."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    return path
+
+
+def read_train_state(path: str | Path, layout_dp: int) -> dict:
+    """Read and validate a checkpoint's train_state.json before any heavy work.
+
+    Raises:
+        UsageError: missing/unreadable checkpoint, or a data-parallel size that differs.
+    """
+    step_dir = resolve_checkpoint(path)
+    try:
+        state = json.loads((step_dir / TRAIN_STATE).read_text())
+        step, saved_dp = int(state["step"]), int(state["layout"]["dp"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"checkpoint {path} is unreadable ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    if not (step_dir / "model_optim" / "metadata.json").is_file():
+        raise UsageError(f"checkpoint {step_dir} is unreadable (no model_optim/metadata.json)")
+    if saved_dp != layout_dp:
+        raise UsageError(f"checkpoint {step_dir} was saved with data-parallel size {saved_dp}, "
+                         f"this run has {layout_dp}: the Energon loader state cannot be "
+                         "redistributed (resume with the same DP size)")
+    state["dir"] = str(step_dir)
+    state["step"] = step
+    return state
+
+
+def _sharded(model, optimizer, is_loading: bool) -> dict:
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_states: list,
+                    layout: Layout, train_state: dict, config_yaml: str, keep_last: int = 2
+                    ) -> Path:
+    """Write ``ckpt_dir/step_<N>/`` (collective: every rank calls it) and update ``latest``.
+
+    ``loader_states``: this rank's Energon loader states (one per virtual DP reader).
+    """
+    from megatron.core import dist_checkpointing
+
+    step_dir = ckpt_dir / f"step_{step:06d}"
+    if layout.rank == 0:
+        if step_dir.exists():
+            shutil.rmtree(step_dir)
+        for sub in ("model_optim", "loader", "rng"):
+            (step_dir / sub).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False),
+                            str(step_dir / "model_optim"))
+    if layout.first_in_replica:
+        torch.save(loader_states, step_dir / "loader" / f"dp_{layout.dp_rank:05d}.pt")
+    torch.save(rng_state(), step_dir / "rng" / f"rank_{layout.rank:05d}.pt")
+    dist.barrier()
+    if layout.rank == 0:
+        record = {**train_state, "step": step,
+                  "layout": {k: getattr(layout, k) for k in ("world", "tp", "pp", "cp", "dp")}}
+        (step_dir / TRAIN_STATE).write_text(json.dumps(record, indent=2))
+        (step_dir / "config.yaml").write_text(config_yaml)
+        (ckpt_dir / "latest").write_text(step_dir.name + "\n")
+        old = sorted(p for p in ckpt_dir.glob("step_*") if p.name != step_dir.name)
+        for stale in old[: max(0, len(old) - (keep_last - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    return step_dir
+
+
+def load_checkpoint(step_dir: str | Path, *, model, optimizer, layout: Layout) -> list:
+    """Restore model + optimizer + RNG in place; returns this replica's loader states.
+
+    Raises:
+        UsageError: the dist checkpoint does not match the model (one line).
+    """
+    from megatron.core import dist_checkpointing
+
+    step_dir = Path(step_dir)
+    try:
+        state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True),
+                                        str(step_dir / "model_optim"))
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        loader_states = torch.load(step_dir / "loader" / f"dp_{layout.dp_rank:05d}.pt",
+                                   weights_only=False)
+        rng = step_dir / "rng" / f"rank_{layout.rank:05d}.pt"
+        if rng.is_file():
+            set_rng_state(torch.load(rng, weights_only=False))
+    except (OSError, RuntimeError, KeyError, ValueError) as error:
+        raise UsageError(f"checkpoint {step_dir} cannot be loaded: {type(error).__name__}: "
+                         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                         ) from None
+    return loader_states
+

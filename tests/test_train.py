@@ -1,0 +1,192 @@
+"""train.py: config loading, schedule, bad input (exit 2), end-to-end runs, exact resume,
+DP=2 / CP=2 equivalence and the vision-signal check (tiny Qwen-VL on the lookalike datasets)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.run_config import ConfigError, load_run_config, to_dict
+from models.training import lr_at
+
+REPO = Path(__file__).resolve().parents[1]
+MANTIS_CFG = REPO / "configs" / "train_qwen_vl_mantis.yaml"
+FAST = ["data.num_workers=0", "log.tensorboard=false", "checkpoint.save_final=false"]
+
+
+def train(*args: str, nproc: int = 1, env: dict | None = None, timeout: int = 300):
+    """Run train.py like a user (python, or torchrun for nproc > 1)."""
+    if nproc == 1:
+        cmd = [sys.executable, "train.py", *args]
+    else:
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+               "--nproc-per-node", str(nproc), "train.py", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def ok(proc) -> None:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def error_line(proc) -> str:
+    """The one-line error of a run that must exit 2."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("train.py: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+# ------------------------------------------------------------------ config
+def test_config_loads_with_overrides():
+    cfg = load_run_config(MANTIS_CFG, ["train.steps=7", "train.lr=1e-3", "model.lm.num_layers=1",
+                                       "task_encoder.max_pixels=50176", "data.path=/x",
+                                       "parallel.cp=2", "out=/tmp/o"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.model.lm.num_layers) == (7, 1e-3, 1)
+    assert cfg.task_encoder.max_pixels == 50176 and cfg.data.path == "/x"
+    assert cfg.task_encoder.context_parallel_size == 2  # follows parallel.cp
+    assert to_dict(cfg)["train"]["steps"] == 7 and cfg.checkpoint_dir == Path("/tmp/o/checkpoints")
+
+
+def test_config_errors_are_reported_together():
+    with pytest.raises(ConfigError) as info:
+        load_run_config(MANTIS_CFG, ["train.stepz=3", "data.num_workers=abc", "bogus=1",
+                                     "task_encoder.max_pixelz=4", "model.lm.depth=2"])
+    message = str(info.value)
+    assert "\n" not in message
+    for part in ("train.stepz", "data.num_workers", "bogus", "max_pixelz", "depth"):
+        assert part in message, message
+
+
+def test_config_files_all_load():
+    for name in ("mantis", "infovqa", "llava_video"):
+        cfg = load_run_config(REPO / "configs" / f"train_qwen_vl_{name}.yaml")
+        assert 10 <= cfg.train.steps <= 50
+
+
+def test_lr_warmup_then_cosine():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=2, total_steps=12)
+    values = [lr_at(s, **kw) for s in range(12)]
+    assert values[:2] == [0.5, 1.0] and values[2] == 1.0
+    assert all(a >= b for a, b in zip(values[2:], values[3:]))
+    assert math.isclose(lr_at(12, **kw), 0.1)
+
+
+# ------------------------------------------------------------------ bad input: one line, exit 2
+def test_bad_config_key_exits_2():
+    assert "train.stepz" in error_line(train(str(MANTIS_CFG), "train.stepz=3"))
+
+
+def test_missing_and_empty_dataset_exit_2(tmp_path):
+    assert "does not exist" in error_line(train(str(MANTIS_CFG), f"data.path={tmp_path}/nope"))
+    assert "not an Energon dataset" in error_line(train(str(MANTIS_CFG), f"data.path={tmp_path}"))
+    assert "not set" in error_line(train(str(MANTIS_CFG), "data.path="))
+
+
+def test_impossible_layout_exits_2(mantis_out):
+    data = f"data.path={mantis_out}/metadataset.yaml"
+    line = error_line(train(str(MANTIS_CFG), data, "parallel.tp=2", env={"WORLD_SIZE": "3"}))
+    assert "not divisible by tp*pp*cp" in line
+    line = error_line(train(str(MANTIS_CFG), data, "parallel.cp=2", "task_encoder.seq_length=1020"))
+    assert "seq_length" in line and "multiple" in line
+
+
+def test_unreadable_checkpoint_and_all_skipped_exit_2(mantis_out, tmp_path):
+    data = f"data.path={mantis_out}/metadataset.yaml"
+    bad = tmp_path / "ckpt"
+    bad.mkdir()
+    (bad / "train_state.json").write_text("{not json")
+    line = error_line(train(str(MANTIS_CFG), data, f"out={tmp_path}", "--resume", str(bad)))
+    assert "unreadable" in line
+    line = error_line(train(str(MANTIS_CFG), data, f"out={tmp_path}", *FAST,
+                            "task_encoder.seq_length=16"))
+    assert "skipped by the budget" in line and "skipped_too_long" in line
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.fixture(scope="session")
+def mantis_reference(mantis_out, tmp_path_factory):
+    """4 steps on mantis, checkpoint at step 2: the reference of resume and CP=2."""
+    out = tmp_path_factory.mktemp("ref")
+    ok(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={out}",
+             "train.steps=4", "checkpoint.interval=2", *FAST))
+    return out
+
+
+@pytest.mark.slow
+def test_mantis_run_logs_metrics_and_checkpoints(mantis_reference):
+    records = [json.loads(x) for x in (mantis_reference / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "samples_per_s",
+                "tokens_per_s", "visual_tokens_per_s", "images_per_s", "tflops_per_s",
+                "peak_mem_gb", "budget"):
+        assert key in records[0], key
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert records[0]["visual_tokens_per_s"] > 0 and records[0]["budget"]["samples"] > 0
+    step = mantis_reference / "checkpoints" / "step_000002"
+    assert (mantis_reference / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    for part in ("model_optim/metadata.json", "loader/dp_00000.pt", "rng/rank_00000.pt",
+                 "train_state.json", "config.yaml"):
+        assert (step / part).exists(), part
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(mantis_reference, mantis_out, tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(mantis_reference / "checkpoints" / "step_000002", out / "ckpt" / "step_000002")
+    ok(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={out}",
+             "train.steps=4", *FAST, "--resume", str(out / "ckpt" / "step_000002")))
+    assert losses(out) == losses(mantis_reference)[2:]  # bit-exact on CPU
+
+
+@pytest.mark.slow
+def test_resume_refuses_other_dp_size(mantis_reference, mantis_out, tmp_path):
+    step = tmp_path / "step_000002"
+    shutil.copytree(mantis_reference / "checkpoints" / "step_000002", step)
+    state = json.loads((step / "train_state.json").read_text())
+    state["layout"]["dp"] = 2
+    (step / "train_state.json").write_text(json.dumps(state))
+    line = error_line(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                            f"out={tmp_path}", "--resume", str(step)))
+    assert "data-parallel size 2" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["infovqa_out", "video_out"])
+def test_other_datasets_run(fixture, request, tmp_path):
+    name = {"infovqa_out": "infovqa", "video_out": "llava_video"}[fixture]
+    data = request.getfixturevalue(fixture)
+    ok(train(str(REPO / "configs" / f"train_qwen_vl_{name}.yaml"),
+             f"data.path={data}/metadataset.yaml", f"out={tmp_path}", "train.steps=4", *FAST))
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert sum(r["visual_tokens_per_s"] for r in records) > 0
+
+
+@pytest.mark.slow
+def test_cp2_equals_single_process(mantis_reference, mantis_out, tmp_path):
+    ok(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={tmp_path}",
+             "train.steps=4", "checkpoint.interval=2", *FAST, "parallel.cp=2", nproc=2))
+    for a, b in zip(losses(tmp_path), losses(mantis_reference), strict=True):
+        assert abs(a - b) < 1e-4
+
+
+@pytest.mark.slow
+def test_dp2_equals_single_process(mantis_out, tmp_path):
+    args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
+            "train.micro_batch_size=2", *FAST]
+    ok(train(*args, f"out={tmp_path / 'one'}", "data.virtual_dp=2"))  # reads as 2 DP ranks
+    ok(train(*args, f"out={tmp_path / 'two'}", nproc=2))
+    for a, b in zip(losses(tmp_path / "two"), losses(tmp_path / "one"), strict=True):
+        assert abs(a - b) < 1e-4

@@ -1,0 +1,260 @@
+"""Supervised fine-tuning of Qwen-VL on Energon data with megatron-core (a recipe, top to bottom).
+
+    python train.py configs/train_qwen_vl_mantis.yaml [key=value ...] [--resume [CKPT]]
+    torchrun --nproc-per-node 2 train.py CONFIG parallel.cp=2 ...
+
+Blocks: config -> checks -> distributed setup -> data -> model -> optimizer -> resume -> loop
+(-> checkpoints) -> teardown. Reusable parts live in models/training.py (schedule, metrics,
+checkpoints) and models/run_config.py (the config). Every input problem (config, data, layout,
+checkpoint) is one line on stderr and exit code 2, before the model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from models.run_config import ConfigError, dump_yaml, load_run_config, to_dict
+from models.training import UsageError, check_data_path, check_layout
+
+
+# --- adapter: the model and one forward over a batch ------------------------------------------
+def build_model(cfg, layout):
+    """The Qwen-VL model (models/qwen_vl.py, vision DP over CP inside); CPU CP attention."""
+    from models.cpu_compat import cpu_only
+    from models.qwen_vl import QwenVL
+
+    model = QwenVL(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
+    if layout.cp > 1 and cpu_only():
+        from models.cpu_cp_attention import use_cp_attention
+
+        use_cp_attention(model.language_model)
+    return model if cpu_only() else model.cuda()
+
+
+def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """megatron's CP split: rank r keeps chunks r and 2*cp-1-r of 2*cp along ``dim``."""
+    chunks = t.chunk(2 * cp, dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim)
+
+
+def forward_step(model, batch, layout, blank_media: bool):
+    """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch``."""
+    unwrapped = model.module
+    while not hasattr(unwrapped, "embed"):  # DDP -> (Float16Module ->) QwenVL
+        unwrapped = unwrapped.module
+    device = next(unwrapped.parameters()).device
+    fields = {k: getattr(batch, k).to(device) for k in (
+        "input_ids", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw",
+        "pixel_values_videos", "video_grid_thw")}
+    if blank_media:  # the vision-signal control: every pixel row at the normalised mean
+        fields["pixel_values"] = torch.zeros_like(fields["pixel_values"])
+        fields["pixel_values_videos"] = torch.zeros_like(fields["pixel_values_videos"])
+    if layout.cp == 1:
+        per_token, _mask = model(**fields, cu_seqlens=batch.cu_seqlens,
+                                 sample_keys=batch.__key__)
+        return per_token
+    # CP: embed the whole sequence (vision DP over CP inside), then each rank runs its zig-zag
+    # share of the LM; M-RoPE positions stay whole (megatron slices the rotary table per rank).
+    emb, deepstack = unwrapped.embed(fields["input_ids"], fields["pixel_values"],
+                                     fields["image_grid_thw"], fields["pixel_values_videos"],
+                                     fields["video_grid_thw"], batch.__key__)
+    if deepstack is not None or batch.cu_seqlens is not None:
+        raise UsageError("parallel.cp > 1 supports Qwen2.5-VL without packing on this path")
+    labels, mask = fields["labels"], fields["loss_mask"]
+    target = torch.full_like(labels, -100)
+    target[:, :-1] = labels[:, 1:]
+    shifted = torch.zeros_like(mask)
+    shifted[:, :-1] = mask[:, 1:]
+    shifted = shifted * (target != -100)
+    split = lambda t, d: zigzag(t, d, layout.cp, layout.cp_rank)  # noqa: E731
+    out = unwrapped.language_model(input_ids=None, position_ids=fields["position_ids"],
+                                   attention_mask=None, decoder_input=split(emb, 0),
+                                   labels=split(target.clamp(min=0), 1))
+    return out * split(shifted, 1)
+
+
+# --- config ------------------------------------------------------------------------------------
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML in configs/")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. train.steps=20")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None,
+                        help="continue from CKPT (default: the run's latest checkpoint)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = load_run_config(args.config, args.overrides)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    p, te_cfg = cfg.parallel, cfg.task_encoder
+    check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length)
+    check_data_path(cfg.data.path)
+    out = Path(cfg.out)
+
+    # --- distributed setup ---------------------------------------------------------------------
+    from models import training as T
+
+    layout = T.init_distributed(p.tp, p.pp, p.cp, cfg.train.seed)
+    resume = None
+    if args.resume:
+        where = cfg.checkpoint_dir if args.resume == "latest" else args.resume
+        resume = T.read_train_state(where, layout.dp)
+    is_logger = layout.rank == 0
+    if is_logger:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_yaml(cfg))
+        print("[train] resolved config:\n" + dump_yaml(cfg), flush=True)
+
+    # --- data ----------------------------------------------------------------------------------
+    from energon_tasks.loader import get_train_loader
+    from energon_tasks.qwen_vl import QwenVLTaskEncoder
+    from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
+
+    tokenizer_name = te_cfg.tokenizer_name
+    if te_cfg.tokenizer == "test":  # the small local BPE of the tests and the CPU demo
+        tokenizer_name = str(out / "tokenizer")
+        if layout.rank == 0:
+            build_test_tokenizer(tokenizer_name)
+        torch.distributed.barrier()
+    tokenizer = load_tokenizer(tokenizer_name)
+    T.probe_first_batch(cfg.data.path, cfg.data.split_part, QwenVLTaskEncoder(te_cfg, tokenizer))
+    encoder = QwenVLTaskEncoder(te_cfg, tokenizer)
+    if len(tokenizer) > cfg.model.lm.vocab_size:
+        raise UsageError(f"tokenizer has {len(tokenizer)} tokens, model.lm.vocab_size is "
+                         f"{cfg.model.lm.vocab_size}")
+    cfg.model.image_token_id, cfg.model.video_token_id = encoder.image_pad, encoder.video_pad
+    cfg.model.vision_start_token_id = encoder.vision_start
+    cfg.model.vision_end_token_id = encoder.vision_end
+    virtual = cfg.data.virtual_dp
+    loaders = [get_train_loader(
+        cfg.data.path, task_encoder=encoder, batch_size=cfg.train.micro_batch_size,
+        dp_rank=layout.dp_rank * virtual + v, dp_size=layout.dp * virtual,
+        num_workers=cfg.data.num_workers, shuffle_buffer_size=cfg.data.shuffle_buffer_size,
+        max_samples_per_sequence=cfg.data.max_samples_per_sequence,
+        seed_offset=cfg.data.seed_offset, split_part=cfg.data.split_part) for v in range(virtual)]
+
+    # --- model ---------------------------------------------------------------------------------
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from models.cpu_compat import cpu_only
+
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and not cpu_only())
+    model = build_model(cfg, layout)
+    if cfg.train.init_checkpoint and resume is None:
+        state = dist_checkpointing.load(model.sharded_state_dict(), cfg.train.init_checkpoint)
+        model.load_state_dict(state, strict=False)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+        model.config.bf16 = True
+        model = Float16Module(model.config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False, bucket_size=None)
+    model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    n_params = sum(q.numel() for q in model.parameters())
+
+    # --- optimizer -----------------------------------------------------------------------------
+    t = cfg.train
+    clip_in_optimizer = not cpu_only()  # megatron's clip_grad_norm needs CUDA tensors
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
+        params_dtype=torch.float32, use_distributed_optimizer=False,
+        clip_grad=t.clip_grad if clip_in_optimizer else 0.0), [model])
+
+    # --- resume --------------------------------------------------------------------------------
+    start = 0
+    if resume is not None:
+        states = T.load_checkpoint(resume["dir"], model=model.module, optimizer=optimizer,
+                                   layout=layout)
+        if len(states) != virtual:
+            raise UsageError(f"checkpoint {resume['dir']} holds {len(states)} loader states per "
+                             f"rank, data.virtual_dp is {virtual}")
+        for loader, state in zip(loaders, states, strict=True):
+            loader.restore_state_rank(state)
+        start = resume["step"]
+    if is_logger:
+        print(f"[train] {n_params / 1e6:.2f} M params on rank 0; world {layout.world} = "
+              f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}; "
+              f"steps {start}..{t.steps}", flush=True)
+
+    # --- loop ----------------------------------------------------------------------------------
+    logger = T.MetricsLogger(out, enabled=is_logger, tensorboard=cfg.log.tensorboard,
+                             wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
+                             config=to_dict(cfg), append=resume is not None)
+    iterators = [iter(loader) for loader in loaders]
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    scale = layout.dp * layout.cp  # DDP averages over DP x CP: undo it, we divide by tokens
+    meter = T.StepMeter()
+    for step in range(start, t.steps):
+        step_start = time.perf_counter()
+        batches, wait = [], 0.0
+        for _ in range(t.grad_accum):
+            for it in iterators:
+                tick = time.perf_counter()
+                batches.append(next(it))
+                wait += time.perf_counter() - tick
+        total_tokens = T.step_token_total(sum(T.loss_tokens(b) for b in batches))
+        lr = T.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                     total_steps=t.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        model.train()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss_sum = torch.zeros(1, dtype=torch.float64)
+        for batch in batches:
+            token_loss = forward_step(model, batch, layout, cfg.data.blank_media).float().sum()
+            (token_loss * scale / max(total_tokens, 1)).backward()
+            loss_sum += token_loss.detach().double().cpu()
+        finalize_model_grads([model])
+        grad_norm = None if clip_in_optimizer else T.clip_main_grads(model, t.clip_grad)
+        _ok, opt_norm, _zeros = optimizer.step()
+        grad_norm = opt_norm if grad_norm is None else grad_norm
+        if dp_cp.size() > 1:
+            torch.distributed.all_reduce(loss_sum, group=dp_cp)
+        meter.time += time.perf_counter() - step_start
+        meter.wait += wait
+        meter.steps += 1
+        for batch in batches:
+            meter.add_batch(batch, cfg.model)
+        done = step + 1
+        if done % cfg.log.interval == 0 or done == t.steps:
+            record = {"step": done, "loss": float(loss_sum) / max(total_tokens, 1), "lr": lr,
+                      "grad_norm": float(grad_norm or 0.0), "loss_tokens": total_tokens,
+                      **meter.summary(layout)}
+            logger.log(record)
+            meter.reset()
+
+        # --- checkpoint ----------------------------------------------------------------------
+        every = cfg.checkpoint.interval
+        if (every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final):
+            T.save_checkpoint(cfg.checkpoint_dir, done, model=model.module, optimizer=optimizer,
+                              loader_states=[loader.save_state_rank() for loader in loaders],
+                              layout=layout, config_yaml=dump_yaml(cfg),
+                              train_state={"scheduler": {"step": done, "lr": lr},
+                                           "params": n_params})
+
+    # --- teardown ------------------------------------------------------------------------------
+    logger.close()
+    ps.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns a Manager process
+    try:
+        sys.exit(main())
+    except (ConfigError, UsageError) as error:
+        print(f"train.py: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
