@@ -39,8 +39,17 @@ prepare-infovqa: $(STAMP)
 prepare-llava-video: $(STAMP)
 	$(PY) -m converters llava-video --source $(or $(SOURCE),$(SOURCE_VIDEO)) --out $(or $(OUT),data/llava-video) --workers $(WORKERS)
 
+DEMO_STEPS ?= 30
+# The main job on embedded data: lookalikes -> Energon shards -> tiny Qwen-VL trained on each
+# dataset on CPU -> loss curves (PNG) and a report with throughput.
 demo: $(STAMP)
 	$(PY) -m converters.demo --out $(DEMO)
+	$(PY) train.py configs/train_qwen_vl_mantis.yaml data.path=$(DEMO)/mantis/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/mantis
+	$(PY) train.py configs/train_qwen_vl_infovqa.yaml data.path=$(DEMO)/infovqa/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/infovqa
+	$(PY) train.py configs/train_qwen_vl_llava_video.yaml data.path=$(DEMO)/llava-video/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/llava-video
+	$(PY) train.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check out=$(DEMO)/runs/vision-check
+	$(PY) train.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check out=$(DEMO)/runs/vision-check-blanked data.blank_media=true
+	$(PY) -m models.report $(DEMO)/report $(DEMO)/runs/mantis $(DEMO)/runs/infovqa $(DEMO)/runs/llava-video $(DEMO)/runs/vision-check $(DEMO)/runs/vision-check-blanked --pair vision-check:vision-check-blanked
 
 bench: $(STAMP)
 	$(PY) bench/bench_converters.py --out bench_out

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import click
 
-from converters.lookalikes import build_all
+from converters.lookalikes import build_all, build_mantis
+
+#: Rows of the vision-signal dataset: single-config Mantis lookalike whose every answer is the
+#: colour of a shape in one of two images, so it can only be learnt from the pixels.
+VISION_CHECK_ROWS = 300
 
 #: (CLI command, lookalike name, extra options)
 CONVERSIONS = (
@@ -40,6 +44,17 @@ def run_conversions(out: Path, workers: int = 2) -> dict[str, dict]:
     return summaries
 
 
+def build_vision_check(out: Path, workers: int = 2) -> Path:
+    """The vision-signal dataset (answers depend only on the media) at out/vision-check."""
+    root = build_mantis(out / "sources" / "vision-check",
+                        configs={"birds-to-words": VISION_CHECK_ROWS}, pitfalls=False)
+    target = out / "vision-check"
+    subprocess.run([sys.executable, "-m", "converters", "mantis", "--source", str(root),
+                    "--out", str(target), "--workers", str(workers), "--val-fraction", "0"],
+                   check=True, stdout=subprocess.DEVNULL)
+    return target
+
+
 def show_energon_info(out: Path) -> None:
     energon = Path(sys.executable).with_name("energon")
     for command, _, _ in CONVERSIONS:
@@ -55,6 +70,7 @@ def main(out: Path, workers: int) -> None:
     """Build lookalikes, convert them, show energon info and the accounting."""
     start = time.perf_counter()
     summaries = run_conversions(out, workers)
+    build_vision_check(out, workers)
     show_energon_info(out)
     click.echo("\n== conversion summaries")
     for name, s in summaries.items():

@@ -1,0 +1,108 @@
+"""Training report: loss curves (PNG) and a short markdown summary of runs' metrics.jsonl.
+
+`python -m models.report OUT RUN [RUN ...] [--pair WITH:BLANKED]` reads each run folder's
+`metrics.jsonl` (written by train.py), plots every loss curve into `OUT/loss_curves.png`, writes
+`OUT/report.md` (first/last loss, median step time, throughput) and prints the same table. A
+`--pair` compares a run with media against the same run with media blanked (the vision-signal
+check): the mean loss of the last quarter of steps must be clearly higher without media.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import click
+
+#: The blanked run must end at least this much higher (relative) for the check to pass.
+VISION_SIGNAL_MARGIN = 0.10
+
+
+def read_metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise click.ClickException(f"{run}: no metrics.jsonl (did the run finish?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tail_loss(rows: list[dict]) -> float:
+    """Mean loss over the last quarter of the logged steps."""
+    tail = rows[-max(1, len(rows) // 4):]
+    return statistics.fmean(r["loss"] for r in tail)
+
+
+def summarize(name: str, rows: list[dict]) -> dict:
+    return {
+        "run": name,
+        "steps": rows[-1]["step"],
+        "loss_first": round(rows[0]["loss"], 4),
+        "loss_last": round(rows[-1]["loss"], 4),
+        "loss_tail_mean": round(tail_loss(rows), 4),
+        "step_time_s_median": round(statistics.median(r["step_time_s"] for r in rows), 3),
+        "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in rows), 1),
+        "samples_per_s_median": round(statistics.median(r["samples_per_s"] for r in rows), 2),
+        "visual_tokens_per_s_median": round(
+            statistics.median(r["visual_tokens_per_s"] for r in rows), 1),
+    }
+
+
+def vision_signal(with_media: list[dict], blanked: list[dict]) -> dict:
+    a, b = tail_loss(with_media), tail_loss(blanked)
+    return {"loss_with_media": round(a, 4), "loss_media_blanked": round(b, 4),
+            "relative_gap": round((b - a) / b, 4) if b else 0.0,
+            "passed": b > a * (1 + VISION_SIGNAL_MARGIN)}
+
+
+def plot(path: Path, runs: dict[str, list[dict]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rows in runs.items():
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (per supervised token)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--pair", "pairs", multiple=True,
+              help="WITH_MEDIA_RUN:BLANKED_RUN (folder names among RUNS): vision-signal check.")
+def main(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...]) -> None:
+    """Plot loss curves and write report.md for the given run folders."""
+    metrics = {run.name: read_metrics(run) for run in runs}
+    out.mkdir(parents=True, exist_ok=True)
+    plot(out / "loss_curves.png", metrics)
+    rows = [summarize(name, m) for name, m in metrics.items()]
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(r[k]) for k in header) + " |" for r in rows]
+    checks = []
+    for pair in pairs:
+        with_media, blanked = pair.split(":", 1)
+        result = vision_signal(metrics[with_media], metrics[blanked])
+        checks.append({"with_media": with_media, "blanked": blanked, **result})
+    text = ["# Training report", "", *lines, "", "![loss curves](loss_curves.png)", ""]
+    for c in checks:
+        verdict = "PASSED" if c["passed"] else "NOT PASSED"
+        text.append(f"Vision-signal check {verdict}: tail loss with media {c['loss_with_media']}"
+                    f" vs media blanked {c['loss_media_blanked']} (gap {c['relative_gap']:.0%},"
+                    f" needs > {VISION_SIGNAL_MARGIN:.0%}).")
+    (out / "report.md").write_text("\n".join(text) + "\n")
+    (out / "report.json").write_text(json.dumps({"runs": rows, "vision_signal": checks},
+                                                indent=1))
+    click.echo("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
