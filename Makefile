@@ -73,3 +73,19 @@ train-qwen-vl-infovqa: $(STAMP)
 
 train-qwen-vl-llava-video: $(STAMP)
 	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),configs/train_qwen_vl_llava_video.yaml) $(TRAIN_ARGS)
+
+# --- evaluation (eval.py): greedy answers on the val split, scored per subset (docs/evaluation.md).
+#     CKPT= (train.py checkpoint dir / step folder, or an hf-to-mcore import; required),
+#     CONFIG= (the run config used for training), DATA=, SPLIT= (default val), LIMIT= (val
+#     conversations), OUT= (predictions.jsonl + scores.json; default <config out>/eval), ARGS=.
+.PHONY: eval-qwen-vl-mantis eval-qwen-vl-infovqa eval-qwen-vl-llava-video
+EVAL_ARGS = --ckpt $(CKPT) --split $(or $(SPLIT),val) $(if $(LIMIT),--limit $(LIMIT)) $(if $(OUT),--out $(OUT)) $(if $(DATA),data.path=$(DATA)) $(ARGS)
+
+eval-qwen-vl-mantis: $(STAMP)
+	$(PY) eval.py $(or $(CONFIG),configs/train_qwen_vl_mantis.yaml) $(EVAL_ARGS)
+
+eval-qwen-vl-infovqa: $(STAMP)
+	$(PY) eval.py $(or $(CONFIG),configs/train_qwen_vl_infovqa.yaml) $(EVAL_ARGS)
+
+eval-qwen-vl-llava-video: $(STAMP)
+	$(PY) eval.py $(or $(CONFIG),configs/train_qwen_vl_llava_video.yaml) $(EVAL_ARGS)

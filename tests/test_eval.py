@@ -1,0 +1,261 @@
+"""eval.py and models/generate.py: greedy tokens equal transformers' generate; end to end on the
+lookalike val splits with a tiny imported model; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, run_cli
+
+NEVER = 151645  # the tiny configs' eos id: outside their vocabularies, never generated
+
+
+def _tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | None = None,
+             seed: int = 0) -> Path:
+    """A tiny random HF Qwen-VL (tests/models/conftest.py shapes; vocab / token ids settable)."""
+    import transformers as tf
+
+    tokens = tokens or dict(image_token_id=290, video_token_id=291, vision_start_token_id=292,
+                            vision_end_token_id=293)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if family == "qwen2_5_vl":
+        config = tf.Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             rope_parameters={**rope, "mrope_section": [2, 3, 3]},
+                             max_position_embeddings=2048, tie_word_embeddings=False),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64, patch_size=14, window_size=56,
+                               fullatt_block_indexes=[1]),
+            **tokens)
+        cls = tf.Qwen2_5_VLForConditionalGeneration
+    else:
+        config = tf.Qwen3VLConfig(
+            text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, max_position_embeddings=2048,
+                             rope_parameters={**rope, "mrope_section": [4, 2, 2],
+                                              "mrope_interleaved": True}),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64, patch_size=16, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0, 1]),
+            **tokens)
+        cls = tf.Qwen3VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+def _import(hf: Path, out: Path) -> Path:
+    run_cli("models.convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out))
+    return out
+
+
+TEST_TOKENS = dict(image_token_id=5, video_token_id=6, vision_start_token_id=3,
+                   vision_end_token_id=4)  # energon_tasks.tokenizer test tokenizer ids
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """family -> (HF folder, hf-to-mcore import) of the tiny random models. The Qwen2.5-VL one
+    has the test tokenizer's vocabulary and ids (eval.py runs it on the lookalike data)."""
+    root = tmp_path_factory.mktemp("gen")
+    hf = {"qwen2_5_vl": _tiny_hf("qwen2_5_vl", root / "qwen2_5_vl" / "hf", vocab=640,
+                                 tokens=TEST_TOKENS),
+          "qwen3_vl": _tiny_hf("qwen3_vl", root / "qwen3_vl" / "hf")}
+    return {f: (path, _import(path, root / f / "mcore")) for f, path in hf.items()}
+
+
+# ------------------------------------------------------------------ 1. identical greedy tokens
+def _prompts(cfg):
+    """A text-only prompt and a text + image + text prompt (random ids above the specials)."""
+    from models.convert import mrope_positions
+    from models.generate import Prompt
+
+    g = torch.Generator().manual_seed(3)
+    v, merge = cfg.vision, cfg.vision.spatial_merge_size
+
+    def text(n):
+        return torch.randint(8, 280, (n,), generator=g)
+
+    grid = torch.tensor([[1, 4, 6]])
+    n_visual = int(grid.prod()) // merge ** 2
+    ids = torch.cat([text(5), torch.tensor([cfg.vision_start_token_id]),
+                     torch.full((n_visual,), cfg.image_token_id),
+                     torch.tensor([cfg.vision_end_token_id]), text(4)])
+    pixels = torch.randn(int(grid.prod()), v.in_channels * v.temporal_patch_size
+                         * v.patch_size ** 2, generator=g)
+    plain = text(9)
+    return {"text": Prompt(plain, mrope_positions(plain, [], set(), merge)[:, 0]),
+            "image": Prompt(ids, mrope_positions(ids, list(grid), {cfg.image_token_id},
+                                                 merge)[:, 0], pixels, grid)}
+
+
+def _hf_greedy(hf, prompt, image_token: int, new: int, eos: int) -> list[int]:
+    ids = prompt.input_ids[None]
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if prompt.pixel_values is not None:  # transformers 5 needs the token types for M-RoPE
+        kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw,
+                      mm_token_type_ids=(ids == image_token).int())
+    out = hf.generate(**kwargs, do_sample=False, max_new_tokens=new, eos_token_id=eos,
+                      pad_token_id=0)[0, ids.shape[1]:].tolist()
+    return out[:out.index(eos)] if eos in out else out
+
+
+def _greedy_check(family: str, hf_dir: str, mcore_dir: str) -> dict:
+    """Runs in a fresh process (megatron's parallel state and the Manager of dist_checkpointing
+    stay out of the pytest process)."""
+    from models.checkpoint import init_parallel, load_checkpoint
+    from models.convert import load_hf_model
+    from models.generate import greedy_generate
+
+    init_parallel()
+    model, cfg = load_checkpoint(Path(mcore_dir), use_te=False)
+    hf = load_hf_model(Path(hf_dir))
+    prompts = _prompts(cfg)
+    result = {}
+    for name, prompt in prompts.items():
+        ours = greedy_generate(model, [prompt], eos_id=NEVER, max_new_tokens=10)[0]
+        result[name] = (ours, _hf_greedy(hf, prompt, cfg.image_token_id, 10, NEVER))
+        stop = ours[3]  # stopping: a token of the unbounded run as the stop token
+        result[name + "_stop"] = (greedy_generate(model, [prompt], eos_id=stop,
+                                                  max_new_tokens=10)[0],
+                                  _hf_greedy(hf, prompt, cfg.image_token_id, 10, stop),
+                                  ours.index(stop))
+    batched = greedy_generate(model, list(prompts.values()), eos_id=NEVER, max_new_tokens=10)
+    result["batched"] = (batched, [result[n][0] for n in prompts])
+    return result
+
+
+def _run_check(family, hf_dir, mcore_dir):
+    code = ("import json, sys; from tests.test_eval import _greedy_check; "
+            "print('RESULT' + json.dumps(_greedy_check(*sys.argv[1:])))")
+    proc = subprocess.run([sys.executable, "-c", code, family, str(hf_dir), str(mcore_dir)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_greedy_tokens_equal_transformers_generate(imported, family):
+    hf_dir, mcore_dir = imported[family]
+    result = _run_check(family, hf_dir, mcore_dir)
+    for name in ("text", "image"):
+        ours, theirs = result[name]
+        assert len(ours) == 10 and ours == theirs, (name, ours, theirs)
+        ours, theirs, stop_at = result[name + "_stop"]
+        assert ours == theirs and len(ours) == stop_at, (name, ours, theirs)
+    batched, single = result["batched"]
+    assert batched == single  # left-padded batch == one prompt at a time
+
+
+# ------------------------------------------------------------------ 2. eval.py end to end
+@pytest.fixture(scope="module")
+def eval_ckpt(imported) -> Path:
+    return imported["qwen2_5_vl"][1]
+
+
+def run_eval(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, capture_output=True,
+                          text=True)
+
+
+SMALL = ["task_encoder.max_pixels=12544", "task_encoder.video_max_pixels=12544",
+         "task_encoder.max_num_frames=4", "task_encoder.video_fps=1.0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,config", [
+    ("mantis_out", "configs/train_qwen_vl_mantis.yaml"),
+    ("infovqa_out", "configs/train_qwen_vl_infovqa.yaml"),
+    ("video_out", "configs/train_qwen_vl_llava_video.yaml")])
+def test_eval_end_to_end(request, eval_ckpt, tmp_path, name, config):
+    data = request.getfixturevalue(name)
+    out = tmp_path / "eval"
+    proc = run_eval(config, f"data.path={data}", *SMALL, "--ckpt", str(eval_ckpt),
+                    "--limit", "4", "--max-new-tokens", "6", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scores = json.loads((out / "scores.json").read_text())
+    records = [json.loads(ln) for ln in (out / "predictions.jsonl").read_text().splitlines()]
+    assert records and scores["questions"] == len(records)
+    for r in records:
+        assert {"key", "prompt", "prediction", "references", "score"} <= set(r)
+        assert 0.0 <= r["score"] <= 1.0 and r["references"]
+    for group in (scores["overall"], *scores["subsets"].values(), *scores["datasets"].values()):
+        assert all(0.0 <= v <= 1.0 for k, v in group.items() if k != "n")
+    budget = scores["budget_counters"]
+    assert budget["samples"] >= len(records) and "kept" in budget
+    assert scores["generation"]["tokens_per_s"] > 0
+    assert "[overall]" in proc.stdout and "budget counters" in proc.stdout
+    if name == "infovqa_out":
+        assert "anls" in scores["overall"]
+
+
+# ------------------------------------------------------------------ 3. bad input
+def _one_line_exit_2(proc):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("eval.py: error:")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_bad_checkpoint_family(imported, infovqa_out, tmp_path):
+    _hf, qwen3 = imported["qwen3_vl"]  # a Qwen3-VL checkpoint for a Qwen2.5-VL task encoder
+    proc = run_eval("configs/train_qwen_vl_infovqa.yaml", f"data.path={infovqa_out}",
+                    "--ckpt", str(qwen3), "--out", str(tmp_path / "e"))
+    assert "qwen3_vl" in _one_line_exit_2(proc)
+
+
+def test_not_a_checkpoint(infovqa_out, tmp_path):
+    proc = run_eval("configs/train_qwen_vl_infovqa.yaml", f"data.path={infovqa_out}",
+                    "--ckpt", str(tmp_path), "--out", str(tmp_path / "e"))
+    assert "not a checkpoint" in _one_line_exit_2(proc)
+
+
+def test_no_val_split(eval_ckpt, infovqa_out, tmp_path):
+    meta = tmp_path / "train_only.yaml"
+    meta.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n"
+                    f"    path: {infovqa_out}\n")
+    proc = run_eval("configs/train_qwen_vl_infovqa.yaml", f"data.path={meta}",
+                    "--ckpt", str(eval_ckpt), "--out", str(tmp_path / "e"))
+    assert "no 'val' split" in _one_line_exit_2(proc)
+
+
+def test_empty_after_budget(eval_ckpt, infovqa_out, tmp_path):
+    proc = run_eval("configs/train_qwen_vl_infovqa.yaml", f"data.path={infovqa_out}",
+                    "task_encoder.max_visual_tokens=1", "--ckpt", str(eval_ckpt), "--limit", "2",
+                    "--out", str(tmp_path / "e"))
+    assert "after budgeting" in _one_line_exit_2(proc)
+
+
+# ------------------------------------------------------------------ scoring glue
+def test_score_answer_routes_metrics():
+    sys.path.insert(0, str(REPO))
+    from eval import aggregate, parse_options, score_answer
+
+    question = "Which way?\nA. up\nB. down\nC. left\nAnswer with the option's letter."
+    assert parse_options(question) == {"A": "up", "B": "down", "C": "left"}
+    assert parse_options("What is 1. this") is None
+    assert score_answer("llava-video", question, "The answer is (B)", ["B"]) == (
+        "option_acc", {"option_acc": 1.0})
+    assert score_answer("llava-video", question, "left", ["B"])[1]["option_acc"] == 0.0
+    metric, s = score_answer("infovqa", "q", "83098 ", ["83,098", "83098"])
+    assert metric == "anls" and s["anls"] == 1.0
+    metric, s = score_answer("mantis", "q", "41", ["42"])
+    assert metric == "exact" and s == {"exact": 0.0, "relaxed": 1.0}
+    records = [{"dataset": "mantis", "subset": "mantis/a", "score": 1.0, "scores": {"exact": 1.0}},
+               {"dataset": "mantis", "subset": "mantis/b", "score": 0.0, "scores": {"exact": 0.0}}]
+    agg = aggregate(records)
+    assert agg["overall"] == {"n": 2, "exact": 0.5, "score": 0.5}
+    assert agg["subsets"]["mantis/a"]["score"] == 1.0
