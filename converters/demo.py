@@ -24,9 +24,9 @@ VISION_CHECK_ROWS = 300
 
 #: (CLI command, lookalike name, extra options)
 CONVERSIONS = (
-    ("mantis", "mantis", ["--val-fraction", "0.1"]),
+    ("mantis", "mantis", ["--val-fraction", "0"]),
     ("infovqa", "infovqa", []),
-    ("llava-video", "llava-video", ["--val-fraction", "0.1"]),
+    ("llava-video", "llava-video", ["--val-fraction", "0"]),
 )
 
 
