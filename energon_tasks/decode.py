@@ -6,8 +6,10 @@ This module owns turning stored media bytes into uint8 RGB pixels of exactly the
   half the source per side; EXIF orientation is applied; CMYK, palette, 1-bit, 16-bit and float
   images are converted to 8-bit RGB; alpha is composited on white; sources above
   ``max_source_pixels`` are refused before decoding (decompression bombs);
-- videos: only the chosen frames are decoded: seek to the keyframe before the next needed frame
-  when it lies beyond the current position, then decode forward; never the whole clip.
+- videos: only what the chosen frames need is decoded: seek to the keyframe before the next
+  needed frame when a keyframe surely lies between it and the current position (spacing learned
+  while decoding; no pass over the clip to list keyframes), else decode forward; frames before a
+  pick that no other frame references are skipped by the codec; never the whole clip.
 
 Any failure raises ``MediaError`` with a skip reason (``MEDIA_SKIP_REASONS``), never anything else.
 """
@@ -15,9 +17,11 @@ Any failure raises ``MediaError`` with a skip reason (``MEDIA_SKIP_REASONS``), n
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -123,13 +127,19 @@ def decode_video_frames(
     size: tuple[int, int],
     max_source_pixels: int,
     name: str = "video",
+    thread_type: str | None = None,
 ) -> DecodedVideo:
     """Decode only the frames ``frame_indices`` (ascending) of a video, resized to ``size``.
 
-    Frame ``i`` is the one shown at ``start + i / fps``. One demux pass (no decoding) lists the
-    keyframes; for each needed frame the container seeks to the keyframe before it unless the
-    decoder is already at or past that keyframe, then frames are decoded forward until it is
-    reached. A clip that ends early repeats its last decoded frame for the missing picks.
+    Frame ``i`` is the one shown at ``start + i / fps``. For each needed frame the reader either
+    decodes forward or, when a keyframe surely lies between (see ``_read_frames``), seeks to the
+    keyframe before it; non-reference frames before a pick are skipped by the codec (the kept
+    frames are bit-identical to decoding every frame). A clip that ends early repeats its last
+    decoded frame for the missing picks.
+
+    Args:
+        thread_type: PyAV codec threading ("SLICE", "FRAME", "AUTO"); None keeps PyAV's default
+            (slice threads). Loader workers already fill the cores, so the default stays.
 
     Raises:
         MediaError: ``source_too_large`` or ``undecodable_video``.
@@ -144,6 +154,8 @@ def decode_video_frames(
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = container.streams.video[0]
+            if thread_type is not None:
+                stream.thread_type = thread_type
             if stream.width * stream.height > max_source_pixels:
                 raise MediaError("source_too_large", f"{name}: {stream.width}x{stream.height} "
                                  f"pixels > max_source_pixels {max_source_pixels}")
@@ -158,39 +170,98 @@ def decode_video_frames(
     return DecodedVideo(frames=np.stack(frames), decoded_frames=decoded, seeks=seeks)
 
 
-def _keyframes(container, stream, frame_of) -> list[tuple[int, int]]:
-    """(frame index, pts) of every keyframe, from one demux pass (packets only, no decoding)."""
-    keys = sorted({(frame_of(p.pts), p.pts) for p in container.demux(stream)
-                   if p.is_keyframe and p.pts is not None})
-    return keys or [(0, stream.start_time or 0)]
+class _FrameReader:
+    """Decoded frames of one video stream in display order, with seeking and frame skipping.
+
+    Frames are fed packet by packet: while the packet's timestamp lies before ``skip_before`` the
+    codec skips non-reference frames (``skip_frame = NONREF``: frames no other frame is predicted
+    from, so the frames kept decode bit for bit as without skipping and are never wanted).
+    """
+
+    def __init__(self, container, stream) -> None:
+        self.container, self.stream, self.codec = container, stream, stream.codec_context
+        self.skip_before: int | None = None  #: pts under which non-reference frames are skipped
+        self.frames = self._frames()
+
+    def _frames(self):
+        for packet in self.container.demux(self.stream):
+            skip = (self.skip_before is not None and packet.pts is not None
+                    and packet.pts < self.skip_before)
+            self.codec.skip_frame = "NONREF" if skip else "DEFAULT"
+            yield from self.codec.decode(packet)
+
+    def seek(self, pts: int) -> None:
+        """Restart at the keyframe at or before ``pts`` (the codec is flushed by PyAV)."""
+        self.container.seek(pts, stream=self.stream, backward=True, any_frame=False)
+        self.frames = self._frames()
 
 
 def _read_frames(container, stream, picks, size):
-    """Decode from the keyframe before each pick unless the decoder is already past it."""
+    """Decode forward to each pick; seek instead when a keyframe surely lies in between.
+
+    No keyframe list is built (that would cost a demux pass over the whole clip): the decoder
+    learns the keyframe spacing from the frames it produces (``spacing``: the longest run of
+    frames seen after a keyframe). A pick more than ``spacing`` frames ahead has a keyframe
+    before it that is after the current position, so seeking there decodes less than going on;
+    a nearer pick is reached by decoding forward. Before the spacing is known the reader seeks
+    (at worst it lands on the keyframe it already started from, and learns from it).
+    """
     rate = stream.average_rate or stream.guessed_rate
     if not rate:
         raise ValueError("no frame rate")
     start = stream.start_time or 0
-    frame_of = lambda pts: round(float((pts - start) * stream.time_base * rate))  # noqa: E731
-    keys = _keyframes(container, stream, frame_of)
-    out, decoded, seeks, position, iterator = [], 0, 0, -1, None
+    per_frame = 1 / (rate * stream.time_base)  # pts units per frame (a Fraction)
+    frame_of = lambda pts: round(float((pts - start) / per_frame))  # noqa: E731
+    reader = _FrameReader(container, stream)
+    out, decoded, seeks = [], 0, 0
+    position, last_key, spacing = -1, None, 0
     for pick in picks:
-        key_index, key_pts = max((k for k in keys if k[0] <= pick), default=keys[0])
-        if iterator is None or key_index > position:
-            container.seek(key_pts, stream=stream, backward=True, any_frame=False)
-            iterator, seeks = container.decode(stream), seeks + 1
-        frame = None
-        for frame in iterator:
-            decoded += 1
-            position = frame_of(frame.pts if frame.pts is not None else start)
-            if position >= pick:
+        # frames mapping to `pick` have pts in [pick - 1/2, pick + 1/2) frames
+        first_pts = start + math.ceil((pick - Fraction(1, 2)) * per_frame)
+        reader.skip_before = first_pts
+        if position < 0 or pick - position > spacing:
+            target = start + math.ceil((pick + Fraction(1, 2)) * per_frame) - 1
+            for _ in range(8):  # a container whose seek lands after the pick: step back
+                reader.seek(target)
+                seeks += 1
+                frame = next(reader.frames, None)
+                if frame is None:
+                    break
+                decoded += 1
+                position = frame_of(frame.pts if frame.pts is not None else start)
+                last_key = position if frame.key_frame else None
+                if position <= pick or target <= start:
+                    break
+                target = max(start, min(target, frame.pts) - 1)
+            if frame is None:
                 break
         else:
-            iterator = frame = None
+            frame = None
+        if frame is None or position < pick:
+            for frame in reader.frames:
+                decoded += 1
+                position = frame_of(frame.pts if frame.pts is not None else start)
+                if frame.key_frame:
+                    last_key = position
+                elif last_key is not None:
+                    spacing = max(spacing, position - last_key)
+                if position >= pick:
+                    break
+            else:
+                frame = None
         if frame is None:
             break
-        image = frame.to_image()
-        if image.size != size:
-            image = image.resize(size, Image.BICUBIC)
-        out.append(np.asarray(image, dtype=np.uint8))
+        out.append(video_frame_pixels(frame, size))
     return out, decoded, seeks
+
+
+def video_frame_pixels(frame, size: tuple[int, int]) -> np.ndarray:
+    """(H, W, 3) uint8 RGB of a decoded PyAV frame at ``size`` (width, height).
+
+    FFmpeg's rgb24 conversion (the same pixels as ``frame.to_image()``, whose Python row copy
+    costs ~10x more), then PIL bicubic when the size differs, as the image path.
+    """
+    rgb = frame.to_ndarray(format="rgb24")
+    if (rgb.shape[1], rgb.shape[0]) == tuple(size):
+        return rgb
+    return np.asarray(Image.fromarray(rgb).resize(size, Image.BICUBIC), dtype=np.uint8)

@@ -216,8 +216,21 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
         """Tokens, labels, positions and pixel rows of a planned, decoded sample."""
         ids, labels = [], []
         grids = {"image": [], "video": []}
-        rows = {"image": [], "video": []}
         steps = []
+        # one float32 buffer per kind, sized from the decoded shapes; each item's rows are
+        # written straight into its slice (no per-item arrays, no concatenate)
+        geo = self.geometry
+        width = 3 * geo.temporal_patch_size * geo.patch_size**2
+
+        def row_count(frames: np.ndarray) -> int:
+            return (-(-frames.shape[0] // geo.temporal_patch_size)
+                    * (frames.shape[1] // geo.patch_size) * (frames.shape[2] // geo.patch_size))
+
+        counts = {"image": 0, "video": 0}
+        for item, frames in zip(plan.media, pixels, strict=True):
+            counts[item.kind] += row_count(frames)
+        buffers = {kind: np.empty((n, width), dtype=np.float32) for kind, n in counts.items()}
+        filled = {"image": 0, "video": 0}
         items = iter(zip(plan.media, pixels, strict=True))
         for turn in turns[: plan.kept_turns]:
             ids += turn.header
@@ -226,13 +239,15 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
                 if number:
                     item, frames = next(items)
                     media = sample.media[item.index]
-                    grid = (item.grid.grid_thw[0], frames.shape[1] // self.geometry.patch_size,
-                            frames.shape[2] // self.geometry.patch_size)
+                    grid = (item.grid.grid_thw[0], frames.shape[1] // geo.patch_size,
+                            frames.shape[2] // geo.patch_size)
                     span = self.span(media, grid, item.frame_indices)
                     ids += span
                     labels += [IGNORE_INDEX] * len(span)
                     grids[item.kind].append(grid)
-                    rows[item.kind].append(self.geometry.pixel_rows(frames))
+                    start = filled[item.kind]
+                    filled[item.kind] += row_count(frames)
+                    geo.pixel_rows(frames, out=buffers[item.kind][start:filled[item.kind]])
                     if item.kind == "video":
                         steps.append(self._time_step(media, item.frame_indices))
                 ids += piece
@@ -246,13 +261,8 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
             image_grid_thw=grids["image"], video_grid_thw=grids["video"],
             spatial_merge_size=self.geometry.merge_size,
             video_time_steps=None if qwen3 else steps)
-        width = 3 * self.geometry.temporal_patch_size * self.geometry.patch_size**2
-
-        def stack(kind: str) -> torch.Tensor:
-            if not rows[kind]:
-                return torch.zeros((0, width), dtype=torch.float32)
-            return torch.from_numpy(np.concatenate(rows[kind]))
-
+        if filled != counts:  # plan.media holds exactly the items of the kept turns
+            raise ValueError(f"sample {plan.key}: pixel rows filled {filled}, expected {counts}")
         label_tensor = torch.tensor(labels, dtype=torch.int64)
         return EncodedSample(
             **base,
@@ -260,9 +270,9 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
             labels=label_tensor,
             loss_mask=(label_tensor != IGNORE_INDEX).to(torch.float32),
             position_ids=torch.from_numpy(positions),
-            pixel_values=stack("image"),
+            pixel_values=torch.from_numpy(buffers["image"]),
             image_grid_thw=torch.tensor(grids["image"], dtype=torch.int64).reshape(-1, 3),
-            pixel_values_videos=stack("video"),
+            pixel_values_videos=torch.from_numpy(buffers["video"]),
             video_grid_thw=torch.tensor(grids["video"], dtype=torch.int64).reshape(-1, 3),
             seq_lens=torch.tensor([len(ids)], dtype=torch.int64),
         )
@@ -303,30 +313,65 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
         return self.assemble(conversation, plan, turns, pixels, base)
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
-        """Group a buffer into rows of <= seq_length tokens with balanced vision cost.
+        """Group a buffer into rows of <= seq_length tokens of nearly equal length, with balanced
+        vision cost.
 
-        Samples are placed largest first (by the larger of their token and patch shares) into
-        the fullest row that still has room for both their tokens and their patches; the patch
-        room of a row is 1.25x the buffer's mean patches per row (at least the largest sample).
+        Energon hands over the whole buffer and every sample must be placed, so the buffer needs
+        at least ``ceil(tokens / seq_length)`` rows, and since a batch is padded to its longest
+        row, the pad is smallest when those rows are as equal as possible (not when all but one
+        are full). So: for the fewest rows ``k`` that work, samples are placed largest first
+        into the row with the fewest tokens that still has room for both their tokens and their
+        patches (longest-processing-time scheduling); the patch room of a row is 1.25x the
+        buffer's mean patches per row (at least the largest sample). If no ``k`` up to the row
+        count of best-fit decreasing works, best-fit decreasing itself is used. Rows come out
+        longest first, so consecutive rows (one batch) have similar lengths.
         """
         capacity = self.config.seq_length
         tokens = [len(s.input_ids) for s in samples]
         patches = [len(s.pixel_values) + len(s.pixel_values_videos) for s in samples]
-        rows_needed = max(1, math.ceil(sum(tokens) / capacity))
-        patch_room = max([1, *patches, math.ceil(1.25 * sum(patches) / rows_needed)])
-        order = sorted(range(len(samples)),
-                       key=lambda i: (-max(tokens[i] / capacity, patches[i] / patch_room), i))
-        rows: list[list[int]] = []  # [tokens, patches, *members]
-        for i in order:
-            fits = [r for r in rows if r[0] + tokens[i] <= capacity
-                    and r[1] + patches[i] <= patch_room]
-            if fits:
-                row = max(fits, key=lambda r: r[0])
+
+        def patch_room(rows: int) -> int:
+            return max([1, *patches, math.ceil(1.25 * sum(patches) / rows)])
+
+        def order(room: int) -> list[int]:  # largest share first
+            return sorted(range(len(samples)),
+                          key=lambda i: (-max(tokens[i] / capacity, patches[i] / room), i))
+
+        def best_fit_decreasing() -> list[list[int]]:
+            room = patch_room(max(1, math.ceil(sum(tokens) / capacity)))
+            rows: list[list[int]] = []  # [tokens, patches, *members]
+            for i in order(room):
+                fits = [r for r in rows if r[0] + tokens[i] <= capacity
+                        and r[1] + patches[i] <= room]
+                if fits:
+                    row = max(fits, key=lambda r: r[0])
+                    row[0], row[1] = row[0] + tokens[i], row[1] + patches[i]
+                    row.append(i)
+                else:
+                    rows.append([tokens[i], patches[i], i])
+            return rows
+
+        def balanced(count: int) -> list[list[int]] | None:
+            room = patch_room(count)
+            rows = [[0, 0] for _ in range(count)]
+            for i in order(room):
+                fits = [r for r in rows if r[0] + tokens[i] <= capacity
+                        and r[1] + patches[i] <= room]
+                if not fits:
+                    return None
+                row = min(fits, key=lambda r: (r[0], r[1]))
                 row[0], row[1] = row[0] + tokens[i], row[1] + patches[i]
                 row.append(i)
-            else:
-                rows.append([tokens[i], patches[i], i])
-        return [[samples[i] for i in sorted(row[2:])] for row in rows]
+            return [r for r in rows if len(r) > 2]
+
+        fallback = best_fit_decreasing()
+        chosen = fallback
+        for count in range(max(1, math.ceil(sum(tokens) / capacity)), len(fallback) + 1):
+            if (rows := balanced(count)) is not None:
+                chosen = rows
+                break
+        chosen = sorted(chosen, key=lambda r: -r[0])  # stable: similar lengths side by side
+        return [[samples[i] for i in sorted(row[2:])] for row in chosen]
 
     @stateless
     def pack_selected_samples(self, samples: list[EncodedSample]) -> EncodedSample:

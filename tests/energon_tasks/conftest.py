@@ -70,6 +70,29 @@ def video_bytes(frames: int, fps: int = 10, *, height: int = 48, width: int = 64
     return buffer.getvalue()
 
 
+def b_frame_video_bytes(frames: int, fps: int = 30, *, height: int = 64, width: int = 96,
+                       gop: int = 30) -> bytes:
+    """H.264 mp4 with B-frames (x264 defaults: 3, pyramid) of a panning noisy texture."""
+    import av
+
+    rng = np.random.default_rng(3)
+    texture = rng.integers(0, 256, (height, 4 * width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0",
+                          "preset": "veryfast", "crf": "28"}
+        for i in range(frames):
+            shift = (2 * i) % (3 * width)
+            array = texture[:, shift:shift + width]
+            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
 def image_media(i: int, height: int, width: int, data: bytes = b"x") -> Media:
     return Media(part=f"img{i}.png", kind="image", format="png", width=width, height=height,
                  bytes=len(data))

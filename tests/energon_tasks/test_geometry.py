@@ -450,3 +450,35 @@ def test_pixel_rows_equal_normalize_then_patchify(name, frames):
         0, 256, (frames, geo.factor * 3, geo.factor * 5, 3), dtype=np.uint8)
     expected = geo.patchify(geo.normalize(pixels.transpose(0, 3, 1, 2)))
     assert np.array_equal(geo.pixel_rows(pixels), expected)
+
+
+def test_pixel_rows_fill_a_slice_of_one_buffer():
+    geo = get_geometry("qwen2.5-vl")
+    rng = np.random.default_rng(5)
+    items = [rng.integers(0, 256, (t, geo.factor * h, geo.factor * w, 3), dtype=np.uint8)
+             for t, h, w in [(1, 2, 3), (3, 1, 1), (1, 4, 2)]]
+    expected = [geo.patchify(geo.normalize(x.transpose(0, 3, 1, 2))) for x in items]
+    buffer = np.full((sum(len(e) for e in expected), expected[0].shape[1]), np.nan, np.float32)
+    start = 0
+    for pixels, rows in zip(items, expected):
+        filled = geo.pixel_rows(pixels, out=buffer[start:start + len(rows)])
+        assert np.shares_memory(filled, buffer)  # written in place, no copy
+        start += len(rows)
+    assert np.array_equal(buffer, np.concatenate(expected))
+    with pytest.raises(ValueError, match="out of shape"):
+        geo.pixel_rows(items[0], out=buffer[:1])
+    with pytest.raises(ValueError, match="multiples"):
+        geo.pixel_rows(items[0][:, :-1])
+
+
+def test_float32_rescale_equals_the_processor_rescale_for_every_uint8():
+    """pixel_rows rescales in float32 (x / 255); the processors go through float64 (x * 1/255)."""
+    values = np.arange(256, dtype=np.uint8)
+    processor = (values.astype(np.float64) * (1 / 255)).astype(np.float32)
+    assert np.array_equal(values.astype(np.float32) / np.float32(255), processor)
+    for name in ("qwen2.5-vl", "qwen3-vl"):
+        geo = get_geometry(name)
+        pixels = np.broadcast_to(values.reshape(1, 16, 16, 1), (1, 16, 16, 3))
+        pixels = np.tile(pixels, (1, geo.factor, geo.factor, 1))  # every value, every channel
+        expected = geo.patchify(geo.normalize(pixels.transpose(0, 3, 1, 2)))
+        assert np.array_equal(geo.pixel_rows(pixels), expected)
