@@ -49,7 +49,9 @@ demo: $(STAMP)
 	$(PY) train.py configs/train_qwen_vl_llava_video.yaml data.path=$(DEMO)/llava-video/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/llava-video
 	$(PY) train.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check out=$(DEMO)/runs/vision-check
 	$(PY) train.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check out=$(DEMO)/runs/vision-check-blanked data.blank_media=true
-	$(PY) -m models.report $(DEMO)/report $(DEMO)/runs/mantis $(DEMO)/runs/infovqa $(DEMO)/runs/llava-video $(DEMO)/runs/vision-check $(DEMO)/runs/vision-check-blanked --pair vision-check:vision-check-blanked
+	$(PY) eval.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check --ckpt $(DEMO)/runs/vision-check --out $(DEMO)/eval/vision-check
+	$(PY) eval.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check --ckpt $(DEMO)/runs/vision-check-blanked --out $(DEMO)/eval/vision-check-blanked --blank-media
+	$(PY) -m models.report $(DEMO)/report $(DEMO)/runs/mantis $(DEMO)/runs/infovqa $(DEMO)/runs/llava-video $(DEMO)/runs/vision-check $(DEMO)/runs/vision-check-blanked --pair vision-check:vision-check-blanked --eval media=$(DEMO)/eval/vision-check --eval blanked=$(DEMO)/eval/vision-check-blanked --eval-pair media:blanked --chance 0.167
 
 bench: $(STAMP)
 	$(PY) bench/bench_converters.py --out bench_out

@@ -5,6 +5,8 @@
 `OUT/report.md` (first/last loss, median step time, throughput) and prints the same table. A
 `--pair` compares a run with media against the same run with media blanked (the vision-signal
 check): the mean loss of the last quarter of steps must be clearly higher without media.
+`--eval NAME=DIR` adds eval.py's overall score from DIR/scores.json, and `--eval-pair A:B`
+checks that the score with media (A) is clearly above the blanked one (B) and above `--chance`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import click
 
 #: The blanked run must end at least this much higher (relative) for the check to pass.
 VISION_SIGNAL_MARGIN = 0.10
+#: Accuracy with media must beat the blanked run and chance by this much (absolute).
+ACCURACY_MARGIN = 0.10
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -78,7 +82,11 @@ def plot(path: Path, runs: dict[str, list[dict]]) -> None:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--pair", "pairs", multiple=True,
               help="WITH_MEDIA_RUN:BLANKED_RUN (folder names among RUNS): vision-signal check.")
-def main(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...]) -> None:
+@click.option("--eval", "evals", multiple=True, help="NAME=DIR of an eval.py output.")
+@click.option("--eval-pair", "eval_pairs", multiple=True, help="WITH_MEDIA:BLANKED eval names.")
+@click.option("--chance", default=0.0, help="Chance accuracy of the --eval-pair questions.")
+def main(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple[str, ...],
+         eval_pairs: tuple[str, ...], chance: float) -> None:
     """Plot loss curves and write report.md for the given run folders."""
     metrics = {run.name: read_metrics(run) for run in runs}
     out.mkdir(parents=True, exist_ok=True)
@@ -98,9 +106,24 @@ def main(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...]) -> None:
         text.append(f"Vision-signal check {verdict}: tail loss with media {c['loss_with_media']}"
                     f" vs media blanked {c['loss_media_blanked']} (gap {c['relative_gap']:.0%},"
                     f" needs > {VISION_SIGNAL_MARGIN:.0%}).")
+    scores = {}
+    for item in evals:
+        name, folder = item.split("=", 1)
+        scores[name] = json.loads((Path(folder) / "scores.json").read_text())["overall"]
+    if scores:
+        text += ["| eval | questions | score |", "|---|---|---|"]
+        text += [f"| {n} | {v['n']} | {v['score']:.3f} |" for n, v in scores.items()]
+    for pair in eval_pairs:
+        with_media, blanked = (scores[n]["score"] for n in pair.split(":", 1))
+        passed = with_media > max(blanked, chance) + ACCURACY_MARGIN
+        checks.append({"eval_pair": pair, "score_with_media": with_media,
+                       "score_media_blanked": blanked, "chance": chance, "passed": passed})
+        text.append(f"Accuracy check {'PASSED' if passed else 'NOT PASSED'}: with media "
+                    f"{with_media:.3f} vs blanked {blanked:.3f}, chance {chance:.3f} (needs "
+                    f"+{ACCURACY_MARGIN:.2f} over both).")
     (out / "report.md").write_text("\n".join(text) + "\n")
-    (out / "report.json").write_text(json.dumps({"runs": rows, "vision_signal": checks},
-                                                indent=1))
+    (out / "report.json").write_text(json.dumps({"runs": rows, "checks": checks,
+                                                 "scores": scores}, indent=1))
     click.echo("\n".join(text))
 
 

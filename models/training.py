@@ -396,8 +396,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A step folder, or a checkpoint dir with a ``latest`` file -> the step folder."""
+    """A step folder, a checkpoint dir with a ``latest`` file, or a run folder (its
+    ``checkpoints/``) -> the step folder."""
     path = Path(path)
+    if (path / "checkpoints" / "latest").is_file():
+        path = path / "checkpoints"
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     return path

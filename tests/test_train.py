@@ -195,21 +195,33 @@ def test_dp2_equals_single_process(mantis_out, tmp_path):
 @pytest.mark.slow
 def test_vision_signal(tmp_path):
     """On data whose answers depend only on the media, blanking the media must leave a clearly
-    higher answer loss: the visual tokens reach the right positions (a falling loss alone does
-    not show that). Both runs go side by side on the two cores."""
+    higher answer loss and a clearly lower eval accuracy (near chance): the visual tokens reach
+    the right positions (a falling loss alone does not show that). Both runs go side by side."""
     from converters.demo import build_vision_check
-    from models.report import read_metrics, vision_signal
+    from models.report import ACCURACY_MARGIN, read_metrics, vision_signal
 
     data = build_vision_check(tmp_path)
     cfg = str(REPO / "configs" / "train_qwen_vl_vision_check.yaml")
     runs = {name: tmp_path / name for name in ("media", "blanked")}
-    procs = [subprocess.Popen(
-        [sys.executable, "train.py", cfg, f"data.path={data}", f"out={out}", *FAST,
-         f"data.blank_media={'true' if name == 'blanked' else 'false'}"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for name, out in runs.items()]
-    for proc in procs:
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err[-3000:]
+
+    def side_by_side(make_cmd):
+        procs = [subprocess.Popen(make_cmd(name, out), cwd=REPO, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+                 for name, out in runs.items()]
+        for proc in procs:
+            _, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err[-3000:]
+
+    blank = {"media": "false", "blanked": "true"}
+    side_by_side(lambda name, out: [
+        sys.executable, "train.py", cfg, f"data.path={data}", f"out={out}",
+        "data.num_workers=0", "log.tensorboard=false", f"data.blank_media={blank[name]}"])
     result = vision_signal(read_metrics(runs["media"]), read_metrics(runs["blanked"]))
     assert result["passed"], result
+    side_by_side(lambda name, out: [
+        sys.executable, "eval.py", cfg, f"data.path={data}", "--ckpt", str(out),
+        "--out", str(out / "eval"), *(["--blank-media"] if name == "blanked" else [])])
+    score = {name: json.loads((out / "eval" / "scores.json").read_text())["overall"]["score"]
+             for name, out in runs.items()}
+    chance = 1 / 6  # six colours
+    assert score["media"] > max(score["blanked"], chance) + ACCURACY_MARGIN, score
