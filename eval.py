@@ -324,10 +324,11 @@ def format_table(result: dict) -> str:
 
 
 def run(args) -> dict:
+    from energon_tasks.config import TaskEncoderConfig
     from models.run_config import load_run_config
     from models.training import check_data_path
 
-    cfg = load_run_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides, task_encoder_config=TaskEncoderConfig)
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1 or args.max_new_tokens < 1:

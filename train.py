@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from energon_tasks.config import TaskEncoderConfig
 from models.run_config import ConfigError, dump_yaml, load_run_config, to_dict
 from models.training import UsageError, check_data_path, check_layout
 
@@ -91,7 +92,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg = load_run_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides, task_encoder_config=TaskEncoderConfig)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     p, te_cfg = cfg.parallel, cfg.task_encoder
     check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -23,28 +22,29 @@ from models.qwen_vl_config import QwenVLModelConfig, from_dict
 MODEL_JSON, HF_JSON = "qwen_vl_model.json", "hf_config.json"
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+def init_process_group() -> None:
+    """torch.distributed for this process: from torchrun's environment, or, under plain python,
+    a one-process group on an in-memory store (no TCP port to collide with other runs)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "gloo" if cpu_only() else "nccl"
+    if "RANK" in os.environ and "MASTER_PORT" in os.environ:  # torchrun / SLURM launchers
+        dist.init_process_group(backend)
+    else:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not cpu_only():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     """Initialise torch.distributed (single process when not under torchrun) and megatron."""
     enable_cpu_compat()
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = _free_port()
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group("gloo" if cpu_only() else "nccl")
-        if not cpu_only():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    init_process_group()
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size() == tp
                 and ps.get_pipeline_model_parallel_world_size() == pp):

@@ -197,17 +197,6 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
 _SECTIONS = {"vision": VisionConfig, "lm": LMConfig, "parallel": ParallelConfig}
 
 
-def _apply_override(raw: dict, item: str) -> None:
-    if "=" not in item:
-        raise ValueError(f"override {item!r} is not key=value")
-    key, value = item.split("=", 1)
-    *path, leaf = key.split(".")
-    node = raw
-    for part in path:
-        node = node.setdefault(part, {})
-    node[leaf] = yaml.safe_load(value)
-
-
 def from_dict(raw: dict) -> QwenVLModelConfig:
     """Build from a plain dict (the YAML layout); every unknown key is reported together.
 
@@ -237,7 +226,9 @@ def from_dict(raw: dict) -> QwenVLModelConfig:
 
 def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> QwenVLModelConfig:
     """Load ``configs/qwen*.yaml`` (with dotted ``key=value`` overrides)."""
+    from models.run_config import apply_override  # the one override syntax (lazy: no cycle)
+
     raw = yaml.safe_load(Path(path).read_text()) or {}
     for item in overrides:
-        _apply_override(raw, item)
+        apply_override(raw, item)
     return from_dict(raw)

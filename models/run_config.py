@@ -20,7 +20,6 @@ from typing import Any
 
 import yaml
 
-from energon_tasks.config import TaskEncoderConfig
 from models import qwen_vl_config
 from models.qwen_vl_config import QwenVLModelConfig
 
@@ -94,7 +93,7 @@ class RunConfig:
 
     out: str = "runs/train"  #: output folder (metrics.jsonl, TensorBoard, checkpoints)
     model: QwenVLModelConfig
-    task_encoder: TaskEncoderConfig
+    task_encoder: Any  #: the data side's config (energon_tasks.config.TaskEncoderConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -204,14 +203,14 @@ def _model_section(raw: Any, errors: list[str]) -> QwenVLModelConfig | None:
         return None
 
 
-def _task_encoder_section(raw: Any, cp: int, errors: list[str]) -> TaskEncoderConfig | None:
+def _task_encoder_section(raw: Any, cp: int, errors: list[str], config_cls: type) -> Any:
     raw = dict(raw or {})
     if raw.setdefault("context_parallel_size", cp) != cp:
         errors.append(f"task_encoder.context_parallel_size ({raw['context_parallel_size']}) "
                       f"differs from parallel.cp ({cp}); leave it unset")
         return None
     try:
-        return TaskEncoderConfig.from_dict(raw)
+        return config_cls.from_dict(raw)
     except ValueError as error:
         lines = [ln.strip() for ln in str(error).splitlines()[1:] if ln.strip()]
         errors += [f"task_encoder.{ln}" for ln in lines if not ln.startswith("valid:")]
@@ -219,8 +218,11 @@ def _task_encoder_section(raw: Any, cp: int, errors: list[str]) -> TaskEncoderCo
 
 
 # ------------------------------------------------------------------ public API
-def from_dict(raw: dict) -> RunConfig:
+def from_dict(raw: dict, *, task_encoder_config: type) -> RunConfig:
     """Build and validate a RunConfig from the nested YAML layout.
+
+    ``task_encoder_config`` is the data side's config class (``TaskEncoderConfig``), passed in
+    by train.py / eval.py so that models/ never imports energon_tasks.
 
     Raises:
         ConfigError: every unknown key, wrong type or invalid setting, in one message.
@@ -232,7 +234,8 @@ def from_dict(raw: dict) -> RunConfig:
     sections = {name: build_section(cls, raw.get(name), name, errors)
                 for name, cls in SECTIONS.items()}
     model = _model_section(raw.get("model"), errors)
-    task_encoder = _task_encoder_section(raw.get("task_encoder"), sections["parallel"].cp, errors)
+    task_encoder = _task_encoder_section(raw.get("task_encoder"), sections["parallel"].cp, errors,
+                                         task_encoder_config)
     errors += _check_values(sections)
     if errors:
         raise ConfigError("; ".join(errors))
@@ -254,7 +257,8 @@ def _check_values(s: dict) -> list[str]:
     return problems
 
 
-def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
+                    task_encoder_config: type) -> RunConfig:
     """Read ``path`` (YAML), apply dotted ``key=value`` overrides, build and validate.
 
     Raises:
@@ -274,7 +278,7 @@ def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (
             errors.append(str(error))
     if errors:
         raise ConfigError("; ".join(errors))
-    return from_dict(raw)
+    return from_dict(raw, task_encoder_config=task_encoder_config)
 
 
 def to_dict(config: RunConfig) -> dict:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from models.checkpoint import init_process_group
 from models.cpu_compat import cpu_only, enable_cpu_compat, seed_model_parallel
 
 
@@ -73,19 +74,7 @@ def init_distributed(tp: int, pp: int, cp: int, seed: int) -> Layout:
     enable_cpu_compat(remap_tensor_literals=True)  # megatron optimizer wrappers need it
     from megatron.core import parallel_state as ps
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        if "MASTER_PORT" not in os.environ:
-            import socket
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        dist.init_process_group("gloo" if cpu_only() else "nccl")
-        if not cpu_only():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    init_process_group()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

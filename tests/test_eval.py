@@ -12,48 +12,16 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_cli
+from tests.tiny_hf import build_tiny_hf
 
 NEVER = 151645  # the tiny configs' eos id: outside their vocabularies, never generated
 
 
 def _tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | None = None,
              seed: int = 0) -> Path:
-    """A tiny random HF Qwen-VL (tests/models/conftest.py shapes; vocab / token ids settable)."""
-    import transformers as tf
-
-    tokens = tokens or dict(image_token_id=290, video_token_id=291, vision_start_token_id=292,
-                            vision_end_token_id=293)
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if family == "qwen2_5_vl":
-        config = tf.Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             rope_parameters={**rope, "mrope_section": [2, 3, 3]},
-                             max_position_embeddings=2048, tie_word_embeddings=False),
-            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
-                               out_hidden_size=64, patch_size=14, window_size=56,
-                               fullatt_block_indexes=[1]),
-            **tokens)
-        cls = tf.Qwen2_5_VLForConditionalGeneration
-    else:
-        config = tf.Qwen3VLConfig(
-            text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, max_position_embeddings=2048,
-                             rope_parameters={**rope, "mrope_section": [4, 2, 2],
-                                              "mrope_interleaved": True}),
-            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
-                               out_hidden_size=64, patch_size=16, num_position_embeddings=16,
-                               deepstack_visual_indexes=[0, 1]),
-            **tokens)
-        cls = tf.Qwen3VLForConditionalGeneration
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out)
-    return out
+    """The parity tests' tiny model with room for eval prompts (2048 positions, 2 ViT blocks)."""
+    return build_tiny_hf(family, out, vocab=vocab, tokens=tokens, max_positions=2048,
+                         vision_depth=2, seed=seed)
 
 
 def _import(hf: Path, out: Path) -> Path:

@@ -13,12 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from energon_tasks.config import TaskEncoderConfig
 from models.run_config import ConfigError, load_run_config, to_dict
 from models.training import lr_at
 
 REPO = Path(__file__).resolve().parents[1]
 MANTIS_CFG = REPO / "configs" / "train_qwen_vl_mantis.yaml"
 FAST = ["data.num_workers=0", "log.tensorboard=false", "checkpoint.save_final=false"]
+
+
+def run_config(path, overrides=()):
+    """The run config with the task encoder's config class, as train.py loads it."""
+    return load_run_config(path, overrides, task_encoder_config=TaskEncoderConfig)
 
 
 def train(*args: str, nproc: int = 1, env: dict | None = None, timeout: int = 300):
@@ -50,7 +56,7 @@ def error_line(proc) -> str:
 
 # ------------------------------------------------------------------ config
 def test_config_loads_with_overrides():
-    cfg = load_run_config(MANTIS_CFG, ["train.steps=7", "train.lr=1e-3", "model.lm.num_layers=1",
+    cfg = run_config(MANTIS_CFG, ["train.steps=7", "train.lr=1e-3", "model.lm.num_layers=1",
                                        "task_encoder.max_pixels=50176", "data.path=/x",
                                        "parallel.cp=2", "out=/tmp/o"])
     assert (cfg.train.steps, cfg.train.lr, cfg.model.lm.num_layers) == (7, 1e-3, 1)
@@ -61,7 +67,7 @@ def test_config_loads_with_overrides():
 
 def test_config_errors_are_reported_together():
     with pytest.raises(ConfigError) as info:
-        load_run_config(MANTIS_CFG, ["train.stepz=3", "data.num_workers=abc", "bogus=1",
+        run_config(MANTIS_CFG, ["train.stepz=3", "data.num_workers=abc", "bogus=1",
                                      "task_encoder.max_pixelz=4", "model.lm.depth=2"])
     message = str(info.value)
     assert "\n" not in message
@@ -71,7 +77,7 @@ def test_config_errors_are_reported_together():
 
 def test_config_files_all_load():
     for name in ("mantis", "infovqa", "llava_video"):
-        cfg = load_run_config(REPO / "configs" / f"train_qwen_vl_{name}.yaml")
+        cfg = run_config(REPO / "configs" / f"train_qwen_vl_{name}.yaml")
         assert 10 <= cfg.train.steps <= 50
 
 

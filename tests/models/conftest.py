@@ -5,47 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-TOKENS = dict(image_token_id=290, video_token_id=291, vision_start_token_id=292,
-              vision_end_token_id=293)
-
-
-def build_tiny_hf(family: str, out: Path, seed: int = 0) -> Path:
-    """Save a tiny fp32 HF model of ``family`` (weights perturbed well beyond the default init)."""
-    import transformers as tf
-
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if family == "qwen2_5_vl":
-        config = tf.Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             rope_parameters={**rope, "mrope_section": [2, 3, 3]},
-                             max_position_embeddings=512, tie_word_embeddings=False),
-            vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
-                               out_hidden_size=64, patch_size=14, window_size=56,
-                               fullatt_block_indexes=[1]),
-            **TOKENS)
-        cls = tf.Qwen2_5_VLForConditionalGeneration
-    else:
-        config = tf.Qwen3VLConfig(
-            text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128,
-                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, max_position_embeddings=512,
-                             rope_parameters={**rope, "mrope_section": [4, 2, 2],
-                                              "mrope_interleaved": True}),
-            vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
-                               out_hidden_size=64, patch_size=16, num_position_embeddings=16,
-                               deepstack_visual_indexes=[0, 1]),
-            **TOKENS)
-        cls = tf.Qwen3VLForConditionalGeneration
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out)
-    return out
+from tests.tiny_hf import build_tiny_hf
 
 
 @pytest.fixture(scope="session")
