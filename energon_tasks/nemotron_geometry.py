@@ -1,0 +1,366 @@
+"""Nemotron-Omni model geometry: resize sizes, tile grids, token counts, frame picks, timestamps.
+
+The Nemotron-Omni counterpart of ``energon_tasks.geometry.QwenVLGeometry`` (same method names and
+``ImageGrid`` results, so the budget planner can take either). Three input paths:
+
+- ``dynamic`` images (the default): native aspect ratio, patch 16, 2x2 pixel shuffle. The patch
+  grid is exactly transformers' ``nemotron_h_omni.image_processing_nemotron_h_omni.
+  get_patch_grid_size`` (``NemotronH_Omni_Reasoning_V3ImageProcessor``, transformers 5.x, installed
+  here); tokens = grid_h * grid_w / 4.
+- ``tiled`` images (older checkpoints): InternVL's ``dynamic_preprocess`` /
+  ``find_closest_aspect_ratio`` over 512x512 tiles, plus a thumbnail when the grid has more than one
+  tile; 256 tokens per tile. This path is not in transformers; the rule is InternVL's public code
+  (re-written here, see docs/nemotron.md).
+- video (never dynamic): frames sampled uniformly at ``video_fps``, capped at ``max_num_frames``,
+  the count floored to a multiple of 2; every frame is resized to one tile chosen as transformers'
+  ``NemotronH_Omni_Reasoning_V3VideoProcessor._compute_target_patches`` (``video_target_num_patches``
+  = 1024 patches: 512x512 for a square frame, or always 512x512 with
+  ``video_maintain_aspect_ratio=False``); frames go in pairs (tubelets); each pair's span is preceded
+  by a text label with its frames' timestamps, formatted as the processor's
+  ``replace_video_token``.
+
+Pure Python + numpy. See docs/nemotron.md for the formulas and worked examples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from energon_tasks.geometry import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageGrid
+
+__all__ = [
+    "NEMOTRON_OMNI",
+    "NEMOTRON_OMNI_TILED",
+    "NemotronOmniGeometry",
+    "TiledGrid",
+    "closest_aspect_ratio",
+    "patch_grid_size",
+    "pixel_shuffle",
+    "video_target_patches",
+]
+
+MAX_ASPECT_RATIO = 200
+
+
+def patch_grid_size(
+    height: int, width: int, *, patch_size: int, merge_size: int, min_num_patches: int,
+    max_num_patches: int,
+) -> tuple[int, int]:
+    """(grid_h, grid_w) in patches of one dynamic-resolution image.
+
+    Same arithmetic as transformers' ``nemotron_h_omni.image_processing_nemotron_h_omni.
+    get_patch_grid_size``: start from floor(side / patch) + 1 (side / patch when exact), scale down
+    (aspect kept, floor) to at most ``max_num_patches``, scale up (ceil) to at least
+    ``min_num_patches`` when max > min, then round each side to a multiple of ``merge_size``: up when
+    the area still fits ``max_num_patches``, else down (never below ``merge_size``).
+    """
+    grid_h = round(height / patch_size + 0.5)
+    grid_w = round(width / patch_size + 0.5)
+    factor = min(math.sqrt(max_num_patches / (grid_h * grid_w)), 1.0)
+    grid_h, grid_w = math.floor(factor * grid_h), math.floor(factor * grid_w)
+    if max_num_patches > min_num_patches and grid_h * grid_w < min_num_patches:
+        factor = math.sqrt(min_num_patches / (grid_h * grid_w))
+        grid_h, grid_w = math.ceil(factor * grid_h), math.ceil(factor * grid_w)
+    if remainder := grid_h % merge_size:
+        if (grid_h + merge_size - remainder) * grid_w <= max_num_patches:
+            grid_h += merge_size - remainder
+        else:
+            grid_h = max(merge_size, grid_h - remainder)
+    if remainder := grid_w % merge_size:
+        if grid_h * (grid_w + merge_size - remainder) <= max_num_patches:
+            grid_w += merge_size - remainder
+        else:
+            grid_w = max(merge_size, grid_w - remainder)
+    return grid_h, grid_w
+
+
+def video_target_patches(
+    height: int, width: int, *, target: int, divisor: int, maintain_aspect_ratio: bool
+) -> tuple[int, int]:
+    """(grid_h, grid_w) in patches of every frame of a video.
+
+    Same arithmetic as transformers' ``NemotronH_Omni_Reasoning_V3VideoProcessor.
+    _compute_target_patches`` (which returns them as (w, h)).
+    """
+    if not maintain_aspect_ratio:
+        side = max(divisor, (int(math.sqrt(target)) // divisor) * divisor)
+        return side, side
+    aspect = width / max(height, 1)
+    ph = max(round(math.sqrt(target / aspect)), 1)
+    pw = max(round(math.sqrt(target * aspect)), 1)
+    if divisor > 1:
+        rem_h, rem_w = ph % divisor, pw % divisor
+        ph_up, pw_up = ph + (divisor - rem_h if rem_h else 0), pw + (divisor - rem_w if rem_w else 0)
+        if ph_up * pw_up <= target:
+            ph, pw = ph_up, pw_up
+        else:
+            ph, pw = max(divisor, ph - rem_h), max(divisor, pw - rem_w)
+    return ph, pw
+
+
+def closest_aspect_ratio(
+    height: int, width: int, *, tile_size: int, min_num_tiles: int, max_num_tiles: int
+) -> tuple[int, int]:
+    """(columns, rows) of the tile grid: InternVL's ``find_closest_aspect_ratio``.
+
+    Candidates: every (i, j) with min_num_tiles <= i * j <= max_num_tiles (i columns, j rows),
+    visited in InternVL's order (its set, sorted by i * j; the set of small-int tuples iterates in
+    a fixed order, reproduced by building the same set). The first candidate with the smallest
+    |width / height - i / j| wins; a later candidate with an equal difference replaces it when
+    width * height > 0.5 * tile_size**2 * i * j (prefer the larger grid for a large image).
+    No candidate (min > max) gives (1, 1), as InternVL.
+    """
+    ratios = {
+        (i, j)
+        for n in range(min_num_tiles, max_num_tiles + 1)
+        for i in range(1, n + 1)
+        for j in range(1, n + 1)
+        if min_num_tiles <= i * j <= max_num_tiles
+    }
+    aspect = width / height
+    area = width * height
+    best_diff, best = float("inf"), (1, 1)
+    for ratio in sorted(ratios, key=lambda r: r[0] * r[1]):
+        diff = abs(aspect - ratio[0] / ratio[1])
+        if diff < best_diff:
+            best_diff, best = diff, ratio
+        elif diff == best_diff and area > 0.5 * tile_size * tile_size * ratio[0] * ratio[1]:
+            best = ratio
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class TiledGrid:
+    """Tiles of one image on the tiled path."""
+
+    columns: int  #: tiles across (the image is resized to columns * tile_size wide)
+    rows: int  #: tiles down
+    thumbnail: bool  #: a whole-image tile_size x tile_size thumbnail follows the grid tiles
+    tile_size: int
+    tokens_per_tile: int
+
+    @property
+    def tiles(self) -> int:
+        """Tiles fed to the encoder: columns * rows (+1 thumbnail), in row-major order then thumb."""
+        return self.columns * self.rows + int(self.thumbnail)
+
+    @property
+    def visual_tokens(self) -> int:
+        return self.tiles * self.tokens_per_tile
+
+    @property
+    def resized_height(self) -> int:
+        return self.rows * self.tile_size
+
+    @property
+    def resized_width(self) -> int:
+        return self.columns * self.tile_size
+
+    def as_image_grid(self) -> ImageGrid:
+        """The planner's view: grid_thw = (tiles, tile patches, tile patches)."""
+        grid = math.isqrt(self.tokens_per_tile * 4)  # patches per tile side (merge 2)
+        return ImageGrid(self.resized_height, self.resized_width, (self.tiles, grid, grid),
+                         self.visual_tokens)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NemotronOmniGeometry:
+    """Everything size-related about the Nemotron-Omni vision path.
+
+    Defaults are the class defaults of transformers' Nemotron-Omni processors (the published
+    checkpoint's ``preprocessor_config.json`` may override them; not available offline here):
+    patch 16, downsample 0.5 (2x2 pixel shuffle), 1024..13312 patches per image (262144..3407872
+    pixels), CLIP mean / std, video target 1024 patches with aspect kept, temporal patch 2.
+    The tiled values (512 tiles, 1..12 tiles, thumbnail) are InternVL / Nemotron-VL conventions.
+    """
+
+    name: str = "nemotron-omni"
+    image_mode: Literal["dynamic", "tiled"] = "dynamic"
+    patch_size: int = 16
+    merge_size: int = 2  #: 1 / downsample_ratio
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    default_min_pixels: int = 1024 * 16 * 16  #: min_num_patches 1024
+    default_max_pixels: int = 13312 * 16 * 16  #: max_num_patches 13312
+    tile_size: int = 512
+    min_num_tiles: int = 1
+    max_num_tiles: int = 12
+    use_thumbnail: bool = True
+    video_target_num_patches: int = 1024
+    video_maintain_aspect_ratio: bool = True
+    default_video_fps: float = 2.0
+    default_min_num_frames: int = 2
+    default_max_num_frames: int = 32
+
+    @property
+    def factor(self) -> int:
+        """Side multiple of every resized image: patch_size * merge_size (32)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """(tile / patch)**2 / merge**2: 256 for 512 tiles."""
+        return (self.tile_size // self.patch_size) ** 2 // self.merge_size**2
+
+    def _check(self, height: int, width: int) -> None:
+        if height < 1 or width < 1:
+            raise ValueError(f"size {height}x{width} (HxW): sides must be >= 1")
+        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+            raise ValueError(f"size {height}x{width} (HxW) has aspect ratio above "
+                             f"{MAX_ASPECT_RATIO}")
+
+    # ----------------------------------------------------------------------------- images
+    def dynamic_grid(self, height: int, width: int, *, min_pixels: int | None = None,
+                     max_pixels: int | None = None) -> ImageGrid:
+        """Dynamic path: ImageGrid(resized_h, resized_w, (1, grid_h, grid_w), grid_h*grid_w/4).
+
+        ``min_pixels`` / ``max_pixels`` are the processor's min / max_num_patches times patch**2
+        (floored to whole patches).
+        """
+        self._check(height, width)
+        low = self.default_min_pixels if min_pixels is None else min_pixels
+        high = self.default_max_pixels if max_pixels is None else max_pixels
+        p2 = self.patch_size**2
+        gh, gw = patch_grid_size(height, width, patch_size=self.patch_size,
+                                 merge_size=self.merge_size, min_num_patches=low // p2,
+                                 max_num_patches=high // p2)
+        return ImageGrid(gh * self.patch_size, gw * self.patch_size, (1, gh, gw),
+                         gh * gw // self.merge_size**2)
+
+    def tiled_grid(self, height: int, width: int, *, max_num_tiles: int | None = None,
+                   min_num_tiles: int | None = None) -> TiledGrid:
+        """Tiled path: the closest aspect-ratio grid of tile_size tiles (+ thumbnail)."""
+        self._check(height, width)
+        hi = self.max_num_tiles if max_num_tiles is None else max_num_tiles
+        lo = self.min_num_tiles if min_num_tiles is None else min_num_tiles
+        cols, rows = closest_aspect_ratio(height, width, tile_size=self.tile_size,
+                                          min_num_tiles=lo, max_num_tiles=hi)
+        return TiledGrid(cols, rows, self.use_thumbnail and cols * rows != 1, self.tile_size,
+                         self.tokens_per_tile)
+
+    def image_grid(self, height: int, width: int, *, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> ImageGrid:
+        """Grid of one image on this geometry's ``image_mode`` (the planner's entry point).
+
+        Tiled mode maps the pixel cap to a tile cap: max_num_tiles' = max(min_num_tiles,
+        min(max_num_tiles, max_pixels // tile_size**2)); ``min_pixels`` is ignored. Tokens never
+        increase when max_pixels decreases (tests check it on both paths).
+        """
+        if self.image_mode == "dynamic":
+            return self.dynamic_grid(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+        cap = self.max_num_tiles
+        if max_pixels is not None:
+            cap = max(self.min_num_tiles, min(cap, max_pixels // self.tile_size**2))
+        return self.tiled_grid(height, width, max_num_tiles=cap).as_image_grid()
+
+    # ----------------------------------------------------------------------------- video
+    def video_frame_indices(self, total_frames: int, source_fps: float, *,
+                            video_fps: float | None = None, max_num_frames: int | None = None,
+                            min_num_frames: int | None = None) -> list[int]:
+        """Frames to decode: n = floor_2(clamp(int(total / source_fps * video_fps), min, max,
+        total)), picks = np.linspace(0, total - 1, n).round() (uniform over the whole clip).
+
+        Raises:
+            ValueError: non-positive inputs, or fewer than 2 frames in the clip.
+        """
+        fps = self.default_video_fps if video_fps is None else video_fps
+        hi = self.default_max_num_frames if max_num_frames is None else max_num_frames
+        lo = self.default_min_num_frames if min_num_frames is None else min_num_frames
+        if total_frames < 1 or source_fps <= 0 or fps <= 0 or hi < 1:
+            raise ValueError(f"video of {total_frames} frames at {source_fps} fps, sampled at "
+                             f"{fps} fps with max {hi} frames: all must be positive")
+        step = self.temporal_patch_size
+        n = min(max(int(total_frames / source_fps * fps), lo), hi, total_frames)
+        n = n // step * step
+        if n < step:
+            raise ValueError(f"video of {total_frames} frame(s): fewer than {step} to sample")
+        return np.linspace(0, total_frames - 1, n).round().astype(int).tolist()
+
+    def video_grid(self, num_frames: int, height: int, width: int, *,
+                   min_pixels: int | None = None, max_pixels: int | None = None) -> ImageGrid:
+        """ImageGrid(frame_h, frame_w, (pairs, grid_h, grid_w), pairs * grid_h * grid_w / 4).
+
+        pairs = ceil(num_frames / 2) (an odd count is padded with its last frame, as the video
+        processor). The pixel knobs are accepted for the planner's interface and ignored: video
+        never takes the dynamic path.
+        """
+        del min_pixels, max_pixels
+        if num_frames < 1:
+            raise ValueError(f"video of {num_frames} frame(s): needs at least 1")
+        self._check(height, width)
+        gh, gw = video_target_patches(height, width, target=self.video_target_num_patches,
+                                      divisor=self.merge_size,
+                                      maintain_aspect_ratio=self.video_maintain_aspect_ratio)
+        pairs = -(-num_frames // self.temporal_patch_size)
+        return ImageGrid(gh * self.patch_size, gw * self.patch_size, (pairs, gh, gw),
+                         pairs * gh * gw // self.merge_size**2)
+
+    @staticmethod
+    def video_timestamps(frame_indices, source_fps: float) -> list[float]:
+        """Seconds of each picked frame: index * int(1000 / fps) / 1000 (the processor's rule,
+        which truncates the frame duration to whole ms: 29.97 fps -> 33 ms)."""
+        duration_ms = int(1000.0 / source_fps)
+        return [int(i) * duration_ms / 1000.0 for i in frame_indices]
+
+    def video_labels(self, frame_indices, source_fps: float) -> list[str]:
+        """One text label per frame pair, e.g. ``"Frame 1 sampled at 0.00 seconds and frame 2
+        sampled at 0.50 seconds: "`` (numbering from 1 over the picked frames)."""
+        stamps = self.video_timestamps(frame_indices, source_fps)
+        labels = []
+        for first in range(0, len(stamps), self.temporal_patch_size):
+            parts = [f"{'Frame' if k == first else 'frame'} {k + 1} sampled at {stamps[k]:.2f} "
+                     "seconds" for k in range(first, min(first + self.temporal_patch_size,
+                                                          len(stamps)))]
+            labels.append(" and ".join(parts) + ": ")
+        return labels
+
+    def video_span_text(self, frame_indices, source_fps: float, grid: ImageGrid, *,
+                        image_token: str = "<image>", start: str = "<img>",
+                        end: str = "</img>") -> str:
+        """The text a ``<video>`` placeholder expands to: per pair, label + start + pads + end,
+        pairs joined by a newline (the processor's ``replace_video_token``)."""
+        per_pair = grid.visual_tokens // grid.grid_thw[0]
+        chunk = start + image_token * per_pair + end
+        return "\n".join(label + chunk for label in self.video_labels(frame_indices, source_fps))
+
+    def image_span_text(self, grid: ImageGrid, *, image_token: str = "<image>",
+                        start: str = "<img>", end: str = "</img>") -> str:
+        """``<img>`` + pads + ``</img>`` (one span per image; a tiled image's tiles share it)."""
+        return start + image_token * grid.visual_tokens + end
+
+    # ----------------------------------------------------------------------------- pixels
+    def patchify(self, pixels: np.ndarray) -> np.ndarray:
+        """(C, H, W) normalised pixels -> (grid_h * grid_w, C * patch**2), row-major patches, each
+        patch channel-major (C, patch_row, patch_col): transformers' ``convert_image_to_patches``.
+        """
+        channels, height, width = pixels.shape
+        p = self.patch_size
+        if height % p or width % p:
+            raise ValueError(f"pixels of shape {pixels.shape}: H, W must be multiples of {p}")
+        rows = pixels.reshape(channels, height // p, p, width // p, p).transpose(1, 3, 0, 2, 4)
+        return np.ascontiguousarray(rows).reshape(-1, channels * p * p)
+
+
+def pixel_shuffle(features: np.ndarray, merge_size: int = 2) -> np.ndarray:
+    """(..., H, W, C) encoder features -> (..., H/m, W/m, m*m*C), the model's ``pixel_shuffle``.
+
+    out[i, j, (a * m + b) * C + c] = features[m*i + a, m*j + b, c]: each output token is the m x m
+    block at (i, j), row offset major, then column offset, then channel; tokens stay row-major.
+    """
+    *lead, height, width, channels = features.shape
+    m = merge_size
+    if height % m or width % m:
+        raise ValueError(f"features of shape {features.shape}: H, W must be multiples of {m}")
+    x = features.reshape(*lead, height // m, m, width // m, m, channels)
+    n = len(lead)
+    order = [*range(n), n, n + 2, n + 1, n + 3, n + 4]
+    return x.transpose(order).reshape(*lead, height // m, width // m, m * m * channels)
+
+
+NEMOTRON_OMNI = NemotronOmniGeometry()
+NEMOTRON_OMNI_TILED = NemotronOmniGeometry(name="nemotron-omni-tiled", image_mode="tiled")
