@@ -1,4 +1,4 @@
-"""Evaluate a Qwen-VL checkpoint on the val split: greedy answers, benchmark scores, budget counters.
+"""Evaluate a Qwen-VL checkpoint on the val split: greedy answers, scores, budget counters.
 
     python eval.py CONFIG --ckpt CKPT [key=value ...] [--split val] [--limit N] [--out DIR]
     make eval-qwen-vl-infovqa CKPT=runs/qwen_vl_infovqa/checkpoints DATA=... LIMIT=50

@@ -23,25 +23,19 @@ import time
 import zipfile
 from pathlib import Path
 
-import av
 import click
 import numpy as np
 import pyarrow.parquet as pq
 from datasets import Features, Image, List, Value
-from PIL import Image as PILImage
 
-from converters.lookalikes.files import write_card, write_json, write_parquet, write_tar_gz
-from converters.lookalikes.files import write_zip
-
-
-def photo_jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
-    """A photo-like JPEG (smooth colour field + grain), so sizes and decode costs are realistic."""
-    base = rng.integers(0, 255, (height // 32 + 2, width // 32 + 2, 3), dtype=np.uint8)
-    img = PILImage.fromarray(base).resize((width, height), PILImage.BICUBIC)
-    arr = np.asarray(img, dtype=np.int16) + rng.integers(-12, 12, (height, width, 3))
-    buf = io.BytesIO()
-    PILImage.fromarray(arr.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
+from converters.lookalikes.files import (
+    write_card,
+    write_json,
+    write_parquet,
+    write_tar_gz,
+    write_zip,
+)
+from converters.lookalikes.media import encode_h264, photo_jpeg
 
 
 def make_mantis(root: Path, rows: int, rng) -> None:
@@ -86,17 +80,10 @@ def textured_clip(rng, *, size=(320, 240), fps=25, seconds=6.0, gop=50) -> bytes
     """An H.264 clip of a moving textured field (realistic bitrate, keyframe every `gop`)."""
     width, height = size
     field = rng.integers(0, 255, (height, width * 2, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps,
-                                      options={"preset": "ultrafast", "g": str(gop)})
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(int(fps * seconds)):
-            shift = (i * 3) % width
-            frame = av.VideoFrame.from_ndarray(field[:, shift:shift + width], format="rgb24")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))
-    return buf.getvalue()
+    frames = (field[:, (i * 3) % width:(i * 3) % width + width]
+              for i in range(int(fps * seconds)))
+    return encode_h264(frames, width=width, height=height, fps=fps,
+                       options={"preset": "ultrafast", "g": str(gop)})
 
 
 def make_video(root: Path, videos: int, rng) -> None:
@@ -202,7 +189,8 @@ def convert_timed(command: str, source: Path, out: Path, workers: int) -> tuple[
 
 def cpu_seconds() -> float:
     """CPU time of this process and its finished children (workers, `energon prepare`)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 

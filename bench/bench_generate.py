@@ -3,7 +3,8 @@
 The same tiny random Qwen2.5-VL (built with transformers, imported with `models.convert
 hf-to-mcore`) answers the same prompts (text + one image + text), greedy, a fixed number of new
 tokens (no early stop), on CPU in one process. Reported: samples/s and generated tokens/s, median
-of `--repeats` runs after a warm-up, for both at batch 1 and batch 4 (prompts of equal length, so no padding); the generated tokens
+of `--repeats` runs after a warm-up, for both at batch 1 and batch 4 (prompts of equal
+length, so no padding); the generated tokens
 are checked to be identical.
 
 Usage: python bench/bench_generate.py --out bench_out/generate

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from fractions import Fraction
 from pathlib import Path
 
 # Per-core numbers: keep BLAS / torch / OpenMP to one thread (must happen before numpy / torch).
@@ -58,6 +57,8 @@ from PIL import Image, ImageDraw  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from converters.lookalikes.media import encode_h264, photo_jpeg  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 200704, 1003520  # Megatron-Bridge defaults (256 / 1280 * 28**2)
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
@@ -89,41 +90,23 @@ def document_jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
-def photo_jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
-    """Photo-like JPEG (smooth colour field + grain), quality 90."""
-    base = rng.integers(0, 255, (height // 32 + 2, width // 32 + 2, 3), dtype=np.uint8)
-    image = Image.fromarray(base).resize((width, height), Image.BICUBIC)
-    array = np.asarray(image, dtype=np.int16) + rng.integers(-12, 12, (height, width, 3))
-    buffer = io.BytesIO()
-    Image.fromarray(array.clip(0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90)
-    return buffer.getvalue()
-
-
 def make_video(seconds: int, fps: int, width: int, height: int, gop: int) -> bytes:
     """H.264 mp4 of a textured scene panning and zooming, plus grain: decoding costs as real."""
-    import av
-
     rng = np.random.default_rng(7)
     field = rng.integers(0, 255, (height // 8 + 40, width // 8 + 80, 3), dtype=np.uint8)
     texture = np.asarray(Image.fromarray(field).resize((width * 2, height * 2), Image.BICUBIC))
     grain = rng.integers(-10, 10, (8, height, width, 3), dtype=np.int16)
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=Fraction(fps))
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0",
-                          "preset": "veryfast", "crf": "23"}
+
+    def frames():
         for i in range(seconds * fps):
             x = int((width / 2) * (0.5 + 0.5 * np.sin(i / 40)))
             y = int((height / 2) * (0.5 + 0.5 * np.cos(i / 55)))
             frame = texture[y:y + height, x:x + width].astype(np.int16) + grain[i % 8]
-            video_frame = av.VideoFrame.from_ndarray(frame.clip(0, 255).astype(np.uint8),
-                                                     format="rgb24")
-            for packet in stream.encode(video_frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buffer.getvalue()
+            yield frame.clip(0, 255).astype(np.uint8)
+
+    return encode_h264(frames(), width=width, height=height, fps=fps,
+                       options={"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0",
+                                "preset": "veryfast", "crf": "23"})
 
 
 # ---- the three image paths --------------------------------------------------------------------
@@ -414,9 +397,9 @@ def packing_section(tokenizer_dir: str, batches: int, work: Path) -> dict:
 
 def _memory_worker(tokenizer_dir: str, image_dir: str, queue) -> None:
     """Spawned child: what one loader worker holds while encoding the image sections."""
-    import psutil
-
     import threading
+
+    import psutil
 
     encoder = make_encoder(tokenizer_dir, max_num_images=16, seq_length=16384)
     process = psutil.Process()

@@ -54,13 +54,13 @@ def _summarize(out: Path, records: list[dict], options: dict) -> dict:
             reasons[rej["reason"]] += 1
             by_config[rej["config"]]["rejected"] += 1
         fixups.update(rec["fixups"])
-    for config, split, num_rows in options["splits"]:
+    for config, _split, num_rows in options["splits"]:
         by_config[config]["rows_read"] += num_rows
     rows_read = sum(r["rows_read"] for r in records)
     rows_written = sum(r["rows_written"] for r in records)
     rejected = sum(len(r["rejects"]) for r in records)
     source_rows = sum(n for _, _, n in options["splits"])
-    for config, counts in by_config.items():
+    for counts in by_config.values():
         counts["rows_written"] = counts["rows_read"] - counts["rejected"]
     runs = [json.loads(line) for line in (out / ".work" / "runs.jsonl").read_text().splitlines()]
     seconds = sum(r["seconds"] for r in runs)

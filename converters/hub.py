@@ -18,7 +18,7 @@ from converters.base import UsageError
 
 
 class Source:
-    """A dataset source: `location` is a local folder or a hub id like "TIGER-Lab/Mantis-Instruct"."""
+    """A dataset source: `location` is a local folder or a hub id ("owner/name")."""
 
     def __init__(self, location: str, cache_dir: Path | None = None):
         self.location = location

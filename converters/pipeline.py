@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +76,8 @@ def plan_shards(source: SourceDataset, splits: list[SourceSplit], opts: Options)
         items = buckets[(target, config)]
         folder = "".join(c if c.isalnum() or c in "-_." else "_" for c in config)
         for k in range(0, len(items), opts.shard_size):
-            name = f"shards/{target}/{folder}/p{opts.partition_index:03d}-{k // opts.shard_size:06d}.tar"
+            number = k // opts.shard_size
+            name = f"shards/{target}/{folder}/p{opts.partition_index:03d}-{number:06d}.tar"
             specs.append(ShardSpec(name=name, items=items[k:k + opts.shard_size]))
     return specs
 

@@ -9,7 +9,6 @@ Tar members have fixed order, mtime 0, uid/gid 0 and empty owner names.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import tarfile

@@ -1,4 +1,4 @@
-"""The canonical sample schema (docs/format.md): one conversation with its media, as stored in shards.
+"""The canonical sample schema (docs/format.md): one conversation with its media, as stored.
 
 This module owns the format: the dataclasses, their JSON form, sample keys, and the rules every
 sample obeys. Converters build `CanonicalSample`s and the shard writer calls `validate` on each;

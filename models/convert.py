@@ -127,8 +127,13 @@ def resolve_hf(path_or_id: str) -> Path:
 
 
 def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
-    from models.checkpoint import build_model, init_parallel, save_checkpoint, shard_for_rank
-    from models.checkpoint import weight_shapes
+    from models.checkpoint import (
+        build_model,
+        init_parallel,
+        save_checkpoint,
+        shard_for_rank,
+        weight_shapes,
+    )
     from models.hf_mapping import hf_to_ours, read_hf_folder
 
     folder = resolve_hf(hf)

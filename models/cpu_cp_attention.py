@@ -22,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 
 
 class _GatherSeq(torch.autograd.Function):
-    """all_gather along dim 0 over ``group``; backward sums every rank's gradient (reduce-scatter)."""
+    """all_gather along dim 0 over ``group``; backward sums every rank's gradient."""
 
     @staticmethod
     def forward(ctx, x, group):

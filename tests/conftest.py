@@ -81,4 +81,5 @@ def read_samples(out: Path) -> dict[str, dict]:
 
 
 def shard_bytes(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted((out / "shards").rglob("*.tar"))}
+    tars = sorted((out / "shards").rglob("*.tar"))
+    return {str(p.relative_to(out)): p.read_bytes() for p in tars}

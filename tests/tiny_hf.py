@@ -31,7 +31,8 @@ def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | No
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              rope_parameters={**rope, "mrope_section": [2, 3, 3]},
                              max_position_embeddings=max_positions, tie_word_embeddings=False),
-            vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=48, num_heads=2,
+            vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=48,
+                               num_heads=2,
                                out_hidden_size=64, patch_size=14, window_size=56,
                                fullatt_block_indexes=[1]),
             **tokens)
@@ -43,7 +44,8 @@ def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | No
                              head_dim=16, max_position_embeddings=max_positions,
                              rope_parameters={**rope, "mrope_section": [4, 2, 2],
                                               "mrope_interleaved": True}),
-            vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=48, num_heads=2,
+            vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=48,
+                               num_heads=2,
                                out_hidden_size=64, patch_size=16, num_position_embeddings=16,
                                deepstack_visual_indexes=[0, 1]),
             **tokens)

@@ -207,3 +207,30 @@ def audio_only_mp4(seconds: float = 0.5, rate: int = 16000) -> bytes:
         container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
     return buf.getvalue()
+
+
+def encode_h264(frames, *, width: int, height: int, fps: int, options: dict[str, str]) -> bytes:
+    """Encode RGB frames (H, W, 3) uint8 into an H.264 mp4 (libx264, yuv420p) with `options`."""
+    from fractions import Fraction
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = dict(options)
+        for array in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def photo_jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
+    """A photo-like JPEG (smooth colour field + grain, quality 90): realistic size and cost."""
+    base = rng.integers(0, 255, (height // 32 + 2, width // 32 + 2, 3), dtype=np.uint8)
+    image = Image.fromarray(base).resize((width, height), Image.BICUBIC)
+    array = np.asarray(image, dtype=np.int16) + rng.integers(-12, 12, (height, width, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(array.clip(0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import io
 import json
-from fractions import Fraction
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from converters.lookalikes.media import encode_h264
 from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.sample_format import CanonicalSample, Media, SourceRef, Turn
 
@@ -52,45 +52,24 @@ def image_bytes(height: int, width: int, *, seed: int = 0, fmt: str = "PNG") -> 
 def video_bytes(frames: int, fps: int = 10, *, height: int = 48, width: int = 64,
                 gop: int = 5) -> bytes:
     """H.264 mp4 whose frame i has red = 2 * i (the frame index is readable back)."""
-    import av
+    def frame(i):
+        array = np.zeros((height, width, 3), np.uint8)
+        array[..., 0] = 2 * i
+        return array
 
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=Fraction(fps))
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0",
-                          "bf": "0", "qp": "0"}
-        for i in range(frames):
-            array = np.zeros((height, width, 3), np.uint8)
-            array[..., 0] = 2 * i
-            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buffer.getvalue()
+    return encode_h264((frame(i) for i in range(frames)), width=width, height=height, fps=fps,
+                       options={"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0",
+                                "bf": "0", "qp": "0"})
 
 
 def b_frame_video_bytes(frames: int, fps: int = 30, *, height: int = 64, width: int = 96,
                        gop: int = 30) -> bytes:
     """H.264 mp4 with B-frames (x264 defaults: 3, pyramid) of a panning noisy texture."""
-    import av
-
-    rng = np.random.default_rng(3)
-    texture = rng.integers(0, 256, (height, 4 * width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=Fraction(fps))
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0",
-                          "preset": "veryfast", "crf": "28"}
-        for i in range(frames):
-            shift = (2 * i) % (3 * width)
-            array = texture[:, shift:shift + width]
-            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buffer.getvalue()
+    texture = np.random.default_rng(3).integers(0, 256, (height, 4 * width, 3), dtype=np.uint8)
+    shifts = ((2 * i) % (3 * width) for i in range(frames))
+    return encode_h264((texture[:, s:s + width] for s in shifts), width=width, height=height,
+                       fps=fps, options={"g": str(gop), "keyint_min": str(gop),
+                                         "sc_threshold": "0", "preset": "veryfast", "crf": "28"})
 
 
 def image_media(i: int, height: int, width: int, data: bytes = b"x") -> Media:
