@@ -144,8 +144,11 @@ def main(argv=None) -> int:
     # --- model ---------------------------------------------------------------------------------
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from models.cpu_compat import cpu_only
