@@ -28,6 +28,11 @@ def target_of(split: str, config_has_val: bool) -> Target:
     return "train" if config_has_val else "carve"
 
 
+def config_folder(config: str) -> str:
+    """The shard folder (and Energon split-part suffix) of a source config."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in config)
+
+
 class UsageError(Exception):
     """Bad arguments or source (missing, unknown config, unwritable output): one line, exit 2."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from converters.base import UsageError
+from converters.base import UsageError, config_folder
 from converters.stats import write_stats
 
 SPLITS = ("train", "val", "test")
@@ -112,10 +112,10 @@ def _prepare(out: Path, records: list[dict], workers: int, media_metadata: bool)
     return list(parts)
 
 
-def _write_metadataset(out: Path, summary: dict, split_parts: list[str]) -> None:
+def _write_metadataset(out: Path, records: list[dict], split_parts: list[str]) -> None:
     """A MetadatasetV2 blend of the source configs, weighted by their sample counts."""
     counts: Counter = Counter()
-    for rec in _read_sidecars(out):
+    for rec in records:
         for stat in rec["stats"]:
             counts[(stat["split"], stat["config"])] += 1
     splits = {}
@@ -125,7 +125,7 @@ def _write_metadataset(out: Path, summary: dict, split_parts: list[str]) -> None
             if not part.startswith(split + "/"):
                 continue
             folder = part.split("/", 1)[1]
-            config = next(c for (s, c) in counts if s == split and _folder(c) == folder)
+            config = next(c for (s, c) in counts if s == split and config_folder(c) == folder)
             blend.append({"weight": counts[(split, config)], "path": ".",
                           "split_part": part, "subflavors": {"config": config}})
         if blend:
@@ -134,10 +134,6 @@ def _write_metadataset(out: Path, summary: dict, split_parts: list[str]) -> None
     header = ("# Blend of the source configs, weighted by sample count. Edit the weights to\n"
               "# re-weight subsets; train with this file as the data path.\n")
     (out / "metadataset.yaml").write_text(header + yaml.safe_dump(doc, sort_keys=False))
-
-
-def _folder(config: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in config)
 
 
 def finalize(out: Path, splits=None, *, workers: int = 1) -> dict | None:
@@ -174,7 +170,7 @@ def finalize(out: Path, splits=None, *, workers: int = 1) -> dict | None:
                        if summary["shards"] else [])
         summary["energon_split_parts"] = split_parts
         if split_parts:
-            _write_metadataset(out, summary, split_parts)
+            _write_metadataset(out, records, split_parts)
         (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
         shutil.rmtree(work / "datasets_cache", ignore_errors=True)  # a local source's table copy
         return summary

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from converters.base import SourceDataset, SourceSplit, Unit, UsageError
+from converters.base import SourceDataset, SourceSplit, Unit, UsageError, config_folder
 from converters.writer import ShardSpec, shard_done, write_shard
 
 _TARGET_ORDER = ("train", "val", "test")
@@ -74,7 +74,7 @@ def plan_shards(source: SourceDataset, splits: list[SourceSplit], opts: Options)
     specs = []
     for target, config in sorted(buckets, key=lambda b: (_TARGET_ORDER.index(b[0]), b[1])):
         items = buckets[(target, config)]
-        folder = "".join(c if c.isalnum() or c in "-_." else "_" for c in config)
+        folder = config_folder(config)
         for k in range(0, len(items), opts.shard_size):
             number = k // opts.shard_size
             name = f"shards/{target}/{folder}/p{opts.partition_index:03d}-{number:06d}.tar"
