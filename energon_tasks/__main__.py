@@ -83,7 +83,8 @@ def _grid_fields(grid: ImageGrid) -> dict:
 
 
 @cli.command(cls=_MediaOrderCommand)
-@click.option("--model", required=True, help="qwen2.5-vl or qwen3-vl (also qwen2_5_vl, qwen3_vl).")
+@click.option("--model", required=True,
+              help="qwen2.5-vl, qwen3-vl, nemotron-omni or nemotron-omni-tiled ('_' also works).")
 @click.option(
     "--image", "images", multiple=True, type=_Size(("H", "W"), "480x640"), help="Image HxW."
 )

@@ -3,7 +3,9 @@
 This module owns the typed outputs of the task encoder (``EncodedSample`` per sample or packed
 row, ``QwenVLBatch`` per batch: the contract ``models/`` consumes, documented field by field in
 docs/batch_contract.md) and the pure tensor operations between them: packing samples into one row
-(``pack_samples``) and padding rows into a batch (``collate``).
+(``pack_samples``) and padding rows into a batch (``collate``). Both task encoders (Qwen-VL,
+Nemotron-Omni) produce these same fields; what differs (row widths, row layout, positions) is in
+docs/batch_contract.md.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ IGNORE_INDEX = -100  #: label of every token without loss
 class EncodedSample(Sample):
     """One encoded conversation, or several packed into one row (``seq_lens`` has one per sample).
 
-    ``D`` = 3 * temporal_patch_size * patch_size**2 (1176 for Qwen2.5-VL, 1536 for Qwen3-VL).
+    ``D`` = 3 * temporal_patch_size * patch_size**2 (1176 for Qwen2.5-VL, 1536 for Qwen3-VL);
+    Nemotron-Omni: 768 for ``pixel_values`` (one 16x16 patch), 1536 for ``pixel_values_videos``
+    (one patch of a frame pair), and ``position_ids`` rows are identical (plain arange).
     """
 
     input_ids: torch.Tensor  #: (L,) int64
@@ -65,7 +69,7 @@ def pack_samples(samples: Sequence[EncodedSample]) -> EncodedSample:
     """
     if not samples:
         raise ValueError("pack_samples needs at least one sample")
-    width = samples[0].pixel_values.shape[1]
+    width, video_width = samples[0].pixel_values.shape[1], samples[0].pixel_values_videos.shape[1]
     return EncodedSample(
         __key__=",".join(s.__key__ for s in samples),
         __restore_key__=(),  # Energon sets the pack's restore key
@@ -77,7 +81,7 @@ def pack_samples(samples: Sequence[EncodedSample]) -> EncodedSample:
         position_ids=torch.cat([s.position_ids for s in samples], dim=1),
         pixel_values=_cat([s.pixel_values for s in samples], (0, width), torch.float32),
         image_grid_thw=_cat([s.image_grid_thw for s in samples], (0, 3), torch.int64),
-        pixel_values_videos=_cat([s.pixel_values_videos for s in samples], (0, width),
+        pixel_values_videos=_cat([s.pixel_values_videos for s in samples], (0, video_width),
                                  torch.float32),
         video_grid_thw=_cat([s.video_grid_thw for s in samples], (0, 3), torch.int64),
         seq_lens=torch.cat([s.seq_lens for s in samples]),
@@ -139,7 +143,7 @@ def collate(
     if packed:
         cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    width = rows[0].pixel_values.shape[1]
+    width, video_width = rows[0].pixel_values.shape[1], rows[0].pixel_values_videos.shape[1]
     return QwenVLBatch(
         __key__=[r.__key__ for r in rows],
         __restore_key__=(),
@@ -151,7 +155,8 @@ def collate(
         position_ids=positions,
         pixel_values=_cat([r.pixel_values for r in rows], (0, width), torch.float32),
         image_grid_thw=_cat([r.image_grid_thw for r in rows], (0, 3), torch.int64),
-        pixel_values_videos=_cat([r.pixel_values_videos for r in rows], (0, width), torch.float32),
+        pixel_values_videos=_cat([r.pixel_values_videos for r in rows], (0, video_width),
+                                 torch.float32),
         video_grid_thw=_cat([r.video_grid_thw for r in rows], (0, 3), torch.int64),
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,

@@ -1,11 +1,16 @@
 """The budget planner: what of a sample is kept, at which size, decided from metadata only.
 
-This module owns the budget policy of issue 3 as one pure function, ``plan``. It reads the
-sample's JSON metadata (image sizes, video frame counts / fps) and the text token count of each
-turn, and never touches a pixel, so a skipped sample costs no decoding and ``inspect`` predicts
-exactly what the loader does. Policy, in order:
+This module owns the budget policy of issue 3 as one pure function, ``plan``, for every model
+family: ``config.geometry`` is a ``QwenVLGeometry`` or a ``NemotronOmniGeometry`` (both have
+``image_grid`` / ``video_grid`` / ``video_frame_indices``), and an image span is always its
+context tokens plus two markers (``<|vision_start|>``/``<|vision_end|>`` or ``<img>``/``</img>``).
+It reads the sample's JSON metadata (image sizes, video frame counts / fps) and the text token
+count of each turn, and never touches a pixel, so a skipped sample costs no decoding and
+``inspect`` predicts exactly what the loader does. Policy, in order:
 
-1. every image goes through ``smart_resize`` with ``min_pixels`` / ``max_pixels``; every video is
+1. every image goes through the model's resize rule (``smart_resize``; Nemotron-Omni: its dynamic
+   patch grid, or its tile grid with ``max_pixels`` as a tile cap) with ``min_pixels`` /
+   ``max_pixels``; every video is
    sampled uniformly over the whole clip at ``video_fps``, capped at ``max_num_frames``
    (``QwenVLGeometry.video_frame_indices``), and sized by the model's video rule;
 2. the conversation may only end after an assistant turn (turn boundaries; a visual span is never
@@ -41,8 +46,8 @@ SKIP_REASONS = (
 )
 ACTIONS = ("resized", "frames_sampled", "turns_cut", "images_cut")
 
-#: (media, frame indices, grid) -> tokens of a video span that are not <|video_pad|> (markers,
-#: timestamps). The default counts <|vision_start|> and <|vision_end|>.
+#: (media, frame indices, grid) -> tokens of a video span that are not video context tokens
+#: (markers, timestamps, Nemotron-Omni's frame-pair labels). The default counts the two markers.
 VideoExtraTokens = Callable[[Media, Sequence[int], ImageGrid], int]
 
 
@@ -96,18 +101,31 @@ def _image_grids(sample, config, indices, cap) -> dict[int, ImageGrid]:
 
 
 def _best_cap(sample, config, images, limit: int) -> dict[int, ImageGrid] | None:
-    """Grids at the largest shared pixel cap whose image tokens fit ``limit`` (None: none does)."""
+    """Grids at the largest shared pixel cap whose image tokens fit ``limit`` (None: none does).
+
+    The caps searched are ``min_pixels`` and the multiples of the geometry's ``pixel_cap_step``
+    above it, up to ``max_pixels`` (1 for Qwen: every area; Nemotron-Omni: whole patches, or
+    whole tiles on the tiled path, where the cap is a tile count). Binary search assumes tokens
+    never decrease with the cap, which Nemotron-Omni's dynamic rule breaks by a few tokens
+    (docs/nemotron.md); the result still fits, since ``min_pixels`` fits and only caps that fit
+    are kept: at worst a slightly larger fitting cap is missed.
+    """
     low, high = config.image_pixels()
-    if sum(g.visual_tokens for g in _image_grids(sample, config, images, low).values()) > limit:
+    step = config.geometry.pixel_cap_step
+
+    def tokens(cap: int) -> int:
+        return sum(g.visual_tokens for g in _image_grids(sample, config, images, cap).values())
+
+    if tokens(low) > limit:
         return None
-    while low < high:  # tokens never decrease with the cap: binary search the largest fit
-        mid = (low + high + 1) // 2
-        grids = _image_grids(sample, config, images, mid)
-        if sum(g.visual_tokens for g in grids.values()) <= limit:
-            low = mid
+    best, lo, hi = low, low // step + 1, high // step  # candidates above low: k * step
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if tokens(mid * step) <= limit:
+            best, lo = mid * step, mid + 1
         else:
-            high = mid - 1
-    return _image_grids(sample, config, images, low)
+            hi = mid - 1
+    return _image_grids(sample, config, images, best)
 
 
 def _videos(sample, config, video_extra) -> tuple[dict, dict[int, str]]:

@@ -1,24 +1,35 @@
-"""Settings of the Qwen-VL task encoder: one dataclass, validated as a whole.
+"""Settings of the task encoders (Qwen-VL and Nemotron-Omni): one dataclass, validated as a whole.
 
 This module owns every knob of the loader side (pixel limits, media caps, the visual-token and
-sequence budgets, padding, context parallel divisibility, packing, the decompression-bomb cap and
-the model / tokenizer names) and the rules they must satisfy together. ``train.py`` loads YAML plus
-``key=value`` overrides into ``TaskEncoderConfig.from_dict``; unknown keys are an error.
+sequence budgets, padding, context parallel divisibility, packing, the decompression-bomb cap, the
+model / tokenizer names, and the two Nemotron-Omni knobs ``max_num_tiles`` /
+``video_maintain_aspect_ratio``) and the rules they must satisfy together. ``train.py`` loads YAML
+plus ``key=value`` overrides into ``TaskEncoderConfig.from_dict``; unknown keys are an error.
+
+Model families (``model``): "qwen2.5-vl", "qwen3-vl" (``QwenVLGeometry``) and "nemotron-omni"
+(dynamic-resolution images), "nemotron-omni-tiled" (512x512 tiles + thumbnail)
+(``NemotronOmniGeometry``). The Nemotron knobs are an error on a model they do not apply to
+(``max_num_tiles``: only "nemotron-omni-tiled"; ``video_maintain_aspect_ratio``: both Nemotron
+names), and so are ``video_min_pixels`` / ``video_max_pixels`` on Nemotron (its frame size is fixed
+by ``video_target_num_patches``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from energon_tasks.geometry import QwenVLGeometry, get_geometry
+from energon_tasks.geometry import QwenVLGeometry, get_geometry, model_family
 
 #: Hub id of the tokenizer / processor used when ``tokenizer`` is not set.
 DEFAULT_TOKENIZERS = {
     "qwen2.5-vl": "Qwen/Qwen2.5-VL-7B-Instruct",
     "qwen3-vl": "Qwen/Qwen3-VL-8B-Instruct",
+    "nemotron-omni": "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16",
+    "nemotron-omni-tiled": "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16",
 }
 
 
@@ -28,7 +39,7 @@ class ConfigError(ValueError):
 
 @dataclass(slots=True, kw_only=True)
 class TaskEncoderConfig:
-    """Every knob of the Qwen-VL task encoder (``None`` = the model's processor default)."""
+    """Every knob of the task encoders (``None`` = the model's processor default)."""
 
     model: str = "qwen2.5-vl"  #: geometry name, see ``energon_tasks.geometry.get_geometry``
     tokenizer: str | None = None  #: hub id or local folder; None -> DEFAULT_TOKENIZERS[model]
@@ -47,14 +58,30 @@ class TaskEncoderConfig:
     packing: bool = False  #: pack several samples per row (Energon packing hooks)
     packing_buffer_size: int = 64  #: samples Energon buffers before each packing selection
     max_source_pixels: int = 89_478_485  #: decompression-bomb cap on stored pixels (PIL default)
+    #: nemotron-omni-tiled only: tiles per image before the thumbnail (None: the geometry's 12).
+    #: ``max_pixels`` caps it further to max_pixels // 512**2 tiles (at least 1).
+    max_num_tiles: int | None = None
+    #: nemotron-omni* only: video frames keep their aspect ratio around 1024 patches (True), or
+    #: are 512x512 (False); None: the geometry's (True, the transformers processor default).
+    video_maintain_aspect_ratio: bool | None = None
+    #: nemotron-omni* only: patches per video frame (the processor's video_target_num_patches;
+    #: 1024 = 512x512 for a square frame); None: the geometry's 1024. Lower it to shrink videos.
+    video_target_num_patches: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     @property
+    def family(self) -> str:
+        """"qwen-vl" or "nemotron-omni" (``energon_tasks.geometry.model_family``)."""
+        return model_family(self.model)
+
+    @property
     def geometry(self) -> QwenVLGeometry:
-        """The model's geometry (``get_geometry(model)``)."""
-        return get_geometry(self.model)
+        """The model's geometry with the Nemotron knobs applied (``QwenVLGeometry`` or
+        ``NemotronOmniGeometry``; both have the planner's interface)."""
+        return _geometry(self.model, self.max_num_tiles, self.video_maintain_aspect_ratio,
+                         self.video_target_num_patches)
 
     @property
     def tokenizer_name(self) -> str:
@@ -91,9 +118,11 @@ class TaskEncoderConfig:
         """
         problems = []
         try:
-            get_geometry(self.model)
+            family = model_family(self.model)
         except ValueError as error:
             problems.append(f"model: {error}")
+        else:
+            problems += self._family_problems(family)
         positive = [
             "video_fps", "max_num_frames", "max_num_images", "max_visual_tokens", "seq_length",
             "pad_to_multiple_of", "context_parallel_size", "packing_buffer_size",
@@ -116,6 +145,38 @@ class TaskEncoderConfig:
             )
         if problems:
             raise ConfigError("invalid task encoder config:\n  " + "\n  ".join(problems))
+
+    def _family_problems(self, family: str) -> list[str]:
+        """Knobs set on a model they do not apply to, and bad Nemotron knob values."""
+        problems = []
+        tiled = family == "nemotron-omni" and get_geometry(self.model).image_mode == "tiled"
+        tiles = self.max_num_tiles
+        if tiles is not None and not tiled:
+            problems.append(f"max_num_tiles: only applies to nemotron-omni-tiled, not {self.model}")
+        elif tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool)
+                                    or tiles < 1):
+            problems.append(f"max_num_tiles: must be a positive integer or null, got {tiles!r}")
+        keep = self.video_maintain_aspect_ratio
+        if keep is not None and family != "nemotron-omni":
+            problems.append(f"video_maintain_aspect_ratio: only applies to nemotron-omni models, "
+                            f"not {self.model}")
+        elif keep is not None and not isinstance(keep, bool):
+            problems.append(f"video_maintain_aspect_ratio: must be true, false or null, got "
+                            f"{keep!r}")
+        target = self.video_target_num_patches
+        if target is not None and family != "nemotron-omni":
+            problems.append(f"video_target_num_patches: only applies to nemotron-omni models, "
+                            f"not {self.model}")
+        elif target is not None and (not isinstance(target, int) or isinstance(target, bool)
+                                     or target < 4):
+            problems.append(f"video_target_num_patches: must be an integer >= 4 or null, got "
+                            f"{target!r}")
+        if family == "nemotron-omni":
+            for name in ("video_min_pixels", "video_max_pixels"):
+                if getattr(self, name) is not None:
+                    problems.append(f"{name}: not used by {self.model} (video frames are sized by "
+                                    "video_target_num_patches); leave it null")
+        return problems
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TaskEncoderConfig":
@@ -146,6 +207,18 @@ class TaskEncoderConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (for logs and checkpoints)."""
         return dataclasses.asdict(self)
+
+
+@functools.lru_cache(maxsize=32)
+def _geometry(model: str, max_num_tiles: int | None, keep_aspect: bool | None,
+              video_target: int | None):
+    """``get_geometry(model)`` with the Nemotron knobs that are set (cached: the planner asks for
+    it many times per sample)."""
+    geometry = get_geometry(model)
+    changes = {"max_num_tiles": max_num_tiles, "video_maintain_aspect_ratio": keep_aspect,
+               "video_target_num_patches": video_target}
+    changes = {name: value for name, value in changes.items() if value is not None}
+    return dataclasses.replace(geometry, **changes) if changes else geometry
 
 
 def _coerce(value: Any, type_name: str) -> Any:

@@ -32,6 +32,7 @@ __all__ = [
     "QWEN3_VL",
     "QwenVLGeometry",
     "get_geometry",
+    "model_family",
     "mrope_position_ids",
     "smart_resize",
     "smart_resize_clip",
@@ -150,6 +151,12 @@ class QwenVLGeometry:
     def factor(self) -> int:
         """Side multiple of every resized image: patch_size * merge_size."""
         return self.patch_size * self.merge_size
+
+    @property
+    def pixel_cap_step(self) -> int:
+        """Granularity of ``max_pixels`` for the budget planner: 1 (``smart_resize`` reads any
+        area), see ``energon_tasks.budget._best_cap``."""
+        return 1
 
     def _grid(self, num_frames: int, height: int, width: int) -> ImageGrid:
         grid_t = -(-num_frames // self.temporal_patch_size)  # patchify pads with the last frame
@@ -399,15 +406,41 @@ _GEOMETRIES = {
     "qwen3-vl": QWEN3_VL,
     "qwen3_vl": QWEN3_VL,
 }
+#: Nemotron-Omni names -> attribute of ``energon_tasks.nemotron_geometry`` (imported lazily: that
+#: module imports this one).
+_NEMOTRON_GEOMETRIES = {
+    "nemotron-omni": "NEMOTRON_OMNI",
+    "nemotron_omni": "NEMOTRON_OMNI",
+    "nemotron-omni-tiled": "NEMOTRON_OMNI_TILED",
+    "nemotron_omni_tiled": "NEMOTRON_OMNI_TILED",
+}
 
 
-def get_geometry(name: str) -> QwenVLGeometry:
-    """The geometry of a model by name ("qwen2.5-vl" / "qwen2_5_vl" / "qwen3-vl" / "qwen3_vl").
+def model_family(name: str) -> str:
+    """``"nemotron-omni"`` for the Nemotron-Omni names, ``"qwen-vl"`` for the Qwen ones.
 
     Raises:
         ValueError: unknown name (the message lists the valid ones).
     """
+    get_geometry(name)
+    return "nemotron-omni" if name.lower() in _NEMOTRON_GEOMETRIES else "qwen-vl"
+
+
+def get_geometry(name: str):
+    """The geometry of a model by name: ``QwenVLGeometry`` for "qwen2.5-vl" / "qwen2_5_vl" /
+    "qwen3-vl" / "qwen3_vl", ``NemotronOmniGeometry`` for "nemotron-omni" (dynamic images) /
+    "nemotron-omni-tiled" (tiled images), also spelled with "_".
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+    """
+    key = name.lower()
+    if key in _NEMOTRON_GEOMETRIES:
+        from energon_tasks import nemotron_geometry
+
+        return getattr(nemotron_geometry, _NEMOTRON_GEOMETRIES[key])
     try:
-        return _GEOMETRIES[name.lower()]
+        return _GEOMETRIES[key]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(_GEOMETRIES)}") from None
+        valid = ", ".join([*_GEOMETRIES, *_NEMOTRON_GEOMETRIES])
+        raise ValueError(f"unknown model {name!r}; valid: {valid}") from None

@@ -1,7 +1,8 @@
 """``python -m energon_tasks inspect``: predict the budget's effect from shard metadata only.
 
 This module owns the dry run: it reads only the ``K.json`` members of a split's shards (tarfile;
-no pixel is decoded), runs the task encoder's own planner (``QwenVLTaskEncoder.plan_sample``, so
+no pixel is decoded), runs the task encoder's own planner (``QwenVLTaskEncoder.plan_sample``, the
+encoder of ``--model`` from ``energon_tasks.encoders.task_encoder_for``, so
 the prediction is what the loader does) and reports how many samples are kept / resized /
 frame-sampled / cut / skipped per reason, the distributions of text, visual and total tokens, and
 optionally PNG histograms. Only decode-time skips (corrupt media bytes) are not predictable here.
@@ -33,6 +34,8 @@ KNOBS = [
     ("--max-num-images", "max_num_images", int),
     ("--max-visual-tokens", "max_visual_tokens", int),
     ("--seq-length", "seq_length", int),
+    ("--max-num-tiles", "max_num_tiles", int),
+    ("--video-maintain-aspect-ratio", "video_maintain_aspect_ratio", bool),
 ]
 
 
@@ -126,12 +129,12 @@ def write_histograms(report: dict, out: Path) -> Path:
 
 
 def make_encoder(model: str, tokenizer: str | None, knobs: dict):
-    """A task encoder for planning only (tokenizer loaded from a hub id or folder)."""
-    from energon_tasks.qwen_vl import QwenVLTaskEncoder
+    """The model's task encoder (``task_encoder_for``; tokenizer from a hub id or folder)."""
+    from energon_tasks.encoders import task_encoder_for
 
     values = {"model": model, "tokenizer": tokenizer,
               **{k: v for k, v in knobs.items() if v is not None}}
-    return QwenVLTaskEncoder(TaskEncoderConfig.from_dict(values))
+    return task_encoder_for(TaskEncoderConfig.from_dict(values))
 
 
 def knob_options(function):
@@ -141,7 +144,8 @@ def knob_options(function):
     function = click.option("--tokenizer", help="Hub id or folder (default: the model's).")(
         function)
     return click.option("--model", default="qwen2.5-vl", show_default=True,
-                        help="qwen2.5-vl or qwen3-vl.")(function)
+                        help="qwen2.5-vl, qwen3-vl, nemotron-omni or nemotron-omni-tiled.")(
+        function)
 
 
 @click.command("inspect")

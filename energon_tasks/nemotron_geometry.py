@@ -12,11 +12,11 @@ The Nemotron-Omni counterpart of ``energon_tasks.geometry.QwenVLGeometry`` (same
   tile; 256 tokens per tile. This path is not in transformers; the rule is InternVL's public code
   (re-written here, see docs/nemotron.md).
 - video (never dynamic): frames sampled uniformly at ``video_fps``, capped at ``max_num_frames``,
-  the count floored to a multiple of 2; every frame is resized to one tile chosen as transformers'
-  ``NemotronH_Omni_Reasoning_V3VideoProcessor._compute_target_patches`` (``video_target_num_patches``
-  = 1024 patches: 512x512 for a square frame, or always 512x512 with
-  ``video_maintain_aspect_ratio=False``); frames go in pairs (tubelets); each pair's span is preceded
-  by a text label with its frames' timestamps, formatted as the processor's
+  the count floored to a multiple of 2; every frame is resized to one tile chosen as
+  transformers' ``NemotronH_Omni_Reasoning_V3VideoProcessor._compute_target_patches``
+  (``video_target_num_patches`` = 1024 patches: 512x512 for a square frame, or always 512x512 with
+  ``video_maintain_aspect_ratio=False``); frames go in pairs (tubelets); each pair's span is
+  preceded by a text label with its frames' timestamps, formatted as the processor's
   ``replace_video_token``.
 
 Pure Python + numpy. See docs/nemotron.md for the formulas and worked examples.
@@ -24,6 +24,7 @@ Pure Python + numpy. See docs/nemotron.md for the formulas and worked examples.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -55,8 +56,8 @@ def patch_grid_size(
     Same arithmetic as transformers' ``nemotron_h_omni.image_processing_nemotron_h_omni.
     get_patch_grid_size``: start from floor(side / patch) + 1 (side / patch when exact), scale down
     (aspect kept, floor) to at most ``max_num_patches``, scale up (ceil) to at least
-    ``min_num_patches`` when max > min, then round each side to a multiple of ``merge_size``: up when
-    the area still fits ``max_num_patches``, else down (never below ``merge_size``).
+    ``min_num_patches`` when max > min, then round each side to a multiple of ``merge_size``: up
+    when the area still fits ``max_num_patches``, else down (never below ``merge_size``).
     """
     grid_h = round(height / patch_size + 0.5)
     grid_w = round(width / patch_size + 0.5)
@@ -94,7 +95,8 @@ def video_target_patches(
     pw = max(round(math.sqrt(target * aspect)), 1)
     if divisor > 1:
         rem_h, rem_w = ph % divisor, pw % divisor
-        ph_up, pw_up = ph + (divisor - rem_h if rem_h else 0), pw + (divisor - rem_w if rem_w else 0)
+        ph_up = ph + (divisor - rem_h if rem_h else 0)
+        pw_up = pw + (divisor - rem_w if rem_w else 0)
         if ph_up * pw_up <= target:
             ph, pw = ph_up, pw_up
         else:
@@ -145,7 +147,7 @@ class TiledGrid:
 
     @property
     def tiles(self) -> int:
-        """Tiles fed to the encoder: columns * rows (+1 thumbnail), in row-major order then thumb."""
+        """Tiles fed to the encoder: columns * rows (+1 thumbnail); row-major, then the thumb."""
         return self.columns * self.rows + int(self.thumbnail)
 
     @property
@@ -201,6 +203,24 @@ class NemotronOmniGeometry:
     def factor(self) -> int:
         """Side multiple of every resized image: patch_size * merge_size (32)."""
         return self.patch_size * self.merge_size
+
+    @property
+    def pixel_cap_step(self) -> int:
+        """Granularity of ``max_pixels`` for the budget planner: caps between two multiples of
+        this give the same grids (dynamic: whole patches, patch**2; tiled: whole tiles,
+        tile_size**2), so ``energon_tasks.budget._best_cap`` searches on multiples of it."""
+        return self.tile_size**2 if self.image_mode == "tiled" else self.patch_size**2
+
+    @property
+    def default_video_min_pixels(self) -> int:
+        """The frame area of the video target (the planner's interface; video sizes are fixed by
+        ``video_target_num_patches``, not by pixel limits)."""
+        return self.video_target_num_patches * self.patch_size**2
+
+    @property
+    def default_video_max_pixels(self) -> int:
+        """Same as ``default_video_min_pixels``."""
+        return self.default_video_min_pixels
 
     @property
     def tokens_per_tile(self) -> int:
@@ -334,6 +354,77 @@ class NemotronOmniGeometry:
         return start + image_token * grid.visual_tokens + end
 
     # ----------------------------------------------------------------------------- pixels
+    def tiles(self, pixels: np.ndarray, thumbnail: np.ndarray | None = None) -> np.ndarray:
+        """(rows * tile, cols * tile, C) resized image -> (tiles, tile, tile, C): the grid tiles
+        in row-major order (InternVL's crop boxes), then the thumbnail when given."""
+        height, width, channels = pixels.shape
+        t = self.tile_size
+        if height % t or width % t:
+            raise ValueError(f"pixels of shape {pixels.shape}: H, W must be multiples of {t}")
+        grid = pixels.reshape(height // t, t, width // t, t, channels).swapaxes(1, 2)
+        grid = grid.reshape(-1, t, t, channels)
+        return grid if thumbnail is None else np.concatenate([grid, thumbnail[None]])
+
+    def pixel_rows(self, frames: np.ndarray, *, kind: str,
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """uint8 frames (T, H, W, C) -> float32 patch rows as the transformers processors make
+        them, normalised by ``normalization_table(kind)``.
+
+        - ``kind="image"``: one row per 16x16 patch of each frame (a dynamic image is T = 1, a
+          tiled image is T = tiles), frames in order, patches row-major, each row (C, 16, 16):
+          ``patchify`` of each frame, i.e. the image processor's ``convert_image_to_patches``
+          and what ``RadioModel._forward_packed`` reads back with ``view(-1, C, 16, 16)``.
+        - ``kind="video"``: frames go in pairs (tubelets; an odd count is padded with the last
+          frame), one row per patch of a pair, each row (2, C, 16, 16) = frame 0 RGB then frame 1
+          RGB: RADIO's ``_image_to_patches`` on the video processor's (2C, H, W) tubelet.
+
+        Args:
+            frames: (T, H, W, C) uint8, H and W multiples of ``patch_size``.
+            kind: "image" or "video".
+            out: optional C-contiguous float32 array of the result's shape to fill.
+
+        Raises:
+            ValueError: a bad shape or ``out``.
+        """
+        frames = np.asarray(frames, dtype=np.uint8)
+        p = self.patch_size
+        if frames.ndim != 4 or frames.shape[1] % p or frames.shape[2] % p:
+            raise ValueError(f"frames of shape {frames.shape}: need (T, H, W, C) with H, W "
+                             f"multiples of {p}")
+        count, height, width, channels = frames.shape
+        step = self.temporal_patch_size if kind == "video" else 1
+        slots, gh, gw = -(-count // step), height // p, width // p
+        shape = (slots * gh * gw, step * channels * p * p)
+        if out is None:
+            out = np.empty(shape, dtype=np.float32)
+        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"out of shape {out.shape} {out.dtype}: need C-contiguous float32 "
+                             f"{shape}")
+        table = self.normalization_table(kind)
+        # (T, grid row, grid col, C, patch row, patch col): a view of the uint8 frames
+        source = frames.reshape(count, gh, p, gw, p, channels).transpose(0, 1, 3, 5, 2, 4)
+        target = out.reshape(slots, gh, gw, step, channels, p, p)
+        for slot in range(slots * step):
+            frame = source[min(slot, count - 1)]  # the last frame also fills the padding
+            for channel in range(channels):
+                target[slot // step, :, :, slot % step, channel] = table[channel][
+                    frame[:, :, channel]]
+        return out
+
+    def normalization_table(self, kind: str) -> np.ndarray:
+        """(C, 256) float32: the processor's value of every uint8 level per channel.
+
+        Both processors rescale to [0, 1] AND normalise with ``image_mean`` / ``image_std``
+        (the model's RADIO input conditioner is detached: ``make_preprocessor_external``), but
+        with different float ops, reproduced here bit for bit:
+
+        - image (``TorchvisionBackend.rescale_and_normalize``, fused):
+          ``(x - float32(mean * 255)) / float32(std * 255)``;
+        - video (``NemotronH_Omni_Reasoning_V3VideoProcessor._preprocess``):
+          ``(x / 255 - mean) / std``; all in float32.
+        """
+        return _normalization_table(kind, self.image_mean, self.image_std)
+
     def patchify(self, pixels: np.ndarray) -> np.ndarray:
         """(C, H, W) normalised pixels -> (grid_h * grid_w, C * patch**2), row-major patches, each
         patch channel-major (C, patch_row, patch_col): transformers' ``convert_image_to_patches``.
@@ -344,6 +435,22 @@ class NemotronOmniGeometry:
             raise ValueError(f"pixels of shape {pixels.shape}: H, W must be multiples of {p}")
         rows = pixels.reshape(channels, height // p, p, width // p, p).transpose(1, 3, 0, 2, 4)
         return np.ascontiguousarray(rows).reshape(-1, channels * p * p)
+
+
+@functools.lru_cache(maxsize=8)
+def _normalization_table(kind: str, mean: tuple, std: tuple) -> np.ndarray:
+    levels = np.arange(256, dtype=np.float32)[None, :]
+    mean32 = np.asarray(mean, dtype=np.float32)[:, None]
+    std32 = np.asarray(std, dtype=np.float32)[:, None]
+    if kind == "image":
+        scale = np.float32(1.0 / (1.0 / 255))  # transformers: mean * (1.0 / rescale_factor)
+        table = (levels - mean32 * scale) / (std32 * scale)
+    elif kind == "video":
+        table = (levels / np.float32(255.0) - mean32) / std32
+    else:
+        raise ValueError(f"kind {kind!r}: need 'image' or 'video'")
+    table.setflags(write=False)
+    return table
 
 
 def pixel_shuffle(features: np.ndarray, merge_size: int = 2) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 from pathlib import Path
 
 import click
@@ -94,11 +95,11 @@ def preview(dataset_dir, index, split, out, model, tokenizer, **knobs) -> None:
     """Write an HTML page of one sample: resized media interleaved with text and token counts."""
     if index < 0:
         raise click.UsageError(f"--index must be >= 0, got {index}")
-    for number, (key, doc, media) in enumerate(iter_samples(dataset_dir, split, with_media=True)):
-        if number == index:
-            break
-    else:
+    found = next(itertools.islice(iter_samples(dataset_dir, split, with_media=True), index, None),
+                 None)
+    if found is None:
         raise click.UsageError(f"{dataset_dir} [{split}] has no sample {index}")
+    key, doc, media = found
     page = render(key, CanonicalSample.from_json(doc), media, make_encoder(model, tokenizer, knobs))
     out = out or Path(f"preview_{key}.html")
     out.write_text(page, encoding="utf-8")

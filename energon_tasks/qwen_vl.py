@@ -17,6 +17,11 @@ This module owns the path from a crude shard sample to model inputs. Hooks, in E
 Video spans: Qwen2.5-VL ``<|vision_start|><|video_pad|>*n<|vision_end|>``; Qwen3-VL as its
 processor, ``<|vision_start|>`` + per temporal patch ``<T.T seconds><|vision_start|>
 <|video_pad|>*n<|vision_end|>`` + ``<|vision_end|>``.
+
+Model-specific steps are small hooks (``SPECIAL_TOKENS`` / ``default_pad_id``, ``span``,
+``pixel_grid`` / ``pixel_row_width`` / ``write_pixel_rows``, ``position_ids``) that
+``energon_tasks.nemotron_omni.NemotronOmniTaskEncoder`` overrides; planning, decoding, labels,
+packing and batching are shared.
 """
 
 from __future__ import annotations
@@ -101,22 +106,31 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
     decoder = None  # raw bytes: media are decoded in encode_sample, at their planned size
     cookers = [Cooker(cook_conversation)]
 
+    #: encoder attribute -> special token; each attribute holds the token's id
+    SPECIAL_TOKENS = {
+        "im_start": "<|im_start|>", "im_end": "<|im_end|>",
+        "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>",
+        "image_pad": "<|image_pad|>", "video_pad": "<|video_pad|>",
+    }
+
     def __init__(self, config: TaskEncoderConfig, tokenizer=None) -> None:
         super().__init__()
         if tokenizer is None:
             from energon_tasks.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(config.tokenizer_name)
+            tokenizer = load_tokenizer(config.tokenizer_name, config.model)
         self.config, self.tokenizer, self.geometry = config, tokenizer, config.geometry
-        ids = tokenizer.convert_tokens_to_ids
-        self.im_start, self.im_end = ids("<|im_start|>"), ids("<|im_end|>")
-        self.vision_start, self.vision_end = ids("<|vision_start|>"), ids("<|vision_end|>")
-        self.image_pad, self.video_pad = ids("<|image_pad|>"), ids("<|video_pad|>")
+        for name, token in self.SPECIAL_TOKENS.items():
+            setattr(self, name, tokenizer.convert_tokens_to_ids(token))
         pad = tokenizer.pad_token_id
-        self.pad_id = ids("<|endoftext|>") if pad is None else pad
+        self.pad_id = self.default_pad_id() if pad is None else pad
         self.newline = self.encode_text("\n")
         self._pending: Counter = Counter()  # counters since the last batch (this process)
         self._totals: Counter = Counter()  # counters since creation (this process)
+
+    def default_pad_id(self) -> int:
+        """Pad id when the tokenizer has no pad token: ``<|endoftext|>``."""
+        return self.tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
     # ---- text ---------------------------------------------------------------------------------
 
@@ -165,6 +179,35 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
 
     def _video_extra(self, media: Media, frames: Sequence[int], grid: ImageGrid) -> int:
         return len(self.span(media, grid.grid_thw, frames)) - grid.visual_tokens
+
+    # ---- pixel rows and positions ---------------------------------------------------------------
+
+    def pixel_grid(self, kind: str, frames: np.ndarray) -> tuple[int, int, int]:
+        """(t, h, w) patch grid of decoded uint8 frames (T, H, W, C): t = ceil(T / temporal
+        patch), an image (T = 1) included; its product is the item's pixel row count."""
+        geo = self.geometry
+        return (-(-frames.shape[0] // geo.temporal_patch_size), frames.shape[1] // geo.patch_size,
+                frames.shape[2] // geo.patch_size)
+
+    def pixel_row_width(self, kind: str) -> int:
+        """Floats per pixel row: C * temporal_patch_size * patch_size**2 (both kinds)."""
+        geo = self.geometry
+        return 3 * geo.temporal_patch_size * geo.patch_size**2
+
+    def write_pixel_rows(self, kind: str, frames: np.ndarray, out: np.ndarray) -> None:
+        """Normalised patch rows of one item into ``out`` (``QwenVLGeometry.pixel_rows``)."""
+        self.geometry.pixel_rows(frames, out=out)
+
+    def position_ids(
+        self, ids: list[int], grids: dict[str, list], videos: list[tuple[Media, Sequence[int]]]
+    ) -> np.ndarray:
+        """(3, L) M-RoPE positions of one sample (``videos``: each video's media and frames)."""
+        qwen3 = self.geometry.frame_sampling == "transformers_qwen3"
+        steps = None if qwen3 else [self._time_step(media, frames) for media, frames in videos]
+        return mrope_position_ids(
+            ids, image_token_id=self.image_pad, video_token_id=self.video_pad,
+            image_grid_thw=grids["image"], video_grid_thw=grids["video"],
+            spatial_merge_size=self.geometry.merge_size, video_time_steps=steps)
 
     # ---- plan, decode, assemble -----------------------------------------------------------------
 
@@ -216,20 +259,14 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
         """Tokens, labels, positions and pixel rows of a planned, decoded sample."""
         ids, labels = [], []
         grids = {"image": [], "video": []}
-        steps = []
+        videos = []
         # one float32 buffer per kind, sized from the decoded shapes; each item's rows are
         # written straight into its slice (no per-item arrays, no concatenate)
-        geo = self.geometry
-        width = 3 * geo.temporal_patch_size * geo.patch_size**2
-
-        def row_count(frames: np.ndarray) -> int:
-            return (-(-frames.shape[0] // geo.temporal_patch_size)
-                    * (frames.shape[1] // geo.patch_size) * (frames.shape[2] // geo.patch_size))
-
         counts = {"image": 0, "video": 0}
         for item, frames in zip(plan.media, pixels, strict=True):
-            counts[item.kind] += row_count(frames)
-        buffers = {kind: np.empty((n, width), dtype=np.float32) for kind, n in counts.items()}
+            counts[item.kind] += math.prod(self.pixel_grid(item.kind, frames))
+        buffers = {kind: np.empty((n, self.pixel_row_width(kind)), dtype=np.float32)
+                   for kind, n in counts.items()}
         filled = {"image": 0, "video": 0}
         items = iter(zip(plan.media, pixels, strict=True))
         for turn in turns[: plan.kept_turns]:
@@ -239,28 +276,23 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
                 if number:
                     item, frames = next(items)
                     media = sample.media[item.index]
-                    grid = (item.grid.grid_thw[0], frames.shape[1] // geo.patch_size,
-                            frames.shape[2] // geo.patch_size)
+                    grid = self.pixel_grid(item.kind, frames)
                     span = self.span(media, grid, item.frame_indices)
                     ids += span
                     labels += [IGNORE_INDEX] * len(span)
                     grids[item.kind].append(grid)
                     start = filled[item.kind]
-                    filled[item.kind] += row_count(frames)
-                    geo.pixel_rows(frames, out=buffers[item.kind][start:filled[item.kind]])
+                    filled[item.kind] += math.prod(grid)
+                    self.write_pixel_rows(item.kind, frames,
+                                          buffers[item.kind][start:filled[item.kind]])
                     if item.kind == "video":
-                        steps.append(self._time_step(media, item.frame_indices))
+                        videos.append((media, item.frame_indices))
                 ids += piece
                 labels += piece if turn.supervised else [IGNORE_INDEX] * len(piece)
             ids += turn.footer
             labels += [self.im_end if turn.supervised else IGNORE_INDEX]
             labels += [IGNORE_INDEX] * (len(turn.footer) - 1)
-        qwen3 = self.geometry.frame_sampling == "transformers_qwen3"
-        positions = mrope_position_ids(
-            ids, image_token_id=self.image_pad, video_token_id=self.video_pad,
-            image_grid_thw=grids["image"], video_grid_thw=grids["video"],
-            spatial_merge_size=self.geometry.merge_size,
-            video_time_steps=None if qwen3 else steps)
+        positions = self.position_ids(ids, grids, videos)
         if filled != counts:  # plan.media holds exactly the items of the kept turns
             raise ValueError(f"sample {plan.key}: pixel rows filled {filled}, expected {counts}")
         label_tensor = torch.tensor(labels, dtype=torch.int64)

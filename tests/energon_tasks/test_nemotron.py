@@ -110,7 +110,8 @@ def _internvl_reference(width, height, min_num, max_num, image_size):
         ratio_diff = abs(aspect_ratio - ratio[0] / ratio[1])
         if ratio_diff < best_ratio_diff:
             best_ratio_diff, best_ratio = ratio_diff, ratio
-        elif ratio_diff == best_ratio_diff and area > 0.5 * image_size * image_size * ratio[0] * ratio[1]:
+        elif (ratio_diff == best_ratio_diff
+              and area > 0.5 * image_size * image_size * ratio[0] * ratio[1]):
             best_ratio = ratio
     return best_ratio
 

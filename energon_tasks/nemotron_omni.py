@@ -1,0 +1,123 @@
+"""The Nemotron-Omni task encoder: the Qwen-VL pipeline with Nemotron-Omni tokens, spans and pixels.
+
+``NemotronOmniTaskEncoder`` subclasses ``energon_tasks.qwen_vl.QwenVLTaskEncoder`` and overrides
+only its model hooks; cooking, the budget plan (``energon_tasks.budget``, driven by
+``energon_tasks.nemotron_geometry``), decoding, labels, packing and batching are the Qwen ones.
+What differs, each checked against transformers' ``nemotron_h_omni`` processors / model:
+
+- tokens: ChatML (``<|im_start|>role\\n ... <|im_end|>\\n``) as Qwen; an image span is ``<img>`` +
+  ``<image>`` x tokens + ``</img>`` (tokens = gh*gw/4 dynamic, 256 per tile tiled); a video span is
+  the processor's ``replace_video_token`` text: per frame pair ``"Frame k sampled at ... seconds
+  and frame k+1 sampled at ... seconds: "`` + ``<img>`` + ``<image>`` x (h*w/4) + ``</img>``, pairs
+  joined by ``"\\n"``. The tokenizer has no video context token, so ``video_pad == image_pad``
+  (``<image>``), as in transformers (what that means for rows holding both kinds:
+  docs/batch_contract.md);
+- tiled images are decoded at the grid size, cut into 512x512 tiles (row-major) and followed by a
+  512x512 thumbnail decoded from the source (InternVL's ``dynamic_preprocess``);
+- pixel rows (``NemotronOmniGeometry.pixel_rows``): images one 16x16 patch per row (768 floats),
+  videos one patch of a frame pair per row (1536 floats), normalised exactly as the processors;
+- ``position_ids``: three identical rows of ``arange`` (the language model has no rotary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from energon_tasks import budget
+from energon_tasks.decode import decode_image
+from energon_tasks.qwen_vl import QwenVLTaskEncoder
+from energon_tasks.sample_format import CanonicalSample, Media
+
+
+class NemotronOmniTaskEncoder(QwenVLTaskEncoder):
+    """Energon task encoder for Nemotron-Omni SFT ("nemotron-omni" / "nemotron-omni-tiled").
+
+    Attributes read by the training loop have the Qwen encoder's names: ``image_pad`` (``<image>``),
+    ``video_pad`` (also ``<image>``), ``vision_start`` (``<img>``), ``vision_end`` (``</img>``),
+    ``im_start``, ``im_end``, ``pad_id``.
+    """
+
+    SPECIAL_TOKENS = {
+        "im_start": "<|im_start|>", "im_end": "<|im_end|>",
+        "vision_start": "<img>", "vision_end": "</img>",
+        "image_pad": "<image>", "video_pad": "<image>",
+    }
+
+    def default_pad_id(self) -> int:
+        """Pad id when the tokenizer has no pad token: its eos, else ``<|im_end|>``."""
+        eos = self.tokenizer.eos_token_id
+        return self.im_end if eos is None else eos
+
+    # ---- spans --------------------------------------------------------------------------------
+
+    def span(self, media: Media, grid_thw: Sequence[int], frames: Sequence[int] = ()) -> list[int]:
+        """Token ids of one media span; a video's is ``video_span_text`` tokenized.
+
+        Each frame-pair label is tokenized with the newline before it ("\\n" + label), as the
+        processor's text splits at the special tokens.
+        """
+        if media.kind == "image":
+            return super().span(media, grid_thw, frames)
+        pairs, h, w = grid_thw
+        labels = self.geometry.video_labels(frames, media.fps)
+        if len(labels) != pairs:
+            raise ValueError(f"{media.part}: {len(labels)} frame-pair labels for {pairs} pairs")
+        chunk = [self.vision_start, *[self.video_pad] * (h * w // self.geometry.merge_size**2),
+                 self.vision_end]
+        ids: list[int] = []
+        for number, label in enumerate(labels):
+            ids += self.encode_text(("\n" if number else "") + label) + chunk
+        return ids
+
+    # ---- decoding -----------------------------------------------------------------------------
+
+    def decode_media(
+        self, plan: budget.Plan, sample: CanonicalSample, media_bytes: dict
+    ) -> list[np.ndarray]:
+        """As the Qwen encoder; a tiled image becomes (tiles, 512, 512, 3): its grid tiles in
+        row-major order, then the thumbnail (the source decoded at 512x512 again, as InternVL
+        resizes the original image for it)."""
+        out = super().decode_media(plan, sample, media_bytes)
+        geo = self.geometry
+        if geo.image_mode != "tiled":
+            return out
+        for number, item in enumerate(plan.media):
+            if item.kind != "image":
+                continue
+            media, image = sample.media[item.index], out[number][0]
+            grid_tiles = (image.shape[0] // geo.tile_size) * (image.shape[1] // geo.tile_size)
+            thumbnail = None
+            if item.grid.grid_thw[0] > grid_tiles:
+                thumbnail = decode_image(
+                    media_bytes[media.part], size=(geo.tile_size, geo.tile_size),
+                    max_source_pixels=self.config.max_source_pixels,
+                    name=f"{plan.key}.{media.part}").pixels
+            out[number] = geo.tiles(image, thumbnail)
+        return out
+
+    # ---- pixel rows and positions ---------------------------------------------------------------
+
+    def pixel_grid(self, kind: str, frames: np.ndarray) -> tuple[int, int, int]:
+        """Images: (frames, h, w), i.e. (1, gh, gw) dynamic, (tiles, 32, 32) tiled; videos:
+        (pairs, gh, gw)."""
+        geo = self.geometry
+        step = geo.temporal_patch_size if kind == "video" else 1
+        return (-(-frames.shape[0] // step), frames.shape[1] // geo.patch_size,
+                frames.shape[2] // geo.patch_size)
+
+    def pixel_row_width(self, kind: str) -> int:
+        """768 floats per image row (3x16x16), 1536 per video row (2x3x16x16)."""
+        geo = self.geometry
+        return (geo.temporal_patch_size if kind == "video" else 1) * 3 * geo.patch_size**2
+
+    def write_pixel_rows(self, kind: str, frames: np.ndarray, out: np.ndarray) -> None:
+        """``NemotronOmniGeometry.pixel_rows`` of one item into ``out``."""
+        self.geometry.pixel_rows(frames, kind=kind, out=out)
+
+    def position_ids(
+        self, ids: list[int], grids: dict[str, list], videos: list[tuple[Media, Sequence[int]]]
+    ) -> np.ndarray:
+        """(3, L): three identical rows 0..L-1 (no rotary; the shape keeps collate unchanged)."""
+        return np.tile(np.arange(len(ids), dtype=np.int64), (3, 1))
