@@ -1,9 +1,11 @@
-"""Process setup, model building and megatron-core distributed checkpoints of Qwen-VL models.
+"""Process setup, model building and megatron-core distributed checkpoints of every model family
+(Qwen-VL, Nemotron-Omni; the family dispatch itself is models/families.py).
 
 This module owns ``init_parallel`` (gloo on CPU / nccl on GPU, parallel_state, seeded RNG
 tracker; CPU shims from models.cpu_compat), ``build_model``, TP slicing of a full (TP=1) state dict
 for this rank (``shard_for_rank``), and save/load of a self-describing checkpoint folder:
-megatron ``dist_checkpointing`` files + ``qwen_vl_model.json`` (our config) + ``hf_config.json``
+megatron ``dist_checkpointing`` files + ``qwen_vl_model.json`` (our config, any family: the
+name is kept so that existing checkpoints load) + ``hf_config.json``
 (the source HF config when imported). dist_checkpointing stores global tensors, so a checkpoint
 saved at one TP loads at any other (megatron reshards on load).
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 from models.cpu_compat import cpu_only, enable_cpu_compat, seed_model_parallel
-from models.qwen_vl_config import QwenVLModelConfig, from_dict
+from models.families import config_from_dict, model_class
 
 MODEL_JSON, HF_JSON = "qwen_vl_model.json", "hf_config.json"
 
@@ -55,10 +57,9 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     seed_model_parallel(seed)
 
 
-def build_model(cfg: QwenVLModelConfig, use_te: bool | None = None):
-    from models.qwen_vl import QwenVL
-
-    model = QwenVL(cfg, use_te=use_te)
+def build_model(cfg, use_te: bool | None = None, vision_dp_over_cp: bool | None = None):
+    """The model of ``cfg``'s family (``QwenVL`` / ``NemotronOmni``), on the GPU when present."""
+    model = model_class(cfg)(cfg, use_te=use_te, vision_dp_over_cp=vision_dp_over_cp)
     return model if cpu_only() else model.cuda()
 
 
@@ -100,7 +101,7 @@ def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tens
     return local
 
 
-def save_checkpoint(model, cfg: QwenVLModelConfig, out: Path, hf_config: dict | None = None):
+def save_checkpoint(model, cfg, out: Path, hf_config: dict | None = None):
     """dist_checkpointing.save + self-description (call on every rank)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -116,11 +117,12 @@ def save_checkpoint(model, cfg: QwenVLModelConfig, out: Path, hf_config: dict | 
     dist.barrier()
 
 
-def read_model_config(path: Path) -> QwenVLModelConfig:
+def read_model_config(path: Path):
+    """The model config stored in a checkpoint folder (its family picks the config class)."""
     path = Path(path)
     if not (path / MODEL_JSON).is_file():
-        raise ValueError(f"{path} is not a Qwen-VL megatron checkpoint (no {MODEL_JSON})")
-    return from_dict(json.loads((path / MODEL_JSON).read_text()))
+        raise ValueError(f"{path} is not a megatron model checkpoint (no {MODEL_JSON})")
+    return config_from_dict(json.loads((path / MODEL_JSON).read_text()))
 
 
 def load_checkpoint(path: Path, use_te: bool | None = None):

@@ -1,4 +1,5 @@
-"""Hugging Face <-> megatron-core checkpoints of Qwen2.5-VL / Qwen3-VL, and logit verification.
+"""Hugging Face <-> megatron-core checkpoints of Qwen2.5-VL / Qwen3-VL / Nemotron-Omni, and logit
+verification (the family comes from config.json's ``model_type``; models/families.py).
 
     python -m models.convert hf-to-mcore --hf PATH_OR_ID --out DIR [--tp N]
     python -m models.convert mcore-to-hf --mcore DIR --out DIR
@@ -6,9 +7,9 @@
 
 ``hf-to-mcore`` with ``--tp N > 1`` starts itself under ``torch.distributed.run`` with N processes
 (each writes its shards). ``verify`` runs transformers' model (fp32, eager attention) and ours on
-generated inputs (one image; several images of different sizes interleaved with text; a video)
-and prints JSON with the max absolute logit difference per input. Bad paths or a wrong model
-family: one line on stderr, exit 2.
+generated inputs (one image; several images of different sizes interleaved with text; a video;
+Nemotron-Omni also a tiled image) and prints JSON with the max absolute logit difference per
+input. Bad paths or a wrong model family: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from models.qwen_vl_config import QwenVLModelConfig, from_hf_config, to_hf_dict
+from models.families import config_from_hf, config_module, hf_model_class, mapping_module
 
 
 # ------------------------------------------------------------------ inputs for verify / tests
@@ -46,8 +47,13 @@ def mrope_positions(input_ids: torch.Tensor, grids: list[torch.Tensor], vision_i
     return torch.cat(out, dim=1)[:, None, :]
 
 
-def make_inputs(cfg: QwenVLModelConfig, seed: int = 0) -> dict[str, dict]:
-    """Three single-row inputs: one image; 3 images of different sizes with text; a video."""
+def make_inputs(cfg, seed: int = 0) -> dict[str, dict]:
+    """Single-row inputs: one image; 3 images of different sizes with text; a video (and, for
+    Nemotron-Omni, one tiled image: 2 tiles). Our batch-contract fields."""
+    if cfg.family == "nemotron_omni":
+        from models.nemotron_inputs import make_inputs as nemotron_inputs
+
+        return nemotron_inputs(cfg, seed)
     g = torch.Generator().manual_seed(seed)
     v, merge = cfg.vision, cfg.vision.spatial_merge_size
     dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
@@ -81,6 +87,15 @@ def make_inputs(cfg: QwenVLModelConfig, seed: int = 0) -> dict[str, dict]:
     return out
 
 
+def hf_inputs(cfg, inputs: dict) -> dict:
+    """Our inputs as transformers' forward of the family takes them."""
+    if cfg.family == "nemotron_omni":
+        from models.nemotron_inputs import to_hf_inputs
+
+        return to_hf_inputs(cfg, inputs)
+    return inputs
+
+
 def hf_logits(hf_model, inputs: dict) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(**inputs).logits.float()
@@ -101,10 +116,7 @@ def load_hf_model(path: Path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    if config.model_type == "qwen3_vl":
-        from transformers import Qwen3VLForConditionalGeneration as cls
-    else:
-        from transformers import Qwen2_5_VLForConditionalGeneration as cls
+    cls = hf_model_class(config.model_type)
     return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
@@ -134,30 +146,31 @@ def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
         shard_for_rank,
         weight_shapes,
     )
-    from models.hf_mapping import hf_to_ours, read_hf_folder
+    from models.hf_mapping import read_hf_folder
 
     folder = resolve_hf(hf)
     if not (folder / "config.json").is_file():
         raise ValueError(f"--hf {hf}: no config.json")
-    cfg = from_hf_config(json.loads((folder / "config.json").read_text()))  # family check first
+    cfg = config_from_hf(json.loads((folder / "config.json").read_text()))  # family check first
     init_parallel(tp=tp, pp=pp)
     hf_config, hf_sd = read_hf_folder(folder)
     model = build_model(cfg, use_te=False)
-    full = hf_to_ours(hf_sd, cfg, weight_shapes(model))
+    full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, weight_shapes(model))
     model.load_state_dict(shard_for_rank(full, model), strict=False)
     save_checkpoint(model, cfg, out, hf_config=hf_config)
 
 
 def mcore_to_hf(mcore: Path, out: Path) -> None:
     from models.checkpoint import HF_JSON, init_parallel, load_checkpoint
-    from models.hf_mapping import is_our_key, ours_to_hf, write_hf_folder
+    from models.hf_mapping import is_our_key, write_hf_folder
 
     init_parallel()
     model, cfg = load_checkpoint(mcore, use_te=False)
     sd = {k: v.detach() for k, v in model.state_dict().items() if is_our_key(k)}
     hf_json = mcore / HF_JSON
-    config = json.loads(hf_json.read_text()) if hf_json.is_file() else to_hf_dict(cfg)
-    write_hf_folder(out, config, ours_to_hf(sd, cfg))
+    config = (json.loads(hf_json.read_text()) if hf_json.is_file()
+              else config_module(cfg.family).to_hf_dict(cfg))
+    write_hf_folder(out, config, mapping_module(cfg).ours_to_hf(sd, cfg))
 
 
 def verify(hf: Path, mcore: Path) -> dict:
@@ -168,7 +181,8 @@ def verify(hf: Path, mcore: Path) -> dict:
     hf_model = load_hf_model(hf)
     report = {}
     for name, inputs in make_inputs(cfg).items():
-        diff = (hf_logits(hf_model, inputs) - our_logits(model, inputs)).abs().max().item()
+        theirs = hf_logits(hf_model, hf_inputs(cfg, inputs))
+        diff = (theirs - our_logits(model, inputs)).abs().max().item()
         report[name] = {"max_abs_logit_diff": diff, "tokens": int(inputs["input_ids"].numel())}
     return report
 

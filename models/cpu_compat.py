@@ -11,6 +11,11 @@ shims that let the project's model, checkpoint and training code run unchanged o
     ... parallel_state.initialize_model_parallel(...)
     seed_model_parallel(1234)           # installs a CPU RNG tracker on CPU, megatron's own on GPU
 
+Two accommodations of the hybrid (Nemotron) language model, called by its builder:
+``use_local_mamba_final_norm()`` (``MambaStack`` builds its final norm with ``TENorm``
+unconditionally, which raises without TransformerEngine) and ``cpu_moe_overrides()`` (MoE config
+values that avoid megatron's CUDA-only MoE paths on CPU).
+
 Written against megatron-core 0.16.1 and 0.19.x (attribute differences are guarded).
 """
 
@@ -162,3 +167,40 @@ def seed_model_parallel(seed: int) -> None:
         mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom.model_parallel_cuda_manual_seed(seed)
+
+
+def use_local_mamba_final_norm() -> bool:
+    """Let ``MambaStack`` build its final norm without TransformerEngine (idempotent).
+
+    megatron's ``ssm/mamba_block.py`` calls ``TENorm(config, hidden_size, eps)`` for the final
+    norm whatever the layer spec says; without TE that raises ImportError. When TE is missing,
+    the name is rebound (in that module only) to megatron's ``WrappedTorchNorm`` (torch LayerNorm /
+    RMSNorm from ``config.normalization``, same ``weight`` parameter name, so checkpoints are
+    unchanged). Returns True when the rebinding is in effect; a no-op when TE is installed.
+    """
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.ssm import mamba_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if getattr(te_ext, "HAVE_TE", False):
+        return False
+    mamba_block.TENorm = WrappedTorchNorm
+    return True
+
+
+def cpu_moe_overrides() -> dict:
+    """TransformerConfig MoE values for CPU runs ({} with CUDA).
+
+    megatron's alltoall token dispatcher creates a ``torch.cuda.Stream`` in its constructor: on
+    CPU the allgather dispatcher (same routing, no stream) is used. Also, without TE,
+    ``moe_utils.router_gating_linear`` reads the name ``te_general_gemm`` that its failed TE
+    import never bound (NameError in 0.16.1): it is bound to None here (megatron's own "no TE"
+    value), which selects the plain torch GEMM.
+    """
+    if not cpu_only():
+        return {}
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    return {"moe_token_dispatcher_type": "allgather"}

@@ -153,7 +153,8 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
         all_pos = torch.cat([all_pos, step_pos], dim=2)
         all_valid = torch.cat([all_valid, torch.ones(batch, 1, dtype=torch.bool, device=device)],
                               dim=1)
-        emb, _ = qwen.embed(token[:, None])
+        # plain token embedding: a generated context-token id must not be read as a visual slot
+        emb = lm.embedding(input_ids=token[:, None], position_ids=None)
         mask = ~all_valid[:, None, None, :]  # (B, 1, 1, L so far)
         logits = lm(input_ids=None, position_ids=all_pos, attention_mask=mask,
                     decoder_input=emb, runtime_gather_output=True, **{kwarg: context})

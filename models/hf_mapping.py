@@ -164,14 +164,18 @@ def _split(cfg: QwenVLModelConfig, part: str, x: torch.Tensor, hf_shape) -> torc
 
 
 def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
-               expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+               expected: dict[str, torch.Size],
+               table: dict[str, tuple[str, str | None]] | None = None) -> dict[str, torch.Tensor]:
     """Map an HF state dict to our (TP=1) keys; ``expected`` = our key -> shape.
+
+    ``table`` (default: this family's ``expand_table(cfg)``) lets other families
+    (models/nemotron_hf_mapping.py) reuse the checks and the fused layouts.
 
     Raises:
         ValueError: an HF key not in the table, a table key missing, or a shape mismatch
             (the first offender is named).
     """
-    table = expand_table(cfg)
+    table = expand_table(cfg) if table is None else table
     hf_sd = {to_canonical_hf_key(k, cfg.family): v for k, v in hf_sd.items()}
     if cfg.lm.tie_embeddings:
         hf_sd.pop("lm_head.weight", None)
@@ -201,12 +205,14 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
 
 
 def ours_to_hf(sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig, hub_layout: bool = True,
-               hf_shapes: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+               hf_shapes: dict[str, tuple] | None = None,
+               table: dict[str, tuple[str, str | None]] | None = None) -> dict[str, torch.Tensor]:
     """Map our (TP=1) state dict to HF keys (hub prefixes when ``hub_layout``)."""
     v = cfg.vision
-    patch_shape = (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    patch_shape = (v.hidden_size, v.in_channels, getattr(v, "temporal_patch_size", 1),
+                   v.patch_size, v.patch_size)
     out = {}
-    for hf_key, (ours, part) in expand_table(cfg).items():
+    for hf_key, (ours, part) in (expand_table(cfg) if table is None else table).items():
         if ours not in sd:
             raise ValueError(f"checkpoint lacks {ours!r} (needed for {hf_key!r})")
         shape = (hf_shapes or {}).get(hf_key, patch_shape)

@@ -26,11 +26,16 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.cpu_compat import cpu_only
+from models.multimodal import (  # noqa: F401 - block_causal_mask, IGNORE_INDEX: re-exported
+    IGNORE_INDEX,
+    block_causal_mask,
+    packed_attention_mask,
+    scatter_visual,
+    shift_labels,
+)
 from models.qwen_vl_config import QwenVLModelConfig
 from models.vision import QwenVisionEncoder
 from models.vision_dp import VisionDPOverCP
-
-IGNORE_INDEX = -100
 
 
 def megatron_mrope_section(section: list[int], interleaved: bool) -> list[int]:
@@ -78,16 +83,6 @@ def lm_layer_spec(cfg: QwenVLModelConfig, use_te: bool):
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.lm.qk_norm)
     return specs.get_gpt_layer_local_spec(qk_layernorm=cfg.lm.qk_norm, normalization="RMSNorm")
-
-
-def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """(B, 1, L, L) bool, True = masked: causal within each packed segment of each row."""
-    seg = torch.zeros(batch * length, dtype=torch.long)
-    seg[cu_seqlens[1:-1].long()] = 1
-    seg = seg.cumsum(0).view(batch, length)
-    same = seg[:, :, None] == seg[:, None, :]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    return ~(same & causal)[:, None]
 
 
 class QwenVL(MegatronModule):
@@ -154,48 +149,20 @@ class QwenVL(MegatronModule):
             return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
         return hook
 
-    def _check_counts(self, token_mask: torch.Tensor, grid_thw: torch.Tensor, kind: str,
-                      sample_keys=None) -> None:
-        """Each row's pad tokens must equal the embeddings of the items that start in it."""
-        per_item = (grid_thw.prod(-1) // self.cfg.vision.spatial_merge_size ** 2).tolist()
-        starts = [sum(per_item[:i]) for i in range(len(per_item))]
-        done = 0
-        for row, n_tokens in enumerate(token_mask.sum(1).tolist()):
-            consumed = sum(n for s, n in zip(starts, per_item) if done <= s < done + n_tokens)
-            if consumed != n_tokens:
-                name = f" ({sample_keys[row]})" if sample_keys else ""
-                raise ValueError(f"batch row {row}{name}: {n_tokens} <|{kind}_pad|> tokens but "
-                                 f"its {kind}s in order give {consumed} embeddings")
-            done += n_tokens
-        if done != sum(per_item):
-            row = token_mask.shape[0] - 1
-            name = f" ({sample_keys[row]})" if sample_keys else ""
-            raise ValueError(f"batch row {row}{name}: {kind}s left without tokens after it: the "
-                             f"batch has {done} <|{kind}_pad|> tokens but {sum(per_item)} {kind} "
-                             f"embeddings ({len(per_item)} {kind}s)")
-
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
               video_grid_thw=None, sample_keys=None):
         """Token embeddings with visual embeddings scattered in: (L, B, H) + DeepStack state."""
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)
         emb = emb.transpose(0, 1).clone()  # (B, L, H): row-major order of the pad tokens
+        media = (("image", self.cfg.image_token_id, pixel_values, image_grid_thw),
+                 ("video", self.cfg.video_token_id, pixel_values_videos, video_grid_thw))
+        done = scatter_visual(emb, input_ids, media, self.encode_visual,
+                              self.cfg.vision.spatial_merge_size, sample_keys)
+        masks = [mask for mask, _ in done]
+        stacks = [deepstack for _, deepstack in done]
         visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-        stacks: list[list[torch.Tensor]] = []
-        masks = []
-        for kind, token, pixels, grid in (
-                ("image", self.cfg.image_token_id, pixel_values, image_grid_thw),
-                ("video", self.cfg.video_token_id, pixel_values_videos, video_grid_thw)):
-            mask = input_ids == token
-            has_grid = grid is not None and grid.numel() > 0
-            if not has_grid and not mask.any():
-                continue
-            grid = grid if has_grid else torch.zeros(0, 3, dtype=torch.long)
-            self._check_counts(mask, grid.cpu(), kind, sample_keys)
-            feats, deepstack = self.encode_visual(pixels, grid)
-            emb[mask] = feats.to(emb.dtype)
+        for mask in masks:
             visual_mask |= mask
-            masks.append(mask)
-            stacks.append(deepstack)
         deepstack_state = None
         if stacks and stacks[0]:
             # DeepStack features in the order of the visual tokens (images and videos merged)
@@ -224,21 +191,10 @@ class QwenVL(MegatronModule):
         batch, length = input_ids.shape
         decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw,
                                               pixel_values_videos, video_grid_thw, sample_keys)
-        attention_mask = None
-        if cu_seqlens is not None:
-            attention_mask = block_causal_mask(cu_seqlens.cpu(), batch, length)
-            attention_mask = attention_mask.to(decoder_input.device)
+        attention_mask = packed_attention_mask(cu_seqlens, batch, length, decoder_input.device)
         target = None
         if labels is not None:
-            shifted = torch.full_like(labels, IGNORE_INDEX)
-            shifted[:, :-1] = labels[:, 1:]
-            if loss_mask is None:
-                loss_mask = (shifted != IGNORE_INDEX).float()
-            else:
-                mask = torch.zeros_like(loss_mask)
-                mask[:, :-1] = loss_mask[:, 1:]
-                loss_mask = mask * (shifted != IGNORE_INDEX)
-            target = shifted.clamp(min=0)
+            target, loss_mask = shift_labels(labels, loss_mask)
         self._deepstack = deepstack
         try:
             out = self.language_model(input_ids=None, position_ids=position_ids,

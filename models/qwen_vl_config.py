@@ -92,6 +92,11 @@ class QwenVLModelConfig:
             raise ValueError(f"vision.out_hidden_size {self.vision.out_hidden_size} != "
                              f"lm.hidden_size {self.lm.hidden_size}")
 
+    @property
+    def merge_size(self) -> int:
+        """Spatial merge side: tokens per item slice = h * w / merge_size**2 (every family)."""
+        return self.vision.spatial_merge_size
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -197,17 +202,19 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
 _SECTIONS = {"vision": VisionConfig, "lm": LMConfig, "parallel": ParallelConfig}
 
 
-def from_dict(raw: dict) -> QwenVLModelConfig:
-    """Build from a plain dict (the YAML layout); every unknown key is reported together.
+def sections_from_dict(raw: dict, top_cls: type, sections: dict[str, type]):
+    """Split the YAML layout into built section dataclasses and the remaining top-level keys.
+
+    Shared by every model family's ``from_dict``. ``parallel`` may be absent (defaults).
 
     Raises:
-        ValueError: unknown or missing keys (all listed), or inconsistent shapes.
+        ValueError: unknown keys (top level and per section) or missing sections, all listed.
     """
     errors: list[str] = []
-    top = {f.name for f in dataclasses.fields(QwenVLModelConfig)}
+    top = {f.name for f in dataclasses.fields(top_cls)}
     errors += [f"unknown key {k!r}" for k in raw if k not in top]
     parts: dict[str, Any] = {}
-    for name, cls in _SECTIONS.items():
+    for name, cls in sections.items():
         section = raw.get(name, {} if name == "parallel" else None)
         if section is None:
             errors.append(f"missing section {name!r}")
@@ -220,7 +227,16 @@ def from_dict(raw: dict) -> QwenVLModelConfig:
             errors.append(f"{name}: {exc}")
     if errors:
         raise ValueError("model config: " + "; ".join(errors))
-    rest = {k: v for k, v in raw.items() if k not in _SECTIONS}
+    return parts, {k: v for k, v in raw.items() if k not in sections}
+
+
+def from_dict(raw: dict) -> QwenVLModelConfig:
+    """Build from a plain dict (the YAML layout); every unknown key is reported together.
+
+    Raises:
+        ValueError: unknown or missing keys (all listed), or inconsistent shapes.
+    """
+    parts, rest = sections_from_dict(raw, QwenVLModelConfig, _SECTIONS)
     return QwenVLModelConfig(**rest, **parts)
 
 

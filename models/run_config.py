@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from models import qwen_vl_config
+from models.families import config_from_dict
+from models.nemotron_omni_config import NemotronOmniModelConfig
 from models.qwen_vl_config import QwenVLModelConfig
 
 
@@ -92,7 +93,7 @@ class RunConfig:
     """A training (or evaluation) run: everything train.py reads."""
 
     out: str = "runs/train"  #: output folder (metrics.jsonl, TensorBoard, checkpoints)
-    model: QwenVLModelConfig
+    model: QwenVLModelConfig | NemotronOmniModelConfig  #: class chosen by ``model.family``
     task_encoder: Any  #: the data side's config (energon_tasks.config.TaskEncoderConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -181,7 +182,7 @@ def build_section(cls: type, raw: Any, name: str, errors: list[str]):
     return cls(**kwargs)
 
 
-def _model_section(raw: Any, errors: list[str]) -> QwenVLModelConfig | None:
+def _model_section(raw: Any, errors: list[str]):
     raw = dict(raw or {})
     base = raw.pop("base", None)
     if base is not None:
@@ -197,7 +198,7 @@ def _model_section(raw: Any, errors: list[str]) -> QwenVLModelConfig | None:
                 merged[key] = value
         raw = merged
     try:
-        return qwen_vl_config.from_dict(raw)
+        return config_from_dict(raw)  # the family key picks the config class
     except (ValueError, TypeError) as error:
         errors.append(str(error))
         return None

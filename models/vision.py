@@ -155,6 +155,26 @@ def interpolation_taps(grid_thw: torch.Tensor, side: int, merge: int):
 
 
 # ------------------------------------------------------------------ the encoder
+def tower_sharded_state_dict(tower: torch.nn.Module, prefix="", sharded_offsets=(),
+                             metadata=None) -> dict:
+    """A vision tower's dist-checkpoint dict: its ``layers`` (megatron TransformerLayers) with
+    their TP-sharded tensors, every other child replicated."""
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    out = {}
+    for name, child in tower.named_children():
+        if name == "layers":
+            for i, layer in enumerate(child):
+                out.update(layer.sharded_state_dict(prefix=f"{prefix}layers.{i}.",
+                                                    sharded_offsets=sharded_offsets,
+                                                    metadata=metadata))
+        else:
+            out.update(sharded_state_dict_default(
+                child, f"{prefix}{name}.", sharded_offsets, metadata,
+                tp_group=parallel_state.get_tensor_model_parallel_group()))
+    return out
+
+
 class QwenVisionEncoder(MegatronModule):
     """The vision tower of Qwen2.5-VL or Qwen3-VL (see module docstring)."""
 
@@ -183,21 +203,7 @@ class QwenVisionEncoder(MegatronModule):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Per-layer TP-sharded tensors for the megatron layers; the rest replicated."""
-        from megatron.core.transformer.utils import sharded_state_dict_default
-
-        out = {}
-        for name, child in self.named_children():
-            if name == "layers":
-                for i, layer in enumerate(child):
-                    out.update(layer.sharded_state_dict(prefix=f"{prefix}layers.{i}.",
-                                                        sharded_offsets=sharded_offsets,
-                                                        metadata=metadata))
-            else:
-                out.update(sharded_state_dict_default(
-                    child, f"{prefix}{name}.", sharded_offsets, metadata,
-                    tp_group=parallel_state.get_tensor_model_parallel_group()))
-        return out
+        return tower_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def _rotary(self, grid_thw: torch.Tensor) -> torch.Tensor:
         pos = rotary_positions(grid_thw, self.v.spatial_merge_size).to(self.inv_freq.device)

@@ -62,6 +62,12 @@ class CostModel:
         return cls(per_patch=1.0, per_patch_sq=1.5e-4)
 
     @classmethod
+    def radio(cls) -> CostModel:
+        """RADIO (Nemotron-Omni): 32 full-attention layers, hidden 1280, MLP 5120:
+        1.26e9 * p + 1.64e5 * p**2 FLOPs (p includes the 10 class/register tokens)."""
+        return cls(per_patch=1.0, per_patch_sq=1.3e-4)
+
+    @classmethod
     def fit(cls, patches: Sequence[int], seconds: Sequence[float]) -> CostModel:
         """Least-squares ``seconds ~ a*p + b*p**2`` (no intercept), normalised to a = 1.
 

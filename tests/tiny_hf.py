@@ -57,3 +57,37 @@ def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | No
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out)
     return out
+
+
+NEMOTRON_TOKENS = dict(image_token_id=420, video_token_id=421)
+
+
+def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "*-*-",
+                             seed: int = 0) -> Path:
+    """Save a tiny fp32 NemotronH_Omni_Reasoning_V3 (tiny RADIO, attention/MLP-only hybrid LM,
+    no audio; one MTP layer declared so that ``vision_final_layernorm`` exists), weights
+    perturbed well beyond the default init. Videos get their own token id here (HF ignores it)."""
+    from transformers.models.nemotron_h_omni.configuration_nemotron_h_omni import (
+        NemotronH_Omni_Reasoning_V3_Config,
+    )
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import (
+        NemotronH_Omni_Reasoning_V3,
+    )
+
+    names = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+    config = NemotronH_Omni_Reasoning_V3_Config(
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           max_img_size=128, num_cls_tokens=2, num_registers=3,
+                           video_temporal_patch_size=2),
+        text_config=dict(vocab_size=vocab, hidden_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                         layers_block_type=[names[s] for s in pattern],
+                         num_nextn_predict_layers=1),
+        projector_hidden_size=48, vision_hidden_size=32, **NEMOTRON_TOKENS)
+    torch.manual_seed(seed)
+    model = NemotronH_Omni_Reasoning_V3(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    return out

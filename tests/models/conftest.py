@@ -1,4 +1,5 @@
-"""Tiny random-weight Qwen2.5-VL / Qwen3-VL models built with transformers (no download)."""
+"""Tiny random-weight Qwen2.5-VL / Qwen3-VL / Nemotron-Omni models built with transformers (no
+download)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_hf import build_tiny_hf
+from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni
 
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_hf")
     return {f: build_tiny_hf(f, root / f) for f in ("qwen2_5_vl", "qwen3_vl")}
+
+
+@pytest.fixture(scope="session")
+def tiny_nemotron_hf(tmp_path_factory) -> dict[str, Path]:
+    """pattern -> saved tiny NemotronH_Omni_Reasoning_V3: "*-*-" (attention + MLP) and "*E-E"
+    (with MoE layers, which run on CPU with megatron's local MoE)."""
+    root = tmp_path_factory.mktemp("tiny_nemotron")
+    return {p: build_tiny_nemotron_omni(root / f"p{i}", pattern=p)
+            for i, p in enumerate(("*-*-", "*E-E"))}

@@ -11,7 +11,14 @@ def main():
     import torch.distributed as dist
 
     from models.checkpoint import load_checkpoint
-    from models.convert import hf_logits, hf_to_mcore, load_hf_model, make_inputs, our_logits
+    from models.convert import (
+        hf_inputs,
+        hf_logits,
+        hf_to_mcore,
+        load_hf_model,
+        make_inputs,
+        our_logits,
+    )
 
     out, hf_paths = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     report = {}
@@ -20,8 +27,9 @@ def main():
         hf_to_mcore(str(hf), out / family, tp=2, pp=1)
         model, cfg = load_checkpoint(out / family, use_te=False)
         hf_model = load_hf_model(hf)
-        report[family] = {name: (hf_logits(hf_model, x) - our_logits(model, x)).abs().max().item()
-                          for name, x in make_inputs(cfg).items()}
+        report[family] = {
+            name: (hf_logits(hf_model, hf_inputs(cfg, x)) - our_logits(model, x)).abs().max().item()
+            for name, x in make_inputs(cfg).items()}
     if dist.get_rank() == 0:
         (out / "tp2_report.json").write_text(json.dumps(report))
     dist.barrier()

@@ -1,0 +1,88 @@
+"""The model families and the one dispatch on them: config module, model class, HF mapping.
+
+Families: "qwen2_5_vl" and "qwen3_vl" (``models.qwen_vl``) and "nemotron_omni"
+(``models.nemotron_omni``). Everything that depends on the family asks here:
+
+* ``config_module(family)``: the config module (``from_dict``, ``from_hf_config``,
+  ``to_hf_dict``, ``load_yaml``); ``config_from_dict(raw)`` picks it by ``raw["family"]``;
+  ``config_from_hf(hf_config)`` by the HF ``model_type``.
+* ``model_class(cfg)``: ``QwenVL`` or ``NemotronOmni`` (same constructor and forward).
+* ``mapping_module(cfg)``: the HF weight table module (``hf_to_ours``, ``ours_to_hf``).
+* ``hf_model_class(model_type)``: the transformers class that ``verify`` compares against.
+* ``TASK_ENCODER_MODELS[family]``: the task encoder models whose batches the family consumes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+#: family -> (config module, model module:class, HF mapping module)
+FAMILIES = {
+    "qwen2_5_vl": ("models.qwen_vl_config", "models.qwen_vl:QwenVL", "models.hf_mapping"),
+    "qwen3_vl": ("models.qwen_vl_config", "models.qwen_vl:QwenVL", "models.hf_mapping"),
+    "nemotron_omni": ("models.nemotron_omni_config", "models.nemotron_omni:NemotronOmni",
+                      "models.nemotron_hf_mapping"),
+}
+#: family -> the task encoder model names (``TaskEncoderConfig.model`` geometry names) that feed
+#: it; train.py and eval.py refuse other pairings (models/ never imports energon_tasks)
+TASK_ENCODER_MODELS = {"qwen2_5_vl": ("qwen2.5-vl",), "qwen3_vl": ("qwen3-vl",),
+                       "nemotron_omni": ("nemotron-omni", "nemotron-omni-tiled")}
+#: HF config.json model_type -> family
+HF_MODEL_TYPES = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
+                  "nemotron_h_omni": "nemotron_omni"}
+
+
+def _family(family: str) -> tuple[str, str, str]:
+    if family not in FAMILIES:
+        raise ValueError(f"model family must be one of {sorted(FAMILIES)}, got {family!r}")
+    return FAMILIES[family]
+
+
+def config_module(family: str) -> ModuleType:
+    return importlib.import_module(_family(family)[0])
+
+
+def config_from_dict(raw: dict):
+    """The model config of a YAML/JSON dict, by its ``family`` key (default qwen2_5_vl's
+    module, which then names the missing/invalid family)."""
+    family = raw.get("family")
+    module = config_module(family) if family in FAMILIES else config_module("qwen2_5_vl")
+    return module.from_dict(raw)
+
+
+def config_from_hf(hf_config: Any):
+    """Our config of an HF config (dict or object), by its ``model_type``.
+
+    Raises:
+        ValueError: a model_type no family imports (named).
+    """
+    model_type = (hf_config.get("model_type") if isinstance(hf_config, dict)
+                  else getattr(hf_config, "model_type", None))
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {sorted(HF_MODEL_TYPES)}, got {model_type!r}")
+    return config_module(HF_MODEL_TYPES[model_type]).from_hf_config(hf_config)
+
+
+def model_class(cfg) -> type:
+    module, name = _family(cfg.family)[1].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def mapping_module(cfg) -> ModuleType:
+    return importlib.import_module(_family(cfg.family)[2])
+
+
+def hf_model_class(model_type: str) -> type:
+    """The transformers class of an HF ``model_type`` (for ``verify``)."""
+    import transformers
+
+    if model_type == "nemotron_h_omni":
+        from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import (
+            NemotronH_Omni_Reasoning_V3,
+        )
+        return NemotronH_Omni_Reasoning_V3
+    if model_type == "qwen3_vl":
+        return transformers.Qwen3VLForConditionalGeneration
+    return transformers.Qwen2_5_VLForConditionalGeneration

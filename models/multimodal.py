@@ -1,0 +1,108 @@
+"""Batch-contract helpers shared by every VLM family (Qwen-VL, Nemotron-Omni).
+
+This module owns what does not depend on the architecture: the per-row check that the context
+tokens of each batch row match the embeddings of the images/videos that start in it
+(``check_visual_counts``), the block-causal mask of packed rows (``block_causal_mask``), and the
+label shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at t).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def check_visual_counts(token_mask: torch.Tensor, grid_thw: torch.Tensor, merge_size: int,
+                        kind: str, sample_keys=None, token_name: str | None = None) -> None:
+    """Each row's context tokens must equal the embeddings of the items that start in it.
+
+    Args:
+        token_mask: (B, L) bool, the context tokens of ``kind``.
+        grid_thw: (n, 3) items in batch order; an item gives t*h*w / merge_size**2 embeddings.
+        merge_size: spatial merge (2x2 -> 2).
+        kind: "image" or "video" (named in the message).
+        sample_keys: per-row sample names (e.g. the batch's ``__key__``) for the message.
+        token_name: how the token is named in the message (default ``<|{kind}_pad|>``).
+
+    Raises:
+        ValueError: naming the row (and its key), the token count and the embedding count.
+    """
+    token = token_name or f"<|{kind}_pad|>"
+    per_item = (grid_thw.prod(-1) // merge_size ** 2).tolist()
+    starts = [sum(per_item[:i]) for i in range(len(per_item))]
+    done = 0
+    for row, n_tokens in enumerate(token_mask.sum(1).tolist()):
+        consumed = sum(n for s, n in zip(starts, per_item) if done <= s < done + n_tokens)
+        if consumed != n_tokens:
+            name = f" ({sample_keys[row]})" if sample_keys else ""
+            raise ValueError(f"batch row {row}{name}: {n_tokens} {token} tokens but "
+                             f"its {kind}s in order give {consumed} embeddings")
+        done += n_tokens
+    if done != sum(per_item):
+        row = token_mask.shape[0] - 1
+        name = f" ({sample_keys[row]})" if sample_keys else ""
+        raise ValueError(f"batch row {row}{name}: {kind}s left without tokens after it: the "
+                         f"batch has {done} {token} tokens but {sum(per_item)} {kind} "
+                         f"embeddings ({len(per_item)} {kind}s)")
+
+
+def scatter_visual(emb: torch.Tensor, input_ids: torch.Tensor, media, encode, merge_size: int,
+                   sample_keys=None) -> list[tuple[torch.Tensor, object]]:
+    """Encode each kind of media and write its embeddings into its context tokens, in order.
+
+    Args:
+        emb: (B, L, H) token embeddings, written in place (row-major order of the tokens).
+        input_ids: (B, L).
+        media: ``(kind, token_id, pixel_values, grid_thw)`` per kind ("image", "video"); a kind
+            with neither items nor tokens is skipped.
+        encode: ``encode(pixel_values, grid_thw)`` -> embeddings (n, H), or (embeddings, extra).
+        merge_size, sample_keys: as in :func:`check_visual_counts` (checked before encoding).
+
+    Returns:
+        ``(token mask (B, L), extra or None)`` of every kind that was scattered.
+    """
+    done = []
+    for kind, token, pixels, grid in media:
+        mask = input_ids == token
+        has_grid = grid is not None and grid.numel() > 0
+        if not has_grid and not mask.any():
+            continue
+        grid = grid if has_grid else torch.zeros(0, 3, dtype=torch.long)
+        check_visual_counts(mask, grid.cpu(), merge_size, kind, sample_keys)
+        out = encode(pixels, grid)
+        feats, extra = out if isinstance(out, tuple) else (out, None)
+        emb[mask] = feats.to(emb.dtype)
+        done.append((mask, extra))
+    return done
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """(B, 1, L, L) bool, True = masked: causal within each packed segment of each row."""
+    seg = torch.zeros(batch * length, dtype=torch.long)
+    seg[cu_seqlens[1:-1].long()] = 1
+    seg = seg.cumsum(0).view(batch, length)
+    same = seg[:, :, None] == seg[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return ~(same & causal)[:, None]
+
+
+def shift_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None):
+    """Unshifted labels (-100 = no loss) -> (target for position t = label t+1, clamped >= 0;
+    float loss mask of the shifted targets, also zero where the shifted label is -100)."""
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    if loss_mask is None:
+        mask = (shifted != IGNORE_INDEX).float()
+    else:
+        mask = torch.zeros_like(loss_mask)
+        mask[:, :-1] = loss_mask[:, 1:]
+        mask = mask * (shifted != IGNORE_INDEX)
+    return shifted.clamp(min=0), mask
+
+
+def packed_attention_mask(cu_seqlens, batch: int, length: int, device) -> torch.Tensor | None:
+    """The LM attention mask of a batch: None (plain causal) or block-causal for packed rows."""
+    if cu_seqlens is None:
+        return None
+    return block_causal_mask(cu_seqlens.cpu(), batch, length).to(device)

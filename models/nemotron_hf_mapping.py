@@ -1,0 +1,151 @@
+"""Hugging Face <-> our weight names for Nemotron-Omni (``nemotron_h_omni`` checkpoints).
+
+This module owns the literal name table of the published checkpoint layout (the keys on disk,
+which transformers renames on load: ``language_model.backbone.*``, ``mlp1.*``,
+``vision_model.radio_model.*``) and the family's import/export rules; the checks, the fused
+layouts (q/k/v grouping, ViT fused qkv) and safetensors I/O are shared with the Qwen table
+(``models.hf_mapping``). Our keys are the state-dict keys of ``models.nemotron_omni.NemotronOmni``
+built with the local (non-TE) spec at TP=1.
+
+LM layers are mapped by the symbol of the layer in ``lm.pattern``: the block's ``norm`` goes to
+the norm in front of its one mixer. ``M`` (Mamba2) and ``E`` (MoE) names follow transformers'
+modeling code (``NemotronHMamba2Mixer``, ``NemotronHMoE`` with per-expert hub keys) and megatron's
+``MambaMixer`` / ``MoELayer``; they can be mapped but not run on CPU (no mamba_ssm there, MoE not
+parity-tested). Import-only rules: RADIO's input conditioner buffers and ``summary_idxs``, audio
+(``sound_*``) and MTP (``mtp.*``) weights are not part of our model and are skipped; a checkpoint
+without LayerScale vectors gets ``layerscale_value`` (HF does the same). Export writes
+``summary_idxs`` from the config.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from models import hf_mapping
+from models.nemotron_omni_config import NemotronOmniModelConfig
+
+LM, OL = "language_model.backbone.layers.{i}.", "language_model.decoder.layers.{i}."
+VB, OV = "vision_model.radio_model.model.blocks.{i}.", "vision.layers.{i}."
+PG = "vision_model.radio_model.model.patch_generator."
+
+#: HF key template -> (our key template, part of a fused tensor or None). {i} layer.
+COMMON = {
+    "language_model.backbone.embeddings.weight":
+        ("language_model.embedding.word_embeddings.weight", None),
+    "language_model.backbone.norm_f.weight": ("language_model.decoder.final_norm.weight", None),
+    "language_model.lm_head.weight": ("language_model.output_layer.weight", None),
+    PG + "embedder.weight": ("vision.embeddings.patch_projection.weight", None),
+    PG + "video_embedder.weight": ("vision.embeddings.video_patch_projection.weight", None),
+    PG + "pos_embed": ("vision.embeddings.position_embedding", None),
+    PG + "cls_token.token": ("vision.embeddings.cls_register_token", None),
+    "mlp1.0.weight": ("vision.projector.layer_norm.weight", None),
+    "mlp1.1.weight": ("vision.projector.linear_1.weight", None),
+    "mlp1.3.weight": ("vision.projector.linear_2.weight", None),
+}
+FINAL_NORM = {f"vision_projector.vision_final_layernorm.{k}": (f"vision.final_norm.{k}", None)
+              for k in ("weight", "bias")}
+VISION_BLOCK = {
+    VB + "norm1.weight": (OV + "input_layernorm.weight", None),
+    VB + "norm1.bias": (OV + "input_layernorm.bias", None),
+    VB + "attn.qkv.weight": (OV + "self_attention.linear_qkv.weight", "vit_qkv"),
+    VB + "attn.qkv.bias": (OV + "self_attention.linear_qkv.bias", "vit_qkv"),
+    VB + "attn.proj.weight": (OV + "self_attention.linear_proj.weight", None),
+    VB + "attn.proj.bias": (OV + "self_attention.linear_proj.bias", None),
+    VB + "layer_scale1.lambda1": (OV + "self_attention.linear_proj.layer_scale", None),
+    VB + "norm2.weight": (OV + "pre_mlp_layernorm.weight", None),
+    VB + "norm2.bias": (OV + "pre_mlp_layernorm.bias", None),
+    VB + "layer_scale2.lambda1": (OV + "mlp.linear_fc2.layer_scale", None),
+}
+VISION_MLP = {
+    "gelu": {VB + f"mlp.fc{n}.{k}": (OV + f"mlp.linear_fc{n}.{k}", None)
+             for n in (1, 2) for k in ("weight", "bias")},
+    "swiglu": {**{VB + f"mlp.{p}_proj.{k}": (OV + f"mlp.linear_fc1.{k}", p)
+                  for p in ("gate", "up") for k in ("weight", "bias")},
+               **{VB + f"mlp.down_proj.{k}": (OV + f"mlp.linear_fc2.{k}", None)
+                  for k in ("weight", "bias")}},
+}
+#: per LM layer symbol: the block norm and the mixer ({e}: routed expert)
+LM_LAYER = {
+    "*": {LM + "norm.weight": (OL + "input_layernorm.weight", None),
+          **{LM + f"mixer.{p}_proj.weight": (OL + "self_attention.linear_qkv.weight", p)
+             for p in ("q", "k", "v")},
+          LM + "mixer.o_proj.weight": (OL + "self_attention.linear_proj.weight", None)},
+    "-": {LM + "norm.weight": (OL + "pre_mlp_layernorm.weight", None),
+          LM + "mixer.up_proj.weight": (OL + "mlp.linear_fc1.weight", None),
+          LM + "mixer.down_proj.weight": (OL + "mlp.linear_fc2.weight", None)},
+    "M": {LM + "norm.weight": (OL + "norm.weight", None),
+          **{LM + f"mixer.{n}": (OL + f"mixer.{n}", None)
+             for n in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
+                       "norm.weight", "out_proj.weight")}},
+    "E": {LM + "norm.weight": (OL + "pre_mlp_layernorm.weight", None),
+          LM + "mixer.gate.weight": (OL + "mlp.router.weight", None),
+          LM + "mixer.gate.e_score_correction_bias": (OL + "mlp.router.expert_bias", None),
+          LM + "mixer.experts.{e}.up_proj.weight":
+              (OL + "mlp.experts.local_experts.{e}.linear_fc1.weight", None),
+          LM + "mixer.experts.{e}.down_proj.weight":
+              (OL + "mlp.experts.local_experts.{e}.linear_fc2.weight", None),
+          LM + "mixer.shared_experts.up_proj.weight":
+              (OL + "mlp.shared_experts.linear_fc1.weight", None),
+          LM + "mixer.shared_experts.down_proj.weight":
+              (OL + "mlp.shared_experts.linear_fc2.weight", None)},
+}
+LATENT = {LM + f"mixer.fc{n}_latent_proj.weight": (OL + f"mlp.fc{n}_latent_proj.weight", None)
+          for n in (1, 2)}
+#: HF keys that are not part of our model (skipped on import)
+IGNORED = re.compile(r"^(sound_encoder\.|sound_projection\.|mtp\.|language_model\.(backbone\.)?mtp"
+                     r"|vision_model\.radio_model\.(input_conditioner\.|summary_idxs$))")
+SUMMARY_IDXS = "vision_model.radio_model.summary_idxs"
+LAYER_SCALE = re.compile(r"\.layer_scale[12]\.lambda1$")
+
+
+def expand_table(cfg: NemotronOmniModelConfig) -> dict[str, tuple[str, str | None]]:
+    """The table with {i}/{e} filled in for this model (tied lm_head dropped)."""
+    out: dict[str, tuple[str, str | None]] = {}
+
+    def add(table: dict, **fill):
+        for hf, (ours, part) in table.items():
+            out[hf.format(**fill)] = (ours.format(**fill), part)
+
+    add({k: v for k, v in COMMON.items()
+         if not (k == "language_model.lm_head.weight" and cfg.lm.tie_embeddings)})
+    if cfg.vision_final_norm:
+        add(FINAL_NORM)
+    for i in range(cfg.vision.depth):
+        add({**VISION_BLOCK, **VISION_MLP[cfg.vision.mlp]}, i=i)
+    for i, symbol in enumerate(cfg.lm.pattern):
+        layer = dict(LM_LAYER[symbol])
+        if symbol == "E" and cfg.lm.moe_latent_size is not None:
+            layer.update(LATENT)
+        experts = range(cfg.lm.num_experts) if symbol == "E" else [0]
+        for e in experts:
+            add(layer, i=i, e=e)
+    return out
+
+
+def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
+               expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Map an HF ``nemotron_h_omni`` state dict to our (TP=1) keys (see module docstring).
+
+    Raises:
+        ValueError: an HF key not in the table, a table key missing, or a shape mismatch
+            (the first offender is named).
+    """
+    table = expand_table(cfg)
+    hf_sd = {k: v for k, v in hf_sd.items() if not IGNORED.match(k)}
+    if cfg.lm.tie_embeddings:
+        hf_sd.pop("language_model.lm_head.weight", None)
+    for key in table:
+        if LAYER_SCALE.search(key) and key not in hf_sd:  # C-RADIO checkpoints have none
+            hf_sd[key] = torch.full((cfg.vision.hidden_size,), cfg.vision.layerscale_value)
+    return hf_mapping.hf_to_ours(hf_sd, cfg, expected, table=table)
+
+
+def ours_to_hf(sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
+               hub_layout: bool = True) -> dict[str, torch.Tensor]:
+    """Map our (TP=1) state dict to the published HF key layout (+ ``summary_idxs``)."""
+    del hub_layout  # one layout: the published one
+    out = hf_mapping.ours_to_hf(sd, cfg, hub_layout=False, table=expand_table(cfg))
+    out[SUMMARY_IDXS] = torch.tensor(cfg.vision.summary_idxs, dtype=torch.long)
+    return out

@@ -1,0 +1,259 @@
+"""Nemotron-Omni (NemotronH_Omni_Reasoning_V3): RADIO vision tower + megatron-core hybrid
+``MambaModel`` language model.
+
+This module owns the assembled VLM (``NemotronOmni``, same public interface as
+``models.qwen_vl.QwenVL``): the hybrid language model and its layer specs, the scatter of visual
+embeddings into the context tokens, and the loss on the batch contract (labels unshifted, the
+model shifts; packed rows get a block-causal mask from ``cu_seqlens``).
+
+Language model: megatron ``MambaModel`` with the HF hybrid pattern (one mixer per layer: ``M``
+Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE; RMSNorm pre-norm + residual), no position
+embedding (``position_embedding_type='none'``: NemotronH attention has no rotary, so the
+(3, B, L) ``position_ids`` of the batch are ignored), squared-ReLU non-gated MLPs, GQA attention
+without biases. Specs: on GPU megatron's TransformerEngine hybrid stack spec; on CPU local specs
+for ``*``, ``-`` and ``E`` (megatron's local GPT attention / MLP / MoE modules). ``M`` needs
+``mamba_ssm`` (Triton/CUDA kernels): without it the model refuses to build with a clear error.
+MambaStack's final ``TENorm`` without TransformerEngine is handled in models/cpu_compat.py.
+
+Vision: ``models.radio.RadioEncoder`` (tower, pixel shuffle, projector) behind the shared
+``VisionDPOverCP`` (whole images / tiles / tubelets spread over the context-parallel ranks).
+``encode_visual(pixel_values, grid_thw) -> embeds`` is the one call into it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import inspect
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from models.cpu_compat import cpu_moe_overrides, cpu_only, use_local_mamba_final_norm
+from models.multimodal import packed_attention_mask, scatter_visual, shift_labels
+from models.nemotron_omni_config import NemotronOmniModelConfig
+from models.radio import RadioEncoder
+from models.vision_dp import CostModel, VisionDPOverCP
+
+
+def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
+    """The hybrid LM's TransformerConfig (Mamba / MoE fields only where the pattern uses them;
+    fields this megatron-core version lacks are dropped, named in the error if one matters)."""
+    from megatron.core.activations import squared_relu
+
+    t = cfg.lm
+    kwargs = dict(
+        num_layers=t.num_layers, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
+        num_attention_heads=t.num_heads, num_query_groups=t.num_kv_heads, kv_channels=t.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=t.rms_norm_eps, add_bias_linear=False,
+        add_qkv_bias=False, gated_linear_unit=False, activation_func=squared_relu,
+        bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, use_cpu_initialization=cpu_only(),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    if "M" in t.pattern:
+        kwargs.update(mamba_state_dim=t.ssm_state_size, mamba_head_dim=t.mamba_head_dim,
+                      mamba_num_groups=t.mamba_groups, mamba_num_heads=t.mamba_num_heads)
+    if "E" in t.pattern:
+        kwargs.update(
+            num_moe_experts=t.num_experts, moe_router_topk=t.experts_per_token,
+            moe_ffn_hidden_size=t.moe_intermediate_size,
+            moe_shared_expert_intermediate_size=t.moe_shared_expert_intermediate_size,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=t.routed_scaling_factor,
+            moe_router_load_balancing_type="none", moe_router_dtype="fp32",
+            moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0)
+        kwargs.update(cpu_moe_overrides())
+        if t.n_group > 1:
+            kwargs.update(moe_router_num_groups=t.n_group, moe_router_group_topk=t.topk_group)
+        if t.moe_latent_size is not None:
+            kwargs["moe_latent_size"] = t.moe_latent_size
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    missing = sorted(k for k in kwargs if k not in known)
+    if missing:
+        raise ValueError(f"this megatron-core's TransformerConfig lacks {missing} "
+                         f"(needed by lm.pattern {t.pattern!r})")
+    return TransformerConfig(**kwargs)
+
+
+def _mamba_spec(use_te: bool):
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    del use_te  # the local Mamba layer: torch norm + megatron linears (TE: the stack spec)
+    return ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+        norm=WrappedTorchNorm,
+        mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+            in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
+        mamba_bda=get_bias_dropout_add))
+
+
+def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool):
+    """MambaStack spec: TE hybrid spec on GPU; local attention / MLP / MoE (/ Mamba) on CPU.
+
+    Raises:
+        ValueError: the pattern has Mamba layers ('M') and ``mamba_ssm`` is not installed.
+    """
+    pattern = cfg.lm.pattern
+    if "M" in pattern and importlib.util.find_spec("mamba_ssm") is None:
+        raise ValueError(f"lm.pattern {pattern!r} has Mamba layers ('M'), which need the "
+                         "mamba_ssm package (CUDA/Triton kernels); it is not installed. On CPU "
+                         "use a pattern of '*', '-' (and 'E') layers only")
+    if use_te:
+        from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+        return mamba_stack_spec
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    use_local_mamba_final_norm()
+    local = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention = copy.deepcopy(local)
+    attention.submodules.pre_mlp_layernorm = IdentityOp
+    attention.submodules.mlp = IdentityOp
+    attention.submodules.mlp_bda = IdentityFuncOp
+    norm = local.submodules.pre_mlp_layernorm
+    to_te = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=norm, mlp=local.submodules.mlp, mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=to_te))
+    submodules = dict(attention_layer=attention, mlp_layer=mlp)
+    if "E" in pattern:
+        moe = specs.get_gpt_layer_local_spec(num_experts=cfg.lm.num_experts,
+                                             normalization="RMSNorm")
+        submodules["moe_layer"] = ModuleSpec(module=TransformerLayer,
+                                             submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=norm, mlp=moe.submodules.mlp, mlp_bda=get_bias_dropout_add))
+    if "M" in pattern:
+        submodules["mamba_layer"] = _mamba_spec(use_te)
+    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(**submodules))
+
+
+def _pattern_kwarg() -> str:
+    """MambaModel's name for the layer pattern (``hybrid_override_pattern`` in 0.16; newer
+    releases rename it)."""
+    from megatron.core.models.mamba import MambaModel
+
+    params = inspect.signature(MambaModel.__init__).parameters
+    for name in ("hybrid_override_pattern", "hybrid_layer_pattern", "hybrid_pattern"):
+        if name in params:
+            return name
+    raise ValueError("this megatron-core's MambaModel takes no hybrid layer pattern argument")
+
+
+class NemotronOmni(MegatronModule):
+    """RADIO + projector + hybrid MambaModel (see module docstring)."""
+
+    def __init__(self, cfg: NemotronOmniModelConfig, *, use_te: bool | None = None,
+                 vision_dp_over_cp: bool | None = None):
+        """Args:
+            cfg: model shapes.
+            use_te: TransformerEngine layer specs (default: when CUDA is present).
+            vision_dp_over_cp: share the vision encoder's work over the context-parallel ranks
+                (models/vision_dp.py); None = on when CP > 1. Inactive is reported once, loudly.
+        """
+        from megatron.core.models.mamba import MambaModel
+
+        config = lm_transformer_config(cfg)
+        super().__init__(config=config)
+        self.cfg = cfg
+        use_te = (not cpu_only()) if use_te is None else use_te
+        self.pre_process = parallel_state.is_pipeline_first_stage()
+        self.post_process = parallel_state.is_pipeline_last_stage()
+        self.vision = RadioEncoder(cfg, use_te=use_te) if self.pre_process else None
+        self.language_model = MambaModel(
+            config=config, mamba_stack_spec=lm_stack_spec(cfg, use_te),
+            vocab_size=cfg.lm.vocab_size, max_sequence_length=cfg.lm.max_position_embeddings,
+            pre_process=self.pre_process, post_process=self.post_process,
+            share_embeddings_and_output_weights=cfg.lm.tie_embeddings,
+            position_embedding_type="none", **{_pattern_kwarg(): cfg.lm.pattern},
+        )
+        self._vision_dp = None
+        if self.pre_process:
+            cp_group = (parallel_state.get_context_parallel_group()
+                        if parallel_state.model_parallel_is_initialized() else None)
+            self._vision_dp = VisionDPOverCP(
+                self.vision, hidden_size=cfg.lm.hidden_size, merge_size=cfg.merge_size,
+                cp_group=cp_group, enabled=vision_dp_over_cp, cost_model=CostModel.radio())
+
+    # ---------------------------------------------------------------- vision
+    def encode_visual(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Vision tower + pixel shuffle + projector: -> (sum t*h*w / merge**2, LM hidden).
+
+        Image rows (C*P*P wide) and video tubelet rows (T*C*P*P) go through their own patch
+        projection; every temporal slice (tile, tubelet) is its own segment. Runs through the
+        vision data-parallel wrapper (whole slices shared over CP ranks when active).
+        """
+        return self._vision_dp(pixel_values, grid_thw)
+
+    def _media(self, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
+        images = ("image", self.cfg.image_token_id, pixel_values, image_grid_thw)
+        videos = ("video", self.cfg.video_token_id, pixel_values_videos, video_grid_thw)
+        if self.cfg.image_token_id != self.cfg.video_token_id:
+            return images, videos
+        # one context token for both (as HF's processor): the batch's items decide the kind
+        has_videos = video_grid_thw is not None and video_grid_thw.numel() > 0
+        if has_videos and image_grid_thw is not None and image_grid_thw.numel() > 0:
+            raise ValueError(f"images and videos share context token {self.cfg.image_token_id}: "
+                             "a batch cannot hold both (give videos their own video_token_id)")
+        return (videos,) if has_videos else (images,)
+
+    def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+              video_grid_thw=None, sample_keys=None):
+        """Token embeddings with the visual embeddings scattered in: ((L, B, H), None).
+
+        Raises:
+            ValueError: a batch row's context tokens differ from the embeddings of its
+                images / videos (row, key and both counts named).
+        """
+        emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)
+        emb = emb.transpose(0, 1).clone()  # (B, L, H): row-major order of the context tokens
+        media = self._media(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        scatter_visual(emb, input_ids, media, self.encode_visual, self.cfg.merge_size,
+                       sample_keys)
+        return emb.transpose(0, 1).contiguous(), None
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input_ids, position_ids, pixel_values=None, image_grid_thw=None,
+                pixel_values_videos=None, video_grid_thw=None, labels=None, loss_mask=None,
+                cu_seqlens=None, sample_keys=None, **_unused):
+        """Batch-contract fields -> logits (B, L, V/TP) or (per-token loss (B, L), loss mask).
+
+        ``position_ids`` (3, B, L) is accepted and ignored (no rotary in NemotronH). With
+        ``labels`` (unshifted, -100 = no loss) the model predicts token t+1 at t and returns the
+        per-token loss and the shifted loss mask.
+        """
+        del position_ids
+        batch, length = input_ids.shape
+        decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
+                                      pixel_values_videos, video_grid_thw, sample_keys)
+        attention_mask = packed_attention_mask(cu_seqlens, batch, length, decoder_input.device)
+        target = None
+        if labels is not None:
+            target, loss_mask = shift_labels(labels, loss_mask)
+        out = self.language_model(input_ids=None, position_ids=None,
+                                  attention_mask=attention_mask, decoder_input=decoder_input,
+                                  labels=target)
+        if target is None:
+            return out
+        return out * loss_mask, loss_mask
+
+    def set_input_tensor(self, input_tensor):
+        self.language_model.set_input_tensor(input_tensor)
