@@ -40,18 +40,29 @@ prepare-llava-video: $(STAMP)
 	$(PY) -m converters llava-video --source $(or $(SOURCE),$(SOURCE_VIDEO)) --out $(or $(OUT),data/llava-video) --workers $(WORKERS)
 
 DEMO_STEPS ?= 30
-# The main job on embedded data: lookalikes -> Energon shards -> tiny Qwen-VL trained on each
-# dataset on CPU -> loss curves (PNG) and a report with throughput.
+FAMILIES := qwen-vl nemotron-omni
+DATASETS := mantis infovqa llava-video
+# demo_family(family): train the tiny model of a family on each demo dataset, then the
+# vision-signal pair (with media, blanked) and the eval of both
+define demo_family
+	$(PY) train.py configs/train_$(subst -,_,$(1))_mantis.yaml data.path=$(DEMO)/mantis/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/$(1)-mantis
+	$(PY) train.py configs/train_$(subst -,_,$(1))_infovqa.yaml data.path=$(DEMO)/infovqa/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/$(1)-infovqa
+	$(PY) train.py configs/train_$(subst -,_,$(1))_llava_video.yaml data.path=$(DEMO)/llava-video/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/$(1)-llava-video
+	$(PY) train.py configs/train_$(subst -,_,$(1))_vision_check.yaml data.path=$(DEMO)/vision-check out=$(DEMO)/runs/$(1)-vision-check
+	$(PY) train.py configs/train_$(subst -,_,$(1))_vision_check.yaml data.path=$(DEMO)/vision-check out=$(DEMO)/runs/$(1)-vision-check-blanked data.blank_media=true
+	$(PY) eval.py configs/train_$(subst -,_,$(1))_vision_check.yaml data.path=$(DEMO)/vision-check --ckpt $(DEMO)/runs/$(1)-vision-check --out $(DEMO)/eval/$(1)-vision-check
+	$(PY) eval.py configs/train_$(subst -,_,$(1))_vision_check.yaml data.path=$(DEMO)/vision-check --ckpt $(DEMO)/runs/$(1)-vision-check-blanked --out $(DEMO)/eval/$(1)-vision-check-blanked --blank-media
+endef
+DEMO_RUNS = $(foreach f,$(FAMILIES),$(foreach r,mantis infovqa llava-video vision-check vision-check-blanked,$(DEMO)/runs/$(f)-$(r)))
+DEMO_CHECKS = $(foreach f,$(FAMILIES),--pair $(f)-vision-check:$(f)-vision-check-blanked --eval $(f)=$(DEMO)/eval/$(f)-vision-check --eval $(f)-blanked=$(DEMO)/eval/$(f)-vision-check-blanked --eval-pair $(f):$(f)-blanked)
+# The main job on embedded data: lookalikes -> Energon shards -> tiny Qwen-VL and tiny
+# Nemotron-Omni trained on each dataset on CPU -> loss curves (PNG) and a report with
+# throughput, the vision-signal checks and the eval accuracy with / without media.
 demo: $(STAMP)
 	$(PY) -m converters.demo --out $(DEMO)
-	$(PY) train.py configs/train_qwen_vl_mantis.yaml data.path=$(DEMO)/mantis/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/mantis
-	$(PY) train.py configs/train_qwen_vl_infovqa.yaml data.path=$(DEMO)/infovqa/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/infovqa
-	$(PY) train.py configs/train_qwen_vl_llava_video.yaml data.path=$(DEMO)/llava-video/metadataset.yaml train.steps=$(DEMO_STEPS) out=$(DEMO)/runs/llava-video
-	$(PY) train.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check out=$(DEMO)/runs/vision-check
-	$(PY) train.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check out=$(DEMO)/runs/vision-check-blanked data.blank_media=true
-	$(PY) eval.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check --ckpt $(DEMO)/runs/vision-check --out $(DEMO)/eval/vision-check
-	$(PY) eval.py configs/train_qwen_vl_vision_check.yaml data.path=$(DEMO)/vision-check --ckpt $(DEMO)/runs/vision-check-blanked --out $(DEMO)/eval/vision-check-blanked --blank-media
-	$(PY) -m models.report $(DEMO)/report $(DEMO)/runs/mantis $(DEMO)/runs/infovqa $(DEMO)/runs/llava-video $(DEMO)/runs/vision-check $(DEMO)/runs/vision-check-blanked --pair vision-check:vision-check-blanked --eval media=$(DEMO)/eval/vision-check --eval blanked=$(DEMO)/eval/vision-check-blanked --eval-pair media:blanked --chance 0.167
+	$(call demo_family,qwen-vl)
+	$(call demo_family,nemotron-omni)
+	$(PY) -m models.report $(DEMO)/report $(DEMO_RUNS) $(DEMO_CHECKS) --chance 0.167
 
 bench: $(STAMP)
 	$(PY) bench/bench_converters.py --out bench_out
@@ -59,35 +70,29 @@ bench: $(STAMP)
 clean:
 	rm -rf $(DEMO) bench_out
 
-# --- training (train.py): the tiny Qwen-VL on the demo shards (`make demo`) on CPU by default.
-#     CONFIG= (a YAML in configs/), DATA= (dataset folder or metadataset.yaml), STEPS=, NPROC=
-#     (torchrun processes), OUT= (run folder: metrics.jsonl, checkpoints), ARGS= (more key=value).
-.PHONY: train-qwen-vl-mantis train-qwen-vl-infovqa train-qwen-vl-llava-video
+# --- training (train.py): the tiny models on the demo shards (`make demo`) on CPU by default.
+#     make train-<family>-<dataset>, family qwen-vl | nemotron-omni, dataset mantis | infovqa |
+#     llava-video. CONFIG= (a YAML in configs/), DATA= (dataset folder or metadataset.yaml),
+#     STEPS=, NPROC= (torchrun processes), OUT= (run folder: metrics.jsonl, checkpoints),
+#     ARGS= (more key=value).
+TRAIN_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),train-$(f)-$(d)))
+EVAL_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),eval-$(f)-$(d)))
+.PHONY: $(TRAIN_TARGETS) $(EVAL_TARGETS)
 NPROC ?= 1
 TRAIN_LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY))
 TRAIN_ARGS = $(if $(DATA),data.path=$(DATA)) $(if $(STEPS),train.steps=$(STEPS)) $(if $(OUT),out=$(OUT)) $(ARGS)
+# train-qwen-vl-llava-video -> configs/train_qwen_vl_llava_video.yaml
+run_config = configs/train_$(subst -,_,$(1)).yaml
 
-train-qwen-vl-mantis: $(STAMP)
-	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),configs/train_qwen_vl_mantis.yaml) $(TRAIN_ARGS)
-
-train-qwen-vl-infovqa: $(STAMP)
-	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),configs/train_qwen_vl_infovqa.yaml) $(TRAIN_ARGS)
-
-train-qwen-vl-llava-video: $(STAMP)
-	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),configs/train_qwen_vl_llava_video.yaml) $(TRAIN_ARGS)
+$(TRAIN_TARGETS): train-%: $(STAMP)
+	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),$(call run_config,$*)) $(TRAIN_ARGS)
 
 # --- evaluation (eval.py): greedy answers on the val split, scored per subset (docs/evaluation.md).
-#     CKPT= (train.py checkpoint dir / step folder, or an hf-to-mcore import; required),
-#     CONFIG= (the run config used for training), DATA=, SPLIT= (default val), LIMIT= (val
-#     conversations), OUT= (predictions.jsonl + scores.json; default <config out>/eval), ARGS=.
-.PHONY: eval-qwen-vl-mantis eval-qwen-vl-infovqa eval-qwen-vl-llava-video
+#     make eval-<family>-<dataset>. CKPT= (train.py checkpoint dir / step folder, or an
+#     hf-to-mcore import; required), CONFIG= (the run config used for training), DATA=, SPLIT=
+#     (default val), LIMIT= (val conversations), OUT= (predictions.jsonl + scores.json; default
+#     <config out>/eval), ARGS=.
 EVAL_ARGS = --ckpt $(CKPT) --split $(or $(SPLIT),val) $(if $(LIMIT),--limit $(LIMIT)) $(if $(OUT),--out $(OUT)) $(if $(DATA),data.path=$(DATA)) $(ARGS)
 
-eval-qwen-vl-mantis: $(STAMP)
-	$(PY) eval.py $(or $(CONFIG),configs/train_qwen_vl_mantis.yaml) $(EVAL_ARGS)
-
-eval-qwen-vl-infovqa: $(STAMP)
-	$(PY) eval.py $(or $(CONFIG),configs/train_qwen_vl_infovqa.yaml) $(EVAL_ARGS)
-
-eval-qwen-vl-llava-video: $(STAMP)
-	$(PY) eval.py $(or $(CONFIG),configs/train_qwen_vl_llava_video.yaml) $(EVAL_ARGS)
+$(EVAL_TARGETS): eval-%: $(STAMP)
+	$(PY) eval.py $(or $(CONFIG),$(call run_config,$*)) $(EVAL_ARGS)

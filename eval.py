@@ -1,4 +1,4 @@
-"""Evaluate a Qwen-VL checkpoint on the val split: greedy answers, scores, budget counters.
+"""Evaluate a VLM checkpoint (Qwen-VL, Nemotron-Omni) on the val split: greedy answers, scores.
 
     python eval.py CONFIG --ckpt CKPT [key=value ...] [--split val] [--limit N] [--out DIR]
     make eval-qwen-vl-infovqa CKPT=runs/qwen_vl_infovqa/checkpoints DATA=... LIMIT=50
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import yaml
 
+from models.families import TASK_ENCODER_MODELS
 from models.scores import anls_one, exact_match, option_accuracy, relaxed_match
 
-FAMILY_GEOMETRY = {"qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl"}
 _OPTION_LINE = re.compile(r"^\s*\(?([A-Z])[\.\)]\s+(.+?)\s*$", re.MULTILINE)
 
 
@@ -190,9 +190,9 @@ def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | 
     """Cooked val samples (ConversationSample) in the loader's fixed order, up to ``limit``."""
     from megatron.energon import WorkerConfig, get_loader, get_val_dataset, stateless
 
-    from energon_tasks.qwen_vl import QwenVLTaskEncoder
+    from energon_tasks.encoders import task_encoder_class
 
-    class _Reader(QwenVLTaskEncoder):  # cook only: prompts are encoded in this process
+    class _Reader(task_encoder_class(encoder_config.model)):  # cook only: encoded in this process
         @stateless
         def encode_sample(self, sample):
             return sample
@@ -221,8 +221,8 @@ def find_checkpoint(ckpt: str):
 
     Reads only the self-description (nothing is built), so a wrong checkpoint fails fast.
     """
-    from models import qwen_vl_config
     from models.checkpoint import MODEL_JSON, read_model_config
+    from models.families import config_from_dict
 
     path = Path(ckpt)
     if not path.exists():
@@ -238,7 +238,7 @@ def find_checkpoint(ckpt: str):
             raise EvalError(f"{ckpt} is not a checkpoint (neither {MODEL_JSON} nor a train.py "
                             "step folder with model_optim/ and config.yaml)")
         raw = yaml.safe_load(config.read_text()) or {}
-        return (qwen_vl_config.from_dict(raw.get("model") or {}), step / "model_optim",
+        return (config_from_dict(raw.get("model") or {}), step / "model_optim",
                 f"train.py {step.name}")
     except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
         raise EvalError(f"checkpoint {ckpt} is unreadable: {error}") from None
@@ -266,16 +266,18 @@ def load_model(cfg, weights: Path, ckpt: str):
 
 def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
     """The checkpoint's family, patch geometry and token ids must match the task encoder's."""
-    want = FAMILY_GEOMETRY.get(cfg.family, cfg.family)
+    want = TASK_ENCODER_MODELS.get(cfg.family, (cfg.family,))
     geometry = encoder.geometry
-    if want != geometry.name:
+    if geometry.name not in want:
         raise EvalError(f"checkpoint is a {cfg.family} model, the config's task encoder is "
-                        f"{te_model!r} (set task_encoder.model={want})")
+                        f"{te_model!r} (set task_encoder.model={want[0]})")
     v = cfg.vision
+    nemotron = cfg.family == "nemotron_omni"
+    merge = cfg.merge_size if nemotron else v.spatial_merge_size
+    temporal = v.video_temporal_patch_size if nemotron else v.temporal_patch_size
     for name, ours, theirs in (("patch_size", v.patch_size, geometry.patch_size),
-                               ("spatial_merge_size", v.spatial_merge_size, geometry.merge_size),
-                               ("temporal_patch_size", v.temporal_patch_size,
-                                geometry.temporal_patch_size)):
+                               ("merge_size", merge, geometry.merge_size),
+                               ("temporal_patch_size", temporal, geometry.temporal_patch_size)):
         if ours != theirs:
             raise EvalError(f"checkpoint vision {name} is {ours}, the task encoder's "
                             f"{geometry.name} geometry uses {theirs}")
@@ -340,7 +342,7 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     blank = args.blank_media or cfg.data.blank_media
 
-    from energon_tasks.qwen_vl import QwenVLTaskEncoder
+    from energon_tasks import task_encoder_for
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
     from models.checkpoint import init_parallel
     from models.generate import GenerationStats, greedy_generate
@@ -349,8 +351,8 @@ def run(args) -> dict:
     name = te_cfg.tokenizer_name
     if te_cfg.tokenizer == "test":
         name = str(build_test_tokenizer(out / "tokenizer"))
-    tokenizer = load_tokenizer(name)
-    encoder = QwenVLTaskEncoder(te_cfg, tokenizer)
+    tokenizer = load_tokenizer(name, te_cfg.model)
+    encoder = task_encoder_for(te_cfg, tokenizer)
     check_compatible(model_cfg, encoder, tokenizer, te_cfg.model)
     init_parallel(tp=1, pp=1, seed=cfg.train.seed)
     model = load_model(model_cfg, weights, args.ckpt)

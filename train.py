@@ -1,6 +1,9 @@
-"""Supervised fine-tuning of Qwen-VL on Energon data with megatron-core (a recipe, top to bottom).
+"""Supervised fine-tuning of a VLM (Qwen-VL, Nemotron-Omni) on Energon data with megatron-core.
+
+A recipe, top to bottom:
 
     python train.py configs/train_qwen_vl_mantis.yaml [key=value ...] [--resume [CKPT]]
+    python train.py configs/train_nemotron_omni_infovqa.yaml ...
     torchrun --nproc-per-node 2 train.py CONFIG parallel.cp=2 ...
 
 Blocks: config -> checks -> distributed setup -> data -> model -> optimizer -> resume -> loop
@@ -20,22 +23,26 @@ from pathlib import Path
 import torch
 
 from energon_tasks.config import TaskEncoderConfig
+from models.families import TASK_ENCODER_MODELS
 from models.run_config import ConfigError, dump_yaml, load_run_config, to_dict
 from models.training import UsageError, check_data_path, check_layout
 
 
 # --- adapter: the model and one forward over a batch ------------------------------------------
 def build_model(cfg, layout):
-    """The Qwen-VL model (models/qwen_vl.py, vision DP over CP inside); CPU CP attention."""
+    """The model of ``cfg.model.family`` (vision DP over CP inside); CPU CP attention."""
+    from models.checkpoint import build_model as build
     from models.cpu_compat import cpu_only
-    from models.qwen_vl import QwenVL
 
-    model = QwenVL(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
+    if layout.cp > 1 and cfg.model.family == "nemotron_omni":
+        raise UsageError("parallel.cp > 1 is not supported for the nemotron_omni language "
+                         "model yet (its vision DP over CP is; see docs/training.md)")
+    model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
     if layout.cp > 1 and cpu_only():
         from models.cpu_cp_attention import use_cp_attention
 
         use_cp_attention(model.language_model)
-    return model if cpu_only() else model.cuda()
+    return model
 
 
 def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
@@ -47,7 +54,7 @@ def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
 def forward_step(model, batch, layout, blank_media: bool):
     """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch``."""
     unwrapped = model.module
-    while not hasattr(unwrapped, "embed"):  # DDP -> (Float16Module ->) QwenVL
+    while not hasattr(unwrapped, "embed"):  # DDP -> (Float16Module ->) QwenVL / NemotronOmni
         unwrapped = unwrapped.module
     device = next(unwrapped.parameters()).device
     fields = {k: getattr(batch, k).to(device) for k in (
@@ -93,6 +100,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = load_run_config(args.config, args.overrides, task_encoder_config=TaskEncoderConfig)
+    feeds = TASK_ENCODER_MODELS[cfg.model.family]
+    if cfg.task_encoder.geometry.name not in feeds:
+        raise ConfigError(f"task_encoder.model {cfg.task_encoder.model!r} does not feed "
+                          f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     p, te_cfg = cfg.parallel, cfg.task_encoder
     check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length)
@@ -114,8 +125,8 @@ def main(argv=None) -> int:
         print("[train] resolved config:\n" + dump_yaml(cfg), flush=True)
 
     # --- data ----------------------------------------------------------------------------------
+    from energon_tasks import task_encoder_for
     from energon_tasks.loader import get_train_loader
-    from energon_tasks.qwen_vl import QwenVLTaskEncoder
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
 
     tokenizer_name = te_cfg.tokenizer_name
@@ -124,9 +135,9 @@ def main(argv=None) -> int:
         if layout.rank == 0:
             build_test_tokenizer(tokenizer_name)
         torch.distributed.barrier()
-    tokenizer = load_tokenizer(tokenizer_name)
-    T.probe_first_batch(cfg.data.path, cfg.data.split_part, QwenVLTaskEncoder(te_cfg, tokenizer))
-    encoder = QwenVLTaskEncoder(te_cfg, tokenizer)
+    tokenizer = load_tokenizer(tokenizer_name, te_cfg.model)
+    T.probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer))
+    encoder = task_encoder_for(te_cfg, tokenizer)
     if len(tokenizer) > cfg.model.lm.vocab_size:
         raise UsageError(f"tokenizer has {len(tokenizer)} tokens, model.lm.vocab_size is "
                          f"{cfg.model.lm.vocab_size}")

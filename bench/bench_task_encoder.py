@@ -518,7 +518,7 @@ def main(out: Path, quick: bool) -> None:
         image_dir.mkdir()
         n_info = 3 if quick else 12
         info = []
-        for i in range(n_info):
+        for _ in range(n_info):
             width = int(rng.integers(1500, 2501))
             height = int(rng.integers(4000, 6001))
             info.append([document_jpeg(rng, width, height)])

@@ -1,8 +1,10 @@
 """Balance of vision data-parallel over CP: cost-balanced plan vs split by image count.
 
 Simulated: batches drawn from size distributions shaped like the three datasets (see
-docs/vision_dp.md), grids from energon_tasks.geometry ('qwen2.5-vl', images resized to
-200704..1003520 pixels, videos per frame as Qwen2.5-VL), cost from models.vision_dp.CostModel.
+docs/vision_dp.md), grids of the chosen family (``--family``): Qwen2.5-VL (images resized to
+200704..1003520 pixels, videos per frame) or Nemotron-Omni (dynamic images, 1024..13312
+patches; videos as frame pairs of the non-dynamic path, each pair one unit), cost from
+models.vision_dp.CostModel (``qwen2_5_vl`` or ``radio``).
 Reports mean and p95 over batches of max/mean encoder cost per CP rank for CP = 2, 4, 8, and
 the lower bound max(1, largest unit * CP / total) that no split of whole units can beat.
 
@@ -30,10 +32,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from energon_tasks.geometry import get_geometry  # noqa: E402
+from energon_tasks.nemotron_geometry import NEMOTRON_OMNI  # noqa: E402
 from models.vision_dp import CostModel, count_split, plan_shares  # noqa: E402
 
-GEO = get_geometry("qwen2.5-vl")
-MIN_PX, MAX_PX = 200704, 1003520
+#: family -> (geometry, image (min, max) pixels, cost model)
+FAMILIES = {
+    "qwen2.5-vl": (get_geometry("qwen2.5-vl"), (200704, 1003520), CostModel.qwen2_5_vl()),
+    "nemotron-omni": (NEMOTRON_OMNI, (None, None), CostModel.radio()),
+}
+GEO, (MIN_PX, MAX_PX), COST = FAMILIES["qwen2.5-vl"]
+
+
+def use_family(name: str) -> None:
+    """Switch the samplers and cost model to another model family."""
+    global GEO, MIN_PX, MAX_PX, COST
+    GEO, (MIN_PX, MAX_PX), COST = FAMILIES[name]
 CPS = (2, 4, 8)
 FEW = {"mantis": 4, "infovqa": 4, "llava-video": 2}  # samples per batch, "few" regime
 TOKENS_PER_RANK = 8192  # "packed" regime: one packed sequence of 8192 * CP tokens
@@ -207,12 +220,12 @@ def _worker(n_batches: int) -> None:
     dist.destroy_process_group()
 
 
-def measure(n_batches: int) -> dict:
+def measure(n_batches: int, family: str) -> dict:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node=2", __file__,
-                           "--worker", "--batches", str(n_batches)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+                           "--worker", "--batches", str(n_batches), "--family", family],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith("MEASURED "):
             return json.loads(line[len("MEASURED "):])
@@ -225,22 +238,25 @@ def main() -> None:
     ap.add_argument("--measure", action="store_true", help="also run the CP=2 CPU timing")
     ap.add_argument("--measure-batches", type=int, default=6)
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="qwen2.5-vl")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    use_family(args.family)
     if args.worker:
         _worker(args.batches)
         return
     t0 = time.perf_counter()
-    rows = simulate(args.batches, CostModel())
+    rows = simulate(args.batches, COST)
     print(table(rows))
     print(f"(simulation: {args.batches} batches per row, {time.perf_counter() - t0:.1f} s)")
-    report = {"simulated": rows, "batches": args.batches}
+    report = {"family": args.family, "simulated": rows, "batches": args.batches}
     if args.measure:
-        report["measured_cp2_cpu"] = measured = measure(args.measure_batches)
+        report["measured_cp2_cpu"] = measured = measure(args.measure_batches, args.family)
         print(json.dumps(measured, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vision_balance.json").write_text(json.dumps(report, indent=1))
+    suffix = "" if args.family == "qwen2.5-vl" else f"_{args.family}"
+    (out / f"vision_balance{suffix}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

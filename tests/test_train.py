@@ -1,5 +1,6 @@
 """train.py: config loading, schedule, bad input (exit 2), end-to-end runs, exact resume,
-DP=2 / CP=2 equivalence and the vision-signal check (tiny Qwen-VL on the lookalike datasets)."""
+DP=2 / CP=2 equivalence and the vision-signal check (tiny Qwen-VL and tiny Nemotron-Omni on the
+lookalike datasets)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from models.training import lr_at
 
 REPO = Path(__file__).resolve().parents[1]
 MANTIS_CFG = REPO / "configs" / "train_qwen_vl_mantis.yaml"
+NEMOTRON_MANTIS_CFG = REPO / "configs" / "train_nemotron_omni_mantis.yaml"
 FAST = ["data.num_workers=0", "log.tensorboard=false", "checkpoint.save_final=false"]
 
 
@@ -76,9 +78,11 @@ def test_config_errors_are_reported_together():
 
 
 def test_config_files_all_load():
-    for name in ("mantis", "infovqa", "llava_video"):
-        cfg = run_config(REPO / "configs" / f"train_qwen_vl_{name}.yaml")
-        assert 10 <= cfg.train.steps <= 50
+    for family in ("qwen_vl", "nemotron_omni"):
+        for name in ("mantis", "infovqa", "llava_video"):
+            cfg = run_config(REPO / "configs" / f"train_{family}_{name}.yaml")
+            assert 10 <= cfg.train.steps <= 50
+            assert cfg.model.family.startswith(family.split("_")[0])
 
 
 def test_lr_warmup_then_cosine():
@@ -157,6 +161,26 @@ def test_resume_continues_exactly(mantis_reference, mantis_out, tmp_path):
 
 
 @pytest.mark.slow
+def test_nemotron_resume_continues_exactly(mantis_out, tmp_path):
+    """The Nemotron-Omni model (MambaModel LM, RADIO tower) checkpoints and resumes exactly."""
+    args = [str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=4",
+            *FAST]
+    ok(train(*args, f"out={tmp_path / 'ref'}", "checkpoint.interval=2"))
+    step = tmp_path / "ref" / "checkpoints" / "step_000002"
+    ok(train(*args, f"out={tmp_path / 'resumed'}", "--resume", str(step)))
+    reference = losses(tmp_path / "ref")
+    assert reference[-1] < reference[0]
+    assert losses(tmp_path / "resumed") == reference[2:]
+
+
+def test_task_encoder_of_another_family_exits_2(mantis_out, tmp_path):
+    line = error_line(train(str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                            f"out={tmp_path}", "task_encoder.model=qwen2.5-vl",
+                            "task_encoder.min_pixels=3136"))
+    assert "does not feed model.family 'nemotron_omni'" in line
+
+
+@pytest.mark.slow
 def test_resume_refuses_other_dp_size(mantis_reference, mantis_out, tmp_path):
     step = tmp_path / "step_000002"
     shutil.copytree(mantis_reference / "checkpoints" / "step_000002", step)
@@ -169,11 +193,13 @@ def test_resume_refuses_other_dp_size(mantis_reference, mantis_out, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["infovqa_out", "video_out"])
-def test_other_datasets_run(fixture, request, tmp_path):
-    name = {"infovqa_out": "infovqa", "video_out": "llava_video"}[fixture]
+@pytest.mark.parametrize("family,fixture", [
+    ("qwen_vl", "infovqa_out"), ("qwen_vl", "video_out"), ("nemotron_omni", "mantis_out"),
+    ("nemotron_omni", "infovqa_out"), ("nemotron_omni", "video_out")])
+def test_other_datasets_run(family, fixture, request, tmp_path):
+    name = {"mantis_out": "mantis", "infovqa_out": "infovqa", "video_out": "llava_video"}[fixture]
     data = request.getfixturevalue(fixture)
-    ok(train(str(REPO / "configs" / f"train_qwen_vl_{name}.yaml"),
+    ok(train(str(REPO / "configs" / f"train_{family}_{name}.yaml"),
              f"data.path={data}/metadataset.yaml", f"out={tmp_path}", "train.steps=4", *FAST))
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"]
@@ -199,7 +225,8 @@ def test_dp2_equals_single_process(mantis_out, tmp_path):
 
 
 @pytest.mark.slow
-def test_vision_signal(tmp_path):
+@pytest.mark.parametrize("family", ["qwen_vl", "nemotron_omni"])
+def test_vision_signal(family, tmp_path):
     """On data whose answers depend only on the media, blanking the media must leave a clearly
     higher answer loss and a clearly lower eval accuracy (near chance): the visual tokens reach
     the right positions (a falling loss alone does not show that). Both runs go side by side."""
@@ -207,7 +234,7 @@ def test_vision_signal(tmp_path):
     from models.report import ACCURACY_MARGIN, read_metrics, vision_signal
 
     data = build_vision_check(tmp_path)
-    cfg = str(REPO / "configs" / "train_qwen_vl_vision_check.yaml")
+    cfg = str(REPO / "configs" / f"train_{family}_vision_check.yaml")
     runs = {name: tmp_path / name for name in ("media", "blanked")}
 
     def side_by_side(make_cmd):
