@@ -118,11 +118,87 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+#: Equal-width, equal-depth CPU encoders: only the input geometry (sequence lengths, attention
+#: segments, window vs full attention) differs between the paths.
+ENCODER_SHAPE = ["vision.depth=2", "vision.hidden_size=64", "vision.intermediate_size=256",
+                 "vision.num_heads=2"]
+MODEL_CONFIGS = {"qwen2.5-vl": ("configs/qwen2_5_vl_tiny.yaml",
+                                 ["vision.fullatt_block_indexes=[1]"]),
+                 "qwen3-vl": ("configs/qwen3_vl_tiny.yaml", ["vision.deepstack_visual_indexes=[]"]),
+                 "nemotron-omni": ("configs/nemotron_omni_tiny.yaml", [])}
+
+
+def _encoder(path: str):
+    """(vision tower, pixel row width) of a path, random init, eval mode."""
+    from models.families import config_module
+
+    config, extra = MODEL_CONFIGS[path.removesuffix("-tiled")]
+    module = "nemotron_omni" if path.startswith("nemotron") else "qwen2_5_vl"
+    cfg = config_module(module).load_yaml(REPO / config, [*ENCODER_SHAPE, *extra])
+    if path.startswith("nemotron"):
+        from models.radio import RadioEncoder
+
+        return RadioEncoder(cfg, use_te=False).eval(), 3 * cfg.vision.patch_size**2
+    from models.vision import QwenVisionEncoder
+
+    v = cfg.vision
+    return QwenVisionEncoder(cfg, use_te=False).eval(), 3 * v.temporal_patch_size * v.patch_size**2
+
+
+def _grid(path: str, height: int, width: int) -> tuple[int, int, int]:
+    if path.startswith("qwen"):
+        return get_geometry(path).image_grid(height, width).grid_thw
+    geometry = NEMOTRON_OMNI if path == "nemotron-omni" else NEMOTRON_OMNI_TILED
+    return geometry.image_grid(height, width).grid_thw
+
+
+def measure_paths(sizes: list[tuple[int, int]], repeats: int) -> list[dict]:
+    """Forward CPU seconds of each path's encoder over the same images (one image per call)."""
+    import torch
+
+    from models.checkpoint import init_parallel
+
+    init_parallel()
+    rows = []
+    for path in PATHS:
+        encoder, width = _encoder(path)
+        grids = [_grid(path, h, w) for h, w in sizes]
+        inputs = [(torch.randn(t * gh * gw, width), torch.tensor([[t, gh, gw]])) for t, gh, gw
+                  in grids]
+        best = math.inf
+        with torch.no_grad():
+            encoder(*inputs[0])  # warm-up
+            for _ in range(repeats):
+                start = time.process_time()
+                for pixels, grid in inputs:
+                    encoder(pixels, grid)
+                best = min(best, time.process_time() - start)
+        patches = sum(t * gh * gw for t, gh, gw in grids)
+        rows.append({"path": path, "images": len(sizes), "patches": patches,
+                     "cpu_seconds": round(best, 3), "images_per_cpu_s": len(sizes) / best,
+                     "patches_per_cpu_s": patches / best})
+    base = rows[0]["images_per_cpu_s"]
+    for row in rows:
+        row["images_per_s_vs_qwen2_5"] = row["images_per_cpu_s"] / base
+    return rows
+
+
+def throughput_markdown(rows: list[dict]) -> str:
+    out = ["| path | patches | CPU s | images / CPU s | patches / CPU s | images/s vs Qwen2.5-VL |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['path']} | {r['patches']} | {r['cpu_seconds']:.2f} | "
+                   f"{r['images_per_cpu_s']:.2f} | {r['patches_per_cpu_s']:.0f} | "
+                   f"{r['images_per_s_vs_qwen2_5']:.2f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=200)
     ap.add_argument("--measure", action="store_true", help="also time the encoders on CPU")
     ap.add_argument("--measure-images", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     sizes = infovqa_sizes(args.images)
@@ -130,10 +206,8 @@ def main() -> None:
     print(markdown(rows))
     report = {"images": args.images, "tokens": rows}
     if args.measure:
-        from bench.encode_throughput import measure_paths
-
-        report["throughput"] = measure_paths(sizes[: args.measure_images])
-        print(json.dumps(report["throughput"], indent=1))
+        report["throughput"] = measure_paths(sizes[: args.measure_images], args.repeats)
+        print(throughput_markdown(report["throughput"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "nemotron_paths.json").write_text(json.dumps(report, indent=1))

@@ -127,3 +127,24 @@ def test_vision_dp_matches_unsharded_run(nproc, tmp_path):
         cp = layout[1]
         assert {f"{n}_images" for n in (0, 1, cp - 1, cp, cp + 1)} <= {n for n, _ in names}
         assert len(rows) == nproc * len(names)
+
+
+@pytest.mark.slow
+def test_nemotron_omni_vision_dp_matches_unsharded_tower(tmp_path):
+    """CP2 on the real Nemotron-Omni tower (RADIO + pixel shuffle + projector): dynamic images,
+    tiles and a video split at frame-pair boundaries give the unsharded embeddings and, summed
+    over CP, the unsharded tower gradients (1e-5)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "VISION_DP_OUT": str(tmp_path)}
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node=2",
+                           "tests/models/nemotron_vision_dp_worker.py"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    results = [json.loads(line) for rank in range(2)
+               for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()]
+    assert all(r["ok"] for r in results), results
+    video = {r["rank"]: r["share"] for r in results if r["case"] == "video"}
+    assert sorted(t for share in video.values() for t, _, _ in share) == [2, 3]  # 5 tubelets
+    images = [r["share"] for r in results if r["case"] == "images"]
+    assert all(images), images  # both ranks encode a share
