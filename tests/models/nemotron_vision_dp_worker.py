@@ -28,6 +28,10 @@ CASES = {
 }
 
 
+def grad(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p) if p.grad is None else p.grad
+
+
 def main() -> int:
     sys.path.insert(0, str(REPO))
     from models.cpu_compat import enable_cpu_compat, seed_model_parallel
@@ -61,7 +65,7 @@ def main() -> int:
         for model in (sharded, whole):
             model.zero_grad(set_to_none=True)
 
-        def loss(embeds, rank):  # what CP rank `rank`'s LM shard computes from all embeddings
+        def loss(embeds, rank, targets=targets, tokens=tokens):  # CP rank `rank`'s LM shard
             return (torch.tanh(embeds) * targets[rank]).sum() / tokens
 
         reference = whole.encode_visual(pixels, grid_t)
@@ -69,9 +73,6 @@ def main() -> int:
         got = sharded.encode_visual(pixels, grid_t)
         loss(got, cp_rank).backward()
         allreduce_grads(sharded.vision, cp_group)  # what megatron DDP does over DP x CP
-        def grad(p):
-            return torch.zeros_like(p) if p.grad is None else p.grad
-
         wanted = dict(whole.vision.named_parameters())
         grad_diff = max((grad(p) - grad(wanted[n])).abs().max().item()
                         for n, p in sharded.vision.named_parameters())
