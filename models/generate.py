@@ -4,12 +4,19 @@
 left-padded prompts (vision encoded once, DeepStack applied there), then one single-token forward
 per step that reads the keys/values of earlier tokens from megatron's ``StaticInferenceContext``
 (no full forward over the sequence per new token). Masks: prefill is causal and hides the left
-padding; each decode step attends to every real token so far. M-RoPE: a generated token gets the
-same position on all three axes, ``max(prompt positions) + 1`` for the first and +1 per step after
-(what HF's ``rope_deltas`` do). megatron keeps cached keys before RoPE and rotates them with the
-rotary table of the whole sequence at each step, so the (3, B, L) positions of the whole
-sequence so far are passed at every step (the rotary table is cheap; the K/V projections are not
-recomputed).
+padding; each decode step attends to every real token so far (a key-padding mask only when the
+batch is padded). M-RoPE: a generated token gets the same position on all three axes,
+``max(prompt positions) + 1`` for the first and +1 per step after (what HF's ``rope_deltas`` do).
+
+Per-step cost: everything that does not change during the run is built once (the (3, B, L)
+positions and the padding mask of prompt + every generated token; steps slice prefixes). megatron
+keeps cached keys before RoPE and rotates them with the rotary table of the whole sequence at each
+step; for the Qwen-VL GPTModel the table of the whole run is computed once and the decode step
+calls the model's own decoder and output layer (``_fast_decoder``: bitwise the logits of
+``language_model(...)``, which would recompute the table and copy the logits every step); other
+language models (Nemotron's MambaModel) go through ``language_model(...)``. One host sync per step
+(``tolist`` of the B new tokens) decides which rows stopped; the batch stops when all have. Runs
+under ``torch.inference_mode`` (no autograd bookkeeping).
 
 Written against megatron-core 0.16.1 (``inference_context=``, ``StaticInferenceContext``) with
 guards for the older/newer names (``inference_params=`` / ``InferenceParams``). Needs a layer spec
@@ -36,6 +43,7 @@ class Prompt:
     image_grid_thw: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
+    visual_kinds: torch.Tensor | None = None  #: (items,) 0 image / 1 video, in span order
 
 
 @dataclass(slots=True)
@@ -76,7 +84,47 @@ def _cat(tensors: list):
     return torch.cat(items, 0)
 
 
-@torch.no_grad()
+def _fast_decoder(lm, pos: torch.Tensor, kwarg: dict):
+    """A decode step that skips ``GPTModel.forward``'s per-step preprocessing, or None.
+
+    ``GPTModel.forward`` recomputes the M-RoPE table from the (3, B, L) positions at every step
+    and makes the [B, 1, V] logits contiguous. Here the table of the whole run (prompt and every
+    generated position, known in advance) is computed once; megatron's attention slices it itself
+    (queries ``[offset:offset + 1]``, cached keys ``[:offset + 1]``), so the decoder gets the same
+    rotary values as through ``GPTModel.forward``. Then the model's own decoder (its layers, final
+    norm, DeepStack hooks) and output layer run as ``GPTModel.forward`` runs them. Only for the
+    plain layout this was checked for (GPTModel with M-RoPE, no MTP / flash decode / MLA / local
+    CUDA graphs, no CP or sequence parallel); anything else (e.g. Nemotron's MambaModel) returns
+    None and goes through ``language_model(...)``.
+    """
+    try:
+        from megatron.core.models.gpt import GPTModel
+    except ImportError:  # pragma: no cover
+        return None
+    cfg = getattr(lm, "config", None)
+    if not (isinstance(lm, GPTModel) and getattr(lm, "position_embedding_type", None) == "mrope"
+            and hasattr(lm, "mrope_section") and hasattr(lm, "rotary_pos_emb")
+            and getattr(lm, "pre_process", False) and getattr(lm, "post_process", False)
+            and not getattr(lm, "mtp_process", False) and not getattr(cfg, "flash_decode", False)
+            and not getattr(cfg, "multi_latent_attention", False)
+            and not getattr(cfg, "sequence_parallel", False)
+            and getattr(cfg, "context_parallel_size", 1) == 1
+            and getattr(cfg, "mtp_num_layers", None) is None
+            and getattr(cfg, "cuda_graph_impl", "none") != "local"):
+        return None
+    rotary = lm.rotary_pos_emb(pos, lm.mrope_section)  # (L_total, B, 1, D)
+    weight = (lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights
+              else None)
+
+    def step(emb, mask):
+        hidden = lm.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=rotary, **kwarg)
+        logits, _ = lm.output_layer(hidden[-1:], weight=weight, runtime_gather_output=True)
+        return logits[-1]  # (B, V)
+
+    return step
+
+
+@torch.inference_mode()
 def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], max_new_tokens: int,
                     pad_id: int = 0, stats: GenerationStats | None = None) -> list[list[int]]:
     """Greedy continuation of each prompt, up to (not including) ``eos_id`` or max_new_tokens.
@@ -100,64 +148,70 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
     batch = len(prompts)
     lengths = [int(p.input_ids.numel()) for p in prompts]
     width = max(lengths)
+    total = width + max_new_tokens
+    # positions and key-padding mask of the whole run, built once: a generated token sits at
+    # max(prompt positions) + 1 + step on all three M-RoPE axes; each step slices a prefix (views)
     ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    pos = torch.zeros(3, batch, width, dtype=torch.long)
-    valid = torch.zeros(batch, width, dtype=torch.bool)
+    pos = torch.zeros(3, batch, total, dtype=torch.long)
+    valid = torch.ones(batch, total, dtype=torch.bool)
     for row, (p, n) in enumerate(zip(prompts, lengths)):
         ids[row, width - n:] = p.input_ids.long()
-        pos[:, row, width - n:] = p.position_ids.reshape(3, -1).long()
-        valid[row, width - n:] = True
-    next_pos = pos.amax(dim=(0, 2)) + 1  # (B,) first generated position of each row
+        pos[:, row, width - n:width] = p.position_ids.reshape(3, -1).long()
+        valid[row, :width - n] = False
+    next_pos = pos[:, :, :width].amax(dim=(0, 2)) + 1  # (B,) first generated position of each row
+    pos[:, :, width:] = (next_pos[:, None] + torch.arange(max_new_tokens))[None]
+    padded = width != min(lengths)
 
     def media(name):
         value = _cat([getattr(p, name) for p in prompts])
         return None if value is None else value.to(device)
 
     ids, pos, valid = ids.to(device), pos.to(device), valid.to(device)
-    total = width + max_new_tokens
     context = _make_context(batch, total)
-    kwarg = _context_kwarg(lm)
+    kwarg = {_context_kwarg(lm): context}
 
     # ---- prefill: all prompt tokens, vision encoded once
     emb, deepstack = qwen.embed(ids, media("pixel_values"), media("image_grid_thw"),
-                                media("pixel_values_videos"), media("video_grid_thw"))
+                                media("pixel_values_videos"), media("video_grid_thw"),
+                                visual_kinds=media("visual_kinds"))
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    mask = ~(causal[None] & valid[:, None, :])[:, None]  # (B, 1, L, L), True = hidden
+    mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (B, 1, L, L), True = hidden
     qwen._deepstack = deepstack
     try:
-        logits = lm(input_ids=None, position_ids=pos, attention_mask=mask, decoder_input=emb,
-                    runtime_gather_output=True, **{kwarg: context})
+        logits = lm(input_ids=None, position_ids=pos[:, :, :width], attention_mask=mask,
+                    decoder_input=emb, runtime_gather_output=True, **kwarg)
     finally:
         qwen._deepstack = None
     context.sequence_len_offset += width
     forwards = 1
     prefill_seconds = time.perf_counter() - start
 
+    # decode: one token per row per step. The key-padding mask (B, 1, 1, L so far) only matters
+    # with left padding; without it every cached token is attended to and no mask is passed.
+    hidden = ~valid[:, None, None, :] if padded else None
+    if hasattr(context, "enable_decode_mode"):
+        context.enable_decode_mode()
+    fast = _fast_decoder(lm, pos, kwarg)
     out: list[list[int]] = [[] for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    all_pos, all_valid = pos, valid
+    live = list(range(batch))  # rows that have not stopped yet
+    logits = logits[:, -1]  # (B, V)
     for step in range(max_new_tokens):
-        token = logits[:, -1].float().argmax(-1)  # (B,)
-        for row in range(batch):
-            if not done[row]:
-                t = int(token[row])
-                if t in eos:
-                    done[row] = True
-                else:
-                    out[row].append(t)
-        if bool(done.all()) or step == max_new_tokens - 1:
+        token = logits.argmax(-1)  # (B,)
+        values = token.tolist()  # the one host sync per step
+        live = [row for row in live if values[row] not in eos]
+        for row in live:
+            out[row].append(values[row])
+        if not live or step == max_new_tokens - 1:
             break
-        if hasattr(context, "enable_decode_mode"):
-            context.enable_decode_mode()
-        step_pos = (next_pos + step)[None, :, None].expand(3, batch, 1)
-        all_pos = torch.cat([all_pos, step_pos], dim=2)
-        all_valid = torch.cat([all_valid, torch.ones(batch, 1, dtype=torch.bool, device=device)],
-                              dim=1)
+        length = width + step + 1
         # plain token embedding: a generated context-token id must not be read as a visual slot
         emb = lm.embedding(input_ids=token[:, None], position_ids=None)
-        mask = ~all_valid[:, None, None, :]  # (B, 1, 1, L so far)
-        logits = lm(input_ids=None, position_ids=all_pos, attention_mask=mask,
-                    decoder_input=emb, runtime_gather_output=True, **{kwarg: context})
+        mask = None if hidden is None else hidden[..., :length]
+        if fast is not None:
+            logits = fast(emb, mask)
+        else:
+            logits = lm(input_ids=None, position_ids=pos[:, :, :length], attention_mask=mask,
+                        decoder_input=emb, runtime_gather_output=True, **kwarg)[:, -1]
         context.sequence_len_offset += 1
         forwards += 1
     if stats is not None:
