@@ -160,7 +160,7 @@ def encode_prompts(encoder, sample, counters: Counter, turns_mode: str = "all",
             question=PLACEHOLDER_RE.sub("", prefix[-1].content if prefix else "").strip(),
             references=list(target.answers or [target.content]),
             prompt=Prompt(enc.input_ids, enc.position_ids, enc.pixel_values, enc.image_grid_thw,
-                          enc.pixel_values_videos, enc.video_grid_thw),
+                          enc.pixel_values_videos, enc.video_grid_thw, enc.visual_kinds),
             media=", ".join(f"{n} {k}{'s' * (n > 1)}" for k, n in sorted(kinds.items()))))
     return items
 

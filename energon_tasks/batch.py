@@ -6,6 +6,10 @@ docs/batch_contract.md) and the pure tensor operations between them: packing sam
 (``pack_samples``) and padding rows into a batch (``collate``). Both task encoders (Qwen-VL,
 Nemotron-Omni) produce these same fields; what differs (row widths, row layout, positions) is in
 docs/batch_contract.md.
+
+Images and videos travel in separate tensors; ``visual_kinds`` records how they interleave in the
+token stream (``VISUAL_KINDS`` codes, one per item, in span order), which the model needs when both
+kinds share one context token (Nemotron-Omni's ``<image>``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import torch
 from megatron.energon import Batch, Sample, edataclass
 
 IGNORE_INDEX = -100  #: label of every token without loss
+#: ``visual_kinds`` codes: the kind of code ``c`` is ``VISUAL_KINDS[c]`` (0 = image, 1 = video);
+#: models/multimodal.py reads the same codes
+VISUAL_KINDS = ("image", "video")
 
 
 @edataclass
@@ -35,6 +42,8 @@ class EncodedSample(Sample):
     image_grid_thw: torch.Tensor  #: (num_images, 3) int64 patch grid of each image
     pixel_values_videos: torch.Tensor  #: (sum_videos t*h*w, D) float32, videos in order
     video_grid_thw: torch.Tensor  #: (num_videos, 3) int64 patch grid of each video
+    #: (num_images + num_videos,) int64 VISUAL_KINDS code of each item, in span order
+    visual_kinds: torch.Tensor
     seq_lens: torch.Tensor  #: (S,) int64 length of each packed sample (S = 1 unpacked)
 
 
@@ -51,6 +60,8 @@ class QwenVLBatch(Batch):
     image_grid_thw: torch.Tensor  #: (num_images, 3) int64, row-major over rows then samples
     pixel_values_videos: torch.Tensor  #: (sum t*h*w over the batch's videos, D) float32
     video_grid_thw: torch.Tensor  #: (num_videos, 3) int64
+    #: (num_images + num_videos,) int64 0 = image / 1 = video per item, in span order (row-major)
+    visual_kinds: torch.Tensor
     cu_seqlens: torch.Tensor | None  #: (S+1,) int32 sample bounds in the flattened B*L tokens
     max_seqlen: int | None  #: longest segment of cu_seqlens (packed batches only)
     budget_counters: dict  #: {counter: int} budget actions since the previous batch (one worker)
@@ -84,6 +95,7 @@ def pack_samples(samples: Sequence[EncodedSample]) -> EncodedSample:
         pixel_values_videos=_cat([s.pixel_values_videos for s in samples], (0, video_width),
                                  torch.float32),
         video_grid_thw=_cat([s.video_grid_thw for s in samples], (0, 3), torch.int64),
+        visual_kinds=_cat([s.visual_kinds for s in samples], (0,), torch.int64),
         seq_lens=torch.cat([s.seq_lens for s in samples]),
     )
 
@@ -158,6 +170,7 @@ def collate(
         pixel_values_videos=_cat([r.pixel_values_videos for r in rows], (0, video_width),
                                  torch.float32),
         video_grid_thw=_cat([r.video_grid_thw for r in rows], (0, 3), torch.int64),
+        visual_kinds=_cat([r.visual_kinds for r in rows], (0,), torch.int64),
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
         budget_counters=dict(budget_counters),

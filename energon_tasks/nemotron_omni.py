@@ -10,8 +10,8 @@ What differs, each checked against transformers' ``nemotron_h_omni`` processors 
   the processor's ``replace_video_token`` text: per frame pair ``"Frame k sampled at ... seconds
   and frame k+1 sampled at ... seconds: "`` + ``<img>`` + ``<image>`` x (h*w/4) + ``</img>``, pairs
   joined by ``"\\n"``. The tokenizer has no video context token, so ``video_pad == image_pad``
-  (``<image>``), as in transformers (what that means for rows holding both kinds:
-  docs/batch_contract.md);
+  (``<image>``), as in transformers; the batch's ``visual_kinds`` (image / video per item, in span
+  order) tells the model which runs are videos (docs/batch_contract.md);
 - tiled images are decoded at the grid size, cut into 512x512 tiles (row-major) and followed by a
   512x512 thumbnail decoded from the source (InternVL's ``dynamic_preprocess``);
 - pixel rows (``NemotronOmniGeometry.pixel_rows``): images one 16x16 patch per row (768 floats),

@@ -8,7 +8,8 @@ This module owns the path from a crude shard sample to model inputs. Hooks, in E
    decodes nothing) -> decode the kept media at their planned size -> tokens with
    ``<|vision_start|><|image_pad|>*n<|vision_end|>`` (or the video span) at each placeholder,
    labels (-100 outside assistant content + its ``<|im_end|>``), loss mask, M-RoPE positions,
-   ``pixel_values`` in the HF processors' row layout, grids;
+   ``pixel_values`` in the HF processors' row layout, grids, ``visual_kinds`` (image / video
+   code of each item in span order);
 3. ``select_samples_to_pack`` / ``pack_selected_samples`` (packing on): rows of at most
    ``seq_length`` tokens, vision cost (patches) balanced across the rows of one buffer;
 4. ``batch``: pad to the length multiple (or ``seq_length`` with ``fixed_length``) and carry the
@@ -44,7 +45,14 @@ from megatron.energon import (
 )
 
 from energon_tasks import budget
-from energon_tasks.batch import IGNORE_INDEX, EncodedSample, QwenVLBatch, collate, pack_samples
+from energon_tasks.batch import (
+    IGNORE_INDEX,
+    VISUAL_KINDS,
+    EncodedSample,
+    QwenVLBatch,
+    collate,
+    pack_samples,
+)
 from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.decode import MediaError, decode_image, decode_video_frames
 from energon_tasks.geometry import ImageGrid, mrope_position_ids
@@ -259,6 +267,7 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
         """Tokens, labels, positions and pixel rows of a planned, decoded sample."""
         ids, labels = [], []
         grids = {"image": [], "video": []}
+        kinds = []  # VISUAL_KINDS code of each item, in span order
         videos = []
         # one float32 buffer per kind, sized from the decoded shapes; each item's rows are
         # written straight into its slice (no per-item arrays, no concatenate)
@@ -281,6 +290,7 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
                     ids += span
                     labels += [IGNORE_INDEX] * len(span)
                     grids[item.kind].append(grid)
+                    kinds.append(VISUAL_KINDS.index(item.kind))
                     start = filled[item.kind]
                     filled[item.kind] += math.prod(grid)
                     self.write_pixel_rows(item.kind, frames,
@@ -306,6 +316,7 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
             image_grid_thw=torch.tensor(grids["image"], dtype=torch.int64).reshape(-1, 3),
             pixel_values_videos=torch.from_numpy(buffers["video"]),
             video_grid_thw=torch.tensor(grids["video"], dtype=torch.int64).reshape(-1, 3),
+            visual_kinds=torch.tensor(kinds, dtype=torch.int64),
             seq_lens=torch.tensor([len(ids)], dtype=torch.int64),
         )
 

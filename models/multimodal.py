@@ -2,8 +2,11 @@
 
 This module owns what does not depend on the architecture: the per-row check that the context
 tokens of each batch row match the embeddings of the images/videos that start in it
-(``check_visual_counts``), the block-causal mask of packed rows (``block_causal_mask``), and the
-label shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at t).
+(``check_visual_counts``), which context tokens belong to which kind (``context_masks``; when
+images and videos share one context token, as Nemotron-Omni's ``<image>``, the batch's
+``visual_kinds`` tells which runs are videos), the scatter of the encoded media into those tokens
+(``scatter_visual``), the block-causal mask of packed rows (``block_causal_mask``), and the label
+shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at t).
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
+#: ``visual_kinds`` codes of the batch contract (code c = VISUAL_KINDS[c]; the same tuple as
+#: ``energon_tasks.batch.VISUAL_KINDS``, which models/ does not import)
+VISUAL_KINDS = ("image", "video")
 
 
 def check_visual_counts(token_mask: torch.Tensor, grid_thw: torch.Tensor, merge_size: int,
@@ -47,8 +53,73 @@ def check_visual_counts(token_mask: torch.Tensor, grid_thw: torch.Tensor, merge_
                          f"embeddings ({len(per_item)} {kind}s)")
 
 
+def _grid(grid) -> torch.Tensor:
+    """A kind's grid on the CPU, (0, 3) when absent."""
+    return grid.cpu() if grid is not None else torch.zeros(0, 3, dtype=torch.long)
+
+
+def context_masks(input_ids: torch.Tensor, media, merge_size: int, sample_keys=None,
+                  visual_kinds: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """(B, L) bool mask of the context tokens of each kind of ``media``, in ``media`` order.
+
+    With one context token per kind the mask is simply ``input_ids == token`` (``visual_kinds``
+    is not needed and not read). When "image" and "video" share one token, the shared tokens are
+    split between them: the items (images and videos interleaved in ``visual_kinds`` order) take
+    the shared tokens in row-major order, each item its t*h*w / merge_size**2 tokens. Without
+    ``visual_kinds`` that split is only known when the batch holds one kind (it takes every
+    shared token).
+
+    Args:
+        input_ids: (B, L).
+        media: ``(kind, token_id, pixel_values, grid_thw)`` per kind, as :func:`scatter_visual`.
+        merge_size, sample_keys: as in :func:`check_visual_counts`.
+        visual_kinds: (num_images + num_videos,) int, ``VISUAL_KINDS`` code of each item in the
+            order of their spans in the flattened batch (the batch contract's ``visual_kinds``).
+
+    Raises:
+        ValueError: shared token with images and videos but no ``visual_kinds``; ``visual_kinds``
+            disagreeing with the grids; a row's shared tokens differing from the embeddings of
+            the items that start in it (row, key and both counts named).
+    """
+    tokens = {kind: token for kind, token, _, _ in media}
+    if len(set(tokens.values())) == len(tokens):
+        return [input_ids == token for _, token, _, _ in media]
+    if set(tokens) != set(VISUAL_KINDS):
+        raise ValueError(f"only images and videos may share a context token, got {tokens}")
+    shared = input_ids == tokens["image"]
+    grids = {kind: _grid(grid) for kind, _, _, grid in media}
+    present = [kind for kind in VISUAL_KINDS if len(grids[kind])]
+    if visual_kinds is None:
+        if len(present) == 2:
+            raise ValueError(f"images and videos share context token {tokens['image']} and this "
+                             "batch holds both: pass the batch's visual_kinds (their order) or "
+                             "give videos their own video_token_id")
+        owner = present[0] if present else "image"  # no items: the image check names the tokens
+        return [shared if kind == owner else torch.zeros_like(shared) for kind, *_ in media]
+    codes = visual_kinds.cpu().long().reshape(-1)
+    have = {kind: int((codes == code).sum()) for code, kind in enumerate(VISUAL_KINDS)}
+    want = {kind: len(grids[kind]) for kind in VISUAL_KINDS}
+    if have != want or sum(have.values()) != len(codes):
+        raise ValueError(f"visual_kinds ({len(codes)} codes: {have}) does not match the batch's "
+                         f"grids ({want})")
+    interleaved = torch.zeros(len(codes), 3, dtype=torch.long)
+    for code, kind in enumerate(VISUAL_KINDS):
+        interleaved[codes == code] = grids[kind]
+    check_visual_counts(shared, interleaved, merge_size, "visual item", sample_keys,
+                        token_name=f"shared image/video context ({tokens['image']})")
+    per_token = codes.repeat_interleave(interleaved.prod(-1) // merge_size ** 2)
+    per_token = per_token.to(shared.device)
+    masks = []
+    for kind, *_ in media:
+        mask = torch.zeros_like(shared)
+        mask[shared] = per_token == VISUAL_KINDS.index(kind)
+        masks.append(mask)
+    return masks
+
+
 def scatter_visual(emb: torch.Tensor, input_ids: torch.Tensor, media, encode, merge_size: int,
-                   sample_keys=None) -> list[tuple[torch.Tensor, object]]:
+                   sample_keys=None, visual_kinds: torch.Tensor | None = None,
+                   ) -> list[tuple[torch.Tensor, object]]:
     """Encode each kind of media and write its embeddings into its context tokens, in order.
 
     Args:
@@ -58,13 +129,16 @@ def scatter_visual(emb: torch.Tensor, input_ids: torch.Tensor, media, encode, me
             with neither items nor tokens is skipped.
         encode: ``encode(pixel_values, grid_thw)`` -> embeddings (n, H), or (embeddings, extra).
         merge_size, sample_keys: as in :func:`check_visual_counts` (checked before encoding).
+        visual_kinds: the batch's item order, read only when images and videos share a context
+            token (:func:`context_masks`).
 
     Returns:
-        ``(token mask (B, L), extra or None)`` of every kind that was scattered.
+        ``(token mask (B, L), extra or None)`` of every kind that was scattered; the masks of
+        different kinds never overlap.
     """
     done = []
-    for kind, token, pixels, grid in media:
-        mask = input_ids == token
+    masks = context_masks(input_ids, media, merge_size, sample_keys, visual_kinds)
+    for (kind, _token, pixels, grid), mask in zip(media, masks):
         has_grid = grid is not None and grid.numel() > 0
         if not has_grid and not mask.any():
             continue

@@ -203,47 +203,43 @@ class NemotronOmni(MegatronModule):
         """
         return self._vision_dp(pixel_values, grid_thw)
 
-    def _media(self, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
-        images = ("image", self.cfg.image_token_id, pixel_values, image_grid_thw)
-        videos = ("video", self.cfg.video_token_id, pixel_values_videos, video_grid_thw)
-        if self.cfg.image_token_id != self.cfg.video_token_id:
-            return images, videos
-        # one context token for both (as HF's processor): the batch's items decide the kind
-        has_videos = video_grid_thw is not None and video_grid_thw.numel() > 0
-        if has_videos and image_grid_thw is not None and image_grid_thw.numel() > 0:
-            raise ValueError(f"images and videos share context token {self.cfg.image_token_id}: "
-                             "a batch cannot hold both (give videos their own video_token_id)")
-        return (videos,) if has_videos else (images,)
-
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
-              video_grid_thw=None, sample_keys=None):
+              video_grid_thw=None, sample_keys=None, visual_kinds=None):
         """Token embeddings with the visual embeddings scattered in: ((L, B, H), None).
+
+        When images and videos share the context token (``<image>``, as HF's processor), the
+        batch's ``visual_kinds`` (image / video per item, in span order) tells which runs are
+        videos; it is needed only when the batch holds both kinds
+        (``models.multimodal.context_masks``).
 
         Raises:
             ValueError: a batch row's context tokens differ from the embeddings of its
-                images / videos (row, key and both counts named).
+                images / videos (row, key and both counts named); both kinds on a shared token
+                without ``visual_kinds``.
         """
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)
         emb = emb.transpose(0, 1).clone()  # (B, L, H): row-major order of the context tokens
-        media = self._media(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        media = (("image", self.cfg.image_token_id, pixel_values, image_grid_thw),
+                 ("video", self.cfg.video_token_id, pixel_values_videos, video_grid_thw))
         scatter_visual(emb, input_ids, media, self.encode_visual, self.cfg.merge_size,
-                       sample_keys)
+                       sample_keys, visual_kinds)
         return emb.transpose(0, 1).contiguous(), None
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids, pixel_values=None, image_grid_thw=None,
                 pixel_values_videos=None, video_grid_thw=None, labels=None, loss_mask=None,
-                cu_seqlens=None, sample_keys=None, **_unused):
+                cu_seqlens=None, sample_keys=None, visual_kinds=None, **_unused):
         """Batch-contract fields -> logits (B, L, V/TP) or (per-token loss (B, L), loss mask).
 
-        ``position_ids`` (3, B, L) is accepted and ignored (no rotary in NemotronH). With
-        ``labels`` (unshifted, -100 = no loss) the model predicts token t+1 at t and returns the
-        per-token loss and the shifted loss mask.
+        ``position_ids`` (3, B, L) is accepted and ignored (no rotary in NemotronH);
+        ``visual_kinds``: see :meth:`embed`. With ``labels`` (unshifted, -100 = no loss) the model
+        predicts token t+1 at t and returns the per-token loss and the shifted loss mask.
         """
         del position_ids
         batch, length = input_ids.shape
         decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
-                                      pixel_values_videos, video_grid_thw, sample_keys)
+                                      pixel_values_videos, video_grid_thw, sample_keys,
+                                      visual_kinds)
         attention_mask = packed_attention_mask(cu_seqlens, batch, length, decoder_input.device)
         target = None
         if labels is not None:

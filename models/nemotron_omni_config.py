@@ -117,8 +117,8 @@ class NemotronOmniModelConfig:
     downsample_ratio: float = 0.5  #: pixel shuffle: 2x2 patches -> one token
     vision_final_norm: bool = False  #: LayerNorm on the tower features (HF: LM has MTP layers)
     #: context tokens; the data side sets them (train.py). HF's processor puts the IMAGE token in
-    #: video chunks too (the tokenizer has no video token): equal ids are allowed, then a batch
-    #: holds images or videos, not both (the model raises otherwise).
+    #: video chunks too (the tokenizer has no video token): equal ids are allowed, then the
+    #: batch's ``visual_kinds`` tells image and video runs apart (needed when it holds both).
     image_token_id: int = 18
     video_token_id: int = 18
     vision_start_token_id: int = -1  #: ``<img>`` (not used by the model; kept for the data side)

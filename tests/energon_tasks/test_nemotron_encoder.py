@@ -1,7 +1,8 @@
 """NemotronOmniTaskEncoder end to end: real converted shards of the three lookalike datasets,
 token spans against the geometry formulas and ``video_span_text``, pixel rows against transformers'
 Nemotron-Omni processors (video: the processor itself; image: its normalisation and patch layout at
-formula level, the module needs the missing torchvision), the budget policy, tiles, packing, batch.
+formula level, the module needs the missing torchvision), the budget policy, tiles, packing, batch,
+``visual_kinds`` (the image / video order that the shared ``<image>`` token does not carry).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megatron.energon import SkipSample
 from PIL import Image
 
 from energon_tasks import budget, qwen_vl, task_encoder_for
-from energon_tasks.batch import IGNORE_INDEX
+from energon_tasks.batch import IGNORE_INDEX, VISUAL_KINDS
 from energon_tasks.config import DEFAULT_TOKENIZERS, ConfigError, TaskEncoderConfig
 from energon_tasks.decode import decode_image
 from energon_tasks.geometry import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
@@ -28,7 +29,15 @@ from energon_tasks.nemotron_omni import NemotronOmniTaskEncoder
 from energon_tasks.qwen_vl import QwenVLTaskEncoder, cook_conversation
 from energon_tasks.sample_format import CanonicalSample
 from tests.conftest import read_samples
-from tests.energon_tasks.conftest import conversation, image_media, image_sample
+from tests.energon_tasks.conftest import (
+    conversation,
+    crude,
+    image_bytes,
+    image_media,
+    image_sample,
+    video_bytes,
+    video_media,
+)
 from tests.energon_tasks.test_nemotron import HF_PATCHES
 from tests.energon_tasks.test_task_encoder import runs
 
@@ -251,6 +260,88 @@ def test_packing_and_batch_shapes(make_nemotron, video_out):
     only_images = encoder.batch(images[:2])
     assert only_images.pixel_values_videos.shape == (0, 1536)
     assert only_images.video_grid_thw.shape == (0, 3)
+
+
+# ------------------------------------------------------------------------------- visual_kinds
+def mixed_sample(key: str):
+    """A cooked sample with an image, a video and another image in one user turn."""
+    parts = {"img0.png": image_bytes(64, 96), "vid1.mp4": video_bytes(8, fps=4),
+             "img2.png": image_bytes(48, 48, seed=2)}
+    media = [image_media(0, 64, 96, parts["img0.png"]),
+             video_media(1, frames=8, fps=4.0, data=parts["vid1.mp4"]),
+             image_media(2, 48, 48, parts["img2.png"])]
+    turns = [("user", "<image> then <video> and <image>?"), ("assistant", "ok")]
+    return cook_conversation(crude(key, conversation(turns, media), parts))
+
+
+def item_tokens(batch, merge: int = 2) -> list[tuple[str, int]]:
+    """(kind, context tokens) of each visual item in ``visual_kinds`` order."""
+    grids = {"image": iter(batch.image_grid_thw.tolist()),
+             "video": iter(batch.video_grid_thw.tolist())}
+    out = []
+    for code in batch.visual_kinds.tolist():
+        kind = VISUAL_KINDS[code]
+        out.append((kind, math.prod(next(grids[kind])) // merge**2))
+    return out
+
+
+def assert_kinds_follow_spans(batch, encoder) -> None:
+    """Walking the context-token runs in row-major order, the items given by ``visual_kinds``
+    take them exactly: an image one run, a video one run per frame pair (Qwen: the runs of its own
+    token)."""
+    ids = batch.input_ids.reshape(-1).tolist()
+    shared = encoder.image_pad == encoder.video_pad
+    token_runs = {kind: iter(runs(ids, getattr(encoder, f"{kind}_pad"))) for kind in VISUAL_KINDS}
+    if shared:
+        token_runs["video"] = token_runs["image"]
+    starts = {kind: [] for kind in VISUAL_KINDS}
+    for kind, tokens in item_tokens(batch):
+        start, length = next(token_runs[kind])
+        starts[kind].append(start)
+        while length < tokens:  # a video's frame pairs (or Qwen3-VL's temporal patches)
+            length += next(token_runs[kind])[1]
+        assert length == tokens
+    for kind in VISUAL_KINDS:
+        assert next(token_runs[kind], None) is None
+    if not shared:  # separate tokens: visual_kinds is the order of the first tokens of the items
+        order = sorted((s, VISUAL_KINDS.index(k)) for k, ss in starts.items() for s in ss)
+        assert [code for _, code in order] == batch.visual_kinds.tolist()
+
+
+@pytest.mark.parametrize("model", ["nemotron-omni", "qwen2.5-vl"])
+def test_visual_kinds_mixed_sample_batch_and_packing(tokenizer, model, video_out):
+    encoder = task_encoder_for(TaskEncoderConfig(
+        model=model, packing=True, seq_length=8192, max_visual_tokens=8000, max_num_frames=4,
+        max_pixels=1024 * 256 if model == "nemotron-omni" else 64 * 28 * 28), tokenizer=tokenizer)
+    mixed = encoder.encode_sample(mixed_sample("m"))
+    image = encoder.encode_sample(image_sample("i", [("user", "<image>x"), ("assistant", "y")],
+                                               [(64, 96)]))
+    video = encoder.encode_sample(shard_samples(video_out, 1)[0])
+    text = encoder.encode_sample(image_sample("t", [("user", "hi"), ("assistant", "y")], []))
+    from models.multimodal import VISUAL_KINDS as MODEL_CODES
+
+    assert VISUAL_KINDS == MODEL_CODES == ("image", "video")  # one code table on both sides
+    assert mixed.visual_kinds.tolist() == [0, 1, 0] and mixed.visual_kinds.dtype == torch.int64
+    assert image.visual_kinds.tolist() == [0] and video.visual_kinds.tolist() == [1]
+    assert text.visual_kinds.shape == (0,) and text.visual_kinds.dtype == torch.int64
+    assert_kinds_follow_spans(encoder.batch([mixed]), encoder)
+
+    # batching an image sample and a video sample (a blended dataset): rows in order
+    batch = encoder.batch([image, video, text])
+    assert batch.visual_kinds.tolist() == [0, 1]
+    assert_kinds_follow_spans(batch, encoder)
+    assert encoder.batch([text]).visual_kinds.shape == (0,)
+
+    # packing keeps the order of the packed samples and of their items
+    packed = [encoder.pack_selected_samples([video, mixed]),
+              encoder.pack_selected_samples([image, text, video])]
+    assert packed[0].visual_kinds.tolist() == [1, 0, 1, 0]
+    assert packed[1].visual_kinds.tolist() == [0, 1]
+    batch = encoder.batch(packed)
+    assert batch.visual_kinds.tolist() == [1, 0, 1, 0, 0, 1]
+    assert batch.cu_seqlens is not None
+    assert_kinds_follow_spans(batch, encoder)
+    assert encoder.pack_selected_samples([text]).visual_kinds.shape == (0,)
 
 
 # ------------------------------------------------------------------------------- config / wiring

@@ -1,6 +1,7 @@
 """Nemotron-Omni on megatron-core: HF import parity (attention/MLP and MoE patterns; one image,
 interleaved images, tiles, a video), round trip, M/E name table vs transformers, count-mismatch
-errors, the Mamba-without-mamba_ssm error, tiny config training, KV-cache generation, FLOPs."""
+errors, the Mamba-without-mamba_ssm error, mixed image + video batches on the shared ``<image>``
+token (``visual_kinds``), tiny config training, KV-cache generation, FLOPs."""
 
 from __future__ import annotations
 
@@ -98,13 +99,91 @@ def test_count_mismatch_names_row(imported):
                                          r"but 15 image embeddings"):
         with torch.no_grad():
             model(**inputs, sample_keys=["k0"])
-    # one context token for images and videos (HF's processor): not both in a batch
+    # one context token for images and videos (HF's processor): both need the batch's order
     model.cfg = dataclasses.replace(cfg, video_token_id=cfg.image_token_id)
     both = make_inputs(model.cfg)
-    with pytest.raises(ValueError, match="share context token"):
+    with pytest.raises(ValueError, match="share context token .* pass the batch's visual_kinds"):
         with torch.no_grad():
             model(**both["one_image"], pixel_values_videos=both["video"]["pixel_values_videos"],
                   video_grid_thw=both["video"]["video_grid_thw"])
+
+
+def mixed_row(cfg, items, seed: int) -> dict:
+    """One row of text and ``items`` ((kind, (t, h, w)) each, wrapped in <img>..</img>): its
+    batch-contract fields, ``visual_kinds`` included (tokens: the config's context ids)."""
+    g = torch.Generator().manual_seed(seed)
+    v, merge = cfg.vision, cfg.merge_size
+    widths = {"image": v.in_channels * v.patch_size ** 2}
+    widths["video"] = widths["image"] * v.video_temporal_patch_size
+    parts = [torch.randint(0, 400, (4,), generator=g)]
+    grids = {"image": [], "video": []}
+    for kind, (t, h, w) in items:
+        token = cfg.image_token_id if kind == "image" else cfg.video_token_id
+        parts += [torch.tensor([cfg.vision_start_token_id]),
+                  torch.full((t * h * w // merge ** 2,), token),
+                  torch.tensor([cfg.vision_end_token_id]), torch.randint(0, 400, (3,), generator=g)]
+        grids[kind].append([t, h, w])
+    row = {"input_ids": torch.cat(parts)[None],
+           "visual_kinds": torch.tensor([0 if kind == "image" else 1 for kind, _ in items])}
+    for kind, suffix in (("image", ""), ("video", "_videos")):
+        grid = torch.tensor(grids[kind], dtype=torch.long).reshape(-1, 3)
+        row[f"{kind}_grid_thw"] = grid
+        row[f"pixel_values{suffix}"] = torch.randn(int(grid.prod(-1).sum()), widths[kind],
+                                                   generator=g)
+    return row
+
+
+def stack_rows(rows: list[dict], pad_id: int) -> dict:
+    """Rows -> one batch: ids right-padded to the longest row, media and kinds concatenated."""
+    length = max(r["input_ids"].shape[1] for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :row["input_ids"].shape[1]] = row["input_ids"][0]
+    batch = {key: torch.cat([r[key] for r in rows]) for key in rows[0] if key != "input_ids"}
+    return {"input_ids": ids, "position_ids": torch.arange(length).expand(3, len(rows), -1),
+            **batch}
+
+
+def test_mixed_image_video_batch_matches_rows_alone():
+    """Images and videos on the one ``<image>`` token (the tiny config, as HF): a batch whose rows
+    mix both kinds, scattered in ``visual_kinds`` order, gives each row the logits it has alone;
+    without the order (or with a wrong one) the model refuses, naming the row."""
+    from models.checkpoint import build_model, init_parallel
+    from models.nemotron_omni_config import load_yaml
+
+    cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
+    assert cfg.image_token_id == cfg.video_token_id
+    init_parallel()
+    torch.manual_seed(0)
+    model = build_model(cfg, use_te=False).eval()
+    rows = [mixed_row(cfg, [("image", (1, 4, 6)), ("video", (2, 4, 4)), ("image", (1, 2, 2))], 1),
+            mixed_row(cfg, [("video", (2, 2, 4)), ("image", (2, 4, 4))], 2),  # 2 tiles
+            mixed_row(cfg, [("image", (1, 4, 4))], 3)]
+    batch = stack_rows(rows, pad_id=0)
+    assert batch["visual_kinds"].tolist() == [0, 1, 0, 1, 0, 0]
+    with torch.no_grad():
+        logits = model(**batch, sample_keys=["k0", "k1", "k2"])
+        for i, row in enumerate(rows):
+            alone = model(**row, position_ids=None)
+            n = row["input_ids"].shape[1]
+            torch.testing.assert_close(logits[i, :n], alone[0], rtol=0, atol=1e-5)
+        # one kind in the batch: the order is not needed (today's path)
+        alone = model(**{k: v for k, v in rows[2].items() if k != "visual_kinds"},
+                      position_ids=None)
+        torch.testing.assert_close(logits[2, :rows[2]["input_ids"].shape[1]], alone[0],
+                                   rtol=0, atol=1e-5)
+        # the order matters: the same items in another order give other logits
+        swapped = model(**dict(rows[0], visual_kinds=torch.tensor([1, 0, 0])), position_ids=None)
+        assert not torch.allclose(swapped, logits[:1, :rows[0]["input_ids"].shape[1]])
+        with pytest.raises(ValueError, match=r"visual_kinds \(3 codes: .*\) does not match"):
+            model(**dict(rows[0], visual_kinds=torch.tensor([1, 1, 0])), position_ids=None)
+        with pytest.raises(ValueError, match="pass the batch's visual_kinds"):
+            model(**dict(batch, visual_kinds=None))
+        wrong = dict(batch, visual_kinds=torch.tensor([0, 1, 1, 0, 0, 0]))
+        message = (r"batch row 0 \(k0\): 15 shared image/video context \(420\) tokens but its "
+                   r"visual items in order give 18 embeddings")
+        with pytest.raises(ValueError, match=message):
+            model(**wrong, sample_keys=["k0", "k1", "k2"])
 
 
 def test_tiny_config_trains_and_generates():
@@ -193,3 +272,27 @@ def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path):
     assert all(diff <= TOL for diff in report.values()), report
     for name, row in verify(tiny_nemotron_hf["*-*-"], out / "nemotron_h_omni").items():
         assert row["max_abs_logit_diff"] <= TOL, (name, row)
+
+
+def test_generation_batch_mixing_images_and_videos():
+    """eval.py batches prompts: an image prompt, a video prompt and a prompt with both on the one
+    ``<image>`` token generate in one batch exactly what each generates alone."""
+    from models.checkpoint import build_model, init_parallel
+    from models.generate import Prompt, greedy_generate
+    from models.nemotron_omni_config import load_yaml
+
+    cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
+    init_parallel()
+    torch.manual_seed(0)
+    model = build_model(cfg, use_te=False).eval()
+    rows = [mixed_row(cfg, [("image", (1, 4, 6))], 1), mixed_row(cfg, [("video", (2, 4, 4))], 2),
+            mixed_row(cfg, [("video", (2, 2, 4)), ("image", (1, 2, 2))], 3)]
+    prompts = [Prompt(input_ids=r["input_ids"][0],
+                      position_ids=torch.arange(r["input_ids"].shape[1]).expand(3, -1),
+                      pixel_values=r["pixel_values"], image_grid_thw=r["image_grid_thw"],
+                      pixel_values_videos=r["pixel_values_videos"],
+                      video_grid_thw=r["video_grid_thw"], visual_kinds=r["visual_kinds"])
+               for r in rows]
+    together = greedy_generate(model, prompts, eos_id=-1, max_new_tokens=4)
+    alone = [greedy_generate(model, [p], eos_id=-1, max_new_tokens=4)[0] for p in prompts]
+    assert together == alone
