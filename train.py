@@ -5,6 +5,7 @@ A recipe, top to bottom:
     python train.py configs/train_qwen_vl_mantis.yaml [key=value ...] [--resume [CKPT]]
     python train.py configs/train_nemotron_omni_infovqa.yaml ...
     torchrun --nproc-per-node 2 train.py CONFIG parallel.cp=2 ...
+    torchrun --nproc-per-node 2 train.py CONFIG parallel.pp=2 task_encoder.fixed_length=true ...
 
 Blocks: config -> checks -> distributed setup -> data -> model -> optimizer -> resume -> loop
 (-> checkpoints) -> teardown. Reusable parts live in models/training.py (schedule, metrics,
@@ -52,26 +53,27 @@ def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
 
 
 def forward_step(model, batch, layout, blank_media: bool):
-    """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch``."""
+    """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch`` (PP: a stage before
+    the last returns its output hidden states (L, B, H), which megatron's schedule sends on)."""
     unwrapped = model.module
     while not hasattr(unwrapped, "embed"):  # DDP -> (Float16Module ->) QwenVL / NemotronOmni
         unwrapped = unwrapped.module
     device = next(unwrapped.parameters()).device
     fields = {k: getattr(batch, k).to(device) for k in (
         "input_ids", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw",
-        "pixel_values_videos", "video_grid_thw")}
+        "pixel_values_videos", "video_grid_thw", "visual_kinds")}
     if blank_media:  # the vision-signal control: every pixel row at the normalised mean
         fields["pixel_values"] = torch.zeros_like(fields["pixel_values"])
         fields["pixel_values_videos"] = torch.zeros_like(fields["pixel_values_videos"])
     if layout.cp == 1:
-        per_token, _mask = model(**fields, cu_seqlens=batch.cu_seqlens,
-                                 sample_keys=batch.__key__)
-        return per_token
+        out = model(**fields, cu_seqlens=batch.cu_seqlens, sample_keys=batch.__key__)
+        return out[0] if isinstance(out, tuple) else out  # (per-token loss, mask) | hidden
     # CP: embed the whole sequence (vision DP over CP inside), then each rank runs its zig-zag
     # share of the LM; M-RoPE positions stay whole (megatron slices the rotary table per rank).
     emb, deepstack = unwrapped.embed(fields["input_ids"], fields["pixel_values"],
                                      fields["image_grid_thw"], fields["pixel_values_videos"],
-                                     fields["video_grid_thw"], batch.__key__)
+                                     fields["video_grid_thw"], batch.__key__,
+                                     fields["visual_kinds"])
     if deepstack is not None or batch.cu_seqlens is not None:
         raise UsageError("parallel.cp > 1 supports Qwen2.5-VL without packing on this path")
     labels, mask = fields["labels"], fields["loss_mask"]
@@ -85,6 +87,41 @@ def forward_step(model, batch, layout, blank_media: bool):
                                    attention_mask=None, decoder_input=split(emb, 0),
                                    labels=split(target.clamp(min=0), 1))
     return out * split(shifted, 1)
+
+
+def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float) -> torch.Tensor:
+    """Forward + backward of one step's micro-batches through megatron's 1F1B pipeline schedule
+    (PP > 1): vision + embedding on the first stage, the loss on the last. Each micro-batch's
+    backward gets ``sum(token losses) * loss_scale`` as in the PP=1 loop (the schedule's own
+    division by the micro-batch count is undone). Returns the summed token loss (float64, (1,))
+    on the last stage, zero elsewhere."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    shape = tuple(batches[0].input_ids.shape)  # (micro-batch size, seq_length): fixed_length
+    for batch in batches:
+        if tuple(batch.input_ids.shape) != shape:
+            raise UsageError(f"parallel.pp > 1 needs equal micro-batches, got "
+                             f"{tuple(batch.input_ids.shape)} and {shape}")
+    sums = []
+
+    def loss_func(per_token):
+        token_loss = per_token.float().sum()
+        sums.append(token_loss.detach().double().cpu())
+        return token_loss * (loss_scale * len(batches) / layout.cp), {}  # schedule: * cp / n
+
+    def step(data_iterator, module):
+        return forward_step(module, next(data_iterator), layout, blank_media), loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=shape[1], micro_batch_size=shape[0],
+        forward_only=False)
+    loss_sum = torch.zeros(1, dtype=torch.float64)
+    if ps.is_pipeline_last_stage():
+        for value in sums:
+            loss_sum += value
+    return loss_sum
 
 
 # --- config ------------------------------------------------------------------------------------
@@ -106,6 +143,9 @@ def main(argv=None) -> int:
                           f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     p, te_cfg = cfg.parallel, cfg.task_encoder
+    if p.pp > 1 and cfg.model.family == "nemotron_omni":
+        raise UsageError("parallel.pp > 1 is not supported for the nemotron_omni model yet "
+                         "(Qwen-VL families only; see docs/training.md)")
     check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length)
     check_data_path(cfg.data.path)
     out = Path(cfg.out)
@@ -172,6 +212,7 @@ def main(argv=None) -> int:
     if bf16:
         from megatron.core.transformer.module import Float16Module
         model.config.bf16 = True
+        model.config.pipeline_dtype = torch.bfloat16  # the activations sent between PP stages
         model = Float16Module(model.config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False, bucket_size=None)
@@ -227,17 +268,23 @@ def main(argv=None) -> int:
         model.train()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        loss_sum = torch.zeros(1, dtype=torch.float64)
-        for batch in batches:
-            token_loss = forward_step(model, batch, layout, cfg.data.blank_media).float().sum()
-            (token_loss * scale / max(total_tokens, 1)).backward()
-            loss_sum += token_loss.detach().double().cpu()
+        if layout.pp > 1:  # megatron's 1F1B schedule; the loss sum lives on the last stage
+            loss_sum = pipeline_step(model, batches, layout, cfg.data.blank_media,
+                                     scale / max(total_tokens, 1))
+        else:
+            loss_sum = torch.zeros(1, dtype=torch.float64)
+            for batch in batches:
+                token_loss = forward_step(model, batch, layout, cfg.data.blank_media).float().sum()
+                (token_loss * scale / max(total_tokens, 1)).backward()
+                loss_sum += token_loss.detach().double().cpu()
         finalize_model_grads([model])
         grad_norm = None if clip_in_optimizer else T.clip_main_grads(model, t.clip_grad)
         _ok, opt_norm, _zeros = optimizer.step()
         grad_norm = opt_norm if grad_norm is None else grad_norm
         if dp_cp.size() > 1:
             torch.distributed.all_reduce(loss_sum, group=dp_cp)
+        if layout.pp > 1:  # the last stage's loss to every stage (rank 0 logs)
+            torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
         meter.time += time.perf_counter() - step_start
         meter.wait += wait
         meter.steps += 1

@@ -3,11 +3,13 @@
 
 This module owns ``init_parallel`` (gloo on CPU / nccl on GPU, parallel_state, seeded RNG
 tracker; CPU shims from models.cpu_compat), ``build_model``, TP slicing of a full (TP=1) state dict
-for this rank (``shard_for_rank``), and save/load of a self-describing checkpoint folder:
+for this rank (``shard_for_rank``; ``global_layer_keys`` names a pipeline stage's layers by their
+PP=1 index), and save/load of a self-describing checkpoint folder:
 megatron ``dist_checkpointing`` files + ``qwen_vl_model.json`` (our config, any family: the
 name is kept so that existing checkpoints load) + ``hf_config.json``
 (the source HF config when imported). dist_checkpointing stores global tensors, so a checkpoint
-saved at one TP loads at any other (megatron reshards on load).
+saved at one TP / PP loads at any other (megatron reshards on load; decoder layers are stored by
+their global index).
 """
 
 from __future__ import annotations
@@ -77,6 +79,27 @@ def weight_shapes(model) -> dict[str, torch.Size]:
             shape[p.partition_dim] *= tp
         shapes[name] = torch.Size(shape)
     return shapes
+
+
+def global_layer_keys(model) -> dict[str, str]:
+    """Our local key -> the key at PP=1 (global layer number) of every parameter of ``model``.
+
+    Under pipeline parallelism a stage numbers its decoder layers from 0; megatron's
+    ``layer_number`` (1-based, offset by the stage's first layer) gives the global index, which
+    ``sharded_state_dict`` also uses, so dist checkpoints load at any PP. Identity at PP=1.
+    """
+    import re
+
+    pattern = re.compile(r"^(.*\.decoder\.layers\.)(\d+)\.")
+    out = {}
+    for name in model.state_dict(keep_vars=True):
+        match = pattern.match(name)
+        if match is None:
+            out[name] = name
+            continue
+        layer = model.get_submodule(match.group(1) + match.group(2))
+        out[name] = f"{match.group(1)}{layer.layer_number - 1}.{name[match.end():]}"
+    return out
 
 
 def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:

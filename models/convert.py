@@ -1,15 +1,17 @@
 """Hugging Face <-> megatron-core checkpoints of Qwen2.5-VL / Qwen3-VL / Nemotron-Omni, and logit
 verification (the family comes from config.json's ``model_type``; models/families.py).
 
-    python -m models.convert hf-to-mcore --hf PATH_OR_ID --out DIR [--tp N]
+    python -m models.convert hf-to-mcore --hf PATH_OR_ID --out DIR [--tp N] [--pp P]
     python -m models.convert mcore-to-hf --mcore DIR --out DIR
-    python -m models.convert verify --hf PATH --mcore DIR
+    python -m models.convert verify --hf PATH --mcore DIR [--tp N] [--pp P]
 
-``hf-to-mcore`` with ``--tp N > 1`` starts itself under ``torch.distributed.run`` with N processes
-(each writes its shards). ``verify`` runs transformers' model (fp32, eager attention) and ours on
-generated inputs (one image; several images of different sizes interleaved with text; a video;
-Nemotron-Omni also a tiled image) and prints JSON with the max absolute logit difference per
-input. Bad paths or a wrong model family: one line on stderr, exit 2.
+``hf-to-mcore`` and ``verify`` with ``N * P > 1`` start themselves under ``torch.distributed.run``
+with N * P processes (each writes / loads its TP shards of its pipeline stage's layers; the
+checkpoint loads at any TP / PP; PP > 1: Qwen-VL families). ``verify`` runs transformers' model
+(fp32, eager attention) and ours on generated inputs (one image; several images of different
+sizes interleaved with text; a video; Nemotron-Omni also a tiled image) and prints JSON with the
+max absolute logit difference per input. Bad paths or a wrong model family: one line on stderr,
+exit 2.
 """
 
 from __future__ import annotations
@@ -101,12 +103,38 @@ def hf_logits(hf_model, inputs: dict) -> torch.Tensor:
         return hf_model(**inputs).logits.float()
 
 
-def our_logits(model, inputs: dict) -> torch.Tensor:
+def pipeline_forward(model, inputs: dict) -> torch.Tensor | None:
+    """One forward through the pipeline stages (PP >= 1): each stage receives the hidden states
+    (L, B, H) of the previous one, runs its layers and sends them on; the last stage returns the
+    model's output, the others None."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return model(**inputs)
+    batch, length = inputs["input_ids"].shape
+    param = next(model.parameters())
+    if not ps.is_pipeline_first_stage():
+        hidden = torch.empty(length, batch, model.cfg.lm.hidden_size, device=param.device,
+                             dtype=model.config.pipeline_dtype)
+        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    out = model(**inputs)
+    if ps.is_pipeline_last_stage():
+        return out
+    dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    return None
+
+
+def our_logits(model, inputs: dict) -> torch.Tensor | None:
+    """Logits (B, L, V) of our model (TP gathered); None on a pipeline stage other than the last."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     with torch.no_grad():
-        logits = model(**inputs)
+        logits = pipeline_forward(model, inputs)
+        if logits is None:
+            return None
         if ps.get_tensor_model_parallel_world_size() > 1:
             logits = gather_from_tensor_model_parallel_region(logits)
         return logits.float()
@@ -152,10 +180,21 @@ def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
     if not (folder / "config.json").is_file():
         raise ValueError(f"--hf {hf}: no config.json")
     cfg = config_from_hf(json.loads((folder / "config.json").read_text()))  # family check first
+    if pp > 1 and cfg.family == "nemotron_omni":
+        raise ValueError("--pp > 1 supports the Qwen-VL families (import Nemotron-Omni at --pp 1)")
     init_parallel(tp=tp, pp=pp)
     hf_config, hf_sd = read_hf_folder(folder)
     model = build_model(cfg, use_te=False)
-    full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, weight_shapes(model))
+    if pp == 1:
+        full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, weight_shapes(model))
+    else:  # this stage's layers, mapped under their global (PP=1) numbers
+        from models.checkpoint import global_layer_keys
+        from models.hf_mapping import hf_to_ours_stage
+
+        to_global = global_layer_keys(model)
+        shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
+        stage = hf_to_ours_stage(hf_sd, cfg, shapes)
+        full = {local: stage[glob] for local, glob in to_global.items() if glob in stage}
     model.load_state_dict(shard_for_rank(full, model), strict=False)
     save_checkpoint(model, cfg, out, hf_config=hf_config)
 
@@ -173,17 +212,30 @@ def mcore_to_hf(mcore: Path, out: Path) -> None:
     write_hf_folder(out, config, mapping_module(cfg).ours_to_hf(sd, cfg))
 
 
-def verify(hf: Path, mcore: Path) -> dict:
+def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:
+    """Max abs logit difference per generated input, loading ``mcore`` at TP ``tp`` x PP ``pp``
+    (under torchrun for tp * pp > 1; the last pipeline stage compares, every rank returns it)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
     from models.checkpoint import init_parallel, load_checkpoint
 
-    init_parallel()
+    init_parallel(tp=tp, pp=pp)
     model, cfg = load_checkpoint(mcore, use_te=False)
-    hf_model = load_hf_model(hf)
+    last = ps.is_pipeline_last_stage()
+    hf_model = load_hf_model(hf) if last else None
     report = {}
     for name, inputs in make_inputs(cfg).items():
-        theirs = hf_logits(hf_model, hf_inputs(cfg, inputs))
-        diff = (theirs - our_logits(model, inputs)).abs().max().item()
-        report[name] = {"max_abs_logit_diff": diff, "tokens": int(inputs["input_ids"].numel())}
+        ours = our_logits(model, inputs)
+        if last:
+            diff = (hf_logits(hf_model, hf_inputs(cfg, inputs)) - ours).abs().max().item()
+            report[name] = {"max_abs_logit_diff": diff,
+                            "tokens": int(inputs["input_ids"].numel())}
+    if pp > 1:  # the last stage's report to every rank
+        shared = [report]
+        dist.broadcast_object_list(shared, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        report = shared[0]
     return report
 
 
@@ -202,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("verify")
     c.add_argument("--hf", required=True, type=Path)
     c.add_argument("--mcore", required=True, type=Path)
+    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--pp", type=int, default=1)
     args = ap.parse_args(argv)
 
     for attr in ("mcore",) + (("hf",) if args.command == "verify" else ()):
@@ -209,18 +263,19 @@ def main(argv: list[str] | None = None) -> None:
         if path is not None and not Path(path).is_dir():
             _fail(f"--{attr} {path} is not a folder")
     try:
+        ranks = getattr(args, "tp", 1) * getattr(args, "pp", 1)
+        if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                   str(ranks), "-m", "models.convert", *(argv or sys.argv[1:])]
+            raise SystemExit(subprocess.call(cmd))
         if args.command == "hf-to-mcore":
-            if args.pp != 1:
-                _fail("--pp > 1 is not supported yet (import at --pp 1; any PP can reshard later)")
-            if args.tp > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                       str(args.tp), "-m", "models.convert", *(argv or sys.argv[1:])]
-                raise SystemExit(subprocess.call(cmd))
             hf_to_mcore(args.hf, args.out, args.tp, args.pp)
         elif args.command == "mcore-to-hf":
             mcore_to_hf(args.mcore, args.out)
         else:
-            print(json.dumps(verify(args.hf, args.mcore), indent=2))
+            report = verify(args.hf, args.mcore, args.tp, args.pp)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(json.dumps(report, indent=2))
     except (ValueError, FileNotFoundError) as exc:
         _fail(str(exc))
 

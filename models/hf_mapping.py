@@ -2,7 +2,8 @@
 
 This module owns the literal mapping table (HF key template -> our key template, and which part
 of a fused tensor it is), HF checkpoint reading/writing (safetensors, single or sharded), and the
-two conversions of whole state dicts (``hf_to_ours``, ``ours_to_hf``). Every key and shape is
+two conversions of whole state dicts (``hf_to_ours``, ``ours_to_hf``; ``hf_to_ours_stage`` for
+one pipeline stage). Every key and shape is
 checked; the first offender is named in a one-line ``ValueError``. Our keys are the state-dict
 keys of ``models.qwen_vl.QwenVL`` built with the local (non-TE) spec at TP=1; megatron's
 ``sharded_state_dict`` maps them to the TE names inside distributed checkpoints.
@@ -202,6 +203,33 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
     if missing:
         raise ValueError(f"no HF weight maps to our parameter {missing[0]!r}")
     return out
+
+
+def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
+                     expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """``hf_to_ours`` for one pipeline stage: ``expected`` = this stage's parameters under their
+    PP=1 keys (``models.checkpoint.global_layer_keys``) -> shape; HF weights of other stages are
+    skipped (each is still checked against the full table).
+
+    With tied embeddings a last stage without the embedding holds its own copy of the output
+    weight (megatron keeps it equal to the first stage's): it is filled from ``embed_tokens``.
+
+    Raises:
+        ValueError: as ``hf_to_ours``.
+    """
+    full = expand_table(cfg)
+    for key in hf_sd:
+        canonical = to_canonical_hf_key(key, cfg.family)
+        if canonical not in full and not (canonical == "lm_head.weight" and cfg.lm.tie_embeddings):
+            raise ValueError(f"HF key {key!r} has no entry in the {cfg.family} mapping table")
+    table = dict(full)
+    output, embedding = "language_model.output_layer.weight", \
+        "language_model.embedding.word_embeddings.weight"
+    if cfg.lm.tie_embeddings and output in expected and embedding not in expected:
+        table["model.language_model.embed_tokens.weight"] = (output, None)
+    table = {hf: row for hf, row in table.items() if row[0] in expected}
+    stage_sd = {k: v for k, v in hf_sd.items() if to_canonical_hf_key(k, cfg.family) in table}
+    return hf_to_ours(stage_sd, cfg, expected, table=table)
 
 
 def ours_to_hf(sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig, hub_layout: bool = True,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -72,6 +73,7 @@ def lm_transformer_config(cfg: QwenVLModelConfig) -> TransformerConfig:
         apply_rope_fusion=False, persist_layer_norm=False, use_cpu_initialization=cpu_only(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.float32,  # activations sent between PP stages (bf16 set by train.py)
     )
     config.mrope_section = megatron_mrope_section(t.mrope_section, t.mrope_interleaved)
     return config
@@ -102,6 +104,7 @@ class QwenVL(MegatronModule):
         use_te = (not cpu_only()) if use_te is None else use_te
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
+        self.model_type = ModelType.encoder_or_decoder  # megatron's pipeline schedules read it
         self.vision = QwenVisionEncoder(cfg, use_te=use_te) if self.pre_process else None
         self.language_model = GPTModel(
             config=config, transformer_layer_spec=lm_layer_spec(cfg, use_te),
@@ -121,6 +124,10 @@ class QwenVL(MegatronModule):
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         if cfg.vision.deepstack_visual_indexes and self.pre_process:
             layers = self.language_model.decoder.layers
+            levels = len(cfg.vision.deepstack_visual_indexes)
+            if len(layers) < levels:
+                raise ValueError(f"DeepStack feeds the first {levels} LM layers, the first "
+                                 f"pipeline stage holds {len(layers)}: use fewer PP stages")
             for i in range(min(len(cfg.vision.deepstack_visual_indexes), len(layers))):
                 layers[i].register_forward_hook(self._deepstack_hook(i))
 
@@ -150,14 +157,18 @@ class QwenVL(MegatronModule):
         return hook
 
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
-              video_grid_thw=None, sample_keys=None):
-        """Token embeddings with visual embeddings scattered in: (L, B, H) + DeepStack state."""
+              video_grid_thw=None, sample_keys=None, visual_kinds=None):
+        """Token embeddings with visual embeddings scattered in: (L, B, H) + DeepStack state.
+
+        ``visual_kinds`` (the batch's image / video order) is read only if the config gives both
+        kinds one context token (``models.multimodal.context_masks``); Qwen's differ.
+        """
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)
         emb = emb.transpose(0, 1).clone()  # (B, L, H): row-major order of the pad tokens
         media = (("image", self.cfg.image_token_id, pixel_values, image_grid_thw),
                  ("video", self.cfg.video_token_id, pixel_values_videos, video_grid_thw))
         done = scatter_visual(emb, input_ids, media, self.encode_visual,
-                              self.cfg.vision.spatial_merge_size, sample_keys)
+                              self.cfg.vision.spatial_merge_size, sample_keys, visual_kinds)
         masks = [mask for mask, _ in done]
         stacks = [deepstack for _, deepstack in done]
         visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
@@ -178,20 +189,24 @@ class QwenVL(MegatronModule):
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids, pixel_values=None, image_grid_thw=None,
                 pixel_values_videos=None, video_grid_thw=None, labels=None, loss_mask=None,
-                cu_seqlens=None, sample_keys=None, **_unused):
+                cu_seqlens=None, sample_keys=None, visual_kinds=None, **_unused):
         """Batch-contract fields -> logits (B, L, V/TP) or (per-token loss (B, L), loss mask).
 
-        ``position_ids`` is (3, B, L) M-RoPE. With ``labels`` (unshifted, -100 = no loss) the
-        model predicts token t+1 at t and returns the per-token loss and the shifted loss mask.
+        ``position_ids`` is (3, B, L) M-RoPE; ``visual_kinds``: see :meth:`embed`. With
+        ``labels`` (unshifted, -100 = no loss) the model predicts token t+1 at t and returns the
+        per-token loss and the shifted loss mask.
 
         Raises:
             ValueError: the number of <|image_pad|>/<|video_pad|> tokens of a batch row differs
                 from the embeddings of its images/videos (the row and both counts are named).
         """
         batch, length = input_ids.shape
-        decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw,
-                                              pixel_values_videos, video_grid_thw, sample_keys)
-        attention_mask = packed_attention_mask(cu_seqlens, batch, length, decoder_input.device)
+        decoder_input, deepstack = None, None  # later PP stages: megatron's set_input_tensor
+        if self.pre_process:
+            decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw,
+                                                  pixel_values_videos, video_grid_thw, sample_keys,
+                                                  visual_kinds)
+        attention_mask = packed_attention_mask(cu_seqlens, batch, length, input_ids.device)
         target = None
         if labels is not None:
             target, loss_mask = shift_labels(labels, loss_mask)
@@ -202,9 +217,17 @@ class QwenVL(MegatronModule):
                                       decoder_input=decoder_input, labels=target)
         finally:
             self._deepstack = None
-        if target is None:
+        if target is None or not self.post_process:  # logits, or hidden states (PP stages)
             return out
         return out * loss_mask, loss_mask
 
     def set_input_tensor(self, input_tensor):
         self.language_model.set_input_tensor(input_tensor)
+
+    # megatron's finalize_model_grads asks the module with ``pre_process`` for these (PP > 1)
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()

@@ -64,6 +64,8 @@ def check_layout(world: int, tp: int, pp: int, cp: int, seq_length: int,
         problems.append(f"task_encoder.seq_length {seq_length} is not divisible by 2*cp = {2 * cp}")
     if pp > 1 and not fixed_length:
         problems.append("parallel.pp > 1 needs task_encoder.fixed_length=true")
+    if pp > 1 and cp > 1:
+        problems.append("parallel.pp > 1 with parallel.cp > 1 is not supported yet")
     if problems:
         raise UsageError("impossible parallel layout: " + "; ".join(problems))
 
@@ -391,7 +393,8 @@ class MetricsLogger:
 
 # ------------------------------------------------------------------ grad norm / clipping
 def clip_main_grads(model, max_norm: float) -> float:
-    """Global L2 norm of the DDP ``main_grad`` buffers (TP/PP-aware); scale them to max_norm.
+    """Global L2 norm of the DDP ``main_grad`` buffers (TP/PP-aware: reduced over the model-parallel
+    group, TP duplicates and PP-shared copies counted once); scale them to max_norm.
 
     The CPU path of gradient clipping (megatron's clip_grad_norm needs CUDA tensors). Call after
     ``finalize_model_grads``, when every DP rank holds the reduced gradients.
@@ -399,9 +402,9 @@ def clip_main_grads(model, max_norm: float) -> float:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    grads = [p.main_grad for p in model.parameters()
-             if getattr(p, "main_grad", None) is not None
-             and param_is_not_tensor_parallel_duplicate(p)]
+    grads = [p.main_grad for p in model.parameters()  # PP: a tied output weight's copy on the
+             if getattr(p, "main_grad", None) is not None  # last stage is ``shared``: once
+             and param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False)]
     sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else \
         torch.zeros((), dtype=torch.float64)
     if dist.is_initialized() and ps.get_model_parallel_group().size() > 1:

@@ -1,6 +1,6 @@
 """train.py: config loading, schedule, bad input (exit 2), end-to-end runs, exact resume,
-DP=2 / CP=2 equivalence and the vision-signal check (tiny Qwen-VL and tiny Nemotron-Omni on the
-lookalike datasets)."""
+DP=2 / CP=2 / PP=2 equivalence and the vision-signal check (tiny Qwen-VL and tiny Nemotron-Omni on
+the lookalike datasets)."""
 
 from __future__ import annotations
 
@@ -258,3 +258,49 @@ def test_vision_signal(family, tmp_path):
              for name, out in runs.items()}
     chance = 1 / 6  # six colours
     assert score["media"] > max(score["blanked"], chance) + ACCURACY_MARGIN, score
+
+
+# ------------------------------------------------------------------ pipeline parallel
+def test_pp_layouts_refused_exit_2(mantis_out, tmp_path):
+    data, fixed = f"data.path={mantis_out}/metadataset.yaml", "task_encoder.fixed_length=true"
+    line = error_line(train(str(MANTIS_CFG), data, "parallel.pp=2", env={"WORLD_SIZE": "2"}))
+    assert "parallel.pp > 1 needs task_encoder.fixed_length=true" in line
+    line = error_line(train(str(MANTIS_CFG), data, fixed, "parallel.pp=2", "parallel.cp=2",
+                            env={"WORLD_SIZE": "4"}))
+    assert "parallel.pp > 1 with parallel.cp > 1 is not supported" in line
+    line = error_line(train(str(NEMOTRON_MANTIS_CFG), data, fixed, "parallel.pp=2",
+                            env={"WORLD_SIZE": "2"}))
+    assert "parallel.pp > 1 is not supported for the nemotron_omni model" in line
+
+
+@pytest.mark.slow
+def test_pp2_equals_pp1_and_resumes_exactly(mantis_out, tmp_path):
+    """PP=2 (megatron's 1F1B schedule, 2 gloo ranks, one LM layer per stage) gives the PP=1
+    losses from the same initial weights (megatron's random init depends on the layout, so both
+    start from one checkpoint), and a PP=2 checkpoint resumes exactly."""
+    init = tmp_path / "init"
+    subprocess.run([sys.executable, "tests/init_checkpoint.py", str(MANTIS_CFG), str(init)],
+                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
+            "train.micro_batch_size=2", "train.grad_accum=2", "task_encoder.fixed_length=true",
+            f"train.init_checkpoint={init}", *FAST]
+    runs = {"pp1": (1, []), "pp2": (2, ["parallel.pp=2", "checkpoint.interval=2"])}
+    procs = {}
+    for name, (nproc, extra) in runs.items():  # side by side
+        cmd = [sys.executable, "train.py"] if nproc == 1 else [
+            str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node",
+            str(nproc), "train.py"]
+        procs[name] = subprocess.Popen([*cmd, *args, *extra, f"out={tmp_path / name}"], cwd=REPO,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for proc in procs.values():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    pp1, pp2 = losses(tmp_path / "pp1"), losses(tmp_path / "pp2")
+    assert len(pp2) == 3 and pp2[-1] < pp2[0]
+    for a, b in zip(pp2, pp1, strict=True):
+        assert abs(a - b) < 1e-4
+    step = tmp_path / "pp2" / "checkpoints" / "step_000002"
+    assert {p.name for p in (step / "rng").iterdir()} == {"rank_00000.pt", "rank_00001.pt"}
+    ok(train(*args, "parallel.pp=2", f"out={tmp_path / 'resumed'}", "--resume", str(step),
+             nproc=2))
+    assert losses(tmp_path / "resumed") == pp2[2:]  # bit-exact on CPU

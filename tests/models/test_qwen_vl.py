@@ -1,5 +1,5 @@
-"""Qwen-VL on megatron-core: HF import parity (TP=1, TP=2), round trip, TP2->TP1 reshard,
-count-mismatch error, CLI errors, tiny configs."""
+"""Qwen-VL on megatron-core: HF import parity (TP=1, TP=2, PP=2), round trip, TP2->TP1 and
+PP1<->PP2 reshard, count-mismatch error, CLI errors, tiny configs."""
 
 from __future__ import annotations
 
@@ -129,6 +129,39 @@ def test_tp2_parity_and_reshard_to_tp1(tiny_hf, tmp_path):
             assert row["max_abs_logit_diff"] <= TOL, (family, name, row)
 
 
+@pytest.mark.slow
+def test_pp2_parity_and_reshard(tiny_hf, imported, tmp_path):
+    """One torchrun launch (2 gloo ranks): import Qwen2.5-VL at PP=2 (one LM layer per stage, each
+    stage writes its own), PP=2 logits vs transformers, the PP=1 import loaded at PP=2 equals it;
+    then here at PP=1: the PP=2 import's logits and tensors equal the PP=1 import's."""
+    from models.checkpoint import init_parallel, load_checkpoint
+    from models.convert import verify
+
+    hf, out = tiny_hf["qwen2_5_vl"], tmp_path / "pp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(REPO / "tests" / "models" / "pp2_check.py"), str(out), str(hf),
+           str(imported["qwen2_5_vl"])]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "pp2_report.json").read_text())
+    assert {p.name.split("_")[2] for p in (out / "pp2").glob("__*_*.distcp")} == {"0", "1"}
+    assert set(report["logits"]) == {"one_image", "images_interleaved", "video"}
+    for name, diff in report["logits"].items():
+        assert diff <= TOL, (name, diff)
+    for stage in report["pp1_at_pp2"]:  # each stage: every tensor equal
+        assert stage["keys"] > 0 and stage["unequal"] == [], stage
+    for name, row in verify(hf, out / "pp2").items():  # PP=2 import loaded at PP=1
+        assert row["max_abs_logit_diff"] <= TOL, (name, row)
+    init_parallel()
+    a, _ = load_checkpoint(out / "pp2", use_te=False)
+    b, _ = load_checkpoint(imported["qwen2_5_vl"], use_te=False)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for key in sa:
+        if not key.endswith("_extra_state"):
+            assert torch.equal(sa[key], sb[key]), key
+
+
 @pytest.mark.parametrize("name", ["qwen2_5_vl_tiny", "qwen3_vl_tiny"])
 def test_tiny_config_trains(name):
     """configs/<tiny>.yaml builds a model whose loss falls within a few CPU steps."""
@@ -155,3 +188,32 @@ def test_tiny_config_trains(name):
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert all(p.grad is not None for p in model.vision.parameters())
+
+
+def test_visual_kinds_ignored_with_separate_tokens():
+    """Qwen's images and videos have their own context tokens: ``visual_kinds`` (the batch's
+    image / video order) is not read, so a batch mixing both gives the same logits with it,
+    without it, or with a wrong one (Qwen3-VL: DeepStack included)."""
+    from models.checkpoint import build_model, init_parallel
+    from models.convert import make_inputs
+    from models.qwen_vl_config import load_yaml
+
+    cfg = load_yaml(REPO / "configs" / "qwen3_vl_tiny.yaml", ["lm.max_position_embeddings=512"])
+    assert cfg.image_token_id != cfg.video_token_id
+    init_parallel()
+    torch.manual_seed(0)
+    model = build_model(cfg, use_te=False).eval()
+    cases = make_inputs(cfg)
+    rows = [cases["images_interleaved"], cases["video"]]
+    length = max(r["input_ids"].shape[1] for r in rows)
+    ids = torch.zeros(2, length, dtype=torch.long)
+    pos = torch.zeros(3, 2, length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = row["input_ids"].shape[1]
+        ids[i, :n], pos[:, i, :n] = row["input_ids"][0], row["position_ids"][:, 0]
+    batch = {"input_ids": ids, "position_ids": pos, **{k: v for r in rows for k, v in r.items()
+                                                        if k not in ("input_ids", "position_ids")}}
+    with torch.no_grad():
+        plain = model(**batch)
+        for kinds in (torch.tensor([0, 0, 0, 1]), torch.tensor([1, 1])):
+            assert torch.equal(model(**batch, visual_kinds=kinds), plain)
