@@ -272,7 +272,13 @@ def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     except yaml.YAMLError as error:
         raise ConfigError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})") from None
     errors = []
-    for item in overrides:
+    # ``model.base=<yaml>`` on the command line swaps the model: it replaces the file's whole
+    # model section (whose inline keys describe another model), and the other ``model.*``
+    # overrides then refine the new base
+    bases = [item for item in overrides if item.split("=", 1)[0].strip() == "model.base"]
+    if bases:
+        raw["model"] = {}
+    for item in [*bases, *(item for item in overrides if item not in bases)]:
         try:
             apply_override(raw, item)
         except ConfigError as error:

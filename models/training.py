@@ -195,11 +195,15 @@ def batch_flops(batch, model_cfg) -> float:
     tokens = float(batch.attention_mask.sum())
     squares = float((real_lengths ** 2).sum())
     grids = [g.tolist() for g in (batch.image_grid_thw, batch.video_grid_thw)]
+    lm_flops = _hybrid_lm_flops if model_cfg.family == "nemotron_omni" else _qwen_lm_flops
+    return 3.0 * (lm_flops(model_cfg.lm, tokens, squares) + vision_flops(model_cfg, grids))
+
+
+def vision_flops(model_cfg, grids: list[list[list[int]]]) -> float:
+    """Forward FLOPs of the vision tower (+ merger / projector) on lists of (t, h, w) grids."""
     if model_cfg.family == "nemotron_omni":
-        fwd = _hybrid_lm_flops(model_cfg.lm, tokens, squares) + _radio_flops(model_cfg, grids)
-    else:
-        fwd = _qwen_lm_flops(model_cfg.lm, tokens, squares) + _qwen_vision_flops(model_cfg, grids)
-    return 3.0 * fwd
+        return _radio_flops(model_cfg, grids)
+    return _qwen_vision_flops(model_cfg, grids)
 
 
 def _qwen_lm_flops(lm, tokens: float, squares: float) -> float:

@@ -67,6 +67,15 @@ def test_config_loads_with_overrides():
     assert to_dict(cfg)["train"]["steps"] == 7 and cfg.checkpoint_dir == Path("/tmp/o/checkpoints")
 
 
+def test_model_base_override_swaps_the_model():
+    """``model.base=`` on the command line replaces the file's inline (tiny) model, and the other
+    ``model.*`` overrides refine the new base, whatever their order."""
+    cfg = run_config(MANTIS_CFG, ["model.lm.num_layers=3", "model.base=configs/qwen2_5_vl_7b.yaml"])
+    lm, vision = cfg.model.lm, cfg.model.vision
+    assert (lm.hidden_size, lm.vocab_size, lm.num_layers, vision.depth) == (3584, 152064, 3, 32)
+    assert run_config(MANTIS_CFG).model.lm.hidden_size == 64  # the file's own model otherwise
+
+
 def test_config_errors_are_reported_together():
     with pytest.raises(ConfigError) as info:
         run_config(MANTIS_CFG, ["train.stepz=3", "data.num_workers=abc", "bogus=1",

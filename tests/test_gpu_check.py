@@ -1,0 +1,35 @@
+"""bench/gpu_check.py, the GPU check of issues 4 and 5: its CPU smoke mode runs the same code
+(real tower classes, train.py) on the tiny configs, so the script is known to work before a GPU
+is lent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_smoke_runs_every_part(mantis_out, tmp_path):
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(tmp_path),
+                           "--data", f"{mantis_out}/metadataset.yaml"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    towers = {row["tower"] for row in report["vision"]}
+    assert towers == {"qwen2.5-vl-7b", "qwen3-vl-8b", "nemotron-omni-30b-a3b"}
+    assert all(row["patches_per_s"] > 0 and row["tflops_per_s"] >= 0 for row in report["vision"])
+    train = report["train"]
+    assert train["steps"] == 3 and train["tokens_per_s"] > 0 and 0 <= train["mfu"] < 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_gpu_check_refuses_without_gpu(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "no CUDA device" in proc.stderr
