@@ -149,10 +149,12 @@ class QwenVL(MegatronModule):
         def hook(_module, _inputs, output):
             if self._deepstack is None:
                 return output
-            mask, feats = self._deepstack  # mask (s, b) bool; feats: list of (n, H)
+            # mask (b, s) bool; feats: list of (n, H) in the mask's row-major (b, s) order
+            mask, feats = self._deepstack
             hidden = output[0] if isinstance(output, tuple) else output
             hidden = hidden.clone()
-            hidden[mask] = hidden[mask] + feats[index].to(hidden.dtype)
+            rows = hidden.transpose(0, 1)  # (b, s, H) view: index in the features' order
+            rows[mask] = rows[mask] + feats[index].to(hidden.dtype)
             return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
         return hook
 
@@ -183,7 +185,7 @@ class QwenVL(MegatronModule):
                 for mask, stack in zip(masks, stacks):
                     out[mask[visual_mask]] = stack[level].to(out.dtype)
                 joint.append(out)
-            deepstack_state = (visual_mask.t(), joint)
+            deepstack_state = (visual_mask, joint)
         return emb.transpose(0, 1).contiguous(), deepstack_state
 
     # ---------------------------------------------------------------- forward

@@ -217,3 +217,6 @@ def test_visual_kinds_ignored_with_separate_tokens():
         plain = model(**batch)
         for kinds in (torch.tensor([0, 0, 0, 1]), torch.tensor([1, 1])):
             assert torch.equal(model(**batch, visual_kinds=kinds), plain)
+        for i, row in enumerate(rows):  # each row as alone: DeepStack lands on its own tokens
+            n = row["input_ids"].shape[1]
+            torch.testing.assert_close(plain[i, :n], model(**row)[0], rtol=0, atol=1e-5)
