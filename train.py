@@ -35,9 +35,6 @@ def build_model(cfg, layout):
     from models.checkpoint import build_model as build
     from models.cpu_compat import cpu_only
 
-    if layout.cp > 1 and cfg.model.family == "nemotron_omni":
-        raise UsageError("parallel.cp > 1 is not supported for the nemotron_omni language "
-                         "model yet (its vision DP over CP is; see docs/training.md)")
     model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
     if layout.cp > 1 and cpu_only():
         from models.cpu_cp_attention import use_cp_attention
@@ -74,8 +71,6 @@ def forward_step(model, batch, layout, blank_media: bool):
                                      fields["image_grid_thw"], fields["pixel_values_videos"],
                                      fields["video_grid_thw"], batch.__key__,
                                      fields["visual_kinds"])
-    if deepstack is not None or batch.cu_seqlens is not None:
-        raise UsageError("parallel.cp > 1 supports Qwen2.5-VL without packing on this path")
     labels, mask = fields["labels"], fields["loss_mask"]
     target = torch.full_like(labels, -100)
     target[:, :-1] = labels[:, 1:]
@@ -83,9 +78,18 @@ def forward_step(model, batch, layout, blank_media: bool):
     shifted[:, :-1] = mask[:, 1:]
     shifted = shifted * (target != -100)
     split = lambda t, d: zigzag(t, d, layout.cp, layout.cp_rank)  # noqa: E731
-    out = unwrapped.language_model(input_ids=None, position_ids=fields["position_ids"],
-                                   attention_mask=None, decoder_input=split(emb, 0),
-                                   labels=split(target.clamp(min=0), 1))
+    if deepstack is not None:  # Qwen3-VL: this rank's visual tokens and their DeepStack rows
+        visual, features = deepstack  # (B, L) mask; rows in its row-major order
+        ordinal = visual.flatten().cumsum(0).view_as(visual) - 1
+        local = split(visual, 1)
+        rows = split(ordinal, 1)[local]
+        unwrapped._deepstack = (local, [f[rows] for f in features])
+    try:
+        out = unwrapped.language_model(input_ids=None, position_ids=fields["position_ids"],
+                                       attention_mask=None, decoder_input=split(emb, 0),
+                                       labels=split(target.clamp(min=0), 1))
+    finally:
+        unwrapped._deepstack = None
     return out * split(shifted, 1)
 
 
@@ -143,9 +147,13 @@ def main(argv=None) -> int:
                           f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     p, te_cfg = cfg.parallel, cfg.task_encoder
-    if p.pp > 1 and cfg.model.family == "nemotron_omni":
-        raise UsageError("parallel.pp > 1 is not supported for the nemotron_omni model yet "
-                         "(Qwen-VL families only; see docs/training.md)")
+    if cfg.model.family == "nemotron_omni" and (p.pp > 1 or p.cp > 1):
+        raise UsageError("parallel.pp > 1 and parallel.cp > 1 are not supported for the "
+                         "nemotron_omni model yet (Qwen-VL families only; its vision DP over CP "
+                         "is; see docs/training.md)")
+    if p.cp > 1 and te_cfg.packing:
+        raise UsageError("parallel.cp > 1 with task_encoder.packing is not supported yet "
+                         "(packed rows need a per-segment CP split)")
     check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length)
     check_data_path(cfg.data.path)
     out = Path(cfg.out)

@@ -224,6 +224,18 @@ def test_cp2_equals_single_process(mantis_reference, mantis_out, tmp_path):
 
 
 @pytest.mark.slow
+def test_qwen3_vl_cp2_equals_single_process(mantis_out, tmp_path):
+    """Qwen3-VL under CP: each rank adds the DeepStack rows of its own zig-zag share."""
+    args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=3", *FAST,
+            "model.base=configs/qwen3_vl_tiny.yaml", "model.lm.vocab_size=640",
+            "task_encoder.model=qwen3-vl"]
+    ok(train(*args, f"out={tmp_path / 'one'}"))
+    ok(train(*args, f"out={tmp_path / 'cp2'}", "parallel.cp=2", nproc=2))
+    for a, b in zip(losses(tmp_path / "cp2"), losses(tmp_path / "one"), strict=True):
+        assert abs(a - b) < 1e-4
+
+
+@pytest.mark.slow
 def test_dp2_equals_single_process(mantis_out, tmp_path):
     args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
             "train.micro_batch_size=2", *FAST]
@@ -270,7 +282,7 @@ def test_vision_signal(family, tmp_path):
 
 
 # ------------------------------------------------------------------ pipeline parallel
-def test_pp_layouts_refused_exit_2(mantis_out, tmp_path):
+def test_unsupported_layouts_refused_exit_2(mantis_out, tmp_path):
     data, fixed = f"data.path={mantis_out}/metadataset.yaml", "task_encoder.fixed_length=true"
     line = error_line(train(str(MANTIS_CFG), data, "parallel.pp=2", env={"WORLD_SIZE": "2"}))
     assert "parallel.pp > 1 needs task_encoder.fixed_length=true" in line
@@ -279,7 +291,10 @@ def test_pp_layouts_refused_exit_2(mantis_out, tmp_path):
     assert "parallel.pp > 1 with parallel.cp > 1 is not supported" in line
     line = error_line(train(str(NEMOTRON_MANTIS_CFG), data, fixed, "parallel.pp=2",
                             env={"WORLD_SIZE": "2"}))
-    assert "parallel.pp > 1 is not supported for the nemotron_omni model" in line
+    assert "parallel.pp > 1 and parallel.cp > 1 are not supported for the nemotron_omni" in line
+    line = error_line(train(str(MANTIS_CFG), data, "task_encoder.packing=true", "parallel.cp=2",
+                            env={"WORLD_SIZE": "2"}))
+    assert "parallel.cp > 1 with task_encoder.packing is not supported" in line
 
 
 @pytest.mark.slow
