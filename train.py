@@ -147,10 +147,9 @@ def main(argv=None) -> int:
                           f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     p, te_cfg = cfg.parallel, cfg.task_encoder
-    if cfg.model.family == "nemotron_omni" and (p.pp > 1 or p.cp > 1):
-        raise UsageError("parallel.pp > 1 and parallel.cp > 1 are not supported for the "
-                         "nemotron_omni model yet (Qwen-VL families only; its vision DP over CP "
-                         "is; see docs/training.md)")
+    if cfg.model.family == "nemotron_omni" and p.pp > 1:
+        raise UsageError("parallel.pp > 1 is not supported for the nemotron_omni model yet "
+                         "(Qwen-VL families only; see docs/training.md)")
     if p.cp > 1 and te_cfg.packing:
         raise UsageError("parallel.cp > 1 with task_encoder.packing is not supported yet "
                          "(packed rows need a per-segment CP split)")

@@ -77,11 +77,14 @@ class CPUContextParallelAttention(MegatronModule):
 
 
 def use_cp_attention(gpt_model) -> None:
-    """Replace the core attention of every layer of ``gpt_model`` (a built GPTModel)."""
+    """Replace the core attention of every attention layer of ``gpt_model`` (a built GPTModel,
+    or a hybrid MambaModel, whose MLP / MoE layers have no attention)."""
     config = gpt_model.config
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_context_parallel_group()
     for layer in gpt_model.decoder.layers:
+        if not hasattr(getattr(layer, "self_attention", None), "core_attention"):
+            continue
         layer.self_attention.core_attention = CPUContextParallelAttention(
             config, config.num_attention_heads // tp, config.num_query_groups // tp,
             config.kv_channels, group)
