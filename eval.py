@@ -351,7 +351,10 @@ def run(args) -> dict:
     name = te_cfg.tokenizer_name
     if te_cfg.tokenizer == "test":
         name = str(build_test_tokenizer(out / "tokenizer"))
-    tokenizer = load_tokenizer(name, te_cfg.model)
+    try:
+        tokenizer = load_tokenizer(name, te_cfg.model)
+    except ValueError as error:
+        raise EvalError(str(error)) from None
     encoder = task_encoder_for(te_cfg, tokenizer)
     check_compatible(model_cfg, encoder, tokenizer, te_cfg.model)
     init_parallel(tp=1, pp=1, seed=cfg.train.seed)

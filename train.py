@@ -182,7 +182,10 @@ def main(argv=None) -> int:
         if layout.rank == 0:
             build_test_tokenizer(tokenizer_name)
         torch.distributed.barrier()
-    tokenizer = load_tokenizer(tokenizer_name, te_cfg.model)
+    try:
+        tokenizer = load_tokenizer(tokenizer_name, te_cfg.model)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     T.probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer))
     encoder = task_encoder_for(te_cfg, tokenizer)
     if len(tokenizer) > cfg.model.lm.vocab_size:

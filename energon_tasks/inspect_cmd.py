@@ -134,7 +134,10 @@ def make_encoder(model: str, tokenizer: str | None, knobs: dict):
 
     values = {"model": model, "tokenizer": tokenizer,
               **{k: v for k, v in knobs.items() if v is not None}}
-    return task_encoder_for(TaskEncoderConfig.from_dict(values))
+    try:
+        return task_encoder_for(TaskEncoderConfig.from_dict(values))
+    except ValueError as error:  # config problems, or a tokenizer that cannot be loaded
+        raise click.ClickException(str(error)) from None
 
 
 def knob_options(function):

@@ -46,15 +46,20 @@ def load_tokenizer(name_or_path: str, model: str | None = None):
             (``SPECIAL_TOKENS``); None checks the Qwen ones.
 
     Raises:
-        ValueError: the tokenizer lacks one of the family's special tokens, or an unknown model.
-        OSError: the id / folder cannot be loaded (transformers' error).
+        ValueError: the id / folder cannot be loaded (one line: transformers' first line), the
+            tokenizer lacks one of the family's special tokens, or an unknown model.
     """
     from transformers import AutoTokenizer
 
     from energon_tasks.geometry import model_family
 
     required = SPECIAL_TOKENS[model_family(model) if model else "qwen-vl"]
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"cannot load tokenizer {name_or_path!r}: {first} (pass a local "
+                         "tokenizer folder or a reachable hub id)") from None
     vocab = tokenizer.get_vocab()
     missing = [token for token in required if token not in vocab]
     if missing:

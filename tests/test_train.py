@@ -121,6 +121,12 @@ def test_impossible_layout_exits_2(mantis_out):
     assert "seq_length" in line and "multiple" in line
 
 
+def test_unloadable_tokenizer_exits_2(mantis_out, tmp_path):
+    line = error_line(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                            f"out={tmp_path}", f"task_encoder.tokenizer={tmp_path}/no-such-folder"))
+    assert "cannot load tokenizer" in line
+
+
 def test_unreadable_checkpoint_and_all_skipped_exit_2(mantis_out, tmp_path):
     data = f"data.path={mantis_out}/metadataset.yaml"
     bad = tmp_path / "ckpt"
