@@ -147,9 +147,10 @@ def main(argv=None) -> int:
                           f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     p, te_cfg = cfg.parallel, cfg.task_encoder
-    if cfg.model.family == "nemotron_omni" and p.pp > 1:
-        raise UsageError("parallel.pp > 1 is not supported for the nemotron_omni model yet "
-                         "(Qwen-VL families only; see docs/training.md)")
+    if cfg.model.family == "nemotron_omni" and cfg.model.lm.num_layers % p.pp:
+        raise UsageError(f"parallel.pp {p.pp} does not divide the {cfg.model.lm.num_layers} layers "
+                         f"of model.lm.pattern {cfg.model.lm.pattern!r} (MambaModel splits it "
+                         "evenly)")
     if p.cp > 1 and te_cfg.packing:
         raise UsageError("parallel.cp > 1 with task_encoder.packing is not supported yet "
                          "(packed rows need a per-segment CP split)")

@@ -7,7 +7,7 @@ verification (the family comes from config.json's ``model_type``; models/familie
 
 ``hf-to-mcore`` and ``verify`` with ``N * P > 1`` start themselves under ``torch.distributed.run``
 with N * P processes (each writes / loads its TP shards of its pipeline stage's layers; the
-checkpoint loads at any TP / PP; PP > 1: Qwen-VL families). ``verify`` runs transformers' model
+checkpoint loads at any TP / PP; every family). ``verify`` runs transformers' model
 (fp32, eager attention) and ours on generated inputs (one image; several images of different
 sizes interleaved with text; a video; Nemotron-Omni also a tiled image) and prints JSON with the
 max absolute logit difference per input. Bad paths or a wrong model family: one line on stderr,
@@ -180,8 +180,6 @@ def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
     if not (folder / "config.json").is_file():
         raise ValueError(f"--hf {hf}: no config.json")
     cfg = config_from_hf(json.loads((folder / "config.json").read_text()))  # family check first
-    if pp > 1 and cfg.family == "nemotron_omni":
-        raise ValueError("--pp > 1 supports the Qwen-VL families (import Nemotron-Omni at --pp 1)")
     init_parallel(tp=tp, pp=pp)
     hf_config, hf_sd = read_hf_folder(folder)
     model = build_model(cfg, use_te=False)
@@ -189,11 +187,10 @@ def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
         full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, weight_shapes(model))
     else:  # this stage's layers, mapped under their global (PP=1) numbers
         from models.checkpoint import global_layer_keys
-        from models.hf_mapping import hf_to_ours_stage
 
         to_global = global_layer_keys(model)
         shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
-        stage = hf_to_ours_stage(hf_sd, cfg, shapes)
+        stage = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
         full = {local: stage[glob] for local, glob in to_global.items() if glob in stage}
     model.load_state_dict(shard_for_rank(full, model), strict=False)
     save_checkpoint(model, cfg, out, hf_config=hf_config)

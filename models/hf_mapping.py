@@ -206,27 +206,32 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
 
 
 def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
-                     expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+                     expected: dict[str, torch.Size],
+                     table: dict[str, tuple[str, str | None]] | None = None,
+                     embed_key: str = "model.language_model.embed_tokens.weight",
+                     lm_head_key: str = "lm_head.weight") -> dict[str, torch.Tensor]:
     """``hf_to_ours`` for one pipeline stage: ``expected`` = this stage's parameters under their
     PP=1 keys (``models.checkpoint.global_layer_keys``) -> shape; HF weights of other stages are
     skipped (each is still checked against the full table).
 
     With tied embeddings a last stage without the embedding holds its own copy of the output
-    weight (megatron keeps it equal to the first stage's): it is filled from ``embed_tokens``.
+    weight (megatron keeps it equal to the first stage's): it is filled from ``embed_key``.
+    ``table`` / ``embed_key`` / ``lm_head_key``: another family's full table and HF names of the
+    token embedding and the output layer (default: this module's Qwen-VL ones).
 
     Raises:
         ValueError: as ``hf_to_ours``.
     """
-    full = expand_table(cfg)
+    full = expand_table(cfg) if table is None else table
     for key in hf_sd:
         canonical = to_canonical_hf_key(key, cfg.family)
-        if canonical not in full and not (canonical == "lm_head.weight" and cfg.lm.tie_embeddings):
+        if canonical not in full and not (canonical == lm_head_key and cfg.lm.tie_embeddings):
             raise ValueError(f"HF key {key!r} has no entry in the {cfg.family} mapping table")
     table = dict(full)
     output, embedding = "language_model.output_layer.weight", \
         "language_model.embedding.word_embeddings.weight"
     if cfg.lm.tie_embeddings and output in expected and embedding not in expected:
-        table["model.language_model.embed_tokens.weight"] = (output, None)
+        table[embed_key] = (output, None)
     table = {hf: row for hf, row in table.items() if row[0] in expected}
     stage_sd = {k: v for k, v in hf_sd.items() if to_canonical_hf_key(k, cfg.family) in table}
     return hf_to_ours(stage_sd, cfg, expected, table=table)

@@ -5,13 +5,16 @@ tokens of each batch row match the embeddings of the images/videos that start in
 (``check_visual_counts``), which context tokens belong to which kind (``context_masks``; when
 images and videos share one context token, as Nemotron-Omni's ``<image>``, the batch's
 ``visual_kinds`` tells which runs are videos), the scatter of the encoded media into those tokens
-(``scatter_visual``), the block-causal mask of packed rows (``block_causal_mask``), and the label
-shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at t).
+(``scatter_visual``), the block-causal mask of packed rows (``block_causal_mask``), the label
+shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at t), and
+the pipeline-parallel surface of a VLM (``PipelineStagesMixin``: stage-aware LM call, megatron's
+``model_type`` / ``set_input_tensor`` / tied-embedding accessors).
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.enums import ModelType
 
 IGNORE_INDEX = -100
 #: ``visual_kinds`` codes of the batch contract (code c = VISUAL_KINDS[c]; the same tuple as
@@ -180,3 +183,39 @@ def packed_attention_mask(cu_seqlens, batch: int, length: int, device) -> torch.
     if cu_seqlens is None:
         return None
     return block_causal_mask(cu_seqlens.cpu(), batch, length).to(device)
+
+
+class PipelineStagesMixin:
+    """The pipeline-parallel surface shared by the VLMs whose megatron LM (``GPTModel`` /
+    ``MambaModel``) is ``self.language_model`` and whose ``pre_process`` / ``post_process`` say
+    which ends of the pipeline this stage holds (vision + embedding: first stage; output layer +
+    loss: last stage). megatron's schedules read ``model_type`` and call ``set_input_tensor`` (the
+    previous stage's hidden states); ``finalize_model_grads`` asks the first / last stage for the
+    tied embedding."""
+
+    model_type = ModelType.encoder_or_decoder  # megatron's pipeline schedules read it
+
+    def set_input_tensor(self, input_tensor):
+        self.language_model.set_input_tensor(input_tensor)
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def run_language_model(self, decoder_input, attention_mask, position_ids, labels, loss_mask):
+        """The LM of this stage on ``decoder_input`` (L, B, H); None on later stages (megatron's
+        ``set_input_tensor`` gave the previous stage's output) -> logits (B, L, V/TP) without
+        ``labels``, (per-token loss (B, L) * shifted mask, shifted mask) with them on the last
+        stage, this stage's output hidden states (L, B, H) on the others."""
+        target = None
+        if labels is not None:
+            target, loss_mask = shift_labels(labels, loss_mask)
+        out = self.language_model(input_ids=None, position_ids=position_ids,
+                                  attention_mask=attention_mask, decoder_input=decoder_input,
+                                  labels=target)
+        if target is None or not self.post_process:
+            return out
+        return out * loss_mask, loss_mask

@@ -30,12 +30,13 @@ LM, OL = "language_model.backbone.layers.{i}.", "language_model.decoder.layers.{
 VB, OV = "vision_model.radio_model.model.blocks.{i}.", "vision.layers.{i}."
 PG = "vision_model.radio_model.model.patch_generator."
 
+EMBED, LM_HEAD = "language_model.backbone.embeddings.weight", "language_model.lm_head.weight"
+
 #: HF key template -> (our key template, part of a fused tensor or None). {i} layer.
 COMMON = {
-    "language_model.backbone.embeddings.weight":
-        ("language_model.embedding.word_embeddings.weight", None),
+    EMBED: ("language_model.embedding.word_embeddings.weight", None),
     "language_model.backbone.norm_f.weight": ("language_model.decoder.final_norm.weight", None),
-    "language_model.lm_head.weight": ("language_model.output_layer.weight", None),
+    LM_HEAD: ("language_model.output_layer.weight", None),
     PG + "embedder.weight": ("vision.embeddings.patch_projection.weight", None),
     PG + "video_embedder.weight": ("vision.embeddings.video_patch_projection.weight", None),
     PG + "pos_embed": ("vision.embeddings.position_embedding", None),
@@ -109,7 +110,7 @@ def expand_table(cfg: NemotronOmniModelConfig) -> dict[str, tuple[str, str | Non
             out[hf.format(**fill)] = (ours.format(**fill), part)
 
     add({k: v for k, v in COMMON.items()
-         if not (k == "language_model.lm_head.weight" and cfg.lm.tie_embeddings)})
+         if not (k == LM_HEAD and cfg.lm.tie_embeddings)})
     if cfg.vision_final_norm:
         add(FINAL_NORM)
     for i in range(cfg.vision.depth):
@@ -124,6 +125,19 @@ def expand_table(cfg: NemotronOmniModelConfig) -> dict[str, tuple[str, str | Non
     return out
 
 
+def _import_view(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
+                 table: dict[str, tuple[str, str | None]]) -> dict[str, torch.Tensor]:
+    """The HF weights as the table reads them: ignored keys and a tied lm_head dropped, missing
+    LayerScale vectors filled (see module docstring)."""
+    hf_sd = {k: v for k, v in hf_sd.items() if not IGNORED.match(k)}
+    if cfg.lm.tie_embeddings:
+        hf_sd.pop(LM_HEAD, None)
+    for key in table:
+        if LAYER_SCALE.search(key) and key not in hf_sd:  # C-RADIO checkpoints have none
+            hf_sd[key] = torch.full((cfg.vision.hidden_size,), cfg.vision.layerscale_value)
+    return hf_sd
+
+
 def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
                expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Map an HF ``nemotron_h_omni`` state dict to our (TP=1) keys (see module docstring).
@@ -133,13 +147,20 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
             (the first offender is named).
     """
     table = expand_table(cfg)
-    hf_sd = {k: v for k, v in hf_sd.items() if not IGNORED.match(k)}
-    if cfg.lm.tie_embeddings:
-        hf_sd.pop("language_model.lm_head.weight", None)
-    for key in table:
-        if LAYER_SCALE.search(key) and key not in hf_sd:  # C-RADIO checkpoints have none
-            hf_sd[key] = torch.full((cfg.vision.hidden_size,), cfg.vision.layerscale_value)
-    return hf_mapping.hf_to_ours(hf_sd, cfg, expected, table=table)
+    return hf_mapping.hf_to_ours(_import_view(hf_sd, cfg, table), cfg, expected, table=table)
+
+
+def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
+                     expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """``hf_to_ours`` for one pipeline stage (``models.hf_mapping.hf_to_ours_stage``: this
+    stage's parameters under their PP=1 keys; a tied last stage's output from the embedding).
+
+    Raises:
+        ValueError: as ``hf_to_ours``.
+    """
+    table = expand_table(cfg)
+    return hf_mapping.hf_to_ours_stage(_import_view(hf_sd, cfg, table), cfg, expected,
+                                       table=table, embed_key=EMBED, lm_head_key=LM_HEAD)
 
 
 def ours_to_hf(sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,

@@ -14,6 +14,10 @@ without biases. Specs: on GPU megatron's TransformerEngine hybrid stack spec; on
 for ``*``, ``-`` and ``E`` (megatron's local GPT attention / MLP / MoE modules). ``M`` needs
 ``mamba_ssm`` (Triton/CUDA kernels): without it the model refuses to build with a clear error.
 MambaStack's final ``TENorm`` without TransformerEngine is handled in models/cpu_compat.py.
+Pipeline parallel: MambaStack gives each stage its slice of the pattern (an even split of the
+layer count) and numbers the layers globally (dist checkpoints load at any PP); vision +
+embedding live on the first stage, the output layer + loss on the last
+(``models.multimodal.PipelineStagesMixin``, as Qwen-VL).
 
 Vision: ``models.radio.RadioEncoder`` (tower, pixel shuffle, projector) behind the shared
 ``VisionDPOverCP`` (whole images / tiles / tubelets spread over the context-parallel ranks).
@@ -33,7 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.cpu_compat import cpu_moe_overrides, cpu_only, use_local_mamba_final_norm
-from models.multimodal import packed_attention_mask, scatter_visual, shift_labels
+from models.multimodal import PipelineStagesMixin, packed_attention_mask, scatter_visual
 from models.nemotron_omni_config import NemotronOmniModelConfig
 from models.radio import RadioEncoder
 from models.vision_dp import CostModel, VisionDPOverCP
@@ -45,6 +49,10 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
     from megatron.core.activations import squared_relu
 
     t = cfg.lm
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if t.num_layers % pp:  # MambaStack splits the pattern evenly (and would drop the remainder)
+        raise ValueError(f"lm.pattern {t.pattern!r} has {t.num_layers} layers, not divisible by "
+                         f"the {pp} pipeline stages")
     kwargs = dict(
         num_layers=t.num_layers, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
         num_attention_heads=t.num_heads, num_query_groups=t.num_kv_heads, kv_channels=t.head_dim,
@@ -54,7 +62,8 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, use_cpu_initialization=cpu_only(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,  # activations sent between PP stages (bf16 set by train.py)
     )
     if "M" in t.pattern:
         kwargs.update(mamba_state_dim=t.ssm_state_size, mamba_head_dim=t.mamba_head_dim,
@@ -158,7 +167,7 @@ def _pattern_kwarg() -> str:
     raise ValueError("this megatron-core's MambaModel takes no hybrid layer pattern argument")
 
 
-class NemotronOmni(MegatronModule):
+class NemotronOmni(PipelineStagesMixin, MegatronModule):
     """RADIO + projector + hybrid MambaModel (see module docstring)."""
 
     def __init__(self, cfg: NemotronOmniModelConfig, *, use_te: bool | None = None,
@@ -233,23 +242,15 @@ class NemotronOmni(MegatronModule):
 
         ``position_ids`` (3, B, L) is accepted and ignored (no rotary in NemotronH);
         ``visual_kinds``: see :meth:`embed`. With ``labels`` (unshifted, -100 = no loss) the model
-        predicts token t+1 at t and returns the per-token loss and the shifted loss mask.
+        predicts token t+1 at t and returns the per-token loss and the shifted loss mask. Under
+        PP a stage before the last returns its output hidden states (L, B, H).
         """
         del position_ids
         batch, length = input_ids.shape
-        decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
-                                      pixel_values_videos, video_grid_thw, sample_keys,
-                                      visual_kinds)
-        attention_mask = packed_attention_mask(cu_seqlens, batch, length, decoder_input.device)
-        target = None
-        if labels is not None:
-            target, loss_mask = shift_labels(labels, loss_mask)
-        out = self.language_model(input_ids=None, position_ids=None,
-                                  attention_mask=attention_mask, decoder_input=decoder_input,
-                                  labels=target)
-        if target is None:
-            return out
-        return out * loss_mask, loss_mask
-
-    def set_input_tensor(self, input_tensor):
-        self.language_model.set_input_tensor(input_tensor)
+        decoder_input = None  # later PP stages: megatron's set_input_tensor
+        if self.pre_process:
+            decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
+                                          pixel_values_videos, video_grid_thw, sample_keys,
+                                          visual_kinds)
+        attention_mask = packed_attention_mask(cu_seqlens, batch, length, input_ids.device)
+        return self.run_language_model(decoder_input, attention_mask, None, labels, loss_mask)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -29,10 +28,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models.cpu_compat import cpu_only
 from models.multimodal import (  # noqa: F401 - block_causal_mask, IGNORE_INDEX: re-exported
     IGNORE_INDEX,
+    PipelineStagesMixin,
     block_causal_mask,
     packed_attention_mask,
     scatter_visual,
-    shift_labels,
 )
 from models.qwen_vl_config import QwenVLModelConfig
 from models.vision import QwenVisionEncoder
@@ -87,7 +86,7 @@ def lm_layer_spec(cfg: QwenVLModelConfig, use_te: bool):
     return specs.get_gpt_layer_local_spec(qk_layernorm=cfg.lm.qk_norm, normalization="RMSNorm")
 
 
-class QwenVL(MegatronModule):
+class QwenVL(PipelineStagesMixin, MegatronModule):
     """Vision encoder + M-RoPE GPTModel (see module docstring)."""
 
     def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool | None = None,
@@ -104,7 +103,6 @@ class QwenVL(MegatronModule):
         use_te = (not cpu_only()) if use_te is None else use_te
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
-        self.model_type = ModelType.encoder_or_decoder  # megatron's pipeline schedules read it
         self.vision = QwenVisionEncoder(cfg, use_te=use_te) if self.pre_process else None
         self.language_model = GPTModel(
             config=config, transformer_layer_spec=lm_layer_spec(cfg, use_te),
@@ -209,27 +207,9 @@ class QwenVL(MegatronModule):
                                                   pixel_values_videos, video_grid_thw, sample_keys,
                                                   visual_kinds)
         attention_mask = packed_attention_mask(cu_seqlens, batch, length, input_ids.device)
-        target = None
-        if labels is not None:
-            target, loss_mask = shift_labels(labels, loss_mask)
         self._deepstack = deepstack
         try:
-            out = self.language_model(input_ids=None, position_ids=position_ids,
-                                      attention_mask=attention_mask,
-                                      decoder_input=decoder_input, labels=target)
+            return self.run_language_model(decoder_input, attention_mask, position_ids, labels,
+                                           loss_mask)
         finally:
             self._deepstack = None
-        if target is None or not self.post_process:  # logits, or hidden states (PP stages)
-            return out
-        return out * loss_mask, loss_mask
-
-    def set_input_tensor(self, input_tensor):
-        self.language_model.set_input_tensor(input_tensor)
-
-    # megatron's finalize_model_grads asks the module with ``pre_process`` for these (PP > 1)
-    @property
-    def share_embeddings_and_output_weights(self) -> bool:
-        return self.language_model.share_embeddings_and_output_weights
-
-    def shared_embedding_or_output_weight(self):
-        return self.language_model.shared_embedding_or_output_weight()

@@ -1,12 +1,49 @@
-"""torchrun helper of test_qwen_vl.py (2 gloo ranks, PP=2): import a tiny HF Qwen2.5-VL at PP=2
-(each stage writes its layer), compare the PP=2 logits with transformers', and load a PP=1
-import at PP=2: every tensor must equal the PP=2 import's."""
+"""torchrun helper of the PP=2 import tests (2 gloo ranks, PP=2): import a tiny HF model (any
+family) at PP=2 (each stage writes its layers), compare the PP=2 logits with transformers', and load
+a PP=1 import at PP=2: every tensor must equal the PP=2 import's. ``check_pp2`` launches it and
+checks the report plus, in the calling process at PP=1, the PP=2 import's logits and tensors."""
 
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def check_pp2(hf: Path, pp1: Path, out: Path, cases: set[str], tol: float) -> dict:
+    """Run this script under torchrun (2 ranks) on ``hf`` / its PP=1 import ``pp1`` and assert:
+    both stages wrote shards, PP=2 logits within ``tol`` of transformers' on ``cases``, the PP=1
+    import equals the PP=2 one at PP=2 (each stage) and at PP=1. Returns the torchrun report."""
+    import subprocess
+
+    import torch
+
+    from models.checkpoint import init_parallel, load_checkpoint
+    from models.convert import verify
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
+           str(out), str(hf), str(pp1)]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "pp2_report.json").read_text())
+    assert {p.name.split("_")[2] for p in (out / "pp2").glob("__*_*.distcp")} == {"0", "1"}
+    assert set(report["logits"]) == cases
+    for name, diff in report["logits"].items():
+        assert diff <= tol, (name, diff)
+    for stage in report["pp1_at_pp2"]:  # each stage: every tensor equal
+        assert stage["keys"] > 0 and stage["unequal"] == [], stage
+    for name, row in verify(hf, out / "pp2").items():  # PP=2 import loaded at PP=1
+        assert row["max_abs_logit_diff"] <= tol, (name, row)
+    init_parallel()
+    a, _ = load_checkpoint(out / "pp2", use_te=False)
+    b, _ = load_checkpoint(pp1, use_te=False)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for key in sa:
+        if not key.endswith("_extra_state"):
+            assert torch.equal(sa[key], sb[key]), key
+    return report
 
 
 def main():

@@ -1,7 +1,8 @@
 """Nemotron-Omni on megatron-core: HF import parity (attention/MLP and MoE patterns; one image,
 interleaved images, tiles, a video), round trip, M/E name table vs transformers, count-mismatch
 errors, the Mamba-without-mamba_ssm error, mixed image + video batches on the shared ``<image>``
-token (``visual_kinds``), tiny config training, KV-cache generation, FLOPs."""
+token (``visual_kinds``), tiny config training, KV-cache generation, FLOPs, TP=2 and PP=2
+import parity."""
 
 from __future__ import annotations
 
@@ -273,6 +274,17 @@ def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path):
     for name, row in verify(tiny_nemotron_hf["*-*-"], out / "nemotron_h_omni").items():
         assert row["max_abs_logit_diff"] <= TOL, (name, row)
 
+
+@pytest.mark.slow
+def test_pp2_parity_and_reshard(tiny_nemotron_hf, imported, tmp_path):
+    """One torchrun launch (2 gloo ranks): import at PP=2 (pattern "*-*-": "*-" per stage, each
+    stage writes its own, global layer numbers), PP=2 logits vs transformers, the PP=1 import
+    loaded at PP=2 equals it; then at PP=1: the PP=2 import's logits and tensors equal the
+    PP=1 import's."""
+    from tests.models.pp2_check import check_pp2
+
+    check_pp2(tiny_nemotron_hf["*-*-"], imported["*-*-"], tmp_path / "pp",
+              {"one_image", "images_interleaved", "tiles", "video"}, TOL)
 
 def test_generation_batch_mixing_images_and_videos():
     """eval.py batches prompts: an image prompt, a video prompt and a prompt with both on the one

@@ -134,32 +134,10 @@ def test_pp2_parity_and_reshard(tiny_hf, imported, tmp_path):
     """One torchrun launch (2 gloo ranks): import Qwen2.5-VL at PP=2 (one LM layer per stage, each
     stage writes its own), PP=2 logits vs transformers, the PP=1 import loaded at PP=2 equals it;
     then here at PP=1: the PP=2 import's logits and tensors equal the PP=1 import's."""
-    from models.checkpoint import init_parallel, load_checkpoint
-    from models.convert import verify
+    from tests.models.pp2_check import check_pp2
 
-    hf, out = tiny_hf["qwen2_5_vl"], tmp_path / "pp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(REPO / "tests" / "models" / "pp2_check.py"), str(out), str(hf),
-           str(imported["qwen2_5_vl"])]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((out / "pp2_report.json").read_text())
-    assert {p.name.split("_")[2] for p in (out / "pp2").glob("__*_*.distcp")} == {"0", "1"}
-    assert set(report["logits"]) == {"one_image", "images_interleaved", "video"}
-    for name, diff in report["logits"].items():
-        assert diff <= TOL, (name, diff)
-    for stage in report["pp1_at_pp2"]:  # each stage: every tensor equal
-        assert stage["keys"] > 0 and stage["unequal"] == [], stage
-    for name, row in verify(hf, out / "pp2").items():  # PP=2 import loaded at PP=1
-        assert row["max_abs_logit_diff"] <= TOL, (name, row)
-    init_parallel()
-    a, _ = load_checkpoint(out / "pp2", use_te=False)
-    b, _ = load_checkpoint(imported["qwen2_5_vl"], use_te=False)
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sorted(sa) == sorted(sb)
-    for key in sa:
-        if not key.endswith("_extra_state"):
-            assert torch.equal(sa[key], sb[key]), key
+    check_pp2(tiny_hf["qwen2_5_vl"], imported["qwen2_5_vl"], tmp_path / "pp",
+              {"one_image", "images_interleaved", "video"}, TOL)
 
 
 @pytest.mark.parametrize("name", ["qwen2_5_vl_tiny", "qwen3_vl_tiny"])
