@@ -272,11 +272,10 @@ def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
         raise EvalError(f"checkpoint is a {cfg.family} model, the config's task encoder is "
                         f"{te_model!r} (set task_encoder.model={want[0]})")
     v = cfg.vision
-    nemotron = cfg.family == "nemotron_omni"
-    merge = cfg.merge_size if nemotron else v.spatial_merge_size
-    temporal = v.video_temporal_patch_size if nemotron else v.temporal_patch_size
+    temporal = (v.video_temporal_patch_size if cfg.family == "nemotron_omni"
+                else v.temporal_patch_size)
     for name, ours, theirs in (("patch_size", v.patch_size, geometry.patch_size),
-                               ("merge_size", merge, geometry.merge_size),
+                               ("merge_size", cfg.merge_size, geometry.merge_size),
                                ("temporal_patch_size", temporal, geometry.temporal_patch_size)):
         if ours != theirs:
             raise EvalError(f"checkpoint vision {name} is {ours}, the task encoder's "

@@ -14,7 +14,10 @@ the pipeline-parallel surface of a VLM (``PipelineStagesMixin``: stage-aware LM 
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.enums import ModelType
+
+from models.cpu_compat import cpu_only
 
 IGNORE_INDEX = -100
 #: ``visual_kinds`` codes of the batch contract (code c = VISUAL_KINDS[c]; the same tuple as
@@ -194,6 +197,21 @@ class PipelineStagesMixin:
     tied embedding."""
 
     model_type = ModelType.encoder_or_decoder  # megatron's pipeline schedules read it
+
+    def _init_stage(self, cfg, use_te: bool | None) -> bool:
+        """Keep ``cfg``, note which pipeline ends this stage holds; -> ``use_te`` resolved (the
+        TransformerEngine specs by default when CUDA is present)."""
+        self.cfg = cfg
+        self.pre_process = parallel_state.is_pipeline_first_stage()
+        self.post_process = parallel_state.is_pipeline_last_stage()
+        return (not cpu_only()) if use_te is None else use_te
+
+    @staticmethod
+    def _context_parallel_group():
+        """The CP group the vision DP shares over (None before megatron is initialised)."""
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        return parallel_state.get_context_parallel_group()
 
     def set_input_tensor(self, input_tensor):
         self.language_model.set_input_tensor(input_tensor)

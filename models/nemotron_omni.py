@@ -182,10 +182,7 @@ class NemotronOmni(PipelineStagesMixin, MegatronModule):
 
         config = lm_transformer_config(cfg)
         super().__init__(config=config)
-        self.cfg = cfg
-        use_te = (not cpu_only()) if use_te is None else use_te
-        self.pre_process = parallel_state.is_pipeline_first_stage()
-        self.post_process = parallel_state.is_pipeline_last_stage()
+        use_te = self._init_stage(cfg, use_te)
         self.vision = RadioEncoder(cfg, use_te=use_te) if self.pre_process else None
         self.language_model = MambaModel(
             config=config, mamba_stack_spec=lm_stack_spec(cfg, use_te),
@@ -196,11 +193,10 @@ class NemotronOmni(PipelineStagesMixin, MegatronModule):
         )
         self._vision_dp = None
         if self.pre_process:
-            cp_group = (parallel_state.get_context_parallel_group()
-                        if parallel_state.model_parallel_is_initialized() else None)
             self._vision_dp = VisionDPOverCP(
                 self.vision, hidden_size=cfg.lm.hidden_size, merge_size=cfg.merge_size,
-                cp_group=cp_group, enabled=vision_dp_over_cp, cost_model=CostModel.radio())
+                cp_group=self._context_parallel_group(), enabled=vision_dp_over_cp,
+                cost_model=CostModel.radio())
 
     # ---------------------------------------------------------------- vision
     def encode_visual(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

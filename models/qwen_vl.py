@@ -99,10 +99,7 @@ class QwenVL(PipelineStagesMixin, MegatronModule):
         """
         config = lm_transformer_config(cfg)
         super().__init__(config=config)
-        self.cfg = cfg
-        use_te = (not cpu_only()) if use_te is None else use_te
-        self.pre_process = parallel_state.is_pipeline_first_stage()
-        self.post_process = parallel_state.is_pipeline_last_stage()
+        use_te = self._init_stage(cfg, use_te)
         self.vision = QwenVisionEncoder(cfg, use_te=use_te) if self.pre_process else None
         self.language_model = GPTModel(
             config=config, transformer_layer_spec=lm_layer_spec(cfg, use_te),
@@ -114,11 +111,9 @@ class QwenVL(PipelineStagesMixin, MegatronModule):
         self._vision_dp = None
         if self.pre_process:
             widths = [cfg.lm.hidden_size] * (1 + len(cfg.vision.deepstack_visual_indexes))
-            cp_group = (parallel_state.get_context_parallel_group()
-                        if parallel_state.model_parallel_is_initialized() else None)
             self._vision_dp = VisionDPOverCP(
                 self._encode_flat, hidden_size=widths, merge_size=cfg.vision.spatial_merge_size,
-                cp_group=cp_group, enabled=vision_dp_over_cp)
+                cp_group=self._context_parallel_group(), enabled=vision_dp_over_cp)
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         if cfg.vision.deepstack_visual_indexes and self.pre_process:
             layers = self.language_model.decoder.layers

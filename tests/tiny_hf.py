@@ -50,13 +50,7 @@ def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | No
                                deepstack_visual_indexes=[0, 1]),
             **tokens)
         cls = tf.Qwen3VLForConditionalGeneration
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out)
-    return out
+    return save_perturbed(cls, config, out, seed)
 
 
 NEMOTRON_TOKENS = dict(image_token_id=420, video_token_id=421)
@@ -84,8 +78,14 @@ def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "*-*
                          layers_block_type=[names[s] for s in pattern],
                          num_nextn_predict_layers=1),
         projector_hidden_size=48, vision_hidden_size=32, **NEMOTRON_TOKENS)
+    return save_perturbed(NemotronH_Omni_Reasoning_V3, config, out, seed)
+
+
+def save_perturbed(cls, config, out: Path, seed: int) -> Path:
+    """Build ``cls(config)`` with seeded weights perturbed by N(0, 0.1) (well beyond the default
+    init, so a wrong mapping shows in the logits) and save it to ``out``."""
     torch.manual_seed(seed)
-    model = NemotronH_Omni_Reasoning_V3(config).eval()
+    model = cls(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)

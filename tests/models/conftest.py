@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni
 
@@ -23,3 +24,17 @@ def tiny_nemotron_hf(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_nemotron")
     return {p: build_tiny_nemotron_omni(root / f"p{i}", pattern=p)
             for i, p in enumerate(("*-*-", "*E-E"))}
+
+
+def train_steps(model, batch: dict, steps: int = 4, lr: float = 1e-2) -> list[float]:
+    """AdamW steps on one batch (labels = its input ids): the per-token loss of each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss, mask = model(**batch, labels=batch["input_ids"])
+        loss = loss.sum() / mask.sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.models.conftest import train_steps
 
 TOL = 1e-4
 
@@ -203,15 +204,7 @@ def test_tiny_config_trains_and_generates():
     model = build_model(cfg, use_te=False).train()
     cases = make_inputs(cfg)
     batch = cases["images_interleaved"]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(4):
-        opt.zero_grad()
-        loss, mask = model(**batch, labels=batch["input_ids"])
-        loss = loss.sum() / mask.sum()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(model, batch)
     assert losses[-1] < losses[0]
     unused = {"embeddings.video_patch_projection.weight"}  # images only in this batch
     assert all(p.grad is not None for n, p in model.vision.named_parameters() if n not in unused)

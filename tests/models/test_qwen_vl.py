@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_cli
+from tests.models.conftest import train_steps
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 TOL = 1e-4
@@ -155,15 +156,7 @@ def test_tiny_config_trains(name):
     init_parallel()
     model = build_model(cfg, use_te=False).train()
     batch = make_inputs(cfg)["images_interleaved"]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(4):
-        opt.zero_grad()
-        loss, mask = model(**batch, labels=batch["input_ids"])
-        loss = loss.sum() / mask.sum()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(model, batch)
     assert losses[-1] < losses[0]
     assert all(p.grad is not None for p in model.vision.parameters())
 
