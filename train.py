@@ -37,7 +37,7 @@ def build_model(cfg, layout):
 
     model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
     if layout.cp > 1 and cpu_only():
-        from models.cpu_cp_attention import use_cp_attention
+        from models.cpu_attention import use_cp_attention
 
         use_cp_attention(model.language_model)
     return model
@@ -51,7 +51,8 @@ def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
 
 def forward_step(model, batch, layout, blank_media: bool):
     """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch`` (PP: a stage before
-    the last returns its output hidden states (L, B, H), which megatron's schedule sends on)."""
+    the last returns its output hidden states (L, B, H), or (B*L, 1, H) for a packed batch,
+    which megatron's schedule sends on)."""
     unwrapped = model.module
     while not hasattr(unwrapped, "embed"):  # DDP -> (Float16Module ->) QwenVL / NemotronOmni
         unwrapped = unwrapped.module
@@ -63,7 +64,8 @@ def forward_step(model, batch, layout, blank_media: bool):
         fields["pixel_values"] = torch.zeros_like(fields["pixel_values"])
         fields["pixel_values_videos"] = torch.zeros_like(fields["pixel_values_videos"])
     if layout.cp == 1:
-        out = model(**fields, cu_seqlens=batch.cu_seqlens, sample_keys=batch.__key__)
+        out = model(**fields, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
+                    sample_keys=batch.__key__)
         return out[0] if isinstance(out, tuple) else out  # (per-token loss, mask) | hidden
     # CP: embed the whole sequence (vision DP over CP inside), then each rank runs its zig-zag
     # share of the LM; M-RoPE positions stay whole (megatron slices the rotary table per rank).
@@ -117,9 +119,11 @@ def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float) 
     def step(data_iterator, module):
         return forward_step(module, next(data_iterator), layout, blank_media), loss_func
 
+    # the stages exchange (L, B, H) hidden states; packed batches run as one THD row of B*L
+    rows, length = (1, shape[0] * shape[1]) if batches[0].cu_seqlens is not None else shape
     get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=shape[1], micro_batch_size=shape[0],
+        num_microbatches=len(batches), seq_length=length, micro_batch_size=rows,
         forward_only=False)
     loss_sum = torch.zeros(1, dtype=torch.float64)
     if ps.is_pipeline_last_stage():

@@ -5,10 +5,11 @@ tokens of each batch row match the embeddings of the images/videos that start in
 (``check_visual_counts``), which context tokens belong to which kind (``context_masks``; when
 images and videos share one context token, as Nemotron-Omni's ``<image>``, the batch's
 ``visual_kinds`` tells which runs are videos), the scatter of the encoded media into those tokens
-(``scatter_visual``), the block-causal mask of packed rows (``block_causal_mask``), the label
-shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at t), and
-the pipeline-parallel surface of a VLM (``PipelineStagesMixin``: stage-aware LM call, megatron's
-``model_type`` / ``set_input_tensor`` / tied-embedding accessors).
+(``scatter_visual``), megatron's THD parameters of packed rows (``packed_sequence_params``),
+the label shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at
+t), and the pipeline-parallel surface of a VLM (``PipelineStagesMixin``: stage-aware LM call
+(packed batches in megatron's THD format), megatron's ``model_type`` / ``set_input_tensor`` /
+tied-embedding accessors).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from models.cpu_compat import cpu_only
 
@@ -157,16 +159,6 @@ def scatter_visual(emb: torch.Tensor, input_ids: torch.Tensor, media, encode, me
     return done
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """(B, 1, L, L) bool, True = masked: causal within each packed segment of each row."""
-    seg = torch.zeros(batch * length, dtype=torch.long)
-    seg[cu_seqlens[1:-1].long()] = 1
-    seg = seg.cumsum(0).view(batch, length)
-    same = seg[:, :, None] == seg[:, None, :]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    return ~(same & causal)[:, None]
-
-
 def shift_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None):
     """Unshifted labels (-100 = no loss) -> (target for position t = label t+1, clamped >= 0;
     float loss mask of the shifted targets, also zero where the shifted label is -100)."""
@@ -181,11 +173,13 @@ def shift_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None):
     return shifted.clamp(min=0), mask
 
 
-def packed_attention_mask(cu_seqlens, batch: int, length: int, device) -> torch.Tensor | None:
-    """The LM attention mask of a batch: None (plain causal) or block-causal for packed rows."""
-    if cu_seqlens is None:
-        return None
-    return block_causal_mask(cu_seqlens.cpu(), batch, length).to(device)
+def packed_sequence_params(cu_seqlens: torch.Tensor, max_seqlen: int | None, device):
+    """megatron's THD parameters of a packed batch: every packed sample (and each row's pad tail)
+    is one causal segment of the flattened B*L tokens (``cu_seqlens``, batch contract)."""
+    bounds = cu_seqlens.to(device=device, dtype=torch.int32)
+    longest = int(max_seqlen) if max_seqlen is not None else int((bounds[1:] - bounds[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 class PipelineStagesMixin:
@@ -223,17 +217,39 @@ class PipelineStagesMixin:
     def shared_embedding_or_output_weight(self):
         return self.language_model.shared_embedding_or_output_weight()
 
-    def run_language_model(self, decoder_input, attention_mask, position_ids, labels, loss_mask):
+    def run_language_model(self, decoder_input, position_ids, labels, loss_mask, shape,
+                           cu_seqlens=None, max_seqlen=None):
         """The LM of this stage on ``decoder_input`` (L, B, H); None on later stages (megatron's
         ``set_input_tensor`` gave the previous stage's output) -> logits (B, L, V/TP) without
         ``labels``, (per-token loss (B, L) * shifted mask, shifted mask) with them on the last
-        stage, this stage's output hidden states (L, B, H) on the others."""
-        target = None
+        stage, this stage's output hidden states on the others.
+
+        ``shape`` is the batch's (B, L). A packed batch (``cu_seqlens``) runs as megatron's THD
+        format: the B rows are flattened into one sequence of B*L tokens (hidden states
+        (B*L, 1, H), also between pipeline stages) whose segments attend only within themselves
+        (TE's varlen attention on GPU, ``models.cpu_attention`` on CPU; Mamba layers restart
+        their state per segment); the outputs are returned in (B, L) again.
+        """
+        batch, length = shape
+        target, params = None, None
         if labels is not None:
-            target, loss_mask = shift_labels(labels, loss_mask)
-        out = self.language_model(input_ids=None, position_ids=position_ids,
-                                  attention_mask=attention_mask, decoder_input=decoder_input,
-                                  labels=target)
-        if target is None or not self.post_process:
+            target, loss_mask = shift_labels(labels, loss_mask)  # per row, before any flattening
+        if cu_seqlens is not None:
+            device = next(self.parameters()).device
+            params = packed_sequence_params(cu_seqlens, max_seqlen, device)
+            if decoder_input is not None:
+                decoder_input = decoder_input.transpose(0, 1).reshape(batch * length, 1, -1)
+            if position_ids is not None:
+                position_ids = position_ids.reshape(position_ids.shape[0], 1, batch * length)
+            if target is not None:
+                target = target.reshape(1, batch * length)
+        out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=None,
+                                  decoder_input=decoder_input, labels=target,
+                                  packed_seq_params=params)
+        if not self.post_process:
+            return out
+        if params is not None:
+            out = out.reshape(batch, length, *out.shape[2:])
+        if target is None:
             return out
         return out * loss_mask, loss_mask

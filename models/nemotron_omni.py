@@ -4,7 +4,7 @@
 This module owns the assembled VLM (``NemotronOmni``, same public interface as
 ``models.qwen_vl.QwenVL``): the hybrid language model and its layer specs, the scatter of visual
 embeddings into the context tokens, and the loss on the batch contract (labels unshifted, the
-model shifts; packed rows get a block-causal mask from ``cu_seqlens``).
+model shifts; packed rows run as megatron's THD format over ``cu_seqlens``).
 
 Language model: megatron ``MambaModel`` with the HF hybrid pattern (one mixer per layer: ``M``
 Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE; RMSNorm pre-norm + residual), no position
@@ -26,7 +26,6 @@ Vision: ``models.radio.RadioEncoder`` (tower, pixel shuffle, projector) behind t
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.util
 import inspect
@@ -36,8 +35,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.cpu_attention import with_packed_attention
 from models.cpu_compat import cpu_moe_overrides, cpu_only, use_local_mamba_final_norm
-from models.multimodal import PipelineStagesMixin, packed_attention_mask, scatter_visual
+from models.multimodal import PipelineStagesMixin, scatter_visual
 from models.nemotron_omni_config import NemotronOmniModelConfig
 from models.radio import RadioEncoder
 from models.vision_dp import CostModel, VisionDPOverCP
@@ -134,7 +134,7 @@ def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool):
 
     use_local_mamba_final_norm()
     local = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    attention = copy.deepcopy(local)
+    attention = with_packed_attention(local)
     attention.submodules.pre_mlp_layernorm = IdentityOp
     attention.submodules.mlp = IdentityOp
     attention.submodules.mlp_bda = IdentityFuncOp
@@ -233,7 +233,8 @@ class NemotronOmni(PipelineStagesMixin, MegatronModule):
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids, pixel_values=None, image_grid_thw=None,
                 pixel_values_videos=None, video_grid_thw=None, labels=None, loss_mask=None,
-                cu_seqlens=None, sample_keys=None, visual_kinds=None, **_unused):
+                cu_seqlens=None, max_seqlen=None, sample_keys=None, visual_kinds=None,
+                **_unused):
         """Batch-contract fields -> logits (B, L, V/TP) or (per-token loss (B, L), loss mask).
 
         ``position_ids`` (3, B, L) is accepted and ignored (no rotary in NemotronH);
@@ -248,5 +249,5 @@ class NemotronOmni(PipelineStagesMixin, MegatronModule):
             decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
                                           pixel_values_videos, video_grid_thw, sample_keys,
                                           visual_kinds)
-        attention_mask = packed_attention_mask(cu_seqlens, batch, length, input_ids.device)
-        return self.run_language_model(decoder_input, attention_mask, None, labels, loss_mask)
+        return self.run_language_model(decoder_input, None, labels, loss_mask, (batch, length),
+                                       cu_seqlens, max_seqlen)

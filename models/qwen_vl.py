@@ -25,12 +25,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.cpu_attention import with_packed_attention
 from models.cpu_compat import cpu_only
-from models.multimodal import (  # noqa: F401 - block_causal_mask, IGNORE_INDEX: re-exported
-    IGNORE_INDEX,
+from models.multimodal import (
     PipelineStagesMixin,
-    block_causal_mask,
-    packed_attention_mask,
     scatter_visual,
 )
 from models.qwen_vl_config import QwenVLModelConfig
@@ -83,7 +81,8 @@ def lm_layer_spec(cfg: QwenVLModelConfig, use_te: bool):
 
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.lm.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=cfg.lm.qk_norm, normalization="RMSNorm")
+    return with_packed_attention(specs.get_gpt_layer_local_spec(qk_layernorm=cfg.lm.qk_norm,
+                                                                normalization="RMSNorm"))
 
 
 class QwenVL(PipelineStagesMixin, MegatronModule):
@@ -184,7 +183,8 @@ class QwenVL(PipelineStagesMixin, MegatronModule):
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids, pixel_values=None, image_grid_thw=None,
                 pixel_values_videos=None, video_grid_thw=None, labels=None, loss_mask=None,
-                cu_seqlens=None, sample_keys=None, visual_kinds=None, **_unused):
+                cu_seqlens=None, max_seqlen=None, sample_keys=None, visual_kinds=None,
+                **_unused):
         """Batch-contract fields -> logits (B, L, V/TP) or (per-token loss (B, L), loss mask).
 
         ``position_ids`` is (3, B, L) M-RoPE; ``visual_kinds``: see :meth:`embed`. With
@@ -201,10 +201,11 @@ class QwenVL(PipelineStagesMixin, MegatronModule):
             decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw,
                                                   pixel_values_videos, video_grid_thw, sample_keys,
                                                   visual_kinds)
-        attention_mask = packed_attention_mask(cu_seqlens, batch, length, input_ids.device)
+        if deepstack is not None and cu_seqlens is not None:  # THD: one row of B*L tokens
+            deepstack = (deepstack[0].reshape(1, -1), deepstack[1])
         self._deepstack = deepstack
         try:
-            return self.run_language_model(decoder_input, attention_mask, position_ids, labels,
-                                           loss_mask)
+            return self.run_language_model(decoder_input, position_ids, labels, loss_mask,
+                                           (batch, length), cu_seqlens, max_seqlen)
         finally:
             self._deepstack = None

@@ -308,16 +308,17 @@ def test_unsupported_layouts_refused_exit_2(mantis_out, tmp_path):
     assert "parallel.cp > 1 with task_encoder.packing is not supported" in line
 
 
-def pp2_and_pp1_losses(config: Path, mantis_out: Path, tmp_path: Path, *pp2_extra: str):
-    """3 steps (mbs 2 x grad_accum 2, fixed_length) of ``config`` at PP=1 (python) and PP=2
-    (torchrun, 2 gloo ranks) side by side from one PP=1 random init (megatron's random init depends
-    on the layout) -> (the shared train args, PP=2 losses, PP=1 losses)."""
+def pp2_and_pp1_losses(config: Path, mantis_out: Path, tmp_path: Path, *pp2_extra: str,
+                       shared: tuple[str, ...] = ()):
+    """3 steps (mbs 2 x grad_accum 2, fixed_length, + ``shared``) of ``config`` at PP=1 (python)
+    and PP=2 (torchrun, 2 gloo ranks) side by side from one PP=1 random init (megatron's random
+    init depends on the layout) -> (the shared train args, PP=2 losses, PP=1 losses)."""
     init = tmp_path / "init"
     subprocess.run([sys.executable, "tests/init_checkpoint.py", str(config), str(init)],
                    cwd=REPO, check=True, capture_output=True, timeout=300)
     args = [str(config), f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
             "train.micro_batch_size=2", "train.grad_accum=2", "task_encoder.fixed_length=true",
-            f"train.init_checkpoint={init}", *FAST]
+            f"train.init_checkpoint={init}", *FAST, *shared]
     runs = {"pp1": (1, []), "pp2": (2, ["parallel.pp=2", *pp2_extra])}
     procs = {}
     for name, (nproc, extra) in runs.items():  # side by side
@@ -349,7 +350,9 @@ def test_pp2_equals_pp1_and_resumes_exactly(mantis_out, tmp_path):
 
 
 @pytest.mark.slow
-def test_nemotron_pp2_equals_pp1(mantis_out, tmp_path):
-    """Nemotron-Omni (MambaModel LM, pattern "*-*-": two layers per stage) at PP=2 gives the PP=1
-    losses from the same initial weights."""
-    pp2_and_pp1_losses(NEMOTRON_MANTIS_CFG, mantis_out, tmp_path)
+def test_nemotron_packed_pp2_equals_pp1(mantis_out, tmp_path):
+    """Nemotron-Omni (MambaModel LM, pattern "*-*-": two layers per stage) with packing at PP=2
+    gives the PP=1 losses from the same initial weights: packed batches run as one THD row of
+    B*L tokens, which is also what the stages exchange."""
+    pp2_and_pp1_losses(NEMOTRON_MANTIS_CFG, mantis_out, tmp_path,
+                       shared=("task_encoder.packing=true",))
