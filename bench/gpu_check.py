@@ -1,14 +1,19 @@
 """GPU check of the model and training paths (issues 4 and 5): one short run on one GPU.
 
-Two parts, each printing one JSON line (and writing ``OUT/gpu_check.json``):
+Three parts, each printing one JSON line (and writing ``OUT/gpu_check.json``):
 
 1. ``vision``: the real-shaped vision towers (configs/qwen2_5_vl_7b.yaml, qwen3_vl_8b.yaml,
    nemotron_omni_30b_a3b.yaml), bf16, TransformerEngine layer specs when TE is importable (the
    local spec otherwise, said in the output), forward + backward over a batch of InfoVQA-sized
    images; reports patches/s and the achieved TFLOP/s (``models.training.vision_flops`` x 3).
-2. ``train``: ``train.py`` for a few real-shaped steps (Qwen2.5-VL 3B shapes, random init, bf16)
-   on lookalike shards built on the spot (converters.demo); reports the median step's tokens/s,
-   TFLOP/s and MFU against the GPU's dense bf16 peak (``--peak-tflops``, 989 for an H200).
+2. ``packed``: packed batches in megatron's THD format through TE's varlen attention (the tiny
+   models of each family, bf16): the largest |logit difference| between every packed sample and
+   the same sample alone, next to the bf16 noise of the unpacked batch (``max_abs_diff`` must
+   stay of that order; a sample that attended across its segment is off by far more);
+3. ``train``: ``train.py`` for a few real-shaped steps (Qwen2.5-VL 3B shapes, random init, bf16,
+   packing on) on lookalike shards built on the spot (converters.demo); reports the median step's
+   tokens/s, TFLOP/s and MFU against the GPU's dense bf16 peak (``--peak-tflops``, 989 for an
+   H200).
 
 ``--smoke`` runs both parts with the tiny configs on CPU in seconds: the test suite runs it so
 the script itself is known to work where no GPU is lent (bench/gpu_check.sh is the device entry).
@@ -118,6 +123,62 @@ def vision_part(smoke: bool, repeats: int) -> list[dict]:
     return rows
 
 
+def logits(model, inputs: dict):
+    """The model's logits (float32, on the CPU) for batch-contract ``inputs``, moved to the
+    model's device and pixel dtype."""
+    import torch
+
+    param = next(model.parameters())
+    moved = {k: v.to(param.device) if isinstance(v, torch.Tensor) else v
+             for k, v in inputs.items()}
+    for key in ("pixel_values", "pixel_values_videos"):
+        if key in moved:
+            moved[key] = moved[key].to(param.dtype)
+    with torch.no_grad():
+        return model(**moved).float().cpu()
+
+
+def packed_part(smoke: bool) -> list[dict]:
+    """Each family's tiny model: packed samples vs the same samples alone (max |logit diff|)."""
+    import torch
+
+    from models.checkpoint import build_model, init_parallel
+    from models.convert import make_inputs, pack_inputs
+    from models.families import config_module
+
+    init_parallel()
+    device = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    use_te = te_available() and not smoke
+    rows = []
+    for family, config in (("qwen2_5_vl", "qwen2_5_vl_tiny"), ("qwen3_vl", "qwen3_vl_tiny"),
+                           ("nemotron_omni", "nemotron_omni_tiny")):
+        cfg = config_module(family).load_yaml(REPO / "configs" / f"{config}.yaml")
+        torch.manual_seed(0)
+        model = build_model(cfg, use_te=use_te).to(device=device, dtype=dtype).eval()
+        cases = list(make_inputs(cfg).values())
+        packed_rows = [cases[:2], cases[2:]]
+        packed = logits(model, pack_inputs(packed_rows, tail=5))
+        unpacked = logits(model, pack_inputs([[c] for c in cases]) | {"cu_seqlens": None,
+                                                                       "max_seqlen": None})
+        diff = noise = 0.0
+        for r, row in enumerate(packed_rows):
+            at = 0
+            for case in row:
+                n = case["input_ids"].shape[1]
+                alone = logits(model, case)[0]
+                diff = max(diff, float((packed[r, at:at + n] - alone).abs().max()))
+                at += n
+        for i, case in enumerate(cases):
+            n = case["input_ids"].shape[1]
+            noise = max(noise, float((unpacked[i, :n] - logits(model, case)[0]).abs().max()))
+        rows.append({"part": "packed", "family": family, "te": use_te, "dtype": str(dtype),
+                     "max_abs_diff": diff, "unpacked_batch_noise": noise})
+        print(json.dumps(rows[-1]), flush=True)
+        del model
+    return rows
+
+
 def train_part(smoke: bool, steps: int, out: Path, peak_tflops: float,
                data: str | None = None) -> dict:
     """train.py on Mantis-like shards (``data``, or lookalikes built on the spot); the median
@@ -131,7 +192,7 @@ def train_part(smoke: bool, steps: int, out: Path, peak_tflops: float,
     run = out / "gpu_check_run"
     overrides = [f"data.path={data}", f"out={run}",
                  f"train.steps={steps}", "log.tensorboard=false", "checkpoint.save_final=false",
-                 "data.num_workers=2"]
+                 "data.num_workers=2", "task_encoder.packing=true"]
     if not smoke:  # real shapes: Qwen2.5-VL 3B, InfoVQA-class resolution, bf16
         overrides += ["model.base=configs/qwen2_5_vl_3b.yaml", "task_encoder.max_pixels=1003520",
                       "task_encoder.max_visual_tokens=8192", "task_encoder.seq_length=4096",
@@ -162,7 +223,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (tests)")
-    ap.add_argument("--part", choices=("all", "vision", "train"), default="all")
+    ap.add_argument("--part", choices=("all", "vision", "packed", "train"), default="all")
     ap.add_argument("--data", help="Mantis-like dataset for the train part (default: lookalikes)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -175,6 +236,8 @@ def main() -> None:
     report = {"te": te_available()}
     if args.part in ("all", "vision"):
         report["vision"] = vision_part(args.smoke, 2 if args.smoke else args.repeats)
+    if args.part in ("all", "packed"):
+        report["packed"] = packed_part(args.smoke)
     if args.part in ("all", "train"):
         report["train"] = train_part(args.smoke, 3 if args.smoke else args.steps, out,
                                      args.peak_tflops, args.data)

@@ -24,6 +24,9 @@ def test_gpu_check_smoke_runs_every_part(mantis_out, tmp_path):
     towers = {row["tower"] for row in report["vision"]}
     assert towers == {"qwen2.5-vl-7b", "qwen3-vl-8b", "nemotron-omni-30b-a3b"}
     assert all(row["patches_per_s"] > 0 and row["tflops_per_s"] >= 0 for row in report["vision"])
+    packed = {row["family"]: row for row in report["packed"]}
+    assert set(packed) == {"qwen2_5_vl", "qwen3_vl", "nemotron_omni"}
+    assert all(row["max_abs_diff"] < 1e-4 for row in packed.values())  # fp32 on CPU
     train = report["train"]
     assert train["steps"] == 3 and train["tokens_per_s"] > 0 and 0 <= train["mfu"] < 1
 

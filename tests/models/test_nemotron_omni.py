@@ -247,9 +247,11 @@ def test_batch_flops_counts_layers_and_vision():
 
 
 @pytest.mark.slow
-def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path):
+@pytest.mark.parametrize("pattern", ["*-*-", "*E-E"])
+def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path, pattern):
     """One torchrun launch (2 gloo ranks): import sharded at TP=2 and check TP=2 logits; then load
-    that TP=2 checkpoint at TP=1 here and check logits again (attention/MLP pattern)."""
+    that TP=2 checkpoint at TP=1 here and check logits again (attention / MLP, and MoE: routed and
+    shared experts sliced over TP, the router whole)."""
     import subprocess
     import sys
 
@@ -258,26 +260,28 @@ def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path):
     out = tmp_path / "tp2"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            str(REPO / "tests" / "models" / "tp2_check.py"), str(out),
-           str(tiny_nemotron_hf["*-*-"])]
+           str(tiny_nemotron_hf[pattern])]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "tp2_report.json").read_text())["nemotron_h_omni"]
     assert set(report) == {"one_image", "images_interleaved", "tiles", "video"}
     assert all(diff <= TOL for diff in report.values()), report
-    for name, row in verify(tiny_nemotron_hf["*-*-"], out / "nemotron_h_omni").items():
+    for name, row in verify(tiny_nemotron_hf[pattern], out / "nemotron_h_omni").items():
         assert row["max_abs_logit_diff"] <= TOL, (name, row)
 
 
 @pytest.mark.slow
-def test_pp2_parity_and_reshard(tiny_nemotron_hf, imported, tmp_path):
-    """One torchrun launch (2 gloo ranks): import at PP=2 (pattern "*-*-": "*-" per stage, each
-    stage writes its own, global layer numbers), PP=2 logits vs transformers, the PP=1 import
-    loaded at PP=2 equals it; then at PP=1: the PP=2 import's logits and tensors equal the
-    PP=1 import's."""
+@pytest.mark.parametrize("pattern", ["*-*-", "*E-E"])
+def test_pp2_parity_and_reshard(tiny_nemotron_hf, imported, tmp_path, pattern):
+    """One torchrun launch (2 gloo ranks): import at PP=2 (pattern "*-*-": "*-" per stage;
+    "*E-E": "*E" and "-E", MoE on both stages; each stage writes its own, global layer numbers),
+    PP=2 logits vs transformers, the PP=1 import loaded at PP=2 equals it; then at PP=1: the
+    PP=2 import's logits and tensors equal the PP=1 import's."""
     from tests.models.pp2_check import check_pp2
 
-    check_pp2(tiny_nemotron_hf["*-*-"], imported["*-*-"], tmp_path / "pp",
+    check_pp2(tiny_nemotron_hf[pattern], imported[pattern], tmp_path / "pp",
               {"one_image", "images_interleaved", "tiles", "video"}, TOL)
+
 
 def test_generation_batch_mixing_images_and_videos():
     """eval.py batches prompts: an image prompt, a video prompt and a prompt with both on the one
