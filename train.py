@@ -229,19 +229,20 @@ def main(argv=None) -> int:
         model.config.bf16 = True
         model.config.pipeline_dtype = torch.bfloat16  # the activations sent between PP stages
         model = Float16Module(model.config, model)
+    sharded_optimizer = cfg.train.distributed_optimizer
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False, bucket_size=None)
+                                               use_distributed_optimizer=sharded_optimizer,
+                                               bucket_size=None)
     model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     n_params = sum(q.numel() for q in model.parameters())
 
     # --- optimizer -----------------------------------------------------------------------------
     t = cfg.train
-    clip_in_optimizer = not cpu_only()  # megatron's clip_grad_norm needs CUDA tensors
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
-        params_dtype=torch.float32, use_distributed_optimizer=False,
-        clip_grad=t.clip_grad if clip_in_optimizer else 0.0), [model])
+        params_dtype=torch.float32, use_distributed_optimizer=sharded_optimizer,
+        clip_grad=t.clip_grad), [model])
 
     # --- resume --------------------------------------------------------------------------------
     start = 0
@@ -293,9 +294,7 @@ def main(argv=None) -> int:
                 (token_loss * scale / max(total_tokens, 1)).backward()
                 loss_sum += token_loss.detach().double().cpu()
         finalize_model_grads([model])
-        grad_norm = None if clip_in_optimizer else T.clip_main_grads(model, t.clip_grad)
-        _ok, opt_norm, _zeros = optimizer.step()
-        grad_norm = opt_norm if grad_norm is None else grad_norm
+        _ok, grad_norm, _zeros = optimizer.step()  # clips to train.clip_grad first
         if dp_cp.size() > 1:
             torch.distributed.all_reduce(loss_sum, group=dp_cp)
         if layout.pp > 1:  # the last stage's loss to every stage (rank 0 logs)

@@ -11,6 +11,11 @@ shims that let the project's model, checkpoint and training code run unchanged o
     ... parallel_state.initialize_model_parallel(...)
     seed_model_parallel(1234)           # installs a CPU RNG tracker on CPU, megatron's own on GPU
 
+megatron's optimizer (the distributed optimizer's parameter grouping, the grad-norm clip) asserts
+that parameters are CUDA tensors by their ``Tensor.type()`` name; on CPU that name is reported
+with ``cuda`` for calls from ``megatron.core.optimizer`` only (``_optimizer_type_names``), so the
+same optimizer code runs.
+
 Two accommodations of the hybrid (Nemotron) language model, called by its builder:
 ``use_local_mamba_final_norm()`` (``MambaStack`` builds its final norm with ``TENorm``
 unconditionally, which raises without TransformerEngine) and ``cpu_moe_overrides()`` (MoE config
@@ -113,11 +118,32 @@ def enable_cpu_compat(remap_tensor_literals: bool = False) -> bool:
 
         setattr(torch, name, wrapped)
     torch.Tensor.cuda = lambda self, *_args, **_kwargs: self
+    torch.Tensor.type = _optimizer_type_names(torch.Tensor.type)
     torch.cuda.synchronize = lambda *_args, **_kwargs: None
     torch.cuda.empty_cache = lambda *_args, **_kwargs: None
     torch.cuda.current_stream = lambda *_args, **_kwargs: _NullStream()
     _ENABLED = True
     return True
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _optimizer_type_names(original):
+    """``Tensor.type()`` that names CPU float tensors as CUDA ones when megatron's optimizer code
+    asks (its dtype checks compare against ``torch.cuda.*Tensor`` names); unchanged elsewhere."""
+
+    @functools.wraps(original)
+    def type_name(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or name not in _CUDA_TYPE_NAMES:
+            return name
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return _CUDA_TYPE_NAMES[name] if caller.startswith("megatron.core.optimizer") else name
+
+    return type_name
 
 
 def _cpu_tracker_class():

@@ -71,6 +71,9 @@ class TrainConfig:
     clip_grad: float = 1.0  #: global grad-norm clip (0 = off)
     init_checkpoint: str | None = None  #: megatron dist checkpoint to start from (HF import)
     precision: str = "auto"  #: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    #: shard the optimizer state (fp32 master weights, Adam moments) over the data-parallel ranks
+    #: (megatron's DistributedOptimizer: reduce-scatter of grads, all-gather of updated params)
+    distributed_optimizer: bool = True
 
 
 @dataclass(kw_only=True, slots=True)

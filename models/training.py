@@ -396,32 +396,6 @@ class MetricsLogger:
 
 
 # ------------------------------------------------------------------ grad norm / clipping
-def clip_main_grads(model, max_norm: float) -> float:
-    """Global L2 norm of the DDP ``main_grad`` buffers (TP/PP-aware: reduced over the model-parallel
-    group, TP duplicates and PP-shared copies counted once); scale them to max_norm.
-
-    The CPU path of gradient clipping (megatron's clip_grad_norm needs CUDA tensors). Call after
-    ``finalize_model_grads``, when every DP rank holds the reduced gradients.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-    grads = [p.main_grad for p in model.parameters()  # PP: a tied output weight's copy on the
-             if getattr(p, "main_grad", None) is not None  # last stage is ``shared``: once
-             and param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False)]
-    sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else \
-        torch.zeros((), dtype=torch.float64)
-    if dist.is_initialized() and ps.get_model_parallel_group().size() > 1:
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
-    norm = float(sq.sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in model.parameters():
-            if getattr(p, "main_grad", None) is not None:
-                p.main_grad.mul_(scale)
-    return norm
-
-
 # ------------------------------------------------------------------ 6. checkpoints
 TRAIN_STATE = "train_state.json"
 
@@ -481,10 +455,61 @@ def read_train_state(path: str | Path, layout_dp: int) -> dict:
     return state
 
 
+#: how the distributed optimizer's state is laid out in a checkpoint: resharded on load to any
+#: DP / TP / PP (megatron's default format of 0.16 uses flattened ranges that its own checkpoint
+#: validation now refuses)
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _torch_adams(optimizer):
+    """(megatron optimizer, its torch Adam) of each (chained) optimizer that steps with torch's
+    Adam / AdamW (neither TransformerEngine nor apex installed)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(getattr(opt, "optimizer", None), torch.optim.Adam):
+            yield opt, opt.optimizer
+
+
+def _prime_torch_adam_state(optimizer) -> None:
+    """Give a fresh torch Adam its (zero) per-parameter state before a checkpoint is loaded.
+
+    megatron's distributed optimizer reads the step count from every parameter's state while it
+    builds the sharded dict to load into; torch's Adam has none before its first step (TE's
+    FusedAdam keeps the step in its param groups). Loading overwrites these zeros.
+    """
+    for opt, adam in _torch_adams(optimizer):
+        if opt.init_state_fn is None or any(len(state) for state in adam.state.values()):
+            continue
+        opt.init_state_fn(adam, opt.config)
+        for group in adam.param_groups:
+            for param in group["params"]:
+                adam.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _restore_torch_adam_steps(optimizer, loaded: dict) -> None:
+    """Set torch Adam's per-parameter step counts to the ones the checkpoint saved.
+
+    megatron's distributed optimizer saves the step in its param groups and, on load, sets it
+    on every parameter's state, but then copies the parameter states (``dp_reshardable``), whose
+    ``step`` entry is the loading optimizer's own value (a non-persistent object): the primed 0.
+    Adam's bias correction would restart. The saved count is put back here.
+    """
+    subs = [loaded] if "optimizer" in loaded else [loaded[k] for k in sorted(loaded)]
+    for (_, adam), sub in zip(_torch_adams(optimizer), subs, strict=False):
+        steps = {g["step"] for g in sub.get("optimizer", {}).get("param_groups", [])
+                 if g.get("step") is not None}
+        if len(steps) != 1:
+            continue
+        step = float(steps.pop())
+        for state in adam.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step)
+
+
 def _sharded(model, optimizer, is_loading: bool) -> dict:
     model_sd = model.sharded_state_dict()
     return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                      metadata=OPTIMIZER_METADATA)}
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_states: list,
@@ -531,11 +556,14 @@ def load_checkpoint(step_dir: str | Path, *, model, optimizer, layout: Layout) -
     from megatron.core import dist_checkpointing
 
     step_dir = Path(step_dir)
+    _prime_torch_adam_state(optimizer)
     try:
         state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True),
                                         str(step_dir / "model_optim"))
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into views of the parameters
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_torch_adam_steps(optimizer, state["optimizer"])
         loader_states = torch.load(step_dir / "loader" / f"dp_{layout.dp_rank:05d}.pt",
                                    weights_only=False)
         rng = step_dir / "rng" / f"rank_{layout.rank:05d}.pt"

@@ -248,12 +248,20 @@ def test_cp2_equals_single_process_other_families(family, mantis_out, tmp_path):
 
 @pytest.mark.slow
 def test_dp2_equals_single_process(mantis_out, tmp_path):
+    """DP=2 (distributed optimizer: state sharded over the 2 ranks) reproduces one process reading
+    as 2 DP ranks, equals DP=2 with the plain optimizer, and resumes exactly."""
     args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
             "train.micro_batch_size=2", *FAST]
     ok(train(*args, f"out={tmp_path / 'one'}", "data.virtual_dp=2"))  # reads as 2 DP ranks
-    ok(train(*args, f"out={tmp_path / 'two'}", nproc=2))
+    ok(train(*args, f"out={tmp_path / 'two'}", "checkpoint.interval=2", nproc=2))
+    ok(train(*args, f"out={tmp_path / 'plain'}", "train.distributed_optimizer=false", nproc=2))
     for a, b in zip(losses(tmp_path / "two"), losses(tmp_path / "one"), strict=True):
         assert abs(a - b) < 1e-4
+    for a, b in zip(losses(tmp_path / "plain"), losses(tmp_path / "two"), strict=True):
+        assert abs(a - b) < 1e-6
+    step = tmp_path / "two" / "checkpoints" / "step_000002"
+    ok(train(*args, f"out={tmp_path / 'resumed'}", "--resume", str(step), nproc=2))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "two")[2:]  # bit-exact on CPU
 
 
 @pytest.mark.slow
