@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from energon_tasks.config import TaskEncoderConfig
+from models.cpu_compat import cpu_only
 from models.families import TASK_ENCODER_MODELS
 from models.run_config import ConfigError, dump_yaml, load_run_config, to_dict
 from models.training import UsageError, check_data_path, check_layout
@@ -33,7 +34,6 @@ from models.training import UsageError, check_data_path, check_layout
 def build_model(cfg, layout):
     """The model of ``cfg.model.family`` (vision DP over CP inside); CPU CP attention."""
     from models.checkpoint import build_model as build
-    from models.cpu_compat import cpu_only
 
     model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
     if layout.cp > 1 and cpu_only():
@@ -158,14 +158,24 @@ def main(argv=None) -> int:
     if p.cp > 1 and te_cfg.packing:
         raise UsageError("parallel.cp > 1 with task_encoder.packing is not supported yet "
                          "(packed rows need a per-segment CP split)")
-    check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length)
+    if p.ep > 1:
+        experts = getattr(cfg.model.lm, "num_experts", 0) if "E" in getattr(
+            cfg.model.lm, "pattern", "") else 0
+        if not experts or experts % p.ep:
+            raise UsageError(f"parallel.ep {p.ep} needs MoE layers whose expert count it divides "
+                             f"(model.family {cfg.model.family!r} has "
+                             f"{experts or 'no'} experts)")
+        if cpu_only() and not te_cfg.fixed_length:  # GPU: alltoall takes any token counts
+            raise UsageError("parallel.ep > 1 on CPU needs task_encoder.fixed_length=true (the "
+                             "CPU MoE dispatcher, allgather, needs equal token counts per rank)")
+    check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length, p.ep)
     check_data_path(cfg.data.path)
     out = Path(cfg.out)
 
     # --- distributed setup ---------------------------------------------------------------------
     from models import training as T
 
-    layout = T.init_distributed(p.tp, p.pp, p.cp, cfg.train.seed)
+    layout = T.init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
     resume = None
     if args.resume:
         where = cfg.checkpoint_dir if args.resume == "latest" else args.resume
@@ -216,8 +226,6 @@ def main(argv=None) -> int:
         finalize_model_grads,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from models.cpu_compat import cpu_only
 
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and not cpu_only())
     model = build_model(cfg, layout)

@@ -76,7 +76,8 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
             moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
             moe_router_topk_scaling_factor=t.routed_scaling_factor,
             moe_router_load_balancing_type="none", moe_router_dtype="fp32",
-            moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0)
+            moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
         kwargs.update(cpu_moe_overrides())
         if t.n_group > 1:
             kwargs.update(moe_router_num_groups=t.n_group, moe_router_group_topk=t.topk_group)

@@ -50,6 +50,9 @@ class ParallelConfig:
     tp: int = 1  #: tensor parallel
     pp: int = 1  #: pipeline parallel (needs task_encoder.fixed_length)
     cp: int = 1  #: context parallel (zig-zag split; CPU: exact all-gather attention)
+    #: expert parallel (MoE layers): each rank holds num_experts / ep experts; the EP ranks are
+    #: drawn from the data-parallel ones (tp * pp * ep must divide the world size)
+    ep: int = 1
     vision_dp: bool = True  #: shard the vision encoder over the CP ranks (models/vision_dp.py)
 
 

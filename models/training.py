@@ -55,11 +55,14 @@ class Layout:
 
 
 def check_layout(world: int, tp: int, pp: int, cp: int, seq_length: int,
-                 fixed_length: bool) -> None:
+                 fixed_length: bool, ep: int = 1) -> None:
     """Raises UsageError (every problem) when the layout cannot be built."""
     problems = []
     if world % (tp * pp * cp):
         problems.append(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if ep > 1 and world % (tp * pp * ep):
+        problems.append(f"world size {world} is not divisible by tp*pp*ep = {tp}*{pp}*{ep} "
+                        "(the expert-parallel ranks come from the data-parallel ones)")
     if cp > 1 and seq_length % (2 * cp):
         problems.append(f"task_encoder.seq_length {seq_length} is not divisible by 2*cp = {2 * cp}")
     if pp > 1 and not fixed_length:
@@ -70,7 +73,7 @@ def check_layout(world: int, tp: int, pp: int, cp: int, seq_length: int,
         raise UsageError("impossible parallel layout: " + "; ".join(problems))
 
 
-def init_distributed(tp: int, pp: int, cp: int, seed: int) -> Layout:
+def init_distributed(tp: int, pp: int, cp: int, seed: int, ep: int = 1) -> Layout:
     """gloo/nccl process group (plain python = one process), parallel_state, RNG tracker."""
     enable_cpu_compat(remap_tensor_literals=True)  # megatron optimizer wrappers need it
     from megatron.core import parallel_state as ps
@@ -79,7 +82,7 @@ def init_distributed(tp: int, pp: int, cp: int, seed: int) -> Layout:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp)
+                                 context_parallel_size=cp, expert_model_parallel_size=ep)
     seed_model_parallel(seed)
     return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=tp, pp=pp, cp=cp,
                   dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),

@@ -314,6 +314,18 @@ def test_unsupported_layouts_refused_exit_2(mantis_out, tmp_path):
     line = error_line(train(str(MANTIS_CFG), data, "task_encoder.packing=true", "parallel.cp=2",
                             env={"WORLD_SIZE": "2"}))
     assert "parallel.cp > 1 with task_encoder.packing is not supported" in line
+    line = error_line(train(str(MANTIS_CFG), data, "parallel.ep=2", env={"WORLD_SIZE": "2"}))
+    assert "parallel.ep 2 needs MoE layers" in line and "no experts" in line
+    moe = "model.lm.pattern='*E-E'"
+    line = error_line(train(str(NEMOTRON_MANTIS_CFG), data, moe, "parallel.ep=3",
+                            env={"WORLD_SIZE": "3"}))
+    assert "expert count it divides (model.family 'nemotron_omni' has 8 experts)" in line
+    line = error_line(train(str(NEMOTRON_MANTIS_CFG), data, moe, "parallel.ep=2",
+                            env={"WORLD_SIZE": "2"}))
+    assert "parallel.ep > 1 on CPU needs task_encoder.fixed_length=true" in line
+    line = error_line(train(str(NEMOTRON_MANTIS_CFG), data, moe, "parallel.ep=4", fixed,
+                            env={"WORLD_SIZE": "2"}))
+    assert "not divisible by tp*pp*ep = 1*1*4" in line
 
 
 def pp2_and_pp1_losses(config: Path, mantis_out: Path, tmp_path: Path, *pp2_extra: str,
@@ -355,6 +367,30 @@ def test_pp2_equals_pp1_and_resumes_exactly(mantis_out, tmp_path):
     ok(train(*args, "parallel.pp=2", f"out={tmp_path / 'resumed'}", "--resume", str(step),
              nproc=2))
     assert losses(tmp_path / "resumed") == pp2[2:]  # bit-exact on CPU
+
+
+@pytest.mark.slow
+def test_nemotron_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path):
+    """Nemotron-Omni with MoE layers ("*E-E", 8 experts): expert parallel EP=2 (4 experts per
+    rank) over the 2 DP ranks gives the EP=1 losses from the same initial weights (a checkpoint
+    written at EP=1, resharded on load), and an EP=2 checkpoint resumes exactly."""
+    moe = "model.lm.pattern='*E-E'"
+    init = tmp_path / "init"
+    subprocess.run([sys.executable, "tests/init_checkpoint.py", str(NEMOTRON_MANTIS_CFG),
+                    str(init), moe], cwd=REPO, check=True, capture_output=True, timeout=300)
+    args = [str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", moe,
+            "train.steps=3", "train.micro_batch_size=1", "task_encoder.fixed_length=true",
+            "task_encoder.seq_length=768", f"train.init_checkpoint={init}", *FAST]
+    ok(train(*args, f"out={tmp_path / 'dp2'}", nproc=2))
+    ok(train(*args, "parallel.ep=2", "checkpoint.interval=2", f"out={tmp_path / 'ep2'}", nproc=2))
+    ep2 = losses(tmp_path / "ep2")
+    assert ep2[-1] < ep2[0]
+    for a, b in zip(ep2, losses(tmp_path / "dp2"), strict=True):
+        assert abs(a - b) < 1e-4
+    step = tmp_path / "ep2" / "checkpoints" / "step_000002"
+    ok(train(*args, "parallel.ep=2", f"out={tmp_path / 'resumed'}", "--resume", str(step),
+             nproc=2))
+    assert losses(tmp_path / "resumed") == ep2[2:]  # bit-exact on CPU
 
 
 @pytest.mark.slow
