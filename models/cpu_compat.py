@@ -182,8 +182,9 @@ def _cpu_tracker_class():
 def seed_model_parallel(seed: int) -> None:
     """Seed torch and megatron's model-parallel RNG tracker (after parallel_state is initialised).
 
-    On CPU a tracker that forks the CPU generator is installed first; on GPU this is exactly
-    ``model_parallel_cuda_manual_seed(seed)``.
+    On CPU a tracker that forks the CPU generator is installed first (and megatron's CUDA
+    generator save / restore, used by activation recomputation, does nothing); on GPU this is
+    exactly ``model_parallel_cuda_manual_seed(seed)``.
     """
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -192,6 +193,10 @@ def seed_model_parallel(seed: int) -> None:
         enable_cpu_compat()
         mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        # activation recomputation (megatron's checkpoint) saves and restores the CUDA generator
+        # next to the CPU one and the tracker's: there is none on CPU
+        mrandom._get_cuda_rng_state = lambda *_args, **_kwargs: None
+        mrandom._set_cuda_rng_state = lambda *_args, **_kwargs: None
     mrandom.model_parallel_cuda_manual_seed(seed)
 
 

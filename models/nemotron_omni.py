@@ -40,6 +40,7 @@ from models.cpu_compat import cpu_moe_overrides, cpu_only, use_local_mamba_final
 from models.multimodal import PipelineStagesMixin, scatter_visual
 from models.nemotron_omni_config import NemotronOmniModelConfig
 from models.radio import RadioEncoder
+from models.recompute import transformer_config_kwargs
 from models.vision_dp import CostModel, VisionDPOverCP
 
 
@@ -64,6 +65,7 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32,  # activations sent between PP stages (bf16 set by train.py)
+        **transformer_config_kwargs(cfg.recompute, block_recompute=False),  # MambaStack: no full
     )
     if "M" in t.pattern:
         kwargs.update(mamba_state_dim=t.ssm_state_size, mamba_head_dim=t.mamba_head_dim,

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from models.qwen_vl_config import ParallelConfig, _get, sections_from_dict
+from models.recompute import check_mode
 
 FAMILY = "nemotron_omni"
 HF_MODEL_TYPE = "nemotron_h_omni"
@@ -124,10 +125,14 @@ class NemotronOmniModelConfig:
     vision_start_token_id: int = -1  #: ``<img>`` (not used by the model; kept for the data side)
     vision_end_token_id: int = -1  #: ``</img>``
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    #: activation recomputation while training: none | selective | full (models/recompute.py;
+    #: the hybrid LM recomputes its core attention for full)
+    recompute: str = "none"
 
     def __post_init__(self):
         if self.family != FAMILY:
             raise ValueError(f"family must be {FAMILY!r}, got {self.family!r}")
+        check_mode(self.recompute)
         bad = sorted(set(self.lm.pattern) - set(LAYER_SYMBOLS.values()))
         if bad or not self.lm.pattern:
             raise ValueError(f"lm.pattern {self.lm.pattern!r}: symbols must be M, *, - or E")

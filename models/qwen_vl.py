@@ -32,6 +32,7 @@ from models.multimodal import (
     scatter_visual,
 )
 from models.qwen_vl_config import QwenVLModelConfig
+from models.recompute import transformer_config_kwargs
 from models.vision import QwenVisionEncoder
 from models.vision_dp import VisionDPOverCP
 
@@ -71,6 +72,10 @@ def lm_transformer_config(cfg: QwenVLModelConfig) -> TransformerConfig:
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32,  # activations sent between PP stages (bf16 set by train.py)
+        # DeepStack adds features to its layers' outputs through forward hooks, which a full
+        # rerun of those layers in backward would not repeat: Qwen3-VL's LM takes selective
+        **transformer_config_kwargs(cfg.recompute,
+                                    block_recompute=not cfg.vision.deepstack_visual_indexes),
     )
     config.mrope_section = megatron_mrope_section(t.mrope_section, t.mrope_interleaved)
     return config

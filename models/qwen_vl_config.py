@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from models.recompute import check_mode
+
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 
@@ -81,10 +83,13 @@ class QwenVLModelConfig:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    #: activation recomputation while training: none | selective | full (models/recompute.py)
+    recompute: str = "none"
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        check_mode(self.recompute)
         if sum(self.lm.mrope_section) * 2 != self.lm.head_dim:
             raise ValueError(f"lm.mrope_section {self.lm.mrope_section} must sum to head_dim/2 = "
                              f"{self.lm.head_dim // 2}")

@@ -44,6 +44,7 @@ from torch import nn
 
 from models.cpu_compat import cpu_only
 from models.nemotron_omni_config import NemotronOmniModelConfig, RadioConfig
+from models.recompute import run_layer, transformer_config_kwargs
 from models.vision import tower_sharded_state_dict, vision_layer_spec
 
 
@@ -76,7 +77,7 @@ def radio_layer_spec(use_te: bool):
     return spec
 
 
-def radio_transformer_config(v: RadioConfig) -> TransformerConfig:
+def radio_transformer_config(v: RadioConfig, recompute: str = "none") -> TransformerConfig:
     swiglu = v.mlp == "swiglu"
     return TransformerConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, ffn_hidden_size=v.intermediate_size,
@@ -88,6 +89,7 @@ def radio_transformer_config(v: RadioConfig) -> TransformerConfig:
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=cpu_only(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        **transformer_config_kwargs(recompute, block_recompute=False),  # full: run_layer
     )
 
 
@@ -185,7 +187,8 @@ class RadioEncoder(MegatronModule):
 
     def __init__(self, cfg: NemotronOmniModelConfig, *, use_te: bool | None = None):
         v = cfg.vision
-        tconfig = radio_transformer_config(v)
+        tconfig = radio_transformer_config(v, cfg.recompute)
+        self.recompute = cfg.recompute
         super().__init__(config=tconfig)
         self.v, self.merge = v, cfg.merge_size
         use_te = (not cpu_only()) if use_te is None else use_te
@@ -217,8 +220,8 @@ class RadioEncoder(MegatronModule):
         params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds)
         hidden = hidden[:, None, :]  # megatron layout (s, b=1, h)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=None, packed_seq_params=params)
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            hidden = run_layer(layer, hidden, self.recompute, attention_mask=None,
+                               packed_seq_params=params)
         keep = torch.ones(hidden.shape[0], dtype=torch.bool)
         for start in bounds[:-1].tolist():
             keep[start:start + prefix] = False

@@ -35,6 +35,7 @@ from torch import nn
 
 from models.cpu_compat import cpu_only
 from models.qwen_vl_config import QwenVLModelConfig, VisionConfig
+from models.recompute import run_layer, transformer_config_kwargs
 from models.segment_attention import SegmentAttention
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
@@ -55,7 +56,8 @@ def vision_layer_spec(normalization: str, use_te: bool):
     return spec
 
 
-def vision_transformer_config(v: VisionConfig, family: str) -> TransformerConfig:
+def vision_transformer_config(v: VisionConfig, family: str, recompute: str = "none"
+                              ) -> TransformerConfig:
     qwen3 = family == "qwen3_vl"
     return TransformerConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, ffn_hidden_size=v.intermediate_size,
@@ -67,6 +69,7 @@ def vision_transformer_config(v: VisionConfig, family: str) -> TransformerConfig
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=cpu_only(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        **transformer_config_kwargs(recompute, block_recompute=False),  # full: run_layer
     )
 
 
@@ -180,7 +183,8 @@ class QwenVisionEncoder(MegatronModule):
 
     def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool | None = None):
         v = cfg.vision
-        tconfig = vision_transformer_config(v, cfg.family)
+        tconfig = vision_transformer_config(v, cfg.family, cfg.recompute)
+        self.recompute = cfg.recompute
         super().__init__(config=tconfig)
         self.family, self.v = cfg.family, v
         self.qwen3 = cfg.family == "qwen3_vl"
@@ -233,9 +237,8 @@ class QwenVisionEncoder(MegatronModule):
         for i, layer in enumerate(self.layers):
             bounds = full if (self.qwen3 or i in self.v.fullatt_block_indexes) else window
             params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds)
-            hidden = layer(hidden, attention_mask=None, rotary_pos_emb=rope,
-                           packed_seq_params=params)
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            hidden = run_layer(layer, hidden, self.recompute, attention_mask=None,
+                               rotary_pos_emb=rope, packed_seq_params=params)
             if i in self.v.deepstack_visual_indexes:
                 merger = self.deepstack_mergers[self.v.deepstack_visual_indexes.index(i)]
                 deepstack.append(merger(hidden[:, 0]))

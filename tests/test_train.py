@@ -60,8 +60,10 @@ def error_line(proc) -> str:
 def test_config_loads_with_overrides():
     cfg = run_config(MANTIS_CFG, ["train.steps=7", "train.lr=1e-3", "model.lm.num_layers=1",
                                        "task_encoder.max_pixels=50176", "data.path=/x",
-                                       "parallel.cp=2", "out=/tmp/o"])
+                                       "parallel.cp=2", "out=/tmp/o", "model.recompute=full",
+                                       "parallel.ep=1", "train.distributed_optimizer=false"])
     assert (cfg.train.steps, cfg.train.lr, cfg.model.lm.num_layers) == (7, 1e-3, 1)
+    assert cfg.model.recompute == "full" and not cfg.train.distributed_optimizer
     assert cfg.task_encoder.max_pixels == 50176 and cfg.data.path == "/x"
     assert cfg.task_encoder.context_parallel_size == 2  # follows parallel.cp
     assert to_dict(cfg)["train"]["steps"] == 7 and cfg.checkpoint_dir == Path("/tmp/o/checkpoints")
