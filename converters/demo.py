@@ -39,7 +39,9 @@ def run_conversions(out: Path, workers: int = 2) -> dict[str, dict]:
         cmd = [sys.executable, "-m", "converters", command, "--source", str(sources[name]),
                "--out", str(target), "--workers", str(workers), *extra]
         click.echo(f"$ {' '.join(cmd[1:])}")
-        subprocess.run(cmd, check=True)
+        if subprocess.run(cmd).returncode != 0:
+            raise click.ClickException(f"converting into {target} failed (its error is above); "
+                                       f"delete {out} to build the demo data afresh")
         summaries[command] = json.loads((target / "summary.json").read_text())
     return summaries
 
