@@ -265,7 +265,10 @@ def main(argv=None) -> int:
         start = resume["step"]
     if is_logger:
         print(f"[train] {n_params / 1e6:.2f} M params on rank 0; world {layout.world} = "
-              f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}; "
+              f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
+              f"{f' (ep {p.ep})' if p.ep > 1 else ''}; optimizer state "
+              f"{f'sharded over dp {layout.dp}' if sharded_optimizer else 'replicated'}; "
+              f"recompute {cfg.model.recompute}; packing {'THD' if te_cfg.packing else 'off'}; "
               f"steps {start}..{t.steps}", flush=True)
 
     # --- loop ----------------------------------------------------------------------------------
