@@ -53,6 +53,8 @@ def forward_step(model, batch, layout, blank_media: bool):
     """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch`` (PP: a stage before
     the last returns its output hidden states (L, B, H), or (B*L, 1, H) for a packed batch,
     which megatron's schedule sends on)."""
+    from models.multimodal import shift_labels
+
     unwrapped = model.module
     while not hasattr(unwrapped, "embed"):  # DDP -> (Float16Module ->) QwenVL / NemotronOmni
         unwrapped = unwrapped.module
@@ -73,12 +75,7 @@ def forward_step(model, batch, layout, blank_media: bool):
                                      fields["image_grid_thw"], fields["pixel_values_videos"],
                                      fields["video_grid_thw"], batch.__key__,
                                      fields["visual_kinds"])
-    labels, mask = fields["labels"], fields["loss_mask"]
-    target = torch.full_like(labels, -100)
-    target[:, :-1] = labels[:, 1:]
-    shifted = torch.zeros_like(mask)
-    shifted[:, :-1] = mask[:, 1:]
-    shifted = shifted * (target != -100)
+    target, shifted = shift_labels(fields["labels"], fields["loss_mask"])  # as the models do
     split = lambda t, d: zigzag(t, d, layout.cp, layout.cp_rank)  # noqa: E731
     if deepstack is not None:  # Qwen3-VL: this rank's visual tokens and their DeepStack rows
         visual, features = deepstack  # (B, L) mask; rows in its row-major order
@@ -89,7 +86,7 @@ def forward_step(model, batch, layout, blank_media: bool):
     try:
         out = unwrapped.language_model(input_ids=None, position_ids=fields["position_ids"],
                                        attention_mask=None, decoder_input=split(emb, 0),
-                                       labels=split(target.clamp(min=0), 1))
+                                       labels=split(target, 1))
     finally:
         unwrapped._deepstack = None
     return out * split(shifted, 1)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -59,24 +58,6 @@ def make_row(cfg, images: int, tokens: int) -> dict:
             "position_ids": mrope_positions(ids, list(grids), {cfg.image_token_id}, merge)}
 
 
-def measure(model, row: dict) -> tuple[int, float, dict]:
-    """(bytes kept for backward, CPU seconds of forward + backward, gradients)."""
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    model.zero_grad(set_to_none=True)
-    start = time.process_time()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, mask = model(**row, labels=row["input_ids"])
-    (loss.sum() / mask.sum()).backward()
-    seconds = time.process_time() - start
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return sum(kept.values()), seconds, grads
-
-
 @click.command()
 @click.option("--out", default="bench_out/recompute", type=click.Path(path_type=Path))
 @click.option("--images", default=8, show_default=True)
@@ -86,6 +67,7 @@ def main(out: Path, images: int, tokens: int, repeats: int) -> None:
     torch.set_num_threads(1)
     from models.checkpoint import build_model, init_parallel
     from models.qwen_vl_config import load_yaml
+    from models.recompute import backward_footprint
 
     init_parallel()
     models, row = {}, None
@@ -96,13 +78,13 @@ def main(out: Path, images: int, tokens: int, repeats: int) -> None:
         row = row or make_row(cfg, images, tokens)
     kept, times, grads = {}, {m: [] for m in MODES}, {}
     for mode in MODES:  # warm-up; the kept bytes and gradients do not vary between repeats
-        kept[mode], _, grads[mode] = measure(models[mode], row)
+        kept[mode], _, grads[mode] = backward_footprint(models[mode], row)
     for key, grad in grads["none"].items():
         for mode in MODES[1:]:
             torch.testing.assert_close(grads[mode][key], grad, rtol=0, atol=1e-6, msg=key)
     for _ in range(repeats):
         for mode in MODES:
-            times[mode].append(measure(models[mode], row)[1])
+            times[mode].append(backward_footprint(models[mode], row)[1])
     seconds = {m: statistics.median(t) for m, t in times.items()}
     result = {"images": images, "tokens": int(row["input_ids"].shape[1]),
               "patches": int(row["pixel_values"].shape[0]), "shapes": SHAPES,

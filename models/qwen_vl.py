@@ -27,10 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.cpu_attention import with_packed_attention
 from models.cpu_compat import cpu_only
-from models.multimodal import (
-    PipelineStagesMixin,
-    scatter_visual,
-)
+from models.multimodal import PipelineStagesMixin, scatter_visual
 from models.qwen_vl_config import QwenVLModelConfig
 from models.recompute import transformer_config_kwargs
 from models.vision import QwenVisionEncoder

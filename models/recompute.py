@@ -53,3 +53,27 @@ def run_layer(layer, hidden, mode: str, **kwargs):
 
         return tensor_parallel.checkpoint(forward, False, hidden)
     return forward(hidden)
+
+
+def backward_footprint(model, batch: dict) -> tuple[int, float, dict]:
+    """One training forward + backward of ``model`` on batch-contract ``batch`` (labels = its input
+    ids) -> (bytes of the distinct tensors autograd kept for backward, CPU seconds, gradients).
+    What the recompute modes are compared by (tests, bench/bench_recompute.py)."""
+    import time
+
+    import torch
+
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    start = time.process_time()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, mask = model(**batch, labels=batch["input_ids"])
+    (loss.sum() / mask.sum()).backward()
+    seconds = time.process_time() - start
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return sum(kept.values()), seconds, grads

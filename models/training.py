@@ -3,8 +3,8 @@ throughput and FLOP accounting, logging, and the training checkpoint.
 
 Stages, in the order train.py uses them:
 
-1. ``check_layout`` / ``init_distributed``: world size vs TP x PP x CP, gloo (CPU) or nccl (GPU),
-   megatron ``parallel_state``, seeded RNG tracker (``models.cpu_compat`` on CPU).
+1. ``check_layout`` / ``init_distributed``: world size vs TP x PP x CP (x EP), gloo (CPU) or
+   nccl (GPU), megatron ``parallel_state``, seeded RNG tracker (``models.cpu_compat`` on CPU).
 2. ``check_data_path`` / ``probe_first_batch``: a missing or empty dataset, or one whose samples
    the budget all skips, is a ``UsageError`` before the model is built.
 3. ``lr_at``: linear warmup then cosine decay (the scheduler state is the step).
@@ -12,7 +12,8 @@ Stages, in the order train.py uses them:
 5. ``batch_flops`` / ``StepMeter`` / ``MetricsLogger``: throughput, estimated FLOPs, peak memory,
    budget counters; console + metrics.jsonl + TensorBoard (+ wandb).
 6. ``save_checkpoint`` / ``read_train_state`` / ``load_checkpoint``: megatron dist_checkpointing
-   of model + optimizer, the Energon loader state of every DP rank, RNG, scheduler, config.
+   of model + (distributed) optimizer, the Energon loader state of every DP rank, RNG,
+   scheduler, config.
 
 Raises ``UsageError`` (one line; train.py exits 2) for every input problem it detects.
 """
@@ -398,7 +399,6 @@ class MetricsLogger:
                 self.wandb.finish()
 
 
-# ------------------------------------------------------------------ grad norm / clipping
 # ------------------------------------------------------------------ 6. checkpoints
 TRAIN_STATE = "train_state.json"
 
@@ -458,9 +458,9 @@ def read_train_state(path: str | Path, layout_dp: int) -> dict:
     return state
 
 
-#: how the distributed optimizer's state is laid out in a checkpoint: resharded on load to any
-#: DP / TP / PP (megatron's default format of 0.16 uses flattened ranges that its own checkpoint
-#: validation now refuses)
+#: how the distributed optimizer's state is laid out in a checkpoint: reshardable over DP only
+#: (resume keeps TP / PP; megatron 0.16's default format uses flattened ranges that its own
+#: checkpoint validation refuses, and its fully reshardable one drops torch Adam's step)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 

@@ -8,7 +8,27 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import REPO
 from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni
+
+#: family -> (configs/ file, overrides) of the tiny model of each family
+TINY_CONFIGS = {
+    "qwen2_5_vl": ("qwen2_5_vl_tiny.yaml", ["lm.max_position_embeddings=512"]),
+    "qwen3_vl": ("qwen3_vl_tiny.yaml", ["lm.max_position_embeddings=512"]),
+    "nemotron_omni": ("nemotron_omni_tiny.yaml", []),
+}
+
+
+def build_tiny(family: str, *overrides: str, seed: int = 0):
+    """(config, model) of the family's tiny config (+ ``overrides``), local spec, seeded init."""
+    from models.checkpoint import build_model, init_parallel
+    from models.families import config_module
+
+    config, defaults = TINY_CONFIGS[family]
+    cfg = config_module(family).load_yaml(REPO / "configs" / config, [*defaults, *overrides])
+    init_parallel()
+    torch.manual_seed(seed)
+    return cfg, build_model(cfg, use_te=False)
 
 
 @pytest.fixture(scope="session")

@@ -7,27 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.models.conftest import build_tiny
 
 IGNORE = -100
-#: (config, overrides): Qwen2.5-VL, Qwen3-VL (DeepStack rows land on the flattened tokens), and
+#: (family, overrides): Qwen2.5-VL, Qwen3-VL (DeepStack rows land on the flattened tokens), and
 #: Nemotron-Omni with MoE layers (images and videos share one context token: visual_kinds)
-MODELS = {
-    "qwen2_5_vl": ("qwen2_5_vl_tiny.yaml", ["lm.max_position_embeddings=512"]),
-    "qwen3_vl": ("qwen3_vl_tiny.yaml", ["lm.max_position_embeddings=512"]),
-    "nemotron_omni": ("nemotron_omni_tiny.yaml", ["lm.pattern='*E-E'"]),
-}
-
-
-def build(name: str):
-    from models.checkpoint import build_model, init_parallel
-    from models.families import config_module
-
-    config, overrides = MODELS[name]
-    cfg = config_module(name).load_yaml(REPO / "configs" / config, overrides)
-    init_parallel()
-    torch.manual_seed(0)
-    return cfg, build_model(cfg, use_te=False).eval()
+CASES = [("qwen2_5_vl", ()), ("qwen3_vl", ()), ("nemotron_omni", ("lm.pattern='*E-E'",))]
 
 
 def with_labels(case: dict) -> dict:
@@ -37,11 +22,12 @@ def with_labels(case: dict) -> dict:
     return dict(case, labels=labels, loss_mask=(labels != IGNORE).float())
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_packed_samples_match_samples_alone(name):
+@pytest.mark.parametrize("family,overrides", CASES, ids=[c[0] for c in CASES])
+def test_packed_samples_match_samples_alone(family, overrides):
     from models.convert import make_inputs, pack_inputs
 
-    cfg, model = build(name)
+    cfg, model = build_tiny(family, *overrides)
+    model.eval()
     cases = [with_labels(c) for c in make_inputs(cfg).values()]
     rows = [cases[:2], cases[2:]]  # row 1 holds 1-2 samples and a pad tail
     batch = pack_inputs(rows, tail=5)
