@@ -1,8 +1,11 @@
 """Command line: `python -m converters {mantis,infovqa,llava-video,finalize} ...`.
 
 Each dataset command converts a source (hub id by default, or a local folder with the hub's
-layout) into one Energon dataset at `--out`, then prints the summary. Bad arguments give one line
-on stderr and exit code 2; bad data never stops a run (see rejects.jsonl).
+layout) into one Energon dataset at `--out`, then prints the summary. Bad data never stops a run
+(see rejects.jsonl). Everything that does stop one is ONE line on stderr, never a traceback:
+bad arguments, a source that cannot be planned, an `--out` in use by another run (exit 2); a
+conversion with no sample, a full disk, a dead worker (exit 1); SIGINT / SIGTERM (exit 130 / 143).
+After any of them the same command resumes.
 """
 
 from __future__ import annotations
@@ -15,8 +18,20 @@ from pathlib import Path
 import click
 
 from converters.base import UsageError
-from converters.pipeline import Options, convert, precheck
+from converters.finalize import NoSamples
+from converters.lock import LockedError
+from converters.media import Limits
+from converters.pipeline import (
+    Interrupted,
+    Options,
+    OutOfSpace,
+    WorkerDied,
+    convert,
+    precheck,
+)
+from converters.progress import DEFAULT_INTERVAL_S
 
+_DEFAULT_LIMITS = Limits()
 _DEFAULT_SHARD_SIZE = {"mantis": 1000, "infovqa": 200, "llava-video": 100}
 
 
@@ -46,6 +61,23 @@ def common_options(dataset: str, hub_id: str):
             click.option("--energon-media-metadata", is_flag=True,
                          help="Also store Energon's media metadata in .nv-meta/index.sqlite "
                               "(K.json always has it; ~2 ms per image at the final step)."),
+            click.option("--max-image-pixels", default=_DEFAULT_LIMITS.max_image_pixels,
+                         show_default=True, type=click.IntRange(1),
+                         help="Reject images with more pixels (decided from the header, "
+                              "before decoding)."),
+            click.option("--max-member-bytes", default=_DEFAULT_LIMITS.max_member_bytes,
+                         show_default=True, type=click.IntRange(1),
+                         help="Reject archive members / files larger than this without reading "
+                              "them into memory."),
+            click.option("--max-video-frames", default=_DEFAULT_LIMITS.max_video_frames,
+                         show_default=True, type=click.IntRange(1),
+                         help="Reject videos with more frames (counted by demuxing)."),
+            click.option("--max-video-seconds", default=_DEFAULT_LIMITS.max_video_seconds,
+                         show_default=True, type=click.FloatRange(min=0, min_open=True),
+                         help="Reject videos lasting longer (measured from the packets)."),
+            click.option("--progress-interval", default=DEFAULT_INTERVAL_S, show_default=True,
+                         type=click.FloatRange(min=0),
+                         help="Seconds between progress lines when stderr is not a terminal."),
         ]
         for option in reversed(options):
             fn = option(fn)
@@ -54,21 +86,55 @@ def common_options(dataset: str, hub_id: str):
     return decorate
 
 
-def _run(make_source, out: Path, **options) -> None:
+#: what ends a run, and its exit code (the message is the exception's)
+_EXITS = ((UsageError, 2), (LockedError, 2), (NoSamples, 1), (OutOfSpace, 1), (WorkerDied, 1))
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _guarded(run, out: Path):
+    """Run `run()`; whatever stops it is one line on stderr with its exit code."""
     try:
+        return run()
+    except Interrupted as exc:
+        click.echo(f"interrupted ({exc}); run the same command again to resume", err=True)
+        sys.exit(128 + exc.signum)
+    except KeyboardInterrupt:
+        click.echo("interrupted; run the same command again to resume", err=True)
+        sys.exit(130)
+    except tuple(kind for kind, _ in _EXITS) as exc:
+        _fail(str(exc), next(code for kind, code in _EXITS if isinstance(exc, kind)))
+    except OSError as exc:
+        _fail(f"{exc.strerror or exc} ({exc.filename or out})", 1)
+    except Exception as exc:  # a bug: one line here, the traceback in a file
+        import traceback
+
+        log = out / ".work" / "last_error.txt"
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(traceback.format_exc())
+            where = f"; traceback in {log}"
+        except OSError:
+            where = ""
+        _fail(f"internal error: {type(exc).__name__}: {str(exc)[:300]}{where}", 1)
+
+
+def _run(make_source, out: Path, **options) -> None:
+    def run():
         opts = Options(out=out, **options)
         precheck(opts)  # before opening the source, which may download or cache a lot
-        summary = convert(make_source(), opts)
-    except UsageError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
-    _report(out, summary)
+        return convert(make_source, opts)
+
+    _report(out, _guarded(run, out))
 
 
 def _report(out: Path, summary: dict | None) -> None:
     if summary is None:
-        click.echo(f"partition done; the dataset at {out} is finalized by the last partition "
-                   "(or `python -m converters finalize --out ...`)")
+        click.echo(f"partition done; the dataset at {out} is finalized by the last partition to "
+                   "finish (or `python -m converters finalize --out ...`)")
         return
     shown = {k: summary[k] for k in ("rows_read", "rows_written", "samples_written", "rejected",
                                      "rejected_by_reason", "fixups_by_kind", "samples_by_split",
@@ -90,16 +156,24 @@ def dataset_command(dataset: str, hub_id: str, *extra_options):
     def decorate(fn):
         @functools.wraps(fn)
         def command(source, out, configs, splits, workers, num_partitions, partition_index,
-                    val_fraction, shard_size, energon_media_metadata, **extra):
+                    val_fraction, shard_size, energon_media_metadata, max_image_pixels,
+                    max_member_bytes, max_video_frames, max_video_seconds, progress_interval,
+                    **extra):
+            limits = Limits(max_image_pixels=max_image_pixels, max_member_bytes=max_member_bytes,
+                            max_video_frames=max_video_frames,
+                            max_video_seconds=max_video_seconds)
+
             def make_source():
                 from converters.hub import Source
 
                 cache = out / ".work" / "datasets_cache"
-                return fn(Source(source, cache), out, _csv(configs), _csv(splits), **extra)
+                return fn(Source(source, cache), out, _csv(configs), _csv(splits), limits=limits,
+                          **extra)
 
             _run(make_source, out, workers=workers, num_partitions=num_partitions,
                  partition_index=partition_index, val_fraction=val_fraction,
-                 shard_size=shard_size, energon_media_metadata=energon_media_metadata)
+                 shard_size=shard_size, energon_media_metadata=energon_media_metadata,
+                 progress_interval=progress_interval)
 
         for option in reversed(extra_options):
             command = option(command)
@@ -109,43 +183,45 @@ def dataset_command(dataset: str, hub_id: str, *extra_options):
 
 
 @dataset_command("mantis", "TIGER-Lab/Mantis-Instruct")
-def mantis(source, out, configs, splits):
+def mantis(source, out, configs, splits, limits):
     """TIGER-Lab/Mantis-Instruct: interleaved multi-image conversations."""
     from converters.mantis import MantisSource
 
-    return MantisSource(source, configs, splits)
+    return MantisSource(source, configs, splits, limits=limits)
 
 
 @dataset_command("infovqa", "Ahren09/InfoVQA",
                  click.option("--one-question-per-sample", is_flag=True,
                               help="One sample per question instead of one per infographic."))
-def infovqa(source, out, configs, splits, one_question_per_sample=False):
+def infovqa(source, out, configs, splits, limits, one_question_per_sample=False):
     """Ahren09/InfoVQA (or lmms-lab/DocVQA InfographicVQA): high-resolution infographics."""
     from converters.infovqa import InfoVQASource
 
-    return InfoVQASource(source, configs, splits, one_question_per_sample)
+    return InfoVQASource(source, configs, splits, one_question_per_sample, limits=limits)
 
 
 @dataset_command("llava-video", "lmms-lab/LLaVA-Video-178K")
-def llava_video(source, out, configs, splits):
+def llava_video(source, out, configs, splits, limits):
     """lmms-lab/LLaVA-Video-178K: video conversations (videos from the tar.gz parts)."""
     from converters.llava_video import LlavaVideoSource
 
-    return LlavaVideoSource(source, out / ".work", configs, splits)
+    return LlavaVideoSource(source, out / ".work", configs, splits, limits=limits)
 
 
 @cli.command("finalize")
-@click.option("--out", required=True, type=click.Path(path_type=Path))
-@click.option("--workers", default=1, type=int)
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="The dataset folder every partition wrote into.")
+@click.option("--workers", default=1, type=int, help="Workers for energon prepare.")
 def finalize_command(out: Path, workers: int):
     """Index the union of all partitions' shards (run once all partitions are done)."""
     from converters.finalize import finalize
+    from converters.pipeline import disk_errors, interruptible
 
-    try:
-        _report(out, finalize(out, workers=workers))
-    except UsageError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+    def run():
+        with interruptible(), disk_errors():
+            return finalize(out, workers=workers)
+
+    _report(out, _guarded(run, out))
 
 
 if __name__ == "__main__":

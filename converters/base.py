@@ -8,6 +8,7 @@ workers, shards, resume, accounting, energon prepare) is the pipeline's job.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -29,8 +30,24 @@ def target_of(split: str, config_has_val: bool) -> Target:
 
 
 def config_folder(config: str) -> str:
-    """The shard folder (and Energon split-part suffix) of a source config."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in config)
+    """The shard folder (and Energon split-part suffix) of a source config: the name itself when
+    it is a plain folder name, else its sanitised form plus 8 hex digits of its SHA-1, so that
+    names like `.`, `..`, `a b` and `a_b` never escape the split folder or share one."""
+    plain = "".join(c if c.isascii() and (c.isalnum() or c in "-_") else "_" for c in config)
+    if plain == config and plain:
+        return plain
+    digest = hashlib.sha1(config.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{plain[:64]}-{digest}"
+
+
+def check_config_folders(configs: list[str]) -> None:
+    """Raises UsageError when two configs would share a shard folder."""
+    seen: dict[str, str] = {}
+    for config in configs:
+        folder = config_folder(config)
+        if seen.setdefault(folder, config) != config:
+            raise UsageError(f"configs {seen[folder]!r} and {config!r} map to one shard folder "
+                             f"{folder!r}; convert them in separate runs (--configs)")
 
 
 class UsageError(Exception):
@@ -73,6 +90,7 @@ class Built:
     sample: CanonicalSample | None = None
     parts: dict[str, bytes] = field(default_factory=dict)  #: media part name -> bytes
     rejects: list[Reject] = field(default_factory=list)
+    sample_json: bytes = b""  #: K.json as written (set by the writer once the sample is valid)
 
 
 class SourceDataset(Protocol):

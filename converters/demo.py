@@ -60,9 +60,8 @@ def build_vision_check(out: Path, workers: int = 2) -> Path:
 def show_energon_info(out: Path) -> None:
     energon = Path(sys.executable).with_name("energon")
     for command, _, _ in CONVERSIONS:
-        click.echo(f"$ energon info {out / command} --dataset-config inspect.yaml")
-        subprocess.run([str(energon), "info", str(out / command), "--dataset-config",
-                        "inspect.yaml"], check=True)
+        click.echo(f"$ energon info {out / command}")
+        subprocess.run([str(energon), "info", str(out / command)], check=True)
 
 
 @click.command()

@@ -1,15 +1,21 @@
 """The final step of a conversion: accounting, statistics, Energon index and blend, over all shards.
 
 Reads every shard sidecar under `OUT/.work/`, checks that every source row ended in exactly one
-place, writes `summary.json`, `rejects.jsonl`, `stats.json` (+ PNGs), runs `energon prepare`
-(CrudeWebdataset, train/val/test split parts plus one split part per source config) and writes
-the MetadatasetV2 blend `metadataset.yaml` weighted by sample counts. Idempotent; guarded by a
-lock so that concurrent partitions finalize once.
+place, writes `rejects.jsonl`, `stats.json` (+ PNG), runs `energon prepare` (train/val/test split
+parts plus one per source config) with our typed `dataset.yaml`
+(`energon_tasks.energon_dataset.DATASET_YAML`), writes the MetadatasetV2 blend `metadataset.yaml`
+weighted by sample counts, then `summary.json`, and last the marker `.work/finalized.json`.
+
+Exactly once and kill-safe: it runs under the `finalize` lock (a partition that finds it held by a
+live run leaves the work to that run), skips work a marker says is done for the same shards, writes
+each file atomically, and rebuilds `.nv-meta/` and the `.tar.idx` files from scratch, so a kill at
+any moment (energon prepare included) is repaired by running the same command again. A conversion
+that wrote no sample raises `NoSamples` after writing its accounting (no Energon index is built).
 """
 
 from __future__ import annotations
 
-import fcntl
+import hashlib
 import json
 import re
 import shutil
@@ -21,15 +27,18 @@ from pathlib import Path
 import yaml
 
 from converters.base import UsageError, config_folder
+from converters.lock import LockedError, RunLock
+from converters.progress import phase
 from converters.stats import write_stats
+from converters.writer import write_atomic, write_json_atomic
+from energon_tasks.energon_dataset import DATASET_YAML
 
 SPLITS = ("train", "val", "test")
+MARKER = "finalized.json"
 
-#: Energon 7.4's `info` and `lint` cannot read a CrudeWebdataset config (info wants a
-#: `sample_type`, lint a cooker), so they get this typed view of the same shards.
-INSPECT_CONFIG = "inspect.yaml"
-_INSPECT_VIEW = {"sample_type": {"__module__": "megatron.energon", "__class__": "TextSample"},
-                 "field_map": {"text": "json"}}
+
+class NoSamples(Exception):
+    """Every row was rejected: nothing to train on (the message gives the reasons)."""
 
 
 def _energon() -> list[str]:
@@ -62,7 +71,9 @@ def _summarize(out: Path, records: list[dict], options: dict) -> dict:
     source_rows = sum(n for _, _, n in options["splits"])
     for counts in by_config.values():
         counts["rows_written"] = counts["rows_read"] - counts["rejected"]
-    runs = [json.loads(line) for line in (out / ".work" / "runs.jsonl").read_text().splitlines()]
+    runs_file = out / ".work" / "runs.jsonl"
+    runs = [json.loads(line) for line in runs_file.read_text().splitlines() if line.strip()] \
+        if runs_file.is_file() else []
     seconds = sum(r["seconds"] for r in runs)
     bytes_out = sum(r["bytes_out"] for r in records)
     return {
@@ -86,19 +97,25 @@ def _summarize(out: Path, records: list[dict], options: dict) -> dict:
     }
 
 
-def _prepare(out: Path, records: list[dict], workers: int, media_metadata: bool) -> list[str]:
-    """Run `energon prepare`; returns the Energon split parts that hold samples."""
-    shards = [r["shard"] for r in records if r["shard"]]
-    parts: dict[str, str] = {}
-    for split in SPLITS:
-        if any(s.split("/")[1] == split for s in shards):
-            parts[split] = f"shards/{split}/.*"
-    for shard in shards:
+def _split_parts(records: list[dict]) -> dict[str, str]:
+    """Energon split part -> shard regex: every split (empty or not: Energon's lint and preview
+    default to train,val,test) and `<split>/<config folder>` for each config with shards."""
+    parts = {split: f"shards/{split}/.*" for split in SPLITS}
+    for shard in sorted(r["shard"] for r in records if r["shard"]):
         _, split, folder, _ = shard.split("/")
         parts[f"{split}/{folder}"] = f"shards/{split}/{re.escape(folder)}/.*"
+    return parts
+
+
+def _prepare(out: Path, parts: dict[str, str], workers: int, media_metadata: bool) -> None:
+    """`energon prepare` from scratch (an earlier, killed one may have left any state), then our
+    dataset.yaml."""
+    shutil.rmtree(out / ".nv-meta", ignore_errors=True)
+    for index in (out / "shards").rglob("*.tar.idx"):
+        index.unlink()
     cmd = _energon() + ["prepare", str(out), "--non-interactive", "--force-overwrite",
                         "--no-progress", "--num-workers", str(max(1, workers)),
-                        "--sample-type", "CrudeWebdataset"]
+                        "--skip-dataset-yaml"]
     if media_metadata:
         cmd.append("--media-metadata-by-extension")
     for name, pattern in parts.items():
@@ -106,10 +123,10 @@ def _prepare(out: Path, records: list[dict], workers: int, media_metadata: bool)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"energon prepare failed: {proc.stderr.strip()[-2000:]}")
-    header = ("# Typed view for `energon info/lint --dataset-config inspect.yaml` (Energon 7.4's\n"
-              "# tools cannot read the CrudeWebdataset dataset.yaml). Train with dataset.yaml.\n")
-    (out / ".nv-meta" / INSPECT_CONFIG).write_text(header + yaml.safe_dump(_INSPECT_VIEW))
-    return list(parts)
+    header = ("# Conversation samples (docs/format.md), loaded by vlm-sft's installed package: read\n"
+              "# by its task encoders and by `energon info / lint / preview` alike.\n")
+    write_atomic(out / ".nv-meta" / "dataset.yaml",
+                 (header + yaml.safe_dump(DATASET_YAML, sort_keys=False)).encode())
 
 
 def _write_metadataset(out: Path, records: list[dict], split_parts: list[str]) -> None:
@@ -133,11 +150,32 @@ def _write_metadataset(out: Path, records: list[dict], split_parts: list[str]) -
     doc = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": splits}
     header = ("# Blend of the source configs, weighted by sample count. Edit the weights to\n"
               "# re-weight subsets; train with this file as the data path.\n")
-    (out / "metadataset.yaml").write_text(header + yaml.safe_dump(doc, sort_keys=False))
+    write_atomic(out / "metadataset.yaml",
+                 (header + yaml.safe_dump(doc, sort_keys=False)).encode())
 
 
-def finalize(out: Path, splits=None, *, workers: int = 1) -> dict | None:
-    """Index the union of all partitions' shards. Returns the summary (None if locked)."""
+def _shards_digest(records: list[dict]) -> str:
+    """Identifies the set of shard records a finalize covered."""
+    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
+
+
+def _no_samples_message(out: Path, summary: dict) -> str:
+    top = ", ".join(f"{k}={v}" for k, v in sorted(summary["rejected_by_reason"].items(),
+                                                   key=lambda kv: -kv[1])[:4])
+    return (f"no sample written: all {summary['rejected']} rows were rejected ({top or 'none'}); "
+            f"see {out}/rejects.jsonl")
+
+
+def finalize(out: Path, *, workers: int = 1) -> dict | None:
+    """Index the union of all partitions' shards, once.
+
+    Returns:
+        The summary, or None when another partition holds the finalize lock (it finalizes).
+
+    Raises:
+        UsageError: no conversion in `out`, or partitions still missing.
+        NoSamples: every row was rejected.
+    """
     work = out / ".work"
     options_path = work / "options.json"
     if not options_path.is_file():
@@ -147,30 +185,52 @@ def finalize(out: Path, splits=None, *, workers: int = 1) -> dict | None:
     if done < options["num_partitions"]:
         raise UsageError(f"--out {out}: only {done} of {options['num_partitions']} "
                          "partitions are done")
-    with open(work / "finalize.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return None
-        records = _read_sidecars(out)
-        summary = _summarize(out, records, options)
-        if not (summary["rows_read"] == summary["source_rows"]
-                == summary["rows_written"] + summary["rejected"]):
-            raise RuntimeError(f"accounting broken: {summary['source_rows']} source rows, "
-                               f"{summary['rows_read']} read, {summary['rows_written']} written, "
-                               f"{summary['rejected']} rejected")
-        rejects = sorted((r for rec in records for r in rec["rejects"]),
-                         key=lambda r: (r["config"], r["split"], r["row"]))
-        with open(out / "rejects.jsonl", "w") as f:
-            for rej in rejects:
-                f.write(json.dumps(rej, sort_keys=True) + "\n")
-        summary["stats"] = write_stats(out, [s for rec in records for s in rec["stats"]],
-                                       summary["conversion"])
-        split_parts = (_prepare(out, records, workers, options["energon_media_metadata"])
-                       if summary["shards"] else [])
-        summary["energon_split_parts"] = split_parts
-        if split_parts:
-            _write_metadataset(out, records, split_parts)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
-        shutil.rmtree(work / "datasets_cache", ignore_errors=True)  # a local source's table copy
-        return summary
+    try:
+        lock = RunLock(work / "finalize.lock", f"finalizing --out {out}", notify=phase)
+        lock.acquire()
+    except LockedError:
+        phase("another partition is finalizing the dataset")
+        return None
+    try:
+        return _finalize_locked(out, options, workers)
+    finally:
+        lock.release()
+
+
+def _finalize_locked(out: Path, options: dict, workers: int) -> dict:
+    work = out / ".work"
+    records = _read_sidecars(out)
+    digest = _shards_digest(records)
+    marker = work / MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("shards") == digest \
+            and (out / "summary.json").is_file():
+        phase("already finalized")
+        return json.loads((out / "summary.json").read_text())
+    phase(f"finalizing: accounting of {len(records)} shards")
+    summary = _summarize(out, records, options)
+    if not (summary["rows_read"] == summary["source_rows"]
+            == summary["rows_written"] + summary["rejected"]):
+        raise RuntimeError(f"accounting broken: {summary['source_rows']} source rows, "
+                           f"{summary['rows_read']} read, {summary['rows_written']} written, "
+                           f"{summary['rejected']} rejected")
+    rejects = sorted((r for rec in records for r in rec["rejects"]),
+                     key=lambda r: (r["config"], r["split"], r["row"]))
+    write_atomic(out / "rejects.jsonl",
+                 "".join(json.dumps(r, sort_keys=True) + "\n" for r in rejects).encode())
+    if not summary["samples_written"]:
+        write_json_atomic(out / "summary.json", summary)
+        raise NoSamples(_no_samples_message(out, summary))
+    phase("finalizing: statistics")
+    summary["stats"] = write_stats(out, [s for rec in records for s in rec["stats"]],
+                                   summary["conversion"])
+    parts = _split_parts(records)
+    phase(f"finalizing: energon prepare ({summary['shards']} shards)")
+    _prepare(out, parts, workers, options["energon_media_metadata"])
+    held = {s for r in records if r["shard"] for s in
+            (r["shard"].split("/")[1], "/".join(r["shard"].split("/")[1:3]))}
+    summary["energon_split_parts"] = [name for name in parts if name in held]
+    _write_metadataset(out, records, summary["energon_split_parts"])
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1, sort_keys=True).encode())
+    write_json_atomic(marker, {"shards": digest})
+    shutil.rmtree(work / "datasets_cache", ignore_errors=True)  # a local source's table copy
+    return summary

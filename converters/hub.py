@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import sys
 from pathlib import Path
 
 import datasets
 
 from converters.base import UsageError
+
+if not sys.stderr.isatty():  # batch logs get our periodic lines, not a bar per split
+    datasets.disable_progress_bars()
 
 
 class Source:
@@ -61,14 +65,40 @@ class Source:
         return datasets.load_dataset(self.ref, config, split=split, cache_dir=cache)
 
     def data_files(self, config: str | None, split: str) -> list[str]:
-        """Resolved data file URLs/paths of a split, as `load_dataset` would read them."""
+        """Resolved data file URLs/paths of a split, as `load_dataset` would read them.
+
+        Raises:
+            UsageError: a local data file lies outside the source folder (the card's globs, or a
+                symlink, point out of it).
+        """
         builder = datasets.load_dataset_builder(self.ref, config)
-        return [str(f) for f in builder.config.data_files[split]]
+        files = [str(f) for f in builder.config.data_files[split]]
+        if self.local:
+            from converters.archives import inside
+
+            for f in files:
+                if os.path.exists(f) and not inside(self.local, Path(f)):
+                    raise UsageError(f"--source {self.location}: data file {f} of config "
+                                     f"{config!r} lies outside the source")
+        return files
 
     def file_path(self, relpath: str) -> Path | None:
-        """A file of the repository on local disk (downloaded from the hub when needed)."""
+        """A file of the repository on local disk (downloaded from the hub when needed).
+
+        Raises:
+            UsageError: `relpath` would leave the repository (`..`, absolute, or a symlink out).
+        """
+        from converters.archives import inside, safe_member_name
+
+        name = safe_member_name(relpath)
+        if name is None:
+            raise UsageError(f"--source {self.location}: {relpath!r} leaves the source")
+        relpath = name
         if self.local:
             path = self.local / relpath
+            if (path.exists() or path.is_symlink()) and not inside(self.local, path):
+                raise UsageError(f"--source {self.location}: {relpath} leaves the source "
+                                 "(a symlink out of it)")
             return path if path.is_file() else None
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
@@ -81,7 +111,10 @@ class Source:
     def list_files(self, pattern: str) -> list[str]:
         """Repository-relative file names matching a glob pattern, sorted."""
         if self.local:
-            names = [str(p.relative_to(self.local)) for p in self.local.glob(pattern)]
+            from converters.archives import inside
+
+            names = [str(p.relative_to(self.local)) for p in self.local.glob(pattern)
+                     if p.is_file() and inside(self.local, p)]
         else:
             from huggingface_hub import HfApi
 
@@ -115,7 +148,19 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
-def open_splits(source: Source, configs: list[str], wanted: list[str] | None, load=None):
+def _check_columns(source: Source, config: str, split: str, table, required) -> None:
+    columns = set(getattr(table, "column_names", None) or ())
+    if not columns and not len(table):
+        return  # an empty split: nothing to read, whatever its schema
+    for group in required:
+        if not group & columns:
+            raise UsageError(f"--source {source.location}: config {config!r} split {split!r} has "
+                             f"no {' / '.join(sorted(group))} column (it has "
+                             f"{', '.join(sorted(columns)) or 'none'})")
+
+
+def open_splits(source: Source, configs: list[str], wanted: list[str] | None, load=None,
+                required: tuple[set[str], ...] = ()):
     """Load every (config, split) to convert.
 
     Args:
@@ -123,11 +168,14 @@ def open_splits(source: Source, configs: list[str], wanted: list[str] | None, lo
         configs: configs to convert (already checked).
         wanted: split names to keep (None: all); unknown names are a UsageError.
         load: `(config, split) -> table` (default `source.load`); a table needs `len()`.
+        required: column groups a `datasets` table must have (one name of each group).
 
     Returns:
         (splits, tables): `SourceSplit`s in a fixed order and their tables by (config, split).
     """
-    from converters.base import SourceSplit, target_of
+    from converters.base import SourceSplit, check_config_folders, target_of
+
+    check_config_folders(configs)
 
     load = load or source.load
     splits, tables, seen = [], {}, set()
@@ -137,7 +185,10 @@ def open_splits(source: Source, configs: list[str], wanted: list[str] | None, lo
         chosen = [n for n in names if wanted is None or n in wanted]
         has_val = any(target_of(n, True) == "val" for n in chosen)
         for name in chosen:
+            if source.local:
+                source.data_files(config, name)  # refuses files outside the source
             table = load(config, name)
+            _check_columns(source, config, name, table, required)
             tables[(config, name)] = table
             splits.append(SourceSplit(config=config, split=name, target=target_of(name, has_val),
                                       num_rows=len(table)))

@@ -5,7 +5,10 @@ Accepts the Ahren09 spelling (`image`, `question`, `answer`: list) and the lmms-
 one infographic become ONE multi-turn sample, so the image is stored and later encoded once
 (`one_question_per_sample=True` turns this off); rows are grouped by a hash of the image bytes,
 in order of first appearance. Rows without answers (the test split) are rejected with reason
-`no_answer`. Images keep their original bytes and resolution: resizing is the loader's job.
+`no_answer`; a question or answer that contains a media placeholder (`<image>` / `<video>`) as
+text is rejected `placeholder_in_text` (it would be read as a second image). Images keep their
+original bytes and resolution (resizing is the loader's job) once they decode within the pixel
+cap. A split without the image / question / answer columns is a one-line error before any shard.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import datasets
 
 from converters.base import Built, Reject, SourceSplit, Unit, reject_all
 from converters.hub import Source, open_splits, resolve_configs
-from converters.media import MediaError, image_media, probe_image
+from converters.media import Limits, MediaError, image_media, probe_image
 from energon_tasks.sample_format import (
     IMAGE_PLACEHOLDER,
+    PLACEHOLDER_RE,
     CanonicalSample,
     SourceRef,
     Turn,
@@ -27,22 +31,39 @@ from energon_tasks.sample_format import (
 
 HUB_ID = "Ahren09/InfoVQA"
 DATASET = "infovqa"
+REQUIRED_COLUMNS = ({"image"}, {"question"}, {"answer", "answers"})
 
 
 def _answers(row: dict) -> list[str]:
     value = row.get("answer", row.get("answers"))
     if isinstance(value, str):
         value = [value]
-    return [a.strip() for a in (value or []) if isinstance(a, str) and a.strip()]
+    if not isinstance(value, (list, tuple)):
+        return []
+    return [a.strip() for a in value if isinstance(a, str) and a.strip()]
 
 
 def _image_digests(table: datasets.Dataset) -> list[str]:
-    """BLAKE2 of each row's image bytes, read from the Arrow column without decoding."""
+    """BLAKE2 of each row's image bytes, read from the Arrow column without decoding (a row
+    without bytes gets a digest of its own: it is never grouped with another)."""
     digests = []
     for chunk in table.data.column("image").chunks:
         for data in chunk.field("bytes").to_pylist():
-            digests.append(hashlib.blake2b(data or b"", digest_size=16).hexdigest())
+            digest = hashlib.blake2b(data or b"", digest_size=16).hexdigest()
+            digests.append(digest if data else f"{digest[:16]}{len(digests):016x}")
     return digests
+
+
+def _row_problem(question, answers: list[str]) -> tuple[str, str] | None:
+    """(reason, detail) when a row cannot become a turn pair."""
+    if not answers:
+        return "no_answer", "no answers"
+    if not isinstance(question, str) or not question.strip():
+        return "bad_conversation", "no question"
+    for text in (question, *answers):
+        if PLACEHOLDER_RE.search(text):
+            return "placeholder_in_text", f"{text[:80]!r} contains a media placeholder"
+    return None
 
 
 class InfoVQASource:
@@ -51,8 +72,10 @@ class InfoVQASource:
     name = DATASET
 
     def __init__(self, source: Source, configs: list[str] | None = None,
-                 splits: list[str] | None = None, one_question_per_sample: bool = False):
+                 splits: list[str] | None = None, one_question_per_sample: bool = False,
+                 limits: Limits = Limits()):
         self.source = source
+        self.limits = limits
         self.one_question_per_sample = one_question_per_sample
         self.configs = resolve_configs(source, configs)
 
@@ -60,11 +83,13 @@ class InfoVQASource:
             table = source.load(config, split)
             return table.cast_column("image", datasets.Image(decode=False))
 
-        self._splits, self._tables = open_splits(source, self.configs, splits, load)
+        self._splits, self._tables = open_splits(source, self.configs, splits, load,
+                                                 required=REQUIRED_COLUMNS)
 
     def fingerprint(self) -> dict:
         return {"location": self.source.location, "configs": self.configs,
-                "one_question_per_sample": self.one_question_per_sample}
+                "one_question_per_sample": self.one_question_per_sample,
+                "limits": self.limits.fingerprint()}
 
     def splits(self) -> list[SourceSplit]:
         return self._splits
@@ -93,11 +118,10 @@ class InfoVQASource:
         for row_index, source_id, row in zip(unit.rows, unit.ids, rows):
             answers = _answers(row)
             question = row.get("question")
-            if not answers or not isinstance(question, str) or not question.strip():
-                reason = "no_answer" if not answers else "bad_conversation"
+            problem = _row_problem(question, answers)
+            if problem:
                 rejects.append(Reject(id=source_id, config=split.config, split=split.split,
-                                      row=row_index, reason=reason,
-                                      detail="no answers" if not answers else "no question"))
+                                      row=row_index, reason=problem[0], detail=problem[1]))
                 continue
             prefix = f"{IMAGE_PLACEHOLDER}\n" if not turns else ""
             turns.append(Turn(role="user", content=prefix + question.strip()))
@@ -107,10 +131,15 @@ class InfoVQASource:
             return Built(rejects=rejects)
         image = rows[0]["image"] or {}
         name = image.get("path") or f"{unit.ids[0]}.jpg"
+        kept_unit = Unit(key=unit.key, rows=[r for r, _ in kept], ids=[i for _, i in kept])
+        if not image.get("bytes"):
+            return Built(rejects=rejects + reject_all(split, kept_unit, "missing_image",
+                                                      f"{name}: no image bytes").rejects)
         try:
-            probed = probe_image(image.get("bytes") or b"", name)
+            probed = probe_image(image["bytes"], name, self.limits)
         except MediaError as err:
-            return reject_all(split, unit, err.reason, err.detail)
+            return Built(rejects=rejects + reject_all(split, kept_unit, err.reason,
+                                                      err.detail).rejects)
         entry, data = image_media(0, probed, name)
         sample = CanonicalSample(
             dataset=DATASET,

@@ -20,7 +20,14 @@ import datasets
 from converters.archives import FolderMembers, TarGzMembers
 from converters.base import Built, SourceSplit, Unit, UsageError, reject_all
 from converters.hub import Source, open_data_file, open_splits, resolve_configs
-from converters.media import MediaError, fetch_media, probe_video, video_media
+from converters.media import (
+    Limits,
+    MediaError,
+    fetch_media,
+    probe_video,
+    video_fixups,
+    video_media,
+)
 from energon_tasks.sample_format import (
     IMAGE_PLACEHOLDER,
     VIDEO_EXTENSIONS,
@@ -36,14 +43,23 @@ DATASET = "llava-video"
 _ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
+def _valid_text(text: str) -> bool:
+    """False for text holding lone surrogates (JSON `\\ud800` escapes): not writable as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_conversations(messages) -> tuple[list[Turn], list[str]] | str:
     """Turns with `<image>` rewritten as `<video>` and the fixups made, or why it is malformed."""
     if not isinstance(messages, list) or not messages:
         return "conversations is empty or not a list"
     turns = []
     for message in messages:
-        role = _ROLES.get((message or {}).get("from"))
-        value = (message or {}).get("value")
+        role = _ROLES.get(message.get("from")) if isinstance(message, dict) else None
+        value = message.get("value") if isinstance(message, dict) else None
         if role is None or not isinstance(value, str):
             return f"bad message {str(message)[:80]!r}"
         turns.append(Turn(role=role, content=value))
@@ -66,15 +82,45 @@ def parse_conversations(messages) -> tuple[list[Turn], list[str]] | str:
     return turns, fixups
 
 
+def _read_json_records(url: str) -> list:
+    """The records of one annotation file read with the `json` module.
+
+    Raises:
+        UsageError: the file is not UTF-8 JSON holding an array (names the file).
+    """
+    try:
+        with open_data_file(url) as f:
+            records = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
+        raise UsageError(f"annotation file {url} cannot be parsed: {type(exc).__name__}: "
+                         f"{str(exc)[:160]}") from None
+    if not isinstance(records, list):
+        raise UsageError(f"annotation file {url} holds a {type(records).__name__}, "
+                         "not an array of records")
+    return records
+
+
+def _record_problem(record) -> str | None:
+    """Why a record is unusable as data (not an object, no id, text that is not Unicode)."""
+    if not isinstance(record, dict):
+        return f"the record is a {type(record).__name__}, not an object"
+    if record.get("id") is None:
+        return "the record has no id"
+    if not _valid_text(json.dumps(record, ensure_ascii=False, default=str)):
+        return "the record holds text that is not valid Unicode (a lone surrogate)"
+    return None
+
+
 class LlavaVideoSource:
     """LLaVA-Video-178K opened for conversion (see module docstring)."""
 
     name = DATASET
 
     def __init__(self, source: Source, work_dir: Path, configs: list[str] | None = None,
-                 splits: list[str] | None = None):
+                 splits: list[str] | None = None, limits: Limits = Limits()):
         self.source = source
         self.work_dir = work_dir
+        self.limits = limits
         self.configs = resolve_configs(source, configs)
         self.json_fallbacks: list[str] = []
         self._splits, self._tables = open_splits(source, self.configs, splits, self._load)
@@ -91,13 +137,13 @@ class LlavaVideoSource:
             pass
         records = []
         for url in self.source.data_files(config, split):
-            with open_data_file(url) as f:
-                records.extend(json.load(f))
+            records.extend(_read_json_records(url))
         self.json_fallbacks.append(f"{config}/{split}")
         return records
 
     def fingerprint(self) -> dict:
-        return {"location": self.source.location, "configs": self.configs}
+        return {"location": self.source.location, "configs": self.configs,
+                "limits": self.limits.fingerprint()}
 
     def splits(self) -> list[SourceSplit]:
         return self._splits
@@ -105,8 +151,11 @@ class LlavaVideoSource:
     def units(self, split: SourceSplit) -> list[Unit]:
         self._open_videos(split.config)  # index the archives before workers fork
         table = self._tables[(split.config, split.split)]
-        ids = [rec.get("id") for rec in table] if isinstance(table, list) else table["id"]
-        ids = [str(i) for i in ids]
+        if isinstance(table, list):
+            ids = [rec.get("id") if isinstance(rec, dict) else None for rec in table]
+        else:
+            ids = table["id"] if "id" in table.column_names else [None] * len(table)
+        ids = ["" if i is None else str(i) for i in ids]
         return [Unit(key=sample_key(DATASET, split.config, split.split, row, i),
                      rows=[row], ids=[i]) for row, i in enumerate(ids)]
 
@@ -125,19 +174,23 @@ class LlavaVideoSource:
 
     def build(self, split: SourceSplit, unit: Unit) -> Built:
         record = self._tables[(split.config, split.split)][unit.rows[0]]
+        problem = _record_problem(record)
+        if problem:
+            return reject_all(split, unit, "bad_record", problem)
         parsed = parse_conversations(record.get("conversations"))
         if isinstance(parsed, str):
             return reject_all(split, unit, "bad_conversation", parsed)
         turns, fixups = parsed
-        path = record.get("video") or ""
         try:
-            name, data, probed = fetch_media(self._open_videos(split.config), path, probe_video,
-                                             "missing_video", "the video parts")
+            name, data, probed = fetch_media(self._open_videos(split.config),
+                                             record.get("video"), probe_video, "missing_video",
+                                             "the video parts", self.limits)
         except MediaError as err:
             return reject_all(split, unit, err.reason, err.detail)
+        fixups += video_fixups(probed)
         ext = PurePosixPath(name).suffix.lstrip(".").lower()
         entry, data = video_media(0, data, ext if ext in VIDEO_EXTENSIONS else "mp4", probed,
-                                  path)
+                                  record["video"])
         sample = CanonicalSample(
             dataset=DATASET,
             source=SourceRef(config=split.config, split=split.split, ids=unit.ids,

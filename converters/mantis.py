@@ -7,9 +7,12 @@ are read member by member from `<config>/<split>_images.zip`, or from the part z
 Repairs and rejects, as Mantis's own trainer treats its data:
 - fewer `<image>` than images: the missing placeholders are prepended to the first user turn
   (fixup `prepended_image_placeholders`);
-- more placeholders than images, `images=None` with placeholders, a missing or unsafe member, an
-  undecodable image, a malformed conversation: the row is rejected with that reason.
-Image formats are detected from the bytes (some `.png` members are JPEG).
+- more placeholders than images, `images=None` with placeholders, an image entry that is not
+  `{path: str}` (`bad_record`), a missing, unsafe, oversized or unreadable member, an image that
+  does not decode or is over the pixel cap, a malformed conversation: the row is rejected with
+  that reason.
+A table without the `id`, `images` and `conversation` columns is a one-line error before any
+shard is written. Image formats are detected from the bytes (some `.png` members are JPEG).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from converters.archives import ZipMembers
 from converters.base import Built, SourceSplit, Unit, UsageError, reject_all
 from converters.hub import Source, open_splits, resolve_configs
-from converters.media import MediaError, fetch_media, image_media, probe_image
+from converters.media import Limits, MediaError, fetch_media, image_media, probe_image
 from energon_tasks.sample_format import (
     IMAGE_PLACEHOLDER,
     CanonicalSample,
@@ -28,6 +31,8 @@ from energon_tasks.sample_format import (
 
 HUB_ID = "TIGER-Lab/Mantis-Instruct"
 DATASET = "mantis"
+#: columns every split must have (`conversation` may be spelled `conversations`)
+REQUIRED_COLUMNS = ({"id"}, {"images"}, {"conversation", "conversations"})
 
 
 def parse_conversation(messages) -> list[Turn] | str:
@@ -36,8 +41,8 @@ def parse_conversation(messages) -> list[Turn] | str:
         return "conversation is empty or not a list"
     turns = []
     for message in messages:
-        role = (message or {}).get("role")
-        content = (message or {}).get("content")
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
         if role not in ("user", "assistant", "system") or not isinstance(content, str):
             return f"bad message {str(message)[:80]!r}"
         if "<video>" in content:
@@ -65,14 +70,17 @@ class MantisSource:
     name = DATASET
 
     def __init__(self, source: Source, configs: list[str] | None = None,
-                 splits: list[str] | None = None):
+                 splits: list[str] | None = None, limits: Limits = Limits()):
         self.source = source
+        self.limits = limits
         self.configs = resolve_configs(source, configs)
-        self._splits, self._tables = open_splits(source, self.configs, splits)
+        self._splits, self._tables = open_splits(source, self.configs, splits,
+                                                 required=REQUIRED_COLUMNS)
         self._members: dict[tuple[str, str], ZipMembers] = {}
 
     def fingerprint(self) -> dict:
-        return {"location": self.source.location, "configs": self.configs}
+        return {"location": self.source.location, "configs": self.configs,
+                "limits": self.limits.fingerprint()}
 
     def splits(self) -> list[SourceSplit]:
         return self._splits
@@ -117,6 +125,10 @@ class MantisSource:
             return reject_all(split, unit, "images_none_with_placeholders",
                               f"{n_placeholders} <image> and images=None")
         images = images or []
+        if not all(isinstance(i, dict) and isinstance(i.get("path"), str) and i["path"]
+                   for i in images):
+            return reject_all(split, unit, "bad_record",
+                              f"an images entry is not {{path: str}}: {str(images)[:120]}")
         if n_placeholders > len(images):
             return reject_all(split, unit, "too_many_placeholders",
                               f"{n_placeholders} <image> for {len(images)} images")
@@ -125,10 +137,10 @@ class MantisSource:
         members = self._open_images(split)
         media, parts = [], {}
         for index, image in enumerate(images):
-            path = (image or {}).get("path") or ""
+            path = image["path"]
             try:
                 _, _, probed = fetch_media(members, path, probe_image, "missing_image",
-                                           "the image zip")
+                                           "the image zip", self.limits)
             except MediaError as err:
                 return reject_all(split, unit, err.reason, err.detail)
             entry, data = image_media(index, probed, path)

@@ -1,10 +1,17 @@
-"""Media probing for the converters: format from content, sizes, decodability, video metadata.
+"""Media verification for the converters: every image and video is proven by decoding, within caps.
 
-Images keep their original bytes. A probe detects the format from the bytes (never from the file
-name), reads the stored size and proves the image decodes (JPEG at a reduced DCT scale, which
-parses the whole entropy-coded stream at a fraction of the cost). Formats that common loaders do not
-decode by extension are re-encoded losslessly to PNG and the original format is recorded.
-Videos are probed with PyAV without decoding more than their first frame.
+Nothing a header claims is trusted:
+- an image is opened (format from the bytes, never from the name), its pixel count checked against
+  `Limits.max_image_pixels`, then decoded (a JPEG at 1/8 DCT scale, which still runs the whole
+  entropy-coded stream; other formats fully). Original bytes are kept; formats that common loaders
+  do not decode by extension are re-encoded losslessly to PNG and the original format recorded.
+  16-bit, CMYK, palette and other modes are kept as stored (the loader converts them to RGB).
+- a video is demuxed packet by packet (no decoding) to count its frames and measure its duration
+  from the packets' timestamps, within `max_video_frames` / `max_video_seconds`; then its first and
+  last frames are decoded. The stored frame count, duration and rate are the measured ones; when
+  the container claimed another frame count the sample records the fixup `video_frames_measured`.
+
+`MediaError.reason` is the reject reason recorded for the row.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import io
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import av
 from PIL import Image
@@ -21,9 +28,27 @@ from energon_tasks.sample_format import IMAGE_EXTENSIONS, Media
 
 # PIL aliases that are the same bytes as a stored format (MPO is a JPEG with extra frames).
 _FORMAT_ALIASES = {"MPO": "JPEG"}
-
-
 _ADDRESS = re.compile(r" ?<[^<>]* at 0x[0-9a-fA-F]+>")
+_MB = 1024 * 1024
+#: A video must fill one temporal patch (2 frames) of the models: qwen-vl-utils refuses fewer and
+#: the loaders' frame sampling needs two. A one-frame "video" is rejected `too_few_frames`.
+MIN_VIDEO_FRAMES = 2
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """Caps on what one media item may cost to verify and store (CLI `--max-*` options)."""
+
+    #: pixels of one stored image (100 MP: a 10000x10000 page; InfoVQA's largest are ~55 MP)
+    max_image_pixels: int = 100_000_000
+    #: bytes of one archive member (or extracted file); larger ones are never read into memory
+    max_member_bytes: int = 512 * _MB
+    #: frames and seconds of one video (LLaVA-Video-178K's longest clips are 3 minutes)
+    max_video_frames: int = 300_000
+    max_video_seconds: float = 3 * 3600.0
+
+    def fingerprint(self) -> dict:
+        return asdict(self)
 
 
 class MediaError(Exception):
@@ -50,83 +75,48 @@ class ProbedImage:
 class ProbedVideo:
     width: int
     height: int
-    duration_s: float
-    frames: int
+    duration_s: float  #: measured from the packets' timestamps
+    frames: int  #: video packets counted by demuxing
     fps: float
     codec: str
+    claimed_frames: int  #: what the container said (0: nothing)
 
 
-def _looks_complete(fmt: str, data: bytes) -> bool:
-    """Cheap integrity check: a JPEG ends with its EOI marker, a PNG with its IEND chunk."""
-    tail = data[-64:].rstrip(b"\x00")
-    if fmt == "JPEG":
-        return tail.endswith(b"\xff\xd9")
-    if fmt == "PNG":
-        return tail.endswith(b"IEND\xaeB`\x82")
-    return False
+def _decode_error(name: str, exc: BaseException) -> MediaError:
+    return MediaError("undecodable_image", f"{name}: {type(exc).__name__}: {exc}")
 
 
-_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _fast_header(data: bytes) -> tuple[str, int, int] | None:
-    """(format, width, height) of a JPEG or PNG read straight from its header (~10 us, where
-    PIL's parser takes ~250 us); None for anything else or any irregularity (PIL decides)."""
-    if data[:8] == _PNG_MAGIC and data[12:16] == b"IHDR":
-        return "PNG", int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    if data[:2] != b"\xff\xd8":
-        return None
-    i, end = 2, len(data) - 9
-    while i < end:
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker in _JPEG_SOF:
-            height = int.from_bytes(data[i + 5:i + 7], "big")
-            width = int.from_bytes(data[i + 7:i + 9], "big")
-            return ("JPEG", width, height) if width and height else None
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:
-            i += 2
-            continue
-        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
-    return None
-
-
-def probe_image(data: bytes, name: str = "") -> ProbedImage:
-    """Detect format and size from the bytes and check that they are a whole image.
-
-    JPEG and PNG files whose header parses and whose end marker is present are accepted without
-    decoding (decoding is the loader's job, and costs 5-20x the copy). Anything else is decoded
-    (a JPEG at 1/8 DCT scale, which still parses the whole entropy-coded stream).
+def probe_image(data: bytes, name: str = "", limits: Limits = Limits()) -> ProbedImage:
+    """Format and size from the bytes, the pixel cap, then a decode that proves the image whole.
 
     Raises:
-        MediaError: reason "undecodable_image" when PIL cannot open or decode the bytes.
+        MediaError: "undecodable_image" (cannot open or decode), "image_too_large" (over
+            `limits.max_image_pixels`, decided from the header before decoding).
     """
-    header = _fast_header(data)
-    if header and _looks_complete(header[0], data):
-        fmt, width, height = header
-        return ProbedImage(data, IMAGE_EXTENSIONS[fmt], fmt.lower(), width, height, None)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
-            fmt = _FORMAT_ALIASES.get(img.format or "", img.format or "")
-            width, height = img.size
-            if not _looks_complete(fmt, data):
-                if fmt == "JPEG":
-                    img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
-                img.load()
+        fmt = _FORMAT_ALIASES.get(img.format or "", img.format or "")
+        width, height = img.size
+    except Image.DecompressionBombError as exc:
+        raise MediaError("image_too_large", f"{name}: {exc}") from None
     except Exception as exc:  # PIL raises many types for corrupt data
-        raise MediaError("undecodable_image", f"{name}: {type(exc).__name__}: {exc}") from None
+        raise _decode_error(name, exc) from None
+    if width * height > limits.max_image_pixels:
+        raise MediaError("image_too_large", f"{name}: {width}x{height} is over "
+                         f"--max-image-pixels {limits.max_image_pixels}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            if fmt == "JPEG":
+                img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
+            img.load()
+    except Exception as exc:
+        raise _decode_error(name, exc) from None
     if fmt in IMAGE_EXTENSIONS:
         return ProbedImage(data, IMAGE_EXTENSIONS[fmt], fmt.lower(), width, height, None)
     # Decodable by PIL, but not a format loaders expect by extension: lossless PNG copy.
-    img = Image.open(io.BytesIO(data))
-    img.load()
     if img.mode not in ("1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"):
         img = img.convert("RGBA" if "A" in img.getbands() else "RGB")
     buf = io.BytesIO()
@@ -134,49 +124,88 @@ def probe_image(data: bytes, name: str = "") -> ProbedImage:
     return ProbedImage(buf.getvalue(), "png", "png", width, height, fmt.lower() or "unknown")
 
 
-def probe_video(data: bytes, name: str = "") -> ProbedVideo:
-    """Read duration, frame count, fps, size and codec; decode only the first frame.
+def _video_error(reason: str, name: str, exc: BaseException) -> MediaError:
+    return MediaError(reason, f"{name}: {type(exc).__name__}: {exc}")
 
-    The frame count is the container's; when the container does not state it, packets are counted
-    by demuxing (no decoding).
+
+def _count_packets(container, stream, name: str, limits: Limits) -> tuple[int, float]:
+    """(video packets, seconds they span) by demuxing only; caps checked as it goes."""
+    count, low, high = 0, None, None
+    base = float(stream.time_base) if stream.time_base else None
+    for packet in container.demux(stream):
+        if not packet.size:  # the demuxer's flush packet
+            continue
+        count += 1
+        if count > limits.max_video_frames:
+            raise MediaError("video_too_long", f"{name}: more than --max-video-frames "
+                             f"{limits.max_video_frames} frames")
+        stamp = packet.pts if packet.pts is not None else packet.dts
+        if stamp is not None and base:
+            end = stamp + (packet.duration or 0)
+            low = stamp if low is None else min(low, stamp)
+            high = end if high is None else max(high, end)
+            if (high - low) * base > limits.max_video_seconds:
+                raise MediaError("video_too_long", f"{name}: longer than --max-video-seconds "
+                                 f"{limits.max_video_seconds:g}")
+    seconds = (high - low) * base if low is not None and base else 0.0
+    return count, seconds
+
+
+def _last_frame(container, stream):
+    """The last frame that decodes: from the keyframe before the end, or, where the container
+    cannot seek there, by decoding from the start."""
+    last = None
+    try:
+        container.seek(2**62, stream=stream, backward=True, any_frame=False)
+        for frame in container.decode(stream):
+            last = frame
+    except av.FFmpegError:
+        last = None
+    if last is None:
+        container.seek(0, stream=stream, backward=True, any_frame=False)
+        for frame in container.decode(stream):
+            last = frame
+    return last
+
+
+def probe_video(data: bytes, name: str = "", limits: Limits = Limits()) -> ProbedVideo:
+    """Measure frames and duration by demuxing, then decode the first and the last frame.
 
     Raises:
-        MediaError: "unreadable_video" (cannot open or decode), "zero_frame_video" (no frames).
+        MediaError: "unreadable_video" (cannot open, demux or decode), "zero_frame_video" (no
+            video stream or no frame), "too_few_frames" (one frame), "video_too_long" (over the
+            frame or duration cap).
     """
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise MediaError("zero_frame_video", f"{name}: no video stream")
             stream = container.streams.video[0]
-            frames = int(stream.frames or 0)
-            if frames == 0:
-                frames = sum(1 for p in container.demux(stream) if p.size)
-                container.seek(0)
+            claimed = int(stream.frames or 0)
+            frames, seconds = _count_packets(container, stream, name, limits)
             if frames == 0:
                 raise MediaError("zero_frame_video", f"{name}: the video stream has no frames")
+            if frames < MIN_VIDEO_FRAMES:
+                raise MediaError("too_few_frames", f"{name}: {frames} frame; a video needs "
+                                 f"{MIN_VIDEO_FRAMES} (one temporal patch)")
+            container.seek(0, stream=stream, backward=True, any_frame=False)
             first = next(container.decode(stream), None)
             if first is None:
-                raise MediaError("unreadable_video", f"{name}: no frame decodes")
-            fps = float(stream.average_rate or stream.guessed_rate or 0) or None
-            if stream.duration is not None and stream.time_base is not None:
-                duration = float(stream.duration * stream.time_base)
-            elif container.duration is not None:
-                duration = container.duration / 1_000_000
-            else:
-                duration = frames / fps if fps else 0.0
-            fps = fps or (frames / duration if duration else 0.0)
-            return ProbedVideo(
-                width=int(first.width),
-                height=int(first.height),
-                duration_s=round(duration, 6),
-                frames=frames,
-                fps=round(fps, 6),
-                codec=stream.codec_context.name,
-            )
+                raise MediaError("unreadable_video", f"{name}: the first frame does not decode")
+            if _last_frame(container, stream) is None:
+                raise MediaError("unreadable_video", f"{name}: the last frame does not decode")
+            rate = float(stream.average_rate or stream.guessed_rate or 0)
+            fps = frames / seconds if seconds > 0 else rate
+            if seconds <= 0:
+                seconds = frames / fps if fps else 0.0
+            return ProbedVideo(width=int(first.width), height=int(first.height),
+                               duration_s=round(seconds, 6), frames=frames,
+                               fps=round(fps, 6), codec=stream.codec_context.name,
+                               claimed_frames=claimed)
     except MediaError:
         raise
     except Exception as exc:  # PyAV/FFmpeg errors are many types
-        raise MediaError("unreadable_video", f"{name}: {type(exc).__name__}: {exc}") from None
+        raise _video_error("unreadable_video", name, exc) from None
 
 
 def image_media(index: int, probed: ProbedImage, source_name: str | None) -> tuple[Media, bytes]:
@@ -198,28 +227,37 @@ def video_media(index: int, data: bytes, ext: str, probed: ProbedVideo,
     return media, data
 
 
-def fetch_media(members, path, probe, missing_reason: str, where: str):
-    """Read one media member by its untrusted source path and probe it.
+def video_fixups(probed: ProbedVideo) -> list[str]:
+    """Fixups of a verified video: its container claimed another frame count."""
+    return ["video_frames_measured"] if probed.claimed_frames not in (0, probed.frames) else []
+
+
+def fetch_media(members, path, probe, missing_reason: str, where: str, limits: Limits):
+    """Read one media member by its untrusted source path, within the size cap, and verify it.
 
     Args:
-        members: archive or folder access with `read(name) -> bytes | None`.
+        members: archive or folder access with `read(name, max_bytes) -> bytes | None`.
         path: the source's path of the member.
         probe: `probe_image` or `probe_video`.
         missing_reason: reject reason when the member is absent.
         where: what was searched, for the detail message.
+        limits: the caps.
 
     Returns:
         (normalised name, bytes, probe result).
 
     Raises:
-        MediaError: "unsafe_member_name", `missing_reason`, or the probe's reason.
+        MediaError: "bad_record" (the path is not a string), "unsafe_member_name",
+            `missing_reason`, "member_too_large", "unreadable_archive", or the probe's reason.
     """
     from converters.archives import safe_member_name
 
-    name = safe_member_name(path) if isinstance(path, str) else None
+    if not isinstance(path, str) or not path:
+        raise MediaError("bad_record", f"media path {path!r} is not a non-empty string")
+    name = safe_member_name(path)
     if name is None:
         raise MediaError("unsafe_member_name", repr(path))
-    data = members.read(name)
+    data = members.read(name, limits.max_member_bytes)
     if data is None:
         raise MediaError(missing_reason, f"{path} not in {where}")
-    return name, data, probe(data, path)
+    return name, data, probe(data, path, limits)

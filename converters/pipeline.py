@@ -5,23 +5,57 @@ partitions (`--num-partitions/--partition-index`, one per machine), and each par
 bucketed per (Energon split, config) into shards of `shard_size` samples. The output bytes do not
 depend on the number of workers. When the last partition completes, `finalize` writes the
 accounting, the statistics, `.nv-meta/` through `energon prepare`, and the metadataset blend.
+
+Faults: each partition runs under its own lock (`converters.lock`: a second run of the same
+partition into the same `--out` is refused, a stale lock of a killed run is taken over); SIGINT /
+SIGTERM stop the workers at once and end the run with `Interrupted`; a full disk ends it with
+`OutOfSpace`; a worker that dies ends it with `WorkerDied`. Whatever stopped it, a completed shard
+is recorded by its sidecar and nothing else counts, so the same command resumes and finishes with
+the output of an uninterrupted run. The options that change the output are recorded once the
+source is planned; a later run with other options is refused once a shard exists (before that,
+an attempt that failed leaves nothing that blocks the corrected command).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import multiprocessing
+import os
+import signal
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from converters.base import SourceDataset, SourceSplit, Unit, UsageError, config_folder
-from converters.writer import ShardSpec, shard_done, write_shard
+from converters.lock import RunLock
+from converters.progress import DEFAULT_INTERVAL_S, Progress, phase
+from converters.writer import ShardSpec, shard_done, write_json_atomic, write_shard
 
 _TARGET_ORDER = ("train", "val", "test")
+_FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class Interrupted(Exception):
+    """SIGINT / SIGTERM arrived; `signal` names it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class OutOfSpace(Exception):
+    """A write failed for lack of space (or a file size limit)."""
+
+
+class WorkerDied(Exception):
+    """A worker process ended without finishing its shard (killed, out of memory)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -35,6 +69,7 @@ class Options:
     #: also store Energon's own media metadata in index.sqlite (K.json always has it); costs
     #: about 2 ms per image in `energon prepare`
     energon_media_metadata: bool = False
+    progress_interval: float = DEFAULT_INTERVAL_S  #: seconds between progress lines (no TTY)
 
     def check(self) -> None:
         problems = []
@@ -82,6 +117,8 @@ def plan_shards(source: SourceDataset, splits: list[SourceSplit], opts: Options)
     return specs
 
 
+# ---- workers and signals ----------------------------------------------------------------------
+
 # The source object is inherited by forked workers instead of being pickled per task.
 _WORKER_STATE: dict = {}
 
@@ -91,11 +128,75 @@ def _run_one(spec: ShardSpec) -> dict:
     return write_shard(state["out"], state["source"], state["splits"], spec)
 
 
+def _worker_init() -> None:
+    """Workers leave SIGINT / SIGTERM to the parent (which stops them) and die with it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:  # Linux: SIGKILL when the parent dies, e.g. by kill -9 (no orphan keeps writing)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@contextmanager
+def interruptible():
+    """SIGINT and SIGTERM raise `Interrupted` in the main thread while the block runs."""
+    def stop(signum, _frame):
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _write_all(pending: list[ShardSpec], workers: int, on_done: Callable[[dict], None]) -> None:
+    """Write the pending shards, in this process or in `workers` forked processes."""
+    if workers == 1 or len(pending) <= 1:
+        for spec in pending:
+            on_done(_run_one(spec))
+        return
+    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_worker_init)
+    try:
+        futures = [executor.submit(_run_one, spec) for spec in pending]
+        for future in as_completed(futures):
+            on_done(future.result())
+    except BrokenProcessPool:
+        _kill(executor)
+        raise WorkerDied("a worker process died (killed, or out of memory)") from None
+    except BaseException:
+        _kill(executor)
+        raise
+    executor.shutdown(wait=True)
+
+
+def _kill(executor: ProcessPoolExecutor) -> None:
+    for process in list((executor._processes or {}).values()):  # no public way in Python 3.11
+        process.kill()
+    executor.shutdown(wait=True, cancel_futures=True)
+
+
+@contextmanager
+def disk_errors():
+    """OSErrors that mean a full disk (or a file size limit) become `OutOfSpace`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in _FULL_DISK:
+            raise OutOfSpace(f"{exc.strerror} ({exc.filename or 'writing the output'})") from None
+        raise
+
+
+# ---- options and the output folder ------------------------------------------------------------
+
 def check_output(out: Path) -> None:
     """The output folder exists (or is created) and is writable, else a UsageError."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
@@ -108,21 +209,38 @@ def _option_fingerprint(opts: Options) -> dict:
             "energon_media_metadata": opts.energon_media_metadata}
 
 
-def _check_options(out: Path, fingerprint: dict, *, write: bool = True) -> None:
-    """A resumed run must use the options of the run it continues (keys present in both)."""
+def _flatten(doc, prefix: str = "") -> dict:
+    if not isinstance(doc, dict):
+        return {prefix: doc}
+    out = {}
+    for key, value in doc.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def _differences(before: dict, now: dict) -> list[str]:
+    a, b = _flatten(before), _flatten(now)
+    return [f"{k}: {json.dumps(a.get(k))[:80]} -> {json.dumps(b.get(k))[:80]}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _has_shards(out: Path) -> bool:
+    return any((out / ".work" / "shards").rglob("*.json"))
+
+
+def _check_options(out: Path, fingerprint: dict, *, write: bool) -> None:
+    """A run that continues a conversion must use its options (only the keys both know when
+    `write` is False, i.e. before the source is planned). Refused only once a shard exists."""
     path = out / ".work" / "options.json"
-    if path.is_file():
-        previous = json.loads(path.read_text())
-        changed = sorted(k for k in set(previous) & set(fingerprint)
-                         if previous[k] != fingerprint[k])
-        if changed or (write and previous != fingerprint):
-            changed = changed or sorted(k for k in set(previous) | set(fingerprint)
-                                        if previous.get(k) != fingerprint.get(k))
+    previous = json.loads(path.read_text()) if path.is_file() else None
+    if previous is not None and _has_shards(out):
+        known = previous if write else {k: previous[k] for k in fingerprint if k in previous}
+        changed = _differences(known, fingerprint)
+        if changed:
             raise UsageError(f"--out {out} holds a conversion made with other options "
-                             f"({', '.join(changed)}); use another --out or delete it")
-    elif write:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(fingerprint, sort_keys=True, indent=1))
+                             f"({'; '.join(changed)}); rerun with those, or use another --out")
+    if write and previous != fingerprint:
+        write_json_atomic(path, fingerprint)
 
 
 def precheck(opts: Options) -> None:
@@ -132,48 +250,65 @@ def precheck(opts: Options) -> None:
     _check_options(opts.out, _option_fingerprint(opts), write=False)
 
 
-def convert(source: SourceDataset, opts: Options) -> dict | None:
+def _remove_partials(out: Path, partition: int) -> None:
+    """Half-written shards of an earlier, killed run of this partition (held under its lock)."""
+    for path in (out / "shards").rglob(f"p{partition:03d}-*.tar.partial*"):
+        path.unlink(missing_ok=True)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def convert(make_source: Callable[[], SourceDataset], opts: Options) -> dict | None:
     """Convert this partition; finalize when every partition is done.
 
+    Args:
+        make_source: opens (plans) the source; called under this partition's lock.
+        opts: the run's options.
+
     Returns:
-        The summary when this run finalized the dataset, else None (other partitions pending).
+        The summary when this run finalized the dataset, else None (other partitions pending,
+        or another partition finalizes).
+
+    Raises:
+        UsageError, LockedError, Interrupted, OutOfSpace, WorkerDied, NoSamples.
     """
     opts.check()
     check_output(opts.out)
-    splits = source.splits()
-    fingerprint = {"dataset": source.name, "source": source.fingerprint(),
-                   "splits": [[s.config, s.split, s.num_rows] for s in splits],
-                   **_option_fingerprint(opts)}
-    _check_options(opts.out, fingerprint)
-    start = time.perf_counter()
-    specs = plan_shards(source, splits, opts)
-    pending = [s for s in specs if not shard_done(opts.out, s)]
-    rows = sum(len(u.rows) for s in pending for _, u in s.items)
-    _WORKER_STATE.update(out=opts.out, source=source, splits=splits)
-    bar = tqdm(total=rows, unit="row", desc=f"{source.name} p{opts.partition_index}",
-               disable=None)
-    if opts.workers == 1 or len(pending) <= 1:
-        results = map(_run_one, pending)
-        pool = None
-    else:
-        pool = multiprocessing.get_context("fork").Pool(opts.workers)
-        results = pool.imap_unordered(_run_one, pending)
-    try:
-        for record in results:
-            bar.update(record["rows_read"])
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.close()
-            pool.join()
     work = opts.out / ".work"
-    with open(work / "runs.jsonl", "a") as f:
-        f.write(json.dumps({"partition": opts.partition_index, "rows": rows,
-                            "seconds": round(time.perf_counter() - start, 3)}) + "\n")
-    (work / f"partition-{opts.partition_index:03d}.done").write_text(str(len(specs)))
+    with interruptible(), disk_errors(), RunLock(
+            work / f"partition-{opts.partition_index:03d}.lock",
+            f"partition {opts.partition_index} of --out {opts.out}", notify=phase):
+        _remove_partials(opts.out, opts.partition_index)
+        phase(f"planning: reading the source (partition {opts.partition_index + 1} of "
+              f"{opts.num_partitions})")
+        source = make_source()
+        splits = source.splits()
+        fingerprint = {"dataset": source.name, "source": source.fingerprint(),
+                       "splits": [[s.config, s.split, s.num_rows] for s in splits],
+                       **_option_fingerprint(opts)}
+        _check_options(opts.out, fingerprint, write=True)
+        start = time.perf_counter()
+        specs = plan_shards(source, splits, opts)
+        pending = [s for s in specs if not shard_done(opts.out, s)]
+        rows = sum(len(u.rows) for s in pending for _, u in s.items)
+        phase(f"writing {len(pending)} of {len(specs)} shards ({rows} rows) with "
+              f"{opts.workers} worker(s)")
+        _WORKER_STATE.update(out=opts.out, source=source, splits=splits)
+        progress = Progress(rows, f"{source.name} p{opts.partition_index}",
+                            interval=opts.progress_interval)
+        try:
+            _write_all(pending, opts.workers, lambda record: progress.update(record["rows_read"]))
+        finally:
+            progress.close()
+        with open(work / "runs.jsonl", "a") as f:
+            f.write(json.dumps({"partition": opts.partition_index, "rows": rows,
+                                "seconds": round(time.perf_counter() - start, 3)}) + "\n")
+        write_json_atomic(work / f"partition-{opts.partition_index:03d}.done",
+                          {"shards": len(specs)})
     done = sorted(work.glob("partition-*.done"))
     if len(done) < opts.num_partitions:
         return None
     from converters.finalize import finalize
 
-    return finalize(opts.out, splits, workers=opts.workers)
+    with interruptible(), disk_errors():
+        return finalize(opts.out, workers=opts.workers)

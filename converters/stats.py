@@ -8,10 +8,13 @@ alone with the loader's own geometry (energon_tasks.geometry), plus the conversi
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import numpy as np
+
+from converters.writer import write_atomic
 
 #: Budgets of the estimates (Megatron-Bridge defaults; see docs/format.md).
 MIN_PIXELS = 200_704
@@ -22,19 +25,23 @@ CHARS_PER_TOKEN = 4
 MODELS = ("qwen2.5-vl", "qwen3-vl")
 
 
-def visual_tokens(model: str, record: dict) -> int:
-    """Estimated visual tokens of one sample (images and videos) at the default budgets."""
+def visual_tokens(model: str, record: dict) -> int | None:
+    """Estimated visual tokens of one sample (images and videos) at the default budgets; None
+    when the model's geometry cannot take one of its media (the loader would skip it)."""
     from energon_tasks.geometry import get_geometry
 
     geo = get_geometry(model)
     total = 0
-    for width, height in record["images"]:
-        total += geo.image_grid(height, width, min_pixels=MIN_PIXELS,
-                                max_pixels=MAX_PIXELS).visual_tokens
-    for _duration, frames, width, height, fps in record["videos"]:
-        chosen = geo.video_frame_indices(frames, fps, video_fps=VIDEO_FPS,
-                                         max_num_frames=MAX_NUM_FRAMES)
-        total += geo.video_grid(len(chosen), height, width).visual_tokens
+    try:
+        for width, height in record["images"]:
+            total += geo.image_grid(height, width, min_pixels=MIN_PIXELS,
+                                    max_pixels=MAX_PIXELS).visual_tokens
+        for _duration, frames, width, height, fps in record["videos"]:
+            chosen = geo.video_frame_indices(frames, fps, video_fps=VIDEO_FPS,
+                                             max_num_frames=MAX_NUM_FRAMES)
+            total += geo.video_grid(len(chosen), height, width).visual_tokens
+    except ValueError:
+        return None
     return total
 
 
@@ -59,16 +66,20 @@ def write_stats(out: Path, records: list[dict], conversion: dict) -> dict:
         "video_frames": [v[1] for r in records for v in r["videos"]],
         "text_tokens_approx": [r["text_chars"] / CHARS_PER_TOKEN for r in records],
     }
+    unusable = {}
     for model in MODELS:
-        series[f"visual_tokens_{model}"] = [visual_tokens(model, r) for r in records]
+        tokens = [visual_tokens(model, r) for r in records]
+        series[f"visual_tokens_{model}"] = [t for t in tokens if t is not None]
+        unusable[model] = sum(t is None for t in tokens)
     stats = {
         "budget": {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "video_fps": VIDEO_FPS,
                    "max_num_frames": MAX_NUM_FRAMES, "chars_per_token": CHARS_PER_TOKEN},
         "samples": len(records),
         "distributions": {name: _describe(values) for name, values in series.items()},
+        "samples_the_geometry_cannot_take": unusable,
         "conversion": conversion,
     }
-    (out / "stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
+    write_atomic(out / "stats.json", json.dumps(stats, indent=1, sort_keys=True).encode())
     _plot(out / "stats_histograms.png", series)
     return {name: d.get("mean") for name, d in stats["distributions"].items()}
 
@@ -90,5 +101,7 @@ def _plot(path: Path, series: dict[str, list]) -> None:
     for ax in list(axes.flat)[len(shown):]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=80, metadata={"Software": None})
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80, metadata={"Software": None})
     plt.close(fig)
+    write_atomic(path, buffer.getvalue())

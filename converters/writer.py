@@ -1,24 +1,29 @@
 """The one shard writer: builds the units of one shard and writes them as a reproducible tar.
 
-A shard is written to `<name>.partial` and renamed when complete; then its accounting (rows,
-rejects, fixups, per-sample statistics) is written atomically to a sidecar JSON under `.work/`.
-The sidecar is the completion mark: a resumed run skips shards that have one and redoes the rest,
-so a run killed at any moment finishes with the same bytes as an uninterrupted one.
-Tar members have fixed order, mtime 0, uid/gid 0 and empty owner names.
+A shard is written to `<name>.partial-<pid>` and renamed when complete; then its accounting
+(rows, rejects, fixups, per-sample statistics) is written atomically to a sidecar JSON under
+`.work/`. The sidecar is the completion mark: a resumed run skips shards that have one and redoes
+the rest, so a run killed at any moment finishes with the same bytes as an uninterrupted one; a
+write that fails (a full disk) removes its partial file. The writer records each media member's
+SHA-256 in `K.json`. A sample that breaks the format rules (a converter bug) is never written: its
+rows are rejected `internal_error` with the rule it broke. Tar members have fixed order, mtime 0,
+uid/gid 0 and empty owner names.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tarfile
 import time
+from contextlib import contextmanager
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from converters.base import Built, Reject, SourceDataset, SourceSplit, Unit
-from energon_tasks.sample_format import PLACEHOLDER_RE, validate
+from energon_tasks.sample_format import PLACEHOLDER_RE, FormatError, validate
 
 
 @dataclass(slots=True, kw_only=True)
@@ -62,16 +67,31 @@ def _check_accounting(split: SourceSplit, unit: Unit, built: Built) -> None:
                            f"accounts rows {sorted(written + rejected)} for {sorted(unit.rows)}")
 
 
+def _internal_error(split: SourceSplit, unit: Unit, exc: Exception) -> Built:
+    return Built(rejects=[Reject(id=i, config=split.config, split=split.split, row=r,
+                                 reason="internal_error",
+                                 detail=f"{type(exc).__name__}: {exc}"[:500])
+                          for r, i in zip(unit.rows, unit.ids)])
+
+
 def _build_safely(source: SourceDataset, split: SourceSplit, unit: Unit) -> Built:
-    """Bad data never aborts the run: an unexpected error rejects the unit with its message."""
+    """Bad data never aborts the run: an unexpected error, or a sample that breaks the format
+    rules, rejects the unit with its message (counted and shown by the summary)."""
     try:
         built = source.build(split, unit)
-    except Exception as exc:  # recorded, counted and printed by the summary as internal_error
-        return Built(rejects=[Reject(id=i, config=split.config, split=split.split, row=r,
-                                     reason="internal_error",
-                                     detail=f"{type(exc).__name__}: {exc}"[:500])
-                              for r, i in zip(unit.rows, unit.ids)])
+    except Exception as exc:
+        return _internal_error(split, unit, exc)
     _check_accounting(split, unit, built)
+    if built.sample is not None:
+        for media in built.sample.media:
+            media.sha256 = hashlib.sha256(built.parts.get(media.part, b"")).hexdigest()
+        try:
+            validate(unit.key, built.sample, built.parts)
+            built.sample_json = built.sample.to_json_bytes()
+        except (FormatError, UnicodeEncodeError) as exc:
+            return Built(rejects=built.rejects + _internal_error(
+                split, Unit(key=unit.key, rows=list(built.sample.source.rows),
+                            ids=list(built.sample.source.ids)), exc).rejects)
     return built
 
 
@@ -94,13 +114,18 @@ def write_shard(out: Path, source: SourceDataset, splits: list[SourceSplit],
     start = time.perf_counter()
     path = out / spec.name
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
     target = spec.name.split("/")[1]
     rejects: list[dict] = []
     fixups: Counter = Counter()
     stats: list[dict] = []
     rows_read = rows_written = samples = bytes_out = 0
-    with tarfile.open(partial, "w", format=tarfile.GNU_FORMAT) as tar:
+    try:
+        tar = tarfile.open(partial, "w", format=tarfile.GNU_FORMAT)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
+    with _removed_on_error(partial), tar:
         for split_index, unit in spec.items:
             split = splits[split_index]
             built = _build_safely(source, split, unit)
@@ -108,8 +133,7 @@ def write_shard(out: Path, source: SourceDataset, splits: list[SourceSplit],
             rejects.extend(r.to_dict() for r in built.rejects)
             if built.sample is None:
                 continue
-            sample_json = built.sample.to_json_bytes()
-            validate(unit.key, built.sample, built.parts)
+            sample_json = built.sample_json
             _add(tar, f"{unit.key}.json", sample_json)
             for media in built.sample.media:
                 _add(tar, f"{unit.key}.{media.part}", built.parts[media.part])
@@ -135,15 +159,33 @@ def write_shard(out: Path, source: SourceDataset, splits: list[SourceSplit],
         "seconds": round(time.perf_counter() - start, 4),
         "stats": stats,
     }
-    _write_json_atomic(out / spec.sidecar, record)
+    write_json_atomic(out / spec.sidecar, record)
     return record
 
 
-def _write_json_atomic(path: Path, doc: dict) -> None:
+@contextmanager
+def _removed_on_error(path: Path):
+    try:
+        yield
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file so that readers (and a rerun after a kill) see it whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, sort_keys=True))
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, doc: dict) -> None:
+    write_atomic(path, json.dumps(doc, sort_keys=True).encode())
 
 
 def shard_done(out: Path, spec: ShardSpec) -> bool:

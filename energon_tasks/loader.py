@@ -3,7 +3,9 @@
 This module owns the wiring of ``get_train_dataset`` / ``get_val_dataset`` and
 ``get_savable_loader`` with a ``WorkerConfig`` whose rank is the data-parallel rank (every
 context / tensor / pipeline-parallel rank of one replica must read the same samples), and the
-packing buffer taken from the task encoder's config.
+packing buffer taken from the task encoder's config. Samples the dataset cannot load (damaged
+members, checksum mismatches) are skipped with one logged line each and counted
+(``energon_tasks.energon_dataset.skip_handler``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from megatron.energon import (
     get_val_dataset,
 )
 
+from energon_tasks.energon_dataset import skip_handler
 from energon_tasks.qwen_vl import QwenVLTaskEncoder
 
 
@@ -24,7 +27,7 @@ def _worker_config(dp_rank: int, dp_size: int, num_workers: int, seed_offset: in
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"data-parallel rank {dp_rank} is not in [0, {dp_size})")
     return WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers,
-                        seed_offset=seed_offset)
+                        seed_offset=seed_offset, global_error_handler=skip_handler)
 
 
 def _packing(task_encoder: QwenVLTaskEncoder) -> int | None:

@@ -1,9 +1,10 @@
 """The Qwen-VL task encoder (Qwen2.5-VL, Qwen3-VL) for Energon 7.x.
 
-This module owns the path from a crude shard sample to model inputs. Hooks, in Energon's order:
+This module owns the path from a stored sample to model inputs. Hooks, in Energon's order:
 
-1. ``cook_conversation`` (cooker): crude dict -> ``ConversationSample`` (parsed ``K.json`` + the
-   raw media bytes, decoded lazily; subflavors kept, plus ``config`` from the JSON);
+1. the sample arrives as a ``ConversationSample`` (``energon_tasks.energon_dataset``: parsed
+   ``K.json`` + the checksum-verified media bytes, not decoded; subflavor ``config`` from the
+   JSON); datasets of format-1 converters are crude and cooked by ``cook_conversation``;
 2. ``encode_sample``: ChatML tokens of each turn -> ``budget.plan`` from metadata only (a skip
    decodes nothing) -> decode the kept media at their planned size -> tokens with
    ``<|vision_start|><|image_pad|>*n<|vision_end|>`` (or the video span) at each placeholder,
@@ -34,15 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from megatron.energon import (
-    Cooker,
-    DefaultTaskEncoder,
-    Sample,
-    SkipSample,
-    basic_sample_keys,
-    edataclass,
-    stateless,
-)
+from megatron.energon import Cooker, DefaultTaskEncoder, SkipSample, stateless
 
 from energon_tasks import budget
 from energon_tasks.batch import (
@@ -55,6 +48,12 @@ from energon_tasks.batch import (
 )
 from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.decode import MediaError, decode_image, decode_video_frames
+from energon_tasks.energon_dataset import (
+    ConversationSample,
+    conversation_sample,
+    drain_skips,
+    record_skip,
+)
 from energon_tasks.geometry import ImageGrid, mrope_position_ids
 from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
 
@@ -62,30 +61,15 @@ from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
 QWEN2_5_TOKENS_PER_SECOND = 2
 
 
-@edataclass
-class ConversationSample(Sample):
-    """A cooked sample: the conversation and its media, not decoded yet."""
-
-    conversation: CanonicalSample  #: the parsed K.json (metadata of every media item)
-    media_bytes: dict  #: part name (e.g. "img0.jpg") -> stored bytes
-
-
 @stateless
 def cook_conversation(crude: dict) -> ConversationSample:
-    """Crude webdataset dict (raw bytes, ``decoder=None``) -> ``ConversationSample``.
+    """Crude webdataset dict -> ``ConversationSample``: the loader path of datasets written by
+    format-1 converters (``CrudeWebdataset``); newer datasets load typed samples directly.
 
     Raises:
-        ValueError: no ``json`` part or an unreadable one (the message names the key).
+        DamagedSample: no or unreadable ``K.json``, a missing member, a checksum mismatch.
     """
-    key = crude["__key__"]
-    try:
-        parsed = CanonicalSample.from_json(crude["json"])
-    except (KeyError, ValueError, TypeError) as error:
-        raise ValueError(f"sample {key}: bad K.json: {error}") from error
-    base = basic_sample_keys(crude)
-    base["__subflavors__"] = {"config": parsed.source.config, **(base["__subflavors__"] or {})}
-    parts = {m.part: crude[m.part] for m in parsed.media if m.part in crude}
-    return ConversationSample(**base, conversation=parsed, media_bytes=parts)
+    return conversation_sample(crude)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -344,11 +328,13 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
         plan = self.plan_sample(conversation, key, turns)
         if plan.skip:
             self._count(plan.counters())
+            record_skip(key, plan.skip, plan.detail, count=False)  # counted in the plan's counters
             raise SkipSample(plan.detail)
         try:
             pixels = self.decode_media(plan, conversation, sample.media_bytes)
         except MediaError as error:
             self._count({"samples": 1, f"skipped_{error.reason}": 1})
+            record_skip(key, error.reason, error.detail, count=False)
             raise SkipSample(f"sample {key}: {error}") from None
         self._count(plan.counters())
         base = {name: getattr(sample, name)
@@ -424,6 +410,7 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
     @stateless
     def batch(self, samples: list[EncodedSample]) -> QwenVLBatch:
         """Pad rows (to the length multiple, or seq_length with fixed_length); add counters."""
+        self._count(drain_skips())  # samples the dataset could not load (energon_dataset)
         counters = dict(self._pending)
         self._pending.clear()
         result = collate(

@@ -15,7 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions the loaders read (1: no media checksums; 2: `sha256` on every media entry).
+READABLE_VERSIONS = (1, 2)
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -35,6 +37,7 @@ VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "avi", "mov")
 
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 KEY_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class FormatError(ValueError):
@@ -62,6 +65,7 @@ class Media:
     frames: int | None = None  #: video only
     fps: float | None = None  #: video only
     codec: str | None = None  #: video only
+    sha256: str | None = None  #: hex SHA-256 of the member's bytes (format 2; verified at load)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -99,10 +103,13 @@ class CanonicalSample:
     @classmethod
     def from_json(cls, data: bytes | str | dict) -> "CanonicalSample":
         """Parse a stored `K.json` (bytes, text or an already decoded dict)."""
-        doc = json.loads(data) if isinstance(data, (bytes, str)) else dict(data)
+        doc = json.loads(data) if isinstance(data, (bytes, str)) else data
+        if not isinstance(doc, dict):
+            raise FormatError(f"K.json is a {type(doc).__name__}, not an object")
         version = doc.get("format_version")
-        if version != FORMAT_VERSION:
-            raise FormatError(f"unsupported format_version {version!r} (expected {FORMAT_VERSION})")
+        if version not in READABLE_VERSIONS:
+            raise FormatError(f"unsupported format_version {version!r} (this version reads "
+                              f"{', '.join(map(str, READABLE_VERSIONS))})")
         return cls(
             dataset=doc["dataset"],
             source=SourceRef(**doc["source"]),
@@ -128,7 +135,8 @@ def _without_none(obj, keep: tuple[str, ...]) -> dict:
 
 def sample_key(dataset: str, config: str, split: str, row: int, source_id: str) -> str:
     """Deterministic, unique, dot-free key: sanitised id + 12 hex digits of a hash of its origin."""
-    digest = hashlib.sha1(f"{dataset}/{config}/{split}/{row}/{source_id}".encode()).hexdigest()
+    origin = f"{dataset}/{config}/{split}/{row}/{source_id}"
+    digest = hashlib.sha1(origin.encode("utf-8", "surrogatepass")).hexdigest()
     stem = _KEY_UNSAFE.sub("_", str(source_id)).strip("_")[:64] or "row"
     return f"{stem}-{digest[:12]}"
 
@@ -163,5 +171,7 @@ def validate(key: str, sample: CanonicalSample, parts: dict[str, bytes]) -> None
     for m in sample.media:
         if m.bytes != len(parts[m.part]) or m.width <= 0 or m.height <= 0:
             fail(f"media {m.part}: bytes/size metadata wrong")
+        if sample.format_version >= 2 and not _SHA256_RE.match(m.sha256 or ""):
+            fail(f"media {m.part}: sha256 missing")
         if m.kind == "video" and (m.frames is None or m.duration_s is None or m.fps is None):
             fail(f"media {m.part}: video metadata missing")

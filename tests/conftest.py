@@ -21,6 +21,16 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+def one_error_line(proc: subprocess.CompletedProcess, code: int) -> str:
+    """The one `error:` line a failed CLI run printed (progress lines aside), checked: exit code
+    `code`, no traceback, exactly one error line."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    return errors[0]
+
+
 def energon(*args: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("energon")
     return subprocess.run([str(exe), *args], capture_output=True, text=True)
