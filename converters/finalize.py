@@ -3,7 +3,7 @@
 Reads every shard sidecar under `OUT/.work/`, checks that every source row ended in exactly one
 place, writes `rejects.jsonl`, `stats.json` (+ PNG), runs `energon prepare` (train/val/test split
 parts plus one per source config) with our typed `dataset.yaml`
-(`energon_tasks.energon_dataset.DATASET_YAML`), writes the MetadatasetV2 blend `metadataset.yaml`
+(`energon_tasks.sample_format.DATASET_YAML`), writes the MetadatasetV2 blend `metadataset.yaml`
 weighted by sample counts, then `summary.json`, and last the marker `.work/finalized.json`.
 
 Exactly once and kill-safe: it runs under the `finalize` lock (a partition that finds it held by a
@@ -31,7 +31,7 @@ from converters.lock import LockedError, RunLock
 from converters.progress import phase
 from converters.stats import write_stats
 from converters.writer import write_atomic, write_json_atomic
-from energon_tasks.energon_dataset import DATASET_YAML
+from energon_tasks.sample_format import DATASET_YAML
 
 SPLITS = ("train", "val", "test")
 MARKER = "finalized.json"
@@ -189,7 +189,7 @@ def finalize(out: Path, *, workers: int = 1) -> dict | None:
         lock = RunLock(work / "finalize.lock", f"finalizing --out {out}", notify=phase)
         lock.acquire()
     except LockedError:
-        phase("another partition is finalizing the dataset")
+        phase(f"another run is finalizing the dataset at {out} (it writes summary.json)")
         return None
     try:
         return _finalize_locked(out, options, workers)

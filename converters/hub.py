@@ -8,6 +8,7 @@ users use. Every failure to find the source or a config becomes a one-line `Usag
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 import sys
@@ -62,7 +63,33 @@ class Source:
         folder by its name and card only, so a shared cache can serve stale rows.
         """
         cache = str(self.cache_dir) if self.local and self.cache_dir else None
-        return datasets.load_dataset(self.ref, config, split=split, cache_dir=cache)
+        try:
+            return datasets.load_dataset(self.ref, config, split=split, cache_dir=cache)
+        except Exception as exc:  # datasets raises many kinds; an empty split is one of them
+            _reraise_full_disk(exc)
+            if self._is_empty(config, split):
+                return datasets.Dataset.from_list([])
+            try:  # datasets prepares every split of a config at once: an empty one fails all
+                return datasets.load_dataset(self.ref, config, split=split, cache_dir=cache,
+                                             data_files={split: self.data_files(config, split)})
+            except Exception:
+                pass
+            raise UsageError(f"--source {self.location}: config {config!r} split {split!r} "
+                             f"cannot be loaded ({type(exc).__name__}: {_first_line(exc)})"
+                             ) from None
+
+    def _is_empty(self, config: str | None, split: str) -> bool:
+        """True when every data file of the split holds zero rows (datasets cannot load it)."""
+        import pyarrow.parquet as pq
+
+        for url in self.data_files(config, split):
+            with open_data_file(url) as f:
+                if url.endswith(".parquet"):
+                    if pq.read_metadata(f).num_rows:
+                        return False
+                elif f.read(4096).strip() not in (b"", b"[]"):
+                    return False
+        return True
 
     def data_files(self, config: str | None, split: str) -> list[str]:
         """Resolved data file URLs/paths of a split, as `load_dataset` would read them.
@@ -144,14 +171,24 @@ def resolve_configs(source: Source, wanted: list[str] | None) -> list[str]:
     return wanted
 
 
+def _reraise_full_disk(exc: BaseException) -> None:
+    """Re-raise the OSError behind `exc` when the disk (or a file size limit) is full, so that it
+    reads as such rather than as a bad source."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise seen
+        seen = seen.__cause__ or seen.__context__
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 def _check_columns(source: Source, config: str, split: str, table, required) -> None:
-    columns = set(getattr(table, "column_names", None) or ())
-    if not columns and not len(table):
+    if not len(table):
         return  # an empty split: nothing to read, whatever its schema
+    columns = set(getattr(table, "column_names", None) or ())
     for group in required:
         if not group & columns:
             raise UsageError(f"--source {source.location}: config {config!r} split {split!r} has "

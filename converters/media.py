@@ -178,11 +178,17 @@ def probe_video(data: bytes, name: str = "", limits: Limits = Limits()) -> Probe
     """
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams:
+                raise MediaError("unreadable_video", f"{name}: no stream can be read (a damaged "
+                                 "or missing index, e.g. the mp4 moov atom)")
             if not container.streams.video:
                 raise MediaError("zero_frame_video", f"{name}: no video stream")
             stream = container.streams.video[0]
             claimed = int(stream.frames or 0)
             frames, seconds = _count_packets(container, stream, name, limits)
+            if frames == 0 and claimed:
+                raise MediaError("unreadable_video", f"{name}: the container lists {claimed} "
+                                 "frames but none can be read")
             if frames == 0:
                 raise MediaError("zero_frame_video", f"{name}: the video stream has no frames")
             if frames < MIN_VIDEO_FRAMES:

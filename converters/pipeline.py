@@ -94,7 +94,7 @@ def plan_shards(source: SourceDataset, splits: list[SourceSplit], opts: Options)
     """The shards of this partition, each a list of units, in a fixed order."""
     buckets: dict[tuple[str, str], list[tuple[int, Unit]]] = {}
     for index, split in enumerate(splits):
-        units = source.units(split)
+        units = source.units(split) if split.num_rows else []
         covered = sorted(r for u in units for r in u.rows)
         if covered != list(range(split.num_rows)):
             raise RuntimeError(f"converter bug: units of {split.config}/{split.split} do not "
@@ -298,6 +298,9 @@ def convert(make_source: Callable[[], SourceDataset], opts: Options) -> dict | N
                             interval=opts.progress_interval)
         try:
             _write_all(pending, opts.workers, lambda record: progress.update(record["rows_read"]))
+        except BaseException:
+            _remove_partials(opts.out, opts.partition_index)  # of the workers stopped mid-shard
+            raise
         finally:
             progress.close()
         with open(work / "runs.jsonl", "a") as f:
@@ -305,10 +308,8 @@ def convert(make_source: Callable[[], SourceDataset], opts: Options) -> dict | N
                                 "seconds": round(time.perf_counter() - start, 3)}) + "\n")
         write_json_atomic(work / f"partition-{opts.partition_index:03d}.done",
                           {"shards": len(specs)})
-    done = sorted(work.glob("partition-*.done"))
-    if len(done) < opts.num_partitions:
-        return None
-    from converters.finalize import finalize
+        if len(list(work.glob("partition-*.done"))) < opts.num_partitions:
+            return None
+        from converters.finalize import finalize
 
-    with interruptible(), disk_errors():
-        return finalize(opts.out, workers=opts.workers)
+        return finalize(opts.out, workers=opts.workers)  # still under this partition's lock

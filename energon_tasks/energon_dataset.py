@@ -6,7 +6,8 @@ converted dataset:
 - `ConversationSample`: the typed sample, the parsed `K.json` (`CanonicalSample`) and the stored
   bytes of every media member, verified against the SHA-256 recorded in `K.json`; nothing is decoded
   here (the task encoders decode each medium once, at its planned size).
-- `ConversationWebdataset`: the dataset factory `dataset.yaml` names (`DATASET_YAML`). It is a
+- `ConversationWebdataset`: the dataset factory `dataset.yaml` names
+  (`energon_tasks.sample_format.DATASET_YAML`). It is a
   `StandardWebdatasetFactory` with our own sample loader: parts stay raw bytes whatever decoder a
   caller passes, a sample whose member is missing or whose bytes do not match their checksum raises
   `DamagedSample`, and a tar member or header that cannot be read becomes a `DamagedSample` of that
@@ -35,15 +36,6 @@ from megatron.energon.errors import log_exception
 from energon_tasks.sample_format import CanonicalSample
 
 log = logging.getLogger("energon_tasks.skips")
-
-#: `.nv-meta/dataset.yaml` of every converted dataset (written by converters/finalize.py).
-DATASET_YAML = {
-    "__module__": "energon_tasks.energon_dataset",
-    "__class__": "ConversationWebdataset",
-    "sample_type": {"__module__": "energon_tasks.energon_dataset",
-                    "__class__": "ConversationSample"},
-}
-
 
 class DamagedSample(ValueError):
     """A stored sample cannot be used as written: `reason` is counted, the key logged."""
@@ -126,8 +118,16 @@ class _DamageTolerantReader:
         try:
             return self._reader[index]
         except Exception as error:  # tarfile / index errors come in many types
-            return {"__key__": f"{self._reader}#{index}", "__damaged__": str(error)[:200],
+            return {"__key__": self._where(index), "__damaged__": str(error)[:200],
                     "__restore_key__": ("Webdataset", index), "__sources__": ()}
+
+    def _where(self, index) -> str:
+        """`<shard>@<byte offset>` of a sample whose key cannot be read."""
+        try:
+            pointer = self._reader._get_itar_sample_pointer(index)
+            return f"{self._reader.tar_filenames[pointer.tar_file_id]}@{pointer.byte_offset}"
+        except Exception:  # energon internals differ between versions: the index is enough
+            return f"sample #{index}"
 
     def __getattr__(self, name):
         return getattr(self._reader, name)

@@ -19,6 +19,15 @@ FORMAT_VERSION = 2
 #: Versions the loaders read (1: no media checksums; 2: `sha256` on every media entry).
 READABLE_VERSIONS = (1, 2)
 
+#: `.nv-meta/dataset.yaml` of every converted dataset (written by converters/finalize.py): the
+#: typed dataset of energon_tasks/energon_dataset.py, named here so that writing it costs no import.
+DATASET_YAML = {
+    "__module__": "energon_tasks.energon_dataset",
+    "__class__": "ConversationWebdataset",
+    "sample_type": {"__module__": "energon_tasks.energon_dataset",
+                    "__class__": "ConversationSample"},
+}
+
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 PLACEHOLDER_RE = re.compile(r"<image>|<video>")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,14 +110,22 @@ def test_shards_are_plain_tars_without_pickle(mantis_out):
 
 
 @pytest.mark.parametrize("name", ["mantis_out", "infovqa_out", "video_out"])
-def test_energon_info_and_lint_pass(name, request):
+def test_plain_energon_info_lint_and_preview_read_every_output(name, request):
     out = request.getfixturevalue(name)
-    assert "ConversationWebdataset" in (out / ".nv-meta" / "dataset.yaml").read_text()
+    counts = summary(out)["samples_by_split"]
     info = energon("info", str(out))
     assert info.returncode == 0, info.stderr
-    splits = ",".join(summary(out)["samples_by_split"])
+    assert "energon_tasks.energon_dataset.ConversationSample" in info.stdout
+    assert f"({summary(out)['samples_written']:,} samples" in info.stdout
+    for split, count in counts.items():
+        assert f"`{split}`" in info.stdout and f"{count:,} samples" in info.stdout
     lint = energon("lint", str(out))
-    assert lint.returncode == 0, lint.stdout[-2000:] + lint.stderr[-2000:]
+    assert lint.returncode == 0 and "Except sample" not in lint.stdout, lint.stdout[-2000:]
+    exe = Path(sys.executable).with_name("energon")
+    preview = subprocess.run([str(exe), "preview", str(out)], input="n\n" * 3, text=True,
+                             capture_output=True)
+    assert preview.returncode == 0, preview.stderr[-2000:]
+    assert "conversation (" in preview.stdout and "CanonicalSample(" in preview.stdout
     meta = json.loads((out / ".nv-meta" / ".info.json").read_text())
     assert sum(meta["shard_counts"].values()) == summary(out)["samples_written"]
     assert (out / "metadataset.yaml").is_file() and (out / "stats_histograms.png").is_file()

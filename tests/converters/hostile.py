@@ -1,0 +1,229 @@
+"""Hostile sources for the converter tests: the hub's layouts, filled with the worst inputs.
+
+Each builder writes a local folder with a dataset's exact schema and layout (README card,
+parquet / JSON annotations, zips / tar.gz parts, via converters.lookalikes.files) and returns it
+with the reject reason expected for each planted row. Media are built here by hand: images whose
+header lies about their size or whose data is damaged, zip members whose CRC does not match,
+truncated archives, videos with one frame, a broken moov, or a frame count claimed in the header.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zipfile
+import zlib
+from pathlib import Path
+
+import av
+import numpy as np
+from datasets import Features, Image, List, Value
+from PIL import Image as PILImage
+
+from converters.lookalikes.files import (
+    fresh_dir,
+    write_card,
+    write_json,
+    write_parquet,
+    write_tar_gz,
+    write_zip,
+)
+from converters.lookalikes.media import moving_square_clip
+
+_TURN = {"role": Value("string"), "content": Value("string")}
+MANTIS_FEATURES = Features({"id": Value("string"), "images": List({"bytes": Value("binary"),
+                                                                   "path": Value("string")}),
+                            "conversation": List(_TURN), "source": Value("string")})
+INFOVQA_FEATURES = Features({"image": Image(), "question": Value("string"),
+                             "answer": List(Value("string"))})
+
+
+# ---- media -------------------------------------------------------------------------------------
+
+def png(width: int = 48, height: int = 32, mode: str = "RGB", seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    if mode == "I;16":
+        image = PILImage.fromarray(rng.integers(0, 65535, (height, width), dtype=np.uint16))
+    else:
+        image = PILImage.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def jpeg(width: int = 64, height: int = 48, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    PILImage.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(
+        buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose IHDR claims `width` x `height` (CRC fixed up) over a tiny real image."""
+    data = bytearray(png())
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def png_damaged() -> bytes:
+    """A PNG with a valid header whose image data is garbage (its zlib stream fails)."""
+    data = bytearray(png(64, 64, seed=3))
+    start = data.index(b"IDAT") + 4
+    data[start + 8:start + 40] = bytes(range(32))
+    crc_at = start + struct.unpack(">I", data[start - 8:start - 4])[0]
+    data[crc_at:crc_at + 4] = struct.pack(">I", zlib.crc32(bytes(data[start - 4:crc_at])))
+    return bytes(data)
+
+
+def jpeg_damaged() -> bytes:
+    """A JPEG with a valid header that ends inside its scan (no EOI): decoding fails."""
+    data = jpeg(256, 192, seed=4)
+    return data[: data.index(b"\xff\xda") + 40]
+
+
+def clip(seconds: float = 1.0, fps: int = 8) -> bytes:
+    return moving_square_clip("left", "red", size=(32, 24), fps=fps, seconds=seconds)
+
+
+def one_frame_clip() -> bytes:
+    return moving_square_clip("left", "red", size=(32, 24), fps=8, seconds=1 / 8)
+
+
+def broken_moov_clip() -> bytes:
+    """An mp4 whose moov atom (the index) is overwritten with junk."""
+    data = bytearray(clip())
+    at = data.index(b"moov")
+    data[at + 4:at + 200] = bytes(196)
+    return bytes(data)
+
+
+def avi_claiming_frames(claimed: int = 10**9) -> tuple[bytes, int]:
+    """An MPEG-4 AVI whose headers claim `claimed` frames; returns (bytes, real frame count)."""
+    buf = io.BytesIO()
+    frames = 12
+    with av.open(buf, "w", format="avi") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 32, 24, "yuv420p"
+        for i in range(frames):
+            image = np.full((24, 32, 3), 20 * i, np.uint8)
+            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    data = bytearray(buf.getvalue())
+    avih = data.index(b"avih") + 8
+    data[avih + 16:avih + 20] = struct.pack("<I", claimed)  # dwTotalFrames
+    strh = data.index(b"strh") + 8
+    data[strh + 32:strh + 36] = struct.pack("<I", claimed)  # dwLength of the video stream
+    return bytes(data), frames
+
+
+def zip_with_bad_crc(members: list[tuple[str, bytes]], damaged: str) -> bytes:
+    """A stored zip whose member `damaged` has one flipped byte (its CRC no longer matches)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in members:
+            zf.writestr(name, data)
+    raw = bytearray(buf.getvalue())
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as zf:
+        info = zf.getinfo(damaged)
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    raw[start + 5] ^= 0xFF
+    return bytes(raw)
+
+
+def zip_bomb(path: Path, name: str, size: int) -> None:
+    """A deflated zip holding `size` zero bytes as one member (~size / 1000 on disk)."""
+    chunk = bytes(1 << 20)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        with zf.open(name, "w", force_zip64=True) as member:
+            for _ in range(size // len(chunk)):
+                member.write(chunk)
+
+
+# ---- sources -------------------------------------------------------------------------------------
+
+def mantis_row(row_id: str, text: str, paths: list | None, answer: str = "ok") -> dict:
+    return {"id": row_id, "source": "hostile",
+            "images": None if paths is None else [p if not isinstance(p, str) else
+                                                  {"bytes": None, "path": p} for p in paths],
+            "conversation": [{"role": "user", "content": text},
+                             {"role": "assistant", "content": answer}]}
+
+
+def write_mantis(root: Path, configs: dict[str, dict], *, features: Features = MANTIS_FEATURES
+                 ) -> Path:
+    """A Mantis-Instruct layout. `configs`: name -> {"folder": str (default: the name),
+    "rows": [row dicts], "zip": [(member, bytes)] | bytes (the whole zip file) | None,
+    "parts": {part zip name: [(member, bytes)] | bytes}, "zips_txt": str}."""
+    out = fresh_dir(root)
+    card = {}
+    for config, spec in configs.items():
+        folder = out / spec.get("folder", config)
+        write_parquet(folder / "train-00000-of-00001.parquet", spec["rows"], features,
+                      hf_metadata=False)
+        card[config] = {"train": f"{spec.get('folder', config)}/train-*"}
+        for name, members in {"train_images.zip": spec.get("zip"),
+                              **spec.get("parts", {})}.items():
+            if isinstance(members, bytes):
+                (folder / name).write_bytes(members)
+            elif members is not None:
+                write_zip(folder / name, members)
+        if "zips_txt" in spec:
+            (folder / "train_images_zips.txt").write_text(spec["zips_txt"])
+    write_card(out, card, "hostile Mantis", "test source")
+    return out
+
+
+def write_infovqa(root: Path, splits: dict[str, list[dict]]) -> Path:
+    out = fresh_dir(root)
+    for split, rows in splits.items():
+        write_parquet(out / "data" / f"{split}-00000-of-00001.parquet", rows, INFOVQA_FEATURES,
+                      hf_metadata=True)
+    write_card(out, {"default": {s: f"data/{s}-*" for s in splits}}, "hostile InfoVQA", "test")
+    return out
+
+
+def video_record(rid, video, text: str = "<image>\nWhat moves?") -> dict:
+    return {"id": rid, "video": video, "data_source": "0_30_s_academic_v0_1",
+            "conversations": [{"from": "human", "value": text},
+                              {"from": "gpt", "value": "A square."}]}
+
+
+def write_llava_video(root: Path, configs: dict[str, dict]) -> Path:
+    """A LLaVA-Video-178K layout. `configs`: name -> {"records": list | raw JSON bytes,
+    "parts": [[(member, bytes)] | bytes (a whole .tar.gz)], "extracted": {path: bytes},
+    "links": {path: target}}."""
+    out = fresh_dir(root)
+    card = {}
+    for config, spec in configs.items():
+        folder = out / config
+        folder.mkdir(parents=True)
+        name = folder / f"{config}_oe_qa_processed.json"
+        if isinstance(spec["records"], bytes):
+            name.write_bytes(spec["records"])
+        else:
+            write_json(name, spec["records"])
+        card[config] = {"open_ended": f"{config}/*oe*.json"}
+        for k, members in enumerate(spec.get("parts", []), start=1):
+            part = folder / f"{config}_videos_{k}.tar.gz"
+            if isinstance(members, bytes):
+                part.write_bytes(members)
+            else:
+                write_tar_gz(part, members)
+        for path, data in spec.get("extracted", {}).items():
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_bytes(data)
+        for path, target in spec.get("links", {}).items():
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).symlink_to(target)
+    write_card(out, card, "hostile LLaVA-Video", "test")
+    return out
+
+
+def raw_json(records: list) -> bytes:
+    """JSON text of `records` (lone surrogates allowed: they stay `\\ud800` escapes)."""
+    return json.dumps(records).encode()
