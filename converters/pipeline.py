@@ -42,8 +42,9 @@ _TARGET_ORDER = ("train", "val", "test")
 _FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-class Interrupted(Exception):
-    """SIGINT / SIGTERM arrived; `signal` names it."""
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM arrived; `signal` names it. A BaseException, like KeyboardInterrupt, so
+    that no `except Exception` on the way (e.g. the writer's per-row guard) can swallow it."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)

@@ -79,18 +79,20 @@ def test_kill_during_energon_prepare_then_rerun_matches(sources, mantis_out, tmp
     assert energon("info", str(out)).returncode == 0
 
 
-def test_sigint_with_two_workers_ends_in_seconds_and_resumes(sources, mantis_out, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_group_with_two_workers_ends_in_seconds_and_resumes(
+        sources, mantis_out, tmp_path, signum):
     out = tmp_path / "interrupted"
     proc = _start(_cmd(sources, out, "--workers", "2"))
     assert _wait_for(lambda: _sidecars(out) >= 2, proc)
     workers = psutil.Process(proc.pid).children(recursive=True)
     start = time.time()
-    os.killpg(proc.pid, signal.SIGINT)  # what CTRL-C sends: the whole foreground group
+    os.killpg(proc.pid, signum)  # CTRL-C sends SIGINT to the whole foreground group
     _, stderr = proc.communicate(timeout=10)
-    assert time.time() - start < 10 and proc.returncode == 130
+    assert time.time() - start < 10 and proc.returncode == 128 + signum
     assert "Traceback" not in stderr
     assert [line for line in stderr.splitlines() if line.startswith("interrupted")] == [
-        "interrupted (SIGINT); run the same command again to resume"]
+        f"interrupted ({signal.Signals(signum).name}); run the same command again to resume"]
     assert workers and not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE
                                for w in workers)
     assert _run(_cmd(sources, out, "--workers", "2")).returncode == 0
