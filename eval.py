@@ -35,9 +35,16 @@ from pathlib import Path
 import yaml
 
 from models.families import TASK_ENCODER_MODELS
-from models.scores import anls_one, exact_match, option_accuracy, relaxed_match
+from models.scores import (
+    anls_one,
+    answer_letter,
+    exact_match,
+    extract_option_letter,
+    option_letters,
+    relaxed_match,
+)
 
-_OPTION_LINE = re.compile(r"^\s*\(?([A-Z])[\.\)]\s+(.+?)\s*$", re.MULTILINE)
+_OPTION_LINE = re.compile(r"\s*\(?([A-Z])[.)]\s+(.+?)\s*$")
 
 
 class EvalError(Exception):
@@ -46,23 +53,46 @@ class EvalError(Exception):
 
 # ------------------------------------------------------------------ scoring
 def parse_options(question: str) -> dict[str, str] | None:
-    """Options listed in a question as lines "A. text" / "(B) text" (None: fewer than two)."""
-    options = {m.group(1): m.group(2) for m in _OPTION_LINE.finditer(question)}
-    letters = sorted(options)
-    if len(options) < 2 or letters != [chr(ord("A") + i) for i in range(len(letters))]:
+    """The options a multiple-choice question lists, {letter: text}, or None.
+
+    LLaVA-Video's form: an "Options:" line, then one "A. text" line per option (up to E), then the
+    instruction ("Please provide your answer by stating the letter followed by the full
+    option."): the option lines right after the last "Options:" line are read. Without that line,
+    option lines ("A. text", "(B) text", "C) text") anywhere in the question. None when there are
+    fewer than two or the letters are not A, B, C, ... in order.
+    """
+    lines = question.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.strip().lower() == "options:"]
+    if headers:
+        matches = []
+        for line in lines[headers[-1] + 1:]:
+            if not (match := _OPTION_LINE.match(line)):
+                break
+            matches.append(match)
+    else:
+        matches = [m for m in map(_OPTION_LINE.match, lines) if m]
+    letters = [m.group(1) for m in matches]
+    if len(letters) < 2 or letters != [chr(ord("A") + i) for i in range(len(letters))]:
         return None
-    return options
+    return {m.group(1): m.group(2) for m in matches}
 
 
 def score_answer(dataset: str, question: str, prediction: str, references: list[str]
                  ) -> tuple[str, dict[str, float]]:
-    """(primary metric name, {metric: value}) of one generated answer."""
+    """(primary metric name, {metric: value}) of one generated answer.
+
+    InfoVQA: ANLS. A question listing options whose reference names one of them ("E. training.",
+    "E", the option's text): option accuracy, the letter read from the answer by lmms-eval
+    Video-MME's rule (models.scores.extract_option_letter). Everything else: exact and relaxed
+    match.
+    """
     if dataset == "infovqa":
         return "anls", {"anls": anls_one(prediction, references)}
     options = parse_options(question)
-    if options is not None:
-        return "option_acc", {"option_acc": option_accuracy([prediction], [references[0]],
-                                                            [options])}
+    letter = answer_letter(references[0], options) if options else None
+    if letter is not None:
+        chosen = extract_option_letter(prediction, option_letters(options))
+        return "option_acc", {"option_acc": float(chosen == letter)}
     return "exact", {"exact": exact_match(prediction, references),
                      "relaxed": relaxed_match(prediction, references)}
 

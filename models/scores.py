@@ -1,11 +1,20 @@
-"""Benchmark scores for generated answers, each from its published definition.
+"""Benchmark scores for generated answers, each computed as the reference evaluation computes it.
 
-- `anls`: Average Normalized Levenshtein Similarity (Biten et al., ICCV 2019, the DocVQA /
-  InfographicVQA metric): per question, the best over its reference answers of 1 - NL(pred, ref)
-  when the normalised edit distance NL is below the 0.5 threshold, else 0; answers compared
-  case-insensitively with surrounding and repeated whitespace removed.
-- `parse_option_letter` + `option_accuracy`: multiple choice (LLaVA-Video), the option letter read
-  from free text ("B", "B.", "(B)", "The answer is B", or the text of an option).
+- `anls_one` / `anls`: InfographicVQA's ANLS exactly as lmms-eval scores its ``infovqa_val`` task
+  (lmms_eval/api/metrics.py ``anls`` with ``levenshtein_distance``, itself taken from Qwen-VL's
+  ``eval_mm/infographicsvqa_eval.py``, the Robust Reading Competition script; unchanged from
+  lmms-eval v0.3.0 to v0.7): the generated answer is first stripped (lmms-eval's
+  ``ConfigurableTask.process_results``); per reference, the Levenshtein distance between the two
+  strings lower-cased with surrounding and repeated whitespace removed, divided by the longer of
+  the two *un-normalised* lengths (``len(s.upper())``: the stripped prediction, the reference as
+  stored), 0 when both are empty; the question scores 1 - the smallest of these, or 0 when that is
+  below 0.5 (exactly 0.5 is kept). Differences from Biten et al. 2019: docs/evaluation.md.
+- `extract_option_letter` (+ `option_letters`): the letter a multiple-choice output chooses, by
+  the rule of lmms-eval's Video-MME task (lmms_eval/tasks/videomme/utils.py
+  ``extract_characters_regex`` as of v0.3.0, the version the LLaVA-Video authors scored with):
+  a few answer prefixes are deleted, then the first capital option letter anywhere in the text.
+- `answer_letter`: the option a reference answer names (``E. training.``, ``E``, ``(E)`` or the
+  text of one option).
 - `exact_match` and `relaxed_match`: Mantis subsets; relaxed is ChartQA's relaxed accuracy (a
   numeric answer within 5 % of the reference counts as correct, otherwise exact match).
 Pure functions, no model or data dependencies.
@@ -40,15 +49,21 @@ def levenshtein(a: str, b: str) -> int:
 
 
 def anls_one(prediction: str, references: list[str], threshold: float = ANLS_THRESHOLD) -> float:
-    """ANLS of one question: max over references of the thresholded similarity."""
-    pred = normalize_answer(prediction)
-    best = 0.0
+    """ANLS of one question, as lmms-eval's InfoVQA task scores it (see the module docstring).
+
+    Raises:
+        ValueError: no reference answer.
+    """
+    if not references:
+        raise ValueError("ANLS needs at least one reference answer")
+    said = prediction.strip()  # lmms-eval strips every generated answer before scoring it
+    distances = []
     for reference in references:
-        ref = normalize_answer(reference)
-        longest = max(len(pred), len(ref))
-        distance = levenshtein(pred, ref) / longest if longest else 0.0
-        best = max(best, 1.0 - distance if distance < threshold else 0.0)
-    return best
+        longest = max(len(reference.upper()), len(said.upper()))  # un-normalised lengths
+        edits = levenshtein(normalize_answer(reference), normalize_answer(said))
+        distances.append(edits / longest if longest else 0.0)
+    score = 1.0 - min(distances)
+    return score if score >= threshold else 0.0
 
 
 def anls(predictions: list[str], references: list[list[str]]) -> float:
@@ -59,40 +74,52 @@ def anls(predictions: list[str], references: list[list[str]]) -> float:
     return sum(scores) / len(scores) if scores else 0.0
 
 
-_LEADING_LETTER = re.compile(r"^\s*[\(\[]?([A-Z])(?:[\)\]\.:,]|\s|$)")
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)?\s*[:\-]?\s*[\(\[]?([A-Z])\b(?:[\)\]\.:,]|\s|$)",
-                        re.IGNORECASE)
-_LONE_LETTER = re.compile(r"(?<![A-Za-z])[\(\[]?([A-Z])[\)\]\.]?(?![A-Za-z])")
+# Video-MME's prefixes as Python reads its list: two commas are missing there, so the 5th and 6th
+# entries are two phrases run together, and "The best option is" / "Best answer:" are never
+# deleted. The deletions matter only through capital letters: "Best answer:" left in gives "B".
+_VIDEOMME_PREFIXES = ("The best answer is", "The correct answer is", "The answer is", "The answer",
+                      "The best option isThe correct option is", "Best answer:Best option:")
+VIDEOMME_LETTERS = "ABCD"
 
 
-def parse_option_letter(text: str, options: dict[str, str] | None = None) -> str | None:
-    """The option letter a free-text answer chooses, or None.
+def option_letters(options) -> str:
+    """The letters `extract_option_letter` looks for: Video-MME's A-D, up to E for 5 options."""
+    last = max("D", *options)
+    return string.ascii_uppercase[: string.ascii_uppercase.index(last) + 1]
 
-    Tried in order: a leading letter ("B", "B.", "(B)", "B) left"), "the answer is B" /
-    "Answer: B", the exact text of one option (when `options` maps letters to texts), and a
-    single standalone capital letter among the valid ones.
+
+def extract_option_letter(output: str, letters: str = VIDEOMME_LETTERS) -> str:
+    """The option letter a generated answer chooses ("" for none), by Video-MME's rule.
+
+    lmms-eval ``videomme/utils.py::extract_characters_regex`` (v0.3.0): delete each answer
+    prefix ("The best answer is", "The answer is", ...) wherever it occurs, then take the first
+    character of the class ``[ABCD]`` anywhere in the text. Case-sensitive throughout: "e" or
+    "The answer is c" choose nothing, "Based on the video, E" chooses B. (Its extra check, more
+    than ten words and no letter -> "", gives "" exactly when the search finds nothing anyway.)
+    The one change: `letters` widens the class to the options a question lists (A-E for
+    LLaVA-Video's five-option questions, `option_letters`); with A-D it is the original.
     """
-    valid = set(options) if options else set(string.ascii_uppercase)
-    for pattern in (_LEADING_LETTER, _ANSWER_IS):
-        match = pattern.search(text)
-        if match and match.group(1).upper() in valid:
-            return match.group(1).upper()
-    if options:
-        said = normalize_answer(text).strip(" .")
-        chosen = [k for k, v in options.items() if normalize_answer(v).strip(" .") == said]
-        if len(chosen) == 1:
-            return chosen[0]
-    lone = {m.group(1) for m in _LONE_LETTER.finditer(text) if m.group(1) in valid}
-    return lone.pop() if len(lone) == 1 else None
+    for prefix in _VIDEOMME_PREFIXES:
+        output = output.replace(prefix, "")
+    return next((ch for ch in output if ch in letters), "")
 
 
-def option_accuracy(predictions: list[str], answers: list[str],
-                    options: list[dict[str, str] | None] | None = None) -> float:
-    """Share of predictions whose parsed letter equals the reference letter."""
-    options = options or [None] * len(predictions)
-    hits = [parse_option_letter(p, o) == a.strip().upper()[:1]
-            for p, a, o in zip(predictions, answers, options)]
-    return sum(hits) / len(hits) if hits else 0.0
+_ANSWER_LETTER = re.compile(r"\s*(?:\(([A-Z])\)|([A-Z])(?:[.:)]|\s*$))")
+
+
+def answer_letter(answer: str, options: dict[str, str]) -> str | None:
+    """The option a reference answer names, or None when it names none of `options`.
+
+    Its leading capital letter followed by ".", ":", ")" or nothing ("E. training.", "E",
+    "E) training"), or in brackets ("(E) training"); otherwise the one option whose text it
+    repeats (compared like `exact_match`: "Training" names "E" when E is "training.").
+    """
+    match = _ANSWER_LETTER.match(answer)
+    if match:
+        letter = match.group(1) or match.group(2)
+        return letter if letter in options else None
+    named = [letter for letter, text in options.items() if _clean(text) == _clean(answer)]
+    return named[0] if len(named) == 1 else None
 
 
 def _clean(text: str) -> str:

@@ -208,18 +208,62 @@ def test_empty_after_budget(eval_ckpt, infovqa_out, tmp_path):
 
 
 # ------------------------------------------------------------------ scoring glue
-def test_score_answer_routes_metrics():
-    sys.path.insert(0, str(REPO))
-    from eval import aggregate, parse_options, score_answer
+REAL_MC = ("What is the man doing in the video?\nOptions:\nA. running.\nB. swimming.\n"
+           "C. cooking.\nD. dancing.\nE. training.\nPlease provide your answer by stating the "
+           "letter followed by the full option.")  # LLaVA-Video-178K's form (placeholder removed)
 
-    question = "Which way?\nA. up\nB. down\nC. left\nAnswer with the option's letter."
-    assert parse_options(question) == {"A": "up", "B": "down", "C": "left"}
+
+def _eval_scoring():
+    sys.path.insert(0, str(REPO))
+    import eval as eval_module
+    return eval_module
+
+
+def test_parse_options_real_and_other_forms():
+    parse_options = _eval_scoring().parse_options
+    assert parse_options(REAL_MC) == {"A": "running.", "B": "swimming.", "C": "cooking.",
+                                      "D": "dancing.", "E": "training."}
+    # only the block after "Options:" counts: lines above it that look like options do not
+    steps = "Steps shown:\nA. wash\nB. cut\n" + REAL_MC
+    assert parse_options(steps) == parse_options(REAL_MC)
+    assert parse_options("Which way?\nA. up\nB. down\nC. left\nAnswer with the option's "
+                         "letter.") == {"A": "up", "B": "down", "C": "left"}
+    assert parse_options("Pick:\n(A) up\n(B) down") == {"A": "up", "B": "down"}
     assert parse_options("What is 1. this") is None
+    assert parse_options("Options:\nA. up\nC. down") is None       # letters not in order
+    assert parse_options("Options:\nA. up\nPlease answer.") is None  # one option
+    assert parse_options("Options:\nA. up\nA. down") is None        # repeated letter
+
+
+@pytest.mark.parametrize("prediction, reference, metric, value", [
+    ("E. training.", "E. training.", "option_acc", 1.0),   # answer and output in the dataset's form
+    ("E", "E. training.", "option_acc", 1.0),
+    ("(E)", "E. training.", "option_acc", 1.0),
+    ("The answer is E.", "E. training.", "option_acc", 1.0),
+    ("e. training.", "E. training.", "option_acc", 0.0),   # lower case: no letter read
+    ("training.", "E. training.", "option_acc", 0.0),      # the text without its letter
+    ("A. running.", "E. training.", "option_acc", 0.0),
+    ("Answer: E", "E. training.", "option_acc", 0.0),      # Video-MME's rule reads the A
+    ("E", "E", "option_acc", 1.0),                         # a bare letter as reference
+    ("E", "training.", "option_acc", 1.0),                 # reference given as the option text
+    ("training.", "F. flying.", "exact", 0.0),             # reference names no option: exact match
+])
+def test_score_answer_multiple_choice(prediction, reference, metric, value):
+    got_metric, scores = _eval_scoring().score_answer("llava-video", REAL_MC, prediction,
+                                                       [reference])
+    assert (got_metric, scores[metric]) == (metric, value)
+
+
+def test_score_answer_routes_metrics():
+    score_answer, aggregate = _eval_scoring().score_answer, _eval_scoring().aggregate
+    question = "Which way?\nA. up\nB. down\nC. left\nAnswer with the option's letter."
     assert score_answer("llava-video", question, "The answer is (B)", ["B"]) == (
         "option_acc", {"option_acc": 1.0})
     assert score_answer("llava-video", question, "left", ["B"])[1]["option_acc"] == 0.0
     metric, s = score_answer("infovqa", "q", "83098 ", ["83,098", "83098"])
     assert metric == "anls" and s["anls"] == 1.0
+    metric, s = score_answer("infovqa", "q", "43", ["42"])  # exactly the 0.5 threshold: kept
+    assert metric == "anls" and s["anls"] == 0.5
     metric, s = score_answer("mantis", "q", "41", ["42"])
     assert metric == "exact" and s == {"exact": 0.0, "relaxed": 1.0}
     records = [{"dataset": "mantis", "subset": "mantis/a", "score": 1.0, "scores": {"exact": 1.0}},
