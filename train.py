@@ -54,7 +54,9 @@ def import_hf_weights(cfg, is_logger: bool) -> str:
     try:
         folder, reused = import_hf_cached(cfg.model, cfg.hf, cache)
     except ValueError as error:  # bad source or weights that do not map: one line
-        raise UsageError(f"model.hf {cfg.hf}: {error}") from None
+        message = str(error)
+        raise UsageError(message if message.startswith("model.hf") else
+                         f"model.hf {cfg.hf}: {message}") from None
     if is_logger:
         print(f"[train] starting from the HF weights of {cfg.hf} "
               f"({'cached import' if reused else 'imported into'} {folder})", flush=True)
