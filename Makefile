@@ -1,4 +1,5 @@
-# One command surface: make install / test / demo / prepare-<dataset> / bench.
+# One command surface: make install / test / demo / prepare-<dataset> / train-<family>-<dataset> /
+# export-<family>-<dataset> / eval-<family>-<dataset> / bench.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -7,6 +8,10 @@ SOURCE_INFOVQA ?= Ahren09/InfoVQA
 SOURCE_VIDEO   ?= lmms-lab/LLaVA-Video-178K
 WORKERS ?= 2
 DEMO   ?= demo_out
+# One data root: make prepare-<dataset> writes $(DATA_ROOT)/<dataset>, make train-<family>-<dataset>
+# reads $(DATA_ROOT)/<dataset>/metadataset.yaml (the train configs' own default is data/ too).
+# make demo keeps its own shards under $(DEMO); train on them with DATA_ROOT=$(DEMO).
+DATA_ROOT ?= data
 
 .PHONY: install test test-fast demo bench check prepare-mantis prepare-infovqa prepare-llava-video clean
 
@@ -31,13 +36,13 @@ check: $(STAMP)
 	$(PY) -m ruff check . || true
 
 prepare-mantis: $(STAMP)
-	$(PY) -m converters mantis --source $(or $(SOURCE),$(SOURCE_MANTIS)) --out $(or $(OUT),data/mantis) --workers $(WORKERS)
+	$(PY) -m converters mantis --source $(or $(SOURCE),$(SOURCE_MANTIS)) --out $(or $(OUT),$(DATA_ROOT)/mantis) --workers $(WORKERS)
 
 prepare-infovqa: $(STAMP)
-	$(PY) -m converters infovqa --source $(or $(SOURCE),$(SOURCE_INFOVQA)) --out $(or $(OUT),data/infovqa) --workers $(WORKERS)
+	$(PY) -m converters infovqa --source $(or $(SOURCE),$(SOURCE_INFOVQA)) --out $(or $(OUT),$(DATA_ROOT)/infovqa) --workers $(WORKERS)
 
 prepare-llava-video: $(STAMP)
-	$(PY) -m converters llava-video --source $(or $(SOURCE),$(SOURCE_VIDEO)) --out $(or $(OUT),data/llava-video) --workers $(WORKERS)
+	$(PY) -m converters llava-video --source $(or $(SOURCE),$(SOURCE_VIDEO)) --out $(or $(OUT),$(DATA_ROOT)/llava-video) --workers $(WORKERS)
 
 DEMO_STEPS ?= 30
 FAMILIES := qwen-vl nemotron-omni
@@ -70,22 +75,33 @@ bench: $(STAMP)
 clean:
 	rm -rf $(DEMO) bench_out
 
-# --- training (train.py): the tiny models on the demo shards (`make demo`) on CPU by default.
+# --- training (train.py): the configs' tiny models on CPU by default, or a Hugging Face model.
 #     make train-<family>-<dataset>, family qwen-vl | nemotron-omni, dataset mantis | infovqa |
-#     llava-video. CONFIG= (a YAML in configs/), DATA= (dataset folder or metadataset.yaml),
-#     STEPS=, NPROC= (torchrun processes), OUT= (run folder: metrics.jsonl, checkpoints),
-#     ARGS= (more key=value).
+#     llava-video, on $(DATA_ROOT)/<dataset>. HF= (hub id or folder: start from that model's
+#     weights, tokenizer and pixel settings = model.hf), CONFIG= (a YAML in configs/), DATA=
+#     (dataset folder or metadataset.yaml), STEPS=, NPROC= (torchrun processes), OUT= (run
+#     folder: metrics.jsonl, checkpoints), ARGS= (more key=value).
 TRAIN_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),train-$(f)-$(d)))
+EXPORT_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),export-$(f)-$(d)))
 EVAL_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),eval-$(f)-$(d)))
-.PHONY: $(TRAIN_TARGETS) $(EVAL_TARGETS)
+.PHONY: $(TRAIN_TARGETS) $(EXPORT_TARGETS) $(EVAL_TARGETS)
 NPROC ?= 1
 TRAIN_LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY))
-TRAIN_ARGS = $(if $(DATA),data.path=$(DATA)) $(if $(STEPS),train.steps=$(STEPS)) $(if $(OUT),out=$(OUT)) $(ARGS)
+# dataset_of(qwen-vl-llava-video) -> llava-video
+dataset_of = $(strip $(foreach f,$(FAMILIES),$(patsubst $(f)-%,%,$(filter $(f)-%,$(1)))))
+TRAIN_ARGS = data.path=$(or $(DATA),$(DATA_ROOT)/$(call dataset_of,$*)/metadataset.yaml) $(if $(HF),model.hf=$(HF)) $(if $(STEPS),train.steps=$(STEPS)) $(if $(OUT),out=$(OUT)) $(ARGS)
 # train-qwen-vl-llava-video -> configs/train_qwen_vl_llava_video.yaml
 run_config = configs/train_$(subst -,_,$(1)).yaml
 
 $(TRAIN_TARGETS): train-%: $(STAMP)
 	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),$(call run_config,$*)) $(TRAIN_ARGS)
+
+# --- export (models.convert mcore-to-hf): a train.py checkpoint as a Hugging Face model folder
+#     (weights, config, tokenizer, chat template, processor files) that transformers loads.
+#     make export-<family>-<dataset>. CKPT= (run folder, checkpoints/ or one step_N folder;
+#     default the config's run folder runs/<family>_<dataset>), OUT= (default exports/<family>_<dataset>).
+$(EXPORT_TARGETS): export-%: $(STAMP)
+	$(PY) -m models.convert mcore-to-hf --mcore $(or $(CKPT),runs/$(subst -,_,$*)) --out $(or $(OUT),exports/$(subst -,_,$*))
 
 # --- evaluation (eval.py): greedy answers on the val split, scored per subset (docs/evaluation.md).
 #     make eval-<family>-<dataset>. CKPT= (train.py checkpoint dir / step folder, or an

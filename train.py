@@ -43,6 +43,26 @@ def build_model(cfg, layout):
     return model
 
 
+def import_hf_weights(cfg, is_logger: bool) -> str:
+    """``model.hf``: the import of the HF model's weights at this run's TP / PP / EP, cached under
+    ``train.hf_import_cache`` and reused by reruns (``models.convert.import_hf_cached``); logs
+    which weights the run starts from. Returns the import folder (a dist checkpoint)."""
+    from models.convert import import_hf_cached
+    from models.hf_source import default_import_cache
+
+    cache = Path(cfg.train.hf_import_cache or default_import_cache())
+    try:
+        folder, reused = import_hf_cached(cfg.model, cfg.hf, cache)
+    except ValueError as error:  # bad source or weights that do not map: one line
+        message = str(error)
+        raise UsageError(message if message.startswith("model.hf") else
+                         f"model.hf {cfg.hf}: {message}") from None
+    if is_logger:
+        print(f"[train] starting from the HF weights of {cfg.hf} "
+              f"({'cached import' if reused else 'imported into'} {folder})", flush=True)
+    return str(folder)
+
+
 def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
     """megatron's CP split: rank r keeps chunks r and 2*cp-1-r of 2*cp along ``dim``."""
     chunks = t.chunk(2 * cp, dim)
@@ -203,6 +223,10 @@ def main(argv=None) -> int:
     if len(tokenizer) > cfg.model.lm.vocab_size:
         raise UsageError(f"tokenizer has {len(tokenizer)} tokens, model.lm.vocab_size is "
                          f"{cfg.model.lm.vocab_size}")
+    if cfg.hf and cfg.model.image_token_id != encoder.image_pad:
+        raise UsageError(f"model.hf {cfg.hf}: its image_token_id is {cfg.model.image_token_id}, "
+                         f"task_encoder.tokenizer gives {encoder.image_pad}: they do not belong "
+                         "together")
     cfg.model.image_token_id, cfg.model.video_token_id = encoder.image_pad, encoder.video_pad
     cfg.model.vision_start_token_id = encoder.vision_start
     cfg.model.vision_end_token_id = encoder.vision_end
@@ -225,9 +249,17 @@ def main(argv=None) -> int:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and not cpu_only())
+    from models.checkpoint import model_record
+    from models.hf_source import resolve
+
+    init = cfg.train.init_checkpoint
+    if cfg.hf and resume is None:
+        init = import_hf_weights(cfg, is_logger)
+    hf_folder = resolve(cfg.hf, weights=False) if cfg.hf else None  # the model's own files
+    model_files = model_record(hf_folder, tokenizer) if is_logger else None  # for export
     model = build_model(cfg, layout)
-    if cfg.train.init_checkpoint and resume is None:
-        state = dist_checkpointing.load(model.sharded_state_dict(), cfg.train.init_checkpoint)
+    if init and resume is None:
+        state = dist_checkpointing.load(model.sharded_state_dict(), init)
         model.load_state_dict(state, strict=False)
     if bf16:
         from megatron.core.transformer.module import Float16Module
@@ -325,7 +357,7 @@ def main(argv=None) -> int:
         if (every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final):
             T.save_checkpoint(cfg.checkpoint_dir, done, model=model.module, optimizer=optimizer,
                               loader_states=[loader.save_state_rank() for loader in loaders],
-                              layout=layout, config_yaml=dump_yaml(cfg),
+                              layout=layout, config_yaml=dump_yaml(cfg), model_files=model_files,
                               train_state={"scheduler": {"step": done, "lr": lr},
                                            "params": n_params})
 

@@ -3,13 +3,20 @@
 
 This module owns ``init_parallel`` (gloo on CPU / nccl on GPU, parallel_state, seeded RNG
 tracker; CPU shims from models.cpu_compat), ``build_model``, TP slicing of a full (TP=1) state dict
-for this rank (``shard_for_rank``; ``global_layer_keys`` names a pipeline stage's layers by their
-PP=1 index), and save/load of a self-describing checkpoint folder:
-megatron ``dist_checkpointing`` files + ``qwen_vl_model.json`` (our config, any family: the
-name is kept so that existing checkpoints load) + ``hf_config.json``
-(the source HF config when imported). dist_checkpointing stores global tensors, so a checkpoint
-saved at one TP / PP loads at any other (megatron reshards on load; decoder layers are stored by
-their global index).
+for this rank (``shard_for_rank``; ``global_keys`` names a pipeline stage's layers and an
+expert-parallel rank's experts by their PP=1 / EP=1 index), and save/load of a self-describing
+checkpoint folder: megatron ``dist_checkpointing`` files + ``qwen_vl_model.json`` (our config, any
+family: the name is kept so that existing checkpoints load) + ``hf_config.json`` (the source HF
+config when imported). dist_checkpointing stores global tensors, so a checkpoint saved at one
+TP / PP / EP loads at any other (megatron reshards on load; decoder layers and experts are stored
+by their global index).
+
+Model checkpoints come in two kinds, both read by ``find_model_checkpoint`` / ``load_checkpoint``:
+an import folder (``models.convert hf-to-mcore``, the cached ``model.hf`` imports) and a train.py
+run / step folder (weights in ``model_optim/``, the model config in ``config.yaml``). Either may
+hold ``hf/`` (``model_record``): what an export needs besides weights, i.e. the source HF
+``config.json`` and processor files when the model came from a Hugging Face model, and the
+tokenizer files (with its chat template).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from models.cpu_compat import cpu_only, enable_cpu_compat, seed_model_parallel
 from models.families import config_from_dict, model_class
 
 MODEL_JSON, HF_JSON = "qwen_vl_model.json", "hf_config.json"
+#: folder of a checkpoint with the files an export ships besides weights (``model_record``)
+HF_FILES = "hf"
 
 
 def init_process_group() -> None:
@@ -81,24 +90,32 @@ def weight_shapes(model) -> dict[str, torch.Size]:
     return shapes
 
 
-def global_layer_keys(model) -> dict[str, str]:
-    """Our local key -> the key at PP=1 (global layer number) of every parameter of ``model``.
+def global_keys(model) -> dict[str, str]:
+    """Our local key -> the key at PP=1 and EP=1 of every parameter of ``model``.
 
     Under pipeline parallelism a stage numbers its decoder layers from 0; megatron's
-    ``layer_number`` (1-based, offset by the stage's first layer) gives the global index, which
-    ``sharded_state_dict`` also uses, so dist checkpoints load at any PP. Identity at PP=1.
+    ``layer_number`` (1-based, offset by the stage's first layer) gives the global index. Under
+    expert parallelism a rank numbers its experts from 0; the expert-parallel rank times the
+    local expert count gives the first global one. ``sharded_state_dict`` uses the same global
+    indices, so dist checkpoints load at any PP / EP. Identity at PP=1, EP=1.
     """
     import re
 
-    pattern = re.compile(r"^(.*\.decoder\.layers\.)(\d+)\.")
+    layer_pattern = re.compile(r"^(.*\.decoder\.layers\.)(\d+)\.")
+    expert_pattern = re.compile(r"^(.*\.local_experts\.)(\d+)\.")
     out = {}
     for name in model.state_dict(keep_vars=True):
-        match = pattern.match(name)
-        if match is None:
-            out[name] = name
-            continue
-        layer = model.get_submodule(match.group(1) + match.group(2))
-        out[name] = f"{match.group(1)}{layer.layer_number - 1}.{name[match.end():]}"
+        key = name
+        match = expert_pattern.match(name)
+        if match is not None:
+            experts = model.get_submodule(match.group(1)[:-len(".local_experts.")])
+            first = experts.ep_group.rank() * experts.num_local_experts
+            key = f"{match.group(1)}{first + int(match.group(2))}.{name[match.end():]}"
+        match = layer_pattern.match(name)
+        if match is not None:
+            layer = model.get_submodule(match.group(1) + match.group(2))
+            key = f"{match.group(1)}{layer.layer_number - 1}.{key[match.end():]}"
+        out[name] = key
     return out
 
 
@@ -124,37 +141,105 @@ def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tens
     return local
 
 
-def save_checkpoint(model, cfg, out: Path, hf_config: dict | None = None):
-    """dist_checkpointing.save + self-description (call on every rank)."""
+def save_checkpoint(model, cfg, out: Path, hf_config: dict | None = None,
+                    files: dict[str, bytes] | None = None):
+    """dist_checkpointing.save + self-description (call on every rank); ``files``: relative path
+    -> bytes written too (``model_record``)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     out = Path(out)
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(out))  # into an empty folder
+    if dist.get_rank() == 0:
         (out / MODEL_JSON).write_text(json.dumps(cfg.to_dict(), indent=2))
         if hf_config is not None:
             (out / HF_JSON).write_text(json.dumps(hf_config, indent=2))
+        write_files(out, files or {})
     dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(out))
-    dist.barrier()
+
+
+def write_files(out: Path, files: dict[str, bytes]) -> None:
+    """Write ``model_record``'s files (relative path -> bytes) under ``out``."""
+    for name, data in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
 
 
 def read_model_config(path: Path):
-    """The model config stored in a checkpoint folder (its family picks the config class)."""
+    """The model config stored in an import folder (its family picks the config class)."""
     path = Path(path)
     if not (path / MODEL_JSON).is_file():
         raise ValueError(f"{path} is not a megatron model checkpoint (no {MODEL_JSON})")
     return config_from_dict(json.loads((path / MODEL_JSON).read_text()))
 
 
+def find_model_checkpoint(path: str | Path):
+    """(model config, weights folder, ``hf/`` folder or None) of an import folder or a train.py
+    run / checkpoints / step folder (``models.training.resolve_checkpoint``). Reads only the
+    self-description.
+
+    Raises:
+        ValueError: neither kind, or an unreadable description (one line).
+    """
+    import yaml
+
+    from models.training import resolve_checkpoint
+
+    path = Path(path)
+    if (path / MODEL_JSON).is_file():
+        return read_model_config(path), path, _hf_files(path)
+    step = resolve_checkpoint(path)
+    if not ((step / "model_optim" / "metadata.json").is_file()
+            and (step / "config.yaml").is_file()):
+        raise ValueError(f"{path} is not a model checkpoint: neither an import folder "
+                         f"({MODEL_JSON}) nor a train.py run or step folder (model_optim/, "
+                         "config.yaml)")
+    try:
+        raw = yaml.safe_load((step / "config.yaml").read_text()) or {}
+        cfg = config_from_dict(raw.get("model") or {})
+    except (OSError, yaml.YAMLError, TypeError) as error:
+        raise ValueError(f"{step / 'config.yaml'} is unreadable ({error})") from None
+    return cfg, step / "model_optim", _hf_files(step)
+
+
+def _hf_files(folder: Path) -> Path | None:
+    return folder / HF_FILES if (folder / HF_FILES).is_dir() else None
+
+
+def model_record(hf_folder: Path | None, tokenizer=None) -> dict[str, bytes]:
+    """What a checkpoint records for export besides weights and the model config: relative
+    path -> bytes under ``hf/``. From an HF model folder: its config.json and processor files;
+    the tokenizer files (with the chat template) as the folder has them when ``tokenizer`` is
+    the folder's (or None), else the tokenizer's own save. Small files only (no weights)."""
+    import tempfile
+
+    from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES
+
+    def read(folder: Path, names) -> dict[str, bytes]:
+        return {f"{HF_FILES}/{name}": (folder / name).read_bytes() for name in names
+                if (folder / name).is_file()}
+
+    files = read(Path(hf_folder), ("config.json", *PROCESSOR_FILES)) if hf_folder else {}
+    own = tokenizer is None or (hf_folder is not None and Path(tokenizer.name_or_path).resolve()
+                                == Path(hf_folder).resolve())
+    if own:
+        return {**files, **read(Path(hf_folder), TOKENIZER_FILES)}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {**files, **read(Path(tmp), TOKENIZER_FILES)}
+
+
 def load_checkpoint(path: Path, use_te: bool | None = None):
-    """Build the model described by the checkpoint (current TP/PP) and load its weights."""
+    """Build the model described by the checkpoint (an import folder or a train.py run / step
+    folder, ``find_model_checkpoint``) at the current TP/PP and load its weights."""
     from megatron.core import dist_checkpointing
 
-    cfg = read_model_config(path)
+    cfg, weights, _files = find_model_checkpoint(path)
     model = build_model(cfg, use_te=use_te)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(path))
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(weights))
     model.load_state_dict(state, strict=False)
     missing = [k for k in model.state_dict() if not k.endswith("_extra_state") and k not in state]
     if missing:

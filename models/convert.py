@@ -2,7 +2,8 @@
 verification (the family comes from config.json's ``model_type``; models/families.py).
 
     python -m models.convert hf-to-mcore --hf PATH_OR_ID --out DIR [--tp N] [--pp P]
-    python -m models.convert mcore-to-hf --mcore DIR --out DIR
+    python -m models.convert mcore-to-hf --mcore DIR --out DIR   (an import or a train.py run /
+                                                                   step folder, any TP/PP/EP)
     python -m models.convert verify --hf PATH --mcore DIR [--tp N] [--pp P]
 
 ``hf-to-mcore`` and ``verify`` with ``N * P > 1`` start themselves under ``torch.distributed.run``
@@ -26,6 +27,9 @@ from pathlib import Path
 import torch
 
 from models.families import config_from_hf, config_module, hf_model_class, mapping_module
+
+#: written last into a cached import folder (``import_hf_cached``): the import is complete
+IMPORT_DONE = "import_complete.json"
 
 
 # ------------------------------------------------------------------ inputs for verify / tests
@@ -194,58 +198,107 @@ def _fail(message: str) -> None:
 
 
 def resolve_hf(path_or_id: str) -> Path:
-    path = Path(path_or_id)
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
+    from models.hf_source import HFSourceError, resolve
 
-        return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
-    except Exception as exc:  # noqa: BLE001 - any hub failure is a bad --hf for the user
-        _fail(f"--hf {path_or_id!r} is not a local folder and could not be downloaded ({exc})")
+    try:
+        return resolve(path_or_id, weights=True)
+    except HFSourceError as error:
+        _fail(str(error).replace("model.hf ", "--hf ", 1))
+
+
+def load_hf_weights(model, cfg, folder: Path) -> dict:
+    """Map the HF weights of ``folder`` onto this rank's part of ``model`` (local spec): its
+    pipeline stage's layers, its experts (EP), its TP slices. Returns the HF config.
+
+    Raises:
+        ValueError: a key or shape that does not map (the first offender named).
+    """
+    from models.checkpoint import global_keys, shard_for_rank, weight_shapes
+    from models.hf_mapping import read_hf_folder
+
+    hf_config, hf_sd = read_hf_folder(folder)
+    to_global = global_keys(model)
+    shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
+    if all(local == glob for local, glob in to_global.items()):  # the whole model is here
+        full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, shapes)
+    else:  # this stage's layers / this rank's experts, mapped under their global numbers
+        part = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
+        full = {local: part[glob] for local, glob in to_global.items() if glob in part}
+    model.load_state_dict(shard_for_rank(full, model), strict=False)
+    return hf_config
 
 
 def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
-    from models.checkpoint import (
-        build_model,
-        init_parallel,
-        save_checkpoint,
-        shard_for_rank,
-        weight_shapes,
-    )
-    from models.hf_mapping import read_hf_folder
+    from models.checkpoint import build_model, init_parallel, model_record, save_checkpoint
 
     folder = resolve_hf(hf)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--hf {hf}: no config.json")
     cfg = config_from_hf(json.loads((folder / "config.json").read_text()))  # family check first
     init_parallel(tp=tp, pp=pp)
-    hf_config, hf_sd = read_hf_folder(folder)
     model = build_model(cfg, use_te=False)
-    if pp == 1:
-        full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, weight_shapes(model))
-    else:  # this stage's layers, mapped under their global (PP=1) numbers
-        from models.checkpoint import global_layer_keys
+    hf_config = load_hf_weights(model, cfg, folder)
+    save_checkpoint(model, cfg, out, hf_config=hf_config, files=model_record(folder))
 
-        to_global = global_layer_keys(model)
-        shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
-        stage = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
-        full = {local: stage[glob] for local, glob in to_global.items() if glob in stage}
-    model.load_state_dict(shard_for_rank(full, model), strict=False)
-    save_checkpoint(model, cfg, out, hf_config=hf_config)
+
+def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
+    """The import of ``source``'s weights (hub id or folder) at this process's TP / PP / EP, as
+    an import folder under ``cache_root`` named by the weights' fingerprint and the layout
+    (``models.hf_source.cache_name``): written by the first run that needs it (every rank its
+    part, through a local-spec model that is then freed), reused by every later one. Collective:
+    every rank calls it. Returns (the folder, whether it was reused).
+
+    Raises:
+        ValueError: the weights do not map onto ``cfg``'s model (one line).
+        models.hf_source.HFSourceError: ``source`` cannot be resolved.
+    """
+    import shutil
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from models.checkpoint import build_model, model_record, save_checkpoint
+    from models.hf_source import cache_name, resolve
+
+    folder = resolve(source, weights=True)
+    layout = (ps.get_tensor_model_parallel_world_size(),
+              ps.get_pipeline_model_parallel_world_size(),
+              ps.get_expert_model_parallel_world_size())
+    target = Path(cache_root) / cache_name(source, folder, *layout)
+    done = [(target / IMPORT_DONE).is_file()]
+    dist.broadcast_object_list(done, src=0)  # one answer for every rank
+    if done[0]:
+        return target, True
+    model = build_model(cfg, use_te=False)  # the mapping's keys; dist checkpoints are spec-free
+    hf_config = load_hf_weights(model, cfg, folder)
+    if dist.get_rank() == 0 and target.exists():  # an import that was interrupted
+        shutil.rmtree(target)
+    dist.barrier()
+    save_checkpoint(model, cfg, target, hf_config=hf_config, files=model_record(folder))
+    del model
+    if dist.get_rank() == 0:
+        (target / IMPORT_DONE).write_text(json.dumps({"source": source, "folder": str(folder)}))
+    dist.barrier()
+    return target, False
 
 
 def mcore_to_hf(mcore: Path, out: Path) -> None:
-    from models.checkpoint import HF_JSON, init_parallel, load_checkpoint
+    """Write an HF model folder (config.json, model.safetensors, tokenizer and processor files)
+    from an import folder or a train.py run / step folder, whatever TP / PP / EP it was saved
+    with (loaded here at TP = PP = EP = 1)."""
+    from models.checkpoint import HF_JSON, find_model_checkpoint, init_parallel, load_checkpoint
     from models.hf_mapping import is_our_key, write_hf_folder
+    from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES, copy_files
 
     init_parallel()
+    _cfg, _weights, files = find_model_checkpoint(mcore)
     model, cfg = load_checkpoint(mcore, use_te=False)
     sd = {k: v.detach() for k, v in model.state_dict().items() if is_our_key(k)}
-    hf_json = mcore / HF_JSON
-    config = (json.loads(hf_json.read_text()) if hf_json.is_file()
+    source = next((p for p in (files and files / "config.json", Path(mcore) / HF_JSON)
+                   if p and p.is_file()), None)
+    config = (json.loads(source.read_text()) if source is not None
               else config_module(cfg.family).to_hf_dict(cfg))
     write_hf_folder(out, config, mapping_module(cfg).ours_to_hf(sd, cfg))
+    if files is not None:
+        copy_files(files, Path(out), TOKENIZER_FILES + PROCESSOR_FILES)
 
 
 def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:

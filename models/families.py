@@ -46,7 +46,10 @@ def config_module(family: str) -> ModuleType:
 
 def config_from_dict(raw: dict):
     """The model config of a YAML/JSON dict, by its ``family`` key (default qwen2_5_vl's
-    module, which then names the missing/invalid family)."""
+    module, which then names the missing/invalid family). An ``hf`` key (the Hugging Face model
+    a run started from, which a saved run config names next to the full model) is not part of
+    the model's shape and is left aside."""
+    raw = {key: value for key, value in raw.items() if key != "hf"}
     family = raw.get("family")
     module = config_module(family) if family in FAMILIES else config_module("qwen2_5_vl")
     return module.from_dict(raw)

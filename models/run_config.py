@@ -2,7 +2,9 @@
 
 This module owns the typed run config (``RunConfig``: model, task encoder, data, parallel layout,
 training, logging and checkpoint sections), how it is read (``load_run_config``: a YAML file, an
-optional ``model.base`` YAML under the inline model section, then command-line overrides such as
+optional ``model.base`` YAML under the inline model section, or ``model.hf`` (a Hugging Face
+model: its config.json is the model section's base, and its own files set the task encoder's
+tokenizer, pixel limits and model name, see ``_hf_model``), then command-line overrides such as
 ``train.steps=20 task_encoder.max_pixels=50176 model.lm.num_layers=2``), and how it is written
 back (``to_dict`` / ``dump_yaml``: the resolved config, logged at startup and saved in every
 checkpoint). Unknown keys are an error; every problem of a config is reported together, in one
@@ -73,6 +75,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  #: global grad-norm clip (0 = off)
     init_checkpoint: str | None = None  #: megatron dist checkpoint to start from (HF import)
+    #: where imports of ``model.hf`` weights are cached, one folder per weights and layout
+    #: (default: ``<HF_HOME>/vlm-sft-imports``, next to the hub cache)
+    hf_import_cache: str | None = None
     precision: str = "auto"  #: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     #: shard the optimizer state (fp32 master weights, Adam moments) over the data-parallel ranks
     #: (megatron's DistributedOptimizer: reduce-scatter of grads, all-gather of updated params)
@@ -106,6 +111,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    #: ``model.hf``: the Hugging Face model (hub id or folder) whose weights the run starts from
+    hf: str | None = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -188,6 +195,17 @@ def build_section(cls: type, raw: Any, name: str, errors: list[str]):
     return cls(**kwargs)
 
 
+def _refine(base: dict, inline: dict) -> dict:
+    """``base`` with the inline keys over it (sections merged one level deep)."""
+    merged = dict(base)
+    for key, value in inline.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
 def _model_section(raw: Any, errors: list[str]):
     raw = dict(raw or {})
     base = raw.pop("base", None)
@@ -197,17 +215,55 @@ def _model_section(raw: Any, errors: list[str]):
         except OSError as error:
             errors.append(f"model.base: cannot read {base}: {error.strerror}")
             return None
-        for key, value in raw.items():  # inline keys refine the base (one level deep)
-            if isinstance(value, dict) and isinstance(merged.get(key), dict):
-                merged[key] = {**merged[key], **value}
-            else:
-                merged[key] = value
-        raw = merged
+        raw = _refine(merged, raw)  # inline keys refine the base
     try:
         return config_from_dict(raw)  # the family key picks the config class
     except (ValueError, TypeError) as error:
         errors.append(str(error))
         return None
+
+
+def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str, dict] | None:
+    """``model.hf``: the HF model's config.json becomes the model section's base (inline
+    ``model.*`` keys refine it), and its own files set ``task_encoder.tokenizer`` (the model's
+    folder), the pixel limits (``models.hf_source.task_encoder_settings``) and, when the
+    configured one does not feed the model's family, ``task_encoder.model``; a
+    ``task_encoder.*`` key given on the command line keeps its value. Edits ``raw`` in place;
+    returns (source, the processors' patch / merge sizes) or None when ``model.hf`` is unset."""
+    from models.families import TASK_ENCODER_MODELS, config_from_hf
+    from models.hf_source import HFSourceError, hf_config, resolve, task_encoder_settings
+
+    model = raw.get("model")
+    if not isinstance(model, dict) or not model.get("hf"):
+        return None
+    source = str(model["hf"])
+    if "base" in model:
+        errors.append("model.hf and model.base exclude each other (the HF model is the base)")
+        return None
+    try:
+        folder = resolve(source, weights=False)
+        base = config_from_hf(hf_config(folder)).to_dict()
+        values, geometry = task_encoder_settings(folder, base["family"])
+    except (HFSourceError, ValueError, TypeError) as error:
+        errors.append(str(error))
+        return None
+    raw["model"] = _refine(base, {k: v for k, v in model.items() if k != "hf"})
+    encoder = raw["task_encoder"] = dict(raw.get("task_encoder") or {})
+    feeds = TASK_ENCODER_MODELS[base["family"]]
+    if encoder.get("model") not in feeds:
+        values["model"] = feeds[0]
+    for key, value in values.items():
+        if f"task_encoder.{key}" not in command_line:
+            encoder[key] = value
+    return source, geometry
+
+
+def _check_hf_geometry(source: str, geometry: dict, task_encoder: Any) -> list[str]:
+    """The task encoder's patch / merge sizes must be those of the HF model's processors."""
+    ours = task_encoder.geometry
+    return [f"model.hf {source}: its processor's {name} is {value}, task_encoder.model "
+            f"{task_encoder.model!r} uses {getattr(ours, name)}"
+            for name, value in geometry.items() if getattr(ours, name) != value]
 
 
 def _task_encoder_section(raw: Any, cp: int, errors: list[str], config_cls: type) -> Any:
@@ -225,29 +281,38 @@ def _task_encoder_section(raw: Any, cp: int, errors: list[str], config_cls: type
 
 
 # ------------------------------------------------------------------ public API
-def from_dict(raw: dict, *, task_encoder_config: type) -> RunConfig:
+def from_dict(raw: dict, *, task_encoder_config: type,
+              command_line: set[str] | frozenset[str] = frozenset()) -> RunConfig:
     """Build and validate a RunConfig from the nested YAML layout.
 
     ``task_encoder_config`` is the data side's config class (``TaskEncoderConfig``), passed in
-    by train.py / eval.py so that models/ never imports energon_tasks.
+    by train.py / eval.py so that models/ never imports energon_tasks. ``command_line``: the
+    dotted keys given as overrides (they win over what ``model.hf`` sets).
 
     Raises:
         ConfigError: every unknown key, wrong type or invalid setting, in one message.
     """
     errors: list[str] = []
+    raw = dict(raw)
+    hf = _hf_model(raw, set(command_line), errors)
+    hf_failed = bool(errors)  # model.hf unusable: its model section is not built
     known = {"out", "model", "task_encoder", *SECTIONS}
     errors += [f"unknown key {key} (valid: {', '.join(sorted(known))})"
                for key in raw if key not in known]
     sections = {name: build_section(cls, raw.get(name), name, errors)
                 for name, cls in SECTIONS.items()}
-    model = _model_section(raw.get("model"), errors)
+    model = None if hf_failed else _model_section(raw.get("model"), errors)
     task_encoder = _task_encoder_section(raw.get("task_encoder"), sections["parallel"].cp, errors,
                                          task_encoder_config)
     errors += _check_values(sections)
+    if hf is not None and task_encoder is not None:
+        errors += _check_hf_geometry(*hf, task_encoder)
+    if hf is not None and sections["train"].init_checkpoint:
+        errors.append("model.hf and train.init_checkpoint exclude each other")
     if errors:
         raise ConfigError("; ".join(errors))
     return RunConfig(out=str(raw.get("out", "runs/train")), model=model,
-                     task_encoder=task_encoder, **sections)
+                     task_encoder=task_encoder, hf=hf and hf[0], **sections)
 
 
 def _check_values(s: dict) -> list[str]:
@@ -278,10 +343,12 @@ def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     except yaml.YAMLError as error:
         raise ConfigError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})") from None
     errors = []
-    # ``model.base=<yaml>`` on the command line swaps the model: it replaces the file's whole
-    # model section (whose inline keys describe another model), and the other ``model.*``
-    # overrides then refine the new base
-    bases = [item for item in overrides if item.split("=", 1)[0].strip() == "model.base"]
+    # ``model.base=<yaml>`` or ``model.hf=<model>`` on the command line swaps the model: it
+    # replaces the file's whole model section (whose inline keys describe another model), and
+    # the other ``model.*`` overrides then refine the new base
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    bases = [item for item in overrides
+             if item.split("=", 1)[0].strip() in ("model.base", "model.hf")]
     if bases:
         raw["model"] = {}
     for item in [*bases, *(item for item in overrides if item not in bases)]:
@@ -291,12 +358,13 @@ def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (
             errors.append(str(error))
     if errors:
         raise ConfigError("; ".join(errors))
-    return from_dict(raw, task_encoder_config=task_encoder_config)
+    return from_dict(raw, task_encoder_config=task_encoder_config, command_line=keys)
 
 
 def to_dict(config: RunConfig) -> dict:
     """The resolved config as plain data (what is logged and saved with checkpoints)."""
-    return {"out": config.out, "model": config.model.to_dict(),
+    model = config.model.to_dict()
+    return {"out": config.out, "model": {"hf": config.hf, **model} if config.hf else model,
             "task_encoder": config.task_encoder.to_dict(),
             **{name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}}
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from models.checkpoint import init_process_group
+from models.checkpoint import init_process_group, write_files
 from models.cpu_compat import cpu_only, enable_cpu_compat, seed_model_parallel
 
 
@@ -516,11 +516,12 @@ def _sharded(model, optimizer, is_loading: bool) -> dict:
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_states: list,
-                    layout: Layout, train_state: dict, config_yaml: str, keep_last: int = 2
-                    ) -> Path:
+                    layout: Layout, train_state: dict, config_yaml: str, keep_last: int = 2,
+                    model_files: dict[str, bytes] | None = None) -> Path:
     """Write ``ckpt_dir/step_<N>/`` (collective: every rank calls it) and update ``latest``.
 
     ``loader_states``: this rank's Energon loader states (one per virtual DP reader).
+    ``model_files``: what export needs besides weights (``models.checkpoint.model_record``).
     """
     from megatron.core import dist_checkpointing
 
@@ -542,6 +543,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_state
                   "layout": {k: getattr(layout, k) for k in ("world", "tp", "pp", "cp", "dp")}}
         (step_dir / TRAIN_STATE).write_text(json.dumps(record, indent=2))
         (step_dir / "config.yaml").write_text(config_yaml)
+        write_files(step_dir, model_files or {})
         (ckpt_dir / "latest").write_text(step_dir.name + "\n")
         old = sorted(p for p in ckpt_dir.glob("step_*") if p.name != step_dir.name)
         for stale in old[: max(0, len(old) - (keep_last - 1))]:

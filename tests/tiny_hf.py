@@ -1,5 +1,6 @@
-"""A tiny random-weight Qwen2.5-VL / Qwen3-VL built with transformers (no download), shared by
-the model parity tests and the evaluation tests."""
+"""Tiny random-weight Qwen2.5-VL / Qwen3-VL / Nemotron-Omni models built with transformers (no
+download), shared by the model parity tests, the evaluation tests and the HF journey tests
+(``build_tiny_hf_model``: a whole model folder with tokenizer and processor files)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ NEMOTRON_TOKENS = dict(image_token_id=420, video_token_id=421)
 
 
 def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "*-*-",
-                             seed: int = 0) -> Path:
+                             seed: int = 0, tokens: dict | None = None) -> Path:
     """Save a tiny fp32 NemotronH_Omni_Reasoning_V3 (tiny RADIO, attention/MLP-only hybrid LM,
     no audio; one MTP layer declared so that ``vision_final_layernorm`` exists), weights
     perturbed well beyond the default init. Videos get their own token id here (HF ignores it)."""
@@ -77,7 +78,7 @@ def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "*-*
                          num_key_value_heads=2, head_dim=16, intermediate_size=96,
                          layers_block_type=[names[s] for s in pattern],
                          num_nextn_predict_layers=1),
-        projector_hidden_size=48, vision_hidden_size=32, **NEMOTRON_TOKENS)
+        projector_hidden_size=48, vision_hidden_size=32, **(tokens or NEMOTRON_TOKENS))
     return save_perturbed(NemotronH_Omni_Reasoning_V3, config, out, seed)
 
 
@@ -90,4 +91,54 @@ def save_perturbed(cls, config, out: Path, seed: int) -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out)
+    return out
+
+
+#: ChatML, the conversation layout both families' task encoders write
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+#: the test tokenizer's ids of the Qwen vision tokens and of Nemotron-Omni's ``<image>``
+TEST_TOKENIZER_QWEN = dict(image_token_id=5, video_token_id=6, vision_start_token_id=3,
+                           vision_end_token_id=4)
+TEST_TOKENIZER_NEMOTRON = dict(image_token_id=420, video_token_id=420)
+
+
+def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int], pattern: str = "*-*-",
+                        seed: int = 0) -> Path:
+    """A complete tiny HF model folder as the hub has them: weights + config.json (token ids of
+    the test tokenizer), the test tokenizer with a ChatML chat template, and the processor files
+    (``preprocessor_config.json`` / ``video_preprocessor_config.json`` with ``pixels`` = (min,
+    max) image pixels), written as transformers' processors save them. ``pattern``:
+    Nemotron-Omni's LM layers."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from energon_tasks.tokenizer import build_test_tokenizer
+
+    if family == "nemotron_omni":
+        build_tiny_nemotron_omni(out, pattern=pattern, seed=seed, tokens=TEST_TOKENIZER_NEMOTRON)
+        image = {"image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
+                 "patch_size": 16, "downsample_ratio": 0.5, "min_num_patches": pixels[0] // 256,
+                 "max_num_patches": pixels[1] // 256, "do_rescale": True, "do_normalize": True}
+        video = {"video_processor_type": "NemotronH_Omni_Reasoning_V3VideoProcessor",
+                 "patch_size": 16, "downsample_ratio": 0.5, "video_target_num_patches": 64,
+                 "video_maintain_aspect_ratio": True}
+    else:
+        build_tiny_hf(family, out, vocab=448, tokens=TEST_TOKENIZER_QWEN, max_positions=2048,
+                      seed=seed)
+        patch = 14 if family == "qwen2_5_vl" else 16
+        geometry = {"patch_size": patch, "temporal_patch_size": 2, "merge_size": 2}
+        image = {"image_processor_type": "Qwen2VLImageProcessor", **geometry,
+                 "min_pixels": pixels[0], "max_pixels": pixels[1],
+                 "size": {"shortest_edge": pixels[0], "longest_edge": pixels[1]}}
+        video = {"video_processor_type": "Qwen2VLVideoProcessor", **geometry,
+                 "size": {"shortest_edge": pixels[0], "longest_edge": pixels[1]}}
+    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    build_test_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(out)
     return out

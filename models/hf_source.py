@@ -1,0 +1,167 @@
+"""What a run takes from a Hugging Face model (``model.hf``: a hub id or a local folder).
+
+This module owns where the model's files come from (``resolve``: a local folder as it is, a hub id
+through ``huggingface_hub.snapshot_download`` and its cache; an unreachable hub is one line),
+what identifies its weights (``fingerprint``: config + weight file names, sizes and times, so a
+cached import is reused only for the same weights), what the model's own processor files set for
+the task encoder (``task_encoder_settings``: tokenizer, image / video pixel limits, Nemotron-Omni
+video patches, and the patch / merge sizes the geometry must have) and which of its files travel
+with checkpoints and exports (``TOKENIZER_FILES``, ``PROCESSOR_FILES``, ``copy_files``).
+
+Pixel settings, by family (the keys transformers' processors save):
+
+* Qwen2.5-VL / Qwen3-VL: ``preprocessor_config.json`` ``min_pixels`` / ``max_pixels`` (hub files
+  of Qwen2.5-VL) or ``size.shortest_edge`` / ``size.longest_edge`` (transformers 5.x) ->
+  ``min_pixels`` / ``max_pixels``; the same keys of ``video_preprocessor_config.json`` ->
+  ``video_min_pixels`` / ``video_max_pixels``; ``patch_size`` / ``merge_size``.
+* Nemotron-Omni: ``min_num_patches`` / ``max_num_patches`` x ``patch_size``**2 -> ``min_pixels`` /
+  ``max_pixels``; ``downsample_ratio`` -> merge size; ``video_target_num_patches`` and
+  ``video_maintain_aspect_ratio`` of ``video_preprocessor_config.json``.
+
+A processor config may also sit inside ``processor_config.json`` (``image_processor`` /
+``video_processor`` entries); those are read when the separate files are absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+#: the model's files other than weights: config, tokenizer, processors, chat template
+SMALL_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json"]
+#: tokenizer files a checkpoint records and an export ships (those the folder has)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+#: processor files (image / video preprocessing, processor class)
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json",
+                   "processor_config.json")
+
+
+class HFSourceError(ValueError):
+    """``model.hf`` cannot be used (one line: what was given, what is wrong)."""
+
+
+def resolve(source: str, *, weights: bool) -> Path:
+    """The local folder of ``source``: the folder itself, or the hub snapshot of that id
+    (``snapshot_download``: cached files are reused; ``weights`` adds the safetensors).
+
+    Raises:
+        HFSourceError: no such folder and the hub cannot serve the id, or no config.json.
+    """
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        if path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1:
+            raise HFSourceError(f"model.hf {source}: not a folder (give an HF model folder or a "
+                                "hub id such as Qwen/Qwen2.5-VL-7B-Instruct)")
+        from huggingface_hub import snapshot_download
+
+        patterns = SMALL_FILES + (WEIGHT_FILES if weights else [])
+        try:
+            path = Path(snapshot_download(source, allow_patterns=patterns))
+        except Exception as error:  # noqa: BLE001 - any hub failure is a bad model.hf
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise HFSourceError(f"model.hf {source}: not a local folder, and the hub cannot "
+                                f"serve it ({type(error).__name__}: {first}); pass a local "
+                                "folder or check the id / network / HF_TOKEN") from None
+    if not (path / "config.json").is_file():
+        raise HFSourceError(f"model.hf {source}: {path} has no config.json")
+    return path
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise HFSourceError(f"{path}: unreadable ({type(error).__name__})") from None
+
+
+def hf_config(folder: Path) -> dict:
+    """The folder's config.json."""
+    return read_json(folder / "config.json")
+
+
+def default_import_cache() -> Path:
+    """Where imports of ``model.hf`` weights are cached by default: next to the hub cache."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "vlm-sft-imports"
+
+
+def fingerprint(folder: Path) -> str:
+    """A short hash of config.json and the weight files (name, size, modification time)."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for pattern in WEIGHT_FILES:
+        for file in sorted(folder.glob(pattern)):
+            stat = file.stat()  # follows the hub cache's symlinks to the blobs
+            digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_name(source: str, folder: Path, tp: int, pp: int, ep: int) -> str:
+    """Folder name of the cached import of ``folder`` at a layout."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", source.strip("/").split("/")[-1] or "model")
+    return f"{name}-{fingerprint(folder)}-tp{tp}-pp{pp}-ep{ep}"
+
+
+def _processor(folder: Path, file: str, entry: str) -> dict:
+    if (folder / file).is_file():
+        return read_json(folder / file)
+    combined = folder / "processor_config.json"
+    return (read_json(combined).get(entry) or {}) if combined.is_file() else {}
+
+
+def _pixel_limits(config: dict) -> tuple[int | None, int | None]:
+    size = config.get("size") or {}
+    return (config.get("min_pixels", size.get("shortest_edge")),
+            config.get("max_pixels", size.get("longest_edge")))
+
+
+def task_encoder_settings(folder: Path, family: str) -> tuple[dict, dict]:
+    """(task encoder values, geometry) the model's own files set.
+
+    The values are ``TaskEncoderConfig`` fields (``tokenizer`` = the folder; the pixel limits
+    its processor configs set, see the module docstring); the geometry is the
+    ``patch_size`` / ``merge_size`` the processors use (absent keys are left out).
+    """
+    image = _processor(folder, "preprocessor_config.json", "image_processor")
+    video = _processor(folder, "video_preprocessor_config.json", "video_processor")
+    values: dict = {"tokenizer": str(folder)}
+    geometry: dict = {}
+    if family == "nemotron_omni":
+        patch = image.get("patch_size")
+        if patch:
+            geometry["patch_size"] = patch
+            for ours, theirs in (("min_pixels", "min_num_patches"),
+                                 ("max_pixels", "max_num_patches")):
+                if image.get(theirs) is not None:
+                    values[ours] = int(image[theirs]) * patch ** 2
+        if image.get("downsample_ratio"):
+            geometry["merge_size"] = round(1 / float(image["downsample_ratio"]))
+        for key in ("video_target_num_patches", "video_maintain_aspect_ratio"):
+            if video.get(key) is not None:
+                values[key] = video[key]
+    else:
+        for prefix, config in (("", image), ("video_", video)):
+            low, high = _pixel_limits(config)
+            if low is not None:
+                values[f"{prefix}min_pixels"] = int(low)
+            if high is not None:
+                values[f"{prefix}max_pixels"] = int(high)
+        geometry.update({k: image[k] for k in ("patch_size", "merge_size") if image.get(k)})
+    return values, geometry
+
+
+def copy_files(folder: Path, out: Path, names: tuple[str, ...]) -> list[str]:
+    """Copy the files of ``names`` that ``folder`` has into ``out``; their names."""
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in names:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,175 @@
+"""From a Hugging Face model to a fine-tuned Hugging Face model: train.py started from a tiny HF
+model (``model.hf``: weights imported at the run's layout and cached, tokenizer, chat template and
+pixel settings from the model's own files), export of train.py checkpoints
+(``models.convert mcore-to-hf``) that transformers loads with its Auto classes and that gives our
+logits, and the round trip import -> train -> export -> import. Both families; one slow run saved
+at TP=2 (Nemotron-Omni)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import REPO
+from tests.test_train import FAST, MANTIS_CFG, NEMOTRON_MANTIS_CFG, losses, ok, train
+from tests.tiny_hf import build_tiny_hf_model
+
+#: family -> (train config, the HF model's own image pixel limits: differ from the config's)
+JOURNEYS = {"qwen2_5_vl": (MANTIS_CFG, (3136, 6272)),
+            "nemotron_omni": (NEMOTRON_MANTIS_CFG, (8192, 16384))}
+LOGITS_TOLERANCE = 1e-4
+
+
+def train_from_hf(family: str, hf: Path, out: Path, cache: Path, mantis_out: Path, *extra: str,
+                  nproc: int = 1):
+    config = JOURNEYS[family][0]
+    proc = train(str(config), f"model.hf={hf}", f"data.path={mantis_out}/metadataset.yaml",
+                 f"out={out}", f"train.hf_import_cache={cache}", *FAST,
+                 "checkpoint.save_final=true", *extra, nproc=nproc)
+    ok(proc)
+    return proc
+
+
+def export(ckpt: Path, out: Path) -> Path:
+    from models.convert import main
+
+    main(["mcore-to-hf", "--mcore", str(ckpt), "--out", str(out)])
+    return out
+
+
+def state(path: Path) -> dict[str, torch.Tensor]:
+    """Our weights (TP=1) of an import or a train.py checkpoint."""
+    from models.checkpoint import init_parallel, load_checkpoint
+
+    init_parallel()
+    model, _cfg = load_checkpoint(path, use_te=False)
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def logits_diff(ckpt: Path, exported: Path) -> dict[str, float]:
+    """Max abs logit difference, transformers' Auto class on the export vs ours on ``ckpt``,
+    on generated inputs (images, interleaved images, video)."""
+    from transformers import AutoModelForImageTextToText
+
+    from models.checkpoint import init_parallel, load_checkpoint
+    from models.convert import hf_inputs, hf_logits, make_inputs, our_logits
+
+    init_parallel()
+    model, cfg = load_checkpoint(ckpt, use_te=False)
+    hf_model = AutoModelForImageTextToText.from_pretrained(
+        exported, dtype=torch.float32, attn_implementation="eager").eval()
+    return {name: (hf_logits(hf_model, hf_inputs(cfg, inputs)) - our_logits(model, inputs))
+            .abs().max().item() for name, inputs in make_inputs(cfg).items()}
+
+
+@pytest.mark.parametrize("family", sorted(JOURNEYS))
+def test_journey_from_hf_to_hf(family, tmp_path, mantis_out):
+    """import (model.hf) -> train -> export -> transformers (logits equal ours) -> import again
+    (weights identical, cached for reruns); Qwen-VL: a run started from the export begins at
+    the trained loss, far below the random start's."""
+    from transformers import AutoTokenizer
+
+    from models.checkpoint import init_parallel
+    from models.convert import import_hf_cached
+    from models.families import config_from_hf
+
+    hf = build_tiny_hf_model(family, tmp_path / "hf", pixels=JOURNEYS[family][1])
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    steps = 12 if family == "qwen2_5_vl" else 3
+    proc = train_from_hf(family, hf, run, cache, mantis_out, f"train.steps={steps}")
+    assert f"starting from the HF weights of {hf} (imported into {cache}" in proc.stdout
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["model"]["hf"] == str(hf)
+    assert resolved["task_encoder"]["tokenizer"] == str(hf)  # the model's own tokenizer
+    pixels = resolved["task_encoder"]["min_pixels"], resolved["task_encoder"]["max_pixels"]
+    assert pixels == JOURNEYS[family][1]  # from its preprocessor_config.json
+
+    exported = export(run, tmp_path / "export")
+    diffs = logits_diff(run, exported)
+    assert max(diffs.values()) <= LOGITS_TOLERANCE, diffs
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(hf).chat_template
+    assert (exported / "preprocessor_config.json").read_bytes() == \
+        (hf / "preprocessor_config.json").read_bytes()
+    if family == "qwen2_5_vl":  # the PIL image processor imports here (no torchvision)
+        from transformers import AutoImageProcessor
+
+        assert AutoImageProcessor.from_pretrained(exported).size["longest_edge"] == pixels[1]
+
+    trained = state(run)
+    if family == "qwen2_5_vl":  # the export as a new start: trained weights, trained loss
+        again = tmp_path / "again"
+        train_from_hf(family, exported, again, cache, mantis_out, "train.steps=1")
+        first = losses(run)[0]
+        assert losses(again)[0] < first - 1.5, (losses(again), losses(run))
+    init_parallel()
+    cfg = config_from_hf(json.loads((exported / "config.json").read_text()))
+    folder, reused = import_hf_cached(cfg, str(exported), cache)
+    assert reused == (family == "qwen2_5_vl")  # the second run's import is reused
+    imported = state(folder)
+    assert imported.keys() == trained.keys()
+    assert all(torch.equal(imported[k], trained[k]) for k in trained)
+    assert import_hf_cached(cfg, str(exported), cache) == (folder, True)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_tp2_exports(tmp_path, mantis_out):
+    """Nemotron-Omni imported and trained at TP=2 (torchrun, 2 processes), exported from its
+    step folder (loaded at TP=1): the export gives our logits in transformers."""
+    hf = build_tiny_hf_model("nemotron_omni", tmp_path / "hf", pixels=(16384, 16384))
+    run = tmp_path / "run"
+    train_from_hf("nemotron_omni", hf, run, tmp_path / "cache", mantis_out, "train.steps=2",
+                  "parallel.tp=2", nproc=2)
+    assert json.loads((run / "checkpoints" / "step_000002" / "train_state.json").read_text()
+                      )["layout"]["tp"] == 2
+    diffs = logits_diff(run, export(run / "checkpoints" / "step_000002", tmp_path / "export"))
+    assert max(diffs.values()) <= LOGITS_TOLERANCE, diffs
+
+
+def test_unreachable_hub_is_one_line():
+    """A hub id goes through huggingface_hub; offline it is one line naming the id."""
+    from energon_tasks.config import TaskEncoderConfig
+    from models.run_config import ConfigError, load_run_config
+
+    with pytest.raises(ConfigError) as info:
+        load_run_config(MANTIS_CFG, ["model.hf=nobody-here/NoSuch-VL-1B"],
+                        task_encoder_config=TaskEncoderConfig)
+    message = str(info.value)
+    assert "\n" not in message and "model.hf nobody-here/NoSuch-VL-1B" in message, message
+
+
+def test_export_of_a_non_checkpoint_is_one_line(tmp_path, capsys):
+    from models.convert import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["mcore-to-hf", "--mcore", str(tmp_path), "--out", str(tmp_path / "x")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is not a model checkpoint" in err, err
+
+
+def test_make_prepare_writes_where_train_reads():
+    """One data root: ``make prepare-<d>`` writes it, ``make train-<f>-<d>`` reads it; ``HF=``
+    becomes model.hf; ``make export-<f>-<d>`` exports the run folder the config names."""
+    def dry(*args):
+        return subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout
+
+    assert "--out data/mantis " in dry("prepare-mantis", "DATA_ROOT=data")
+    line = dry("train-qwen-vl-mantis", "HF=Qwen/Qwen2.5-VL-7B-Instruct")
+    assert "data.path=data/mantis/metadataset.yaml" in line
+    assert "model.hf=Qwen/Qwen2.5-VL-7B-Instruct" in line
+    assert "--out elsewhere/infovqa " in dry("prepare-infovqa", "DATA_ROOT=elsewhere")
+    assert "data.path=elsewhere/infovqa/metadataset.yaml" in dry("train-nemotron-omni-infovqa",
+                                                                 "DATA_ROOT=elsewhere")
+    line = dry("export-nemotron-omni-mantis", "OUT=x")
+    assert "mcore-to-hf --mcore runs/nemotron_omni_mantis --out x" in line
+    for family in ("qwen_vl", "nemotron_omni"):  # the configs' own default is the same root
+        config = yaml.safe_load((REPO / "configs" / f"train_{family}_mantis.yaml").read_text())
+        assert config["data"]["path"] == "data/mantis/metadataset.yaml"
+        assert config["out"] == f"runs/{family}_mantis"
