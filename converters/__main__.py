@@ -136,9 +136,10 @@ def _report(out: Path, summary: dict | None) -> None:
         click.echo(f"partition done; the dataset at {out} is finalized by the last partition to "
                    "finish (or `python -m converters finalize --out ...`)")
         return
-    shown = {k: summary[k] for k in ("rows_read", "rows_written", "samples_written", "rejected",
-                                     "rejected_by_reason", "fixups_by_kind", "samples_by_split",
-                                     "shards", "conversion")}
+    shown = {k: summary.get(k) for k in ("rows_read", "rows_written", "samples_written",
+                                         "rejected", "rejected_by_reason", "fixups_by_kind",
+                                         "samples_by_split", "skipped_configs", "shards",
+                                         "conversion")}
     click.echo(json.dumps(shown, indent=1))
     if summary["rejected_by_reason"].get("internal_error"):
         click.echo(f"warning: {summary['rejected_by_reason']['internal_error']} rows hit an "
@@ -200,12 +201,20 @@ def infovqa(source, out, configs, splits, limits, one_question_per_sample=False)
     return InfoVQASource(source, configs, splits, one_question_per_sample, limits=limits)
 
 
-@dataset_command("llava-video", "lmms-lab/LLaVA-Video-178K")
-def llava_video(source, out, configs, splits, limits):
+@dataset_command("llava-video", "lmms-lab/LLaVA-Video-178K",
+                 click.option("--frames-root", type=click.Path(path_type=Path),
+                              help="A local copy of the frame folders of configs whose videos are "
+                                   "not in the repository (llava_hound: ShareGPTVideo "
+                                   "train_300k); without it those configs are skipped."),
+                 click.option("--frames-fps", default=1.0, show_default=True,
+                              type=click.FloatRange(min=0, min_open=True),
+                              help="The rate the frames of --frames-root were taken at."))
+def llava_video(source, out, configs, splits, limits, frames_root=None, frames_fps=1.0):
     """lmms-lab/LLaVA-Video-178K: video conversations (videos from the tar.gz parts)."""
     from converters.llava_video import LlavaVideoSource
 
-    return LlavaVideoSource(source, out / ".work", configs, splits, limits=limits)
+    return LlavaVideoSource(source, out / ".work", configs, splits, limits=limits,
+                            frames_root=frames_root, frames_fps=frames_fps)
 
 
 @cli.command("finalize")

@@ -6,6 +6,9 @@
   indexed_gzip, whose seek points make later reads random access; the gzip index is saved so
   resumed runs and worker processes do not pay the pass again.
 - `FolderMembers`: an already-extracted folder.
+- `FrameFolders`: videos published as folders of frame images (LLaVA-Video's llava_hound, whose
+  frames live in another repository: `--frames-root`); a folder is read as one frame-sequence
+  member (`energon_tasks.sample_format.pack_frames`).
 
 Every `read(name, max_bytes)` is bounded: a member larger than `max_bytes` (as stored, or as it
 turns out while reading, whatever its header says) raises `MediaError("member_too_large")` having
@@ -23,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import re
 import tarfile
 import zipfile
 import zlib
@@ -224,3 +228,38 @@ class FolderMembers:
         if len(data) > max_bytes:
             raise _too_large(name, len(data), max_bytes)
         return data
+
+
+#: image files that make up a frame folder
+FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+class FrameFolders:
+    """Videos given as folders of frame images under `root`: `read(name)` packs the folder's
+    frames (natural name order, original bytes) into one frame-sequence member. A name is looked
+    up as given, then by its last path component (sources write either)."""
+
+    def __init__(self, root: Path):
+        self.root = root.resolve()
+        self.unsafe: list[str] = []
+
+    def read(self, name: str, max_bytes: int) -> bytes | None:
+        from energon_tasks.sample_format import pack_frames
+
+        folder = next((f for f in (self.root / name, self.root / posixpath.basename(name))
+                       if f.is_dir()), None)
+        if folder is None:
+            return None
+        if not inside(self.root, folder):
+            raise MediaError("unsafe_member_name", f"{name}: leaves the frames root")
+        files = sorted((f for f in folder.iterdir()
+                        if f.suffix.lower() in FRAME_SUFFIXES and f.is_file()
+                        and inside(self.root, f)), key=lambda f: _natural(f.name))
+        total = sum(f.stat().st_size for f in files)
+        if total > max_bytes:
+            raise _too_large(name, total, max_bytes)
+        return pack_frames([(f.name, f.read_bytes()) for f in files])

@@ -110,6 +110,8 @@ class SourceDataset(Protocol):
     def fingerprint(self) -> dict:
         """Options that change the output (a resumed run must use the same)."""
 
+    # optional: `skipped() -> {config: {"rows": int, "why": str}}`, configs left out on purpose
+
 
 def reject_all(split: SourceSplit, unit: Unit, reason: str, detail: str) -> Built:
     """Every row of the unit rejected for the same reason."""

@@ -87,6 +87,7 @@ def _summarize(out: Path, records: list[dict], options: dict) -> dict:
         "fixups_by_kind": dict(sorted(fixups.items())),
         "samples_by_split": {s: by_split[s] for s in SPLITS if by_split[s]},
         "by_config": {c: dict(sorted(v.items())) for c, v in sorted(by_config.items())},
+        "skipped_configs": options.get("skipped_configs", {}),
         "shards": sum(1 for r in records if r["shard"]),
         "conversion": {
             "seconds": round(seconds, 3),

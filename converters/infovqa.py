@@ -20,6 +20,7 @@ import datasets
 from converters.base import Built, Reject, SourceSplit, Unit, reject_all
 from converters.hub import Source, open_splits, resolve_configs
 from converters.media import Limits, MediaError, image_media, probe_image
+from converters.progress import phase
 from energon_tasks.sample_format import (
     IMAGE_PLACEHOLDER,
     PLACEHOLDER_RE,
@@ -32,7 +33,16 @@ from energon_tasks.sample_format import (
 HUB_ID = "Ahren09/InfoVQA"
 DATASET = "infovqa"
 REQUIRED_COLUMNS = ({"image"}, {"question"}, {"answer", "answers"})
+INFOGRAPHIC_CONFIG = "InfographicVQA"  #: lmms-lab/DocVQA's config of this dataset
 
+
+def _no_train_line(source: Source, splits: list[SourceSplit]) -> str:
+    """One line for a source that declares no train split (lmms-lab/DocVQA's card comments its
+    train entry out): where its rows go, and which source to train on."""
+    went = ", ".join(f"{s.split} ({s.num_rows} rows) -> {s.target}" for s in splits)
+    return (f"note: {source.location} declares no train split ({went}; test rows have no "
+            f"answers and are rejected no_answer): this gives evaluation data only; to train, "
+            f"convert {HUB_ID}")
 
 def _answers(row: dict) -> list[str]:
     value = row.get("answer", row.get("answers"))
@@ -77,7 +87,7 @@ class InfoVQASource:
         self.source = source
         self.limits = limits
         self.one_question_per_sample = one_question_per_sample
-        self.configs = resolve_configs(source, configs)
+        self.configs = resolve_configs(source, configs or self._default_configs(source))
 
         def load(config, split):
             table = source.load(config, split)
@@ -85,6 +95,14 @@ class InfoVQASource:
 
         self._splits, self._tables = open_splits(source, self.configs, splits, load,
                                                  required=REQUIRED_COLUMNS)
+        if not any(s.target in ("train", "carve") for s in self._splits):
+            phase(_no_train_line(source, self._splits))
+
+    @staticmethod
+    def _default_configs(source: Source) -> list[str] | None:
+        """lmms-lab/DocVQA holds document VQA too: only its InfographicVQA config by default."""
+        names = source.config_names()
+        return [INFOGRAPHIC_CONFIG] if INFOGRAPHIC_CONFIG in names and len(names) > 1 else None
 
     def fingerprint(self) -> dict:
         return {"location": self.source.location, "configs": self.configs,

@@ -214,6 +214,50 @@ def probe_video(data: bytes, name: str = "", limits: Limits = Limits()) -> Probe
         raise _video_error("unreadable_video", name, exc) from None
 
 
+def probe_frames(data: bytes, name: str = "", limits: Limits = Limits(),
+                 fps: float = 1.0) -> ProbedVideo:
+    """A frame-sequence video (`pack_frames`): every frame's header must give the same size, and
+    the first and last frames must decode; `fps` is the rate the frames were taken at.
+
+    Raises:
+        MediaError: "zero_frame_video" (no frame), "too_few_frames", "video_too_long",
+            "unreadable_video" (a frame that does not open or decode, frames of mixed sizes).
+    """
+    from energon_tasks.sample_format import unpack_frames
+
+    try:
+        frames = unpack_frames(data)
+    except Exception as exc:
+        raise _video_error("unreadable_video", name, exc) from None
+    if not frames:
+        raise MediaError("zero_frame_video", f"{name}: the frame folder holds no frame")
+    if len(frames) < MIN_VIDEO_FRAMES:
+        raise MediaError("too_few_frames", f"{name}: {len(frames)} frame; a video needs "
+                         f"{MIN_VIDEO_FRAMES} (one temporal patch)")
+    if len(frames) > limits.max_video_frames or len(frames) / fps > limits.max_video_seconds:
+        raise MediaError("video_too_long", f"{name}: {len(frames)} frames at {fps:g} fps is "
+                         "over --max-video-frames / --max-video-seconds")
+    sizes = set()
+    for index, frame in enumerate(frames):  # headers of all, a decode of the first and last
+        where = f"{name} frame {index}"
+        try:
+            if index in (0, len(frames) - 1):
+                probed = probe_image(frame, where, limits)
+                sizes.add((probed.width, probed.height))
+            else:
+                sizes.add(Image.open(io.BytesIO(frame)).size)
+        except MediaError as err:
+            raise MediaError("unreadable_video", err.detail) from None
+        except Exception as exc:
+            raise _video_error("unreadable_video", where, exc) from None
+    if len(sizes) != 1:
+        raise MediaError("unreadable_video", f"{name}: frames of different sizes {sorted(sizes)}")
+    (width, height), = sizes
+    return ProbedVideo(width=width, height=height, duration_s=round(len(frames) / fps, 6),
+                       frames=len(frames), fps=round(fps, 6), codec="frames",
+                       claimed_frames=len(frames))
+
+
 def image_media(index: int, probed: ProbedImage, source_name: str | None) -> tuple[Media, bytes]:
     """The format entry and the bytes of the index-th image of a sample."""
     part = f"img{index}.{probed.ext}"

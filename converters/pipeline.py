@@ -286,6 +286,7 @@ def convert(make_source: Callable[[], SourceDataset], opts: Options) -> dict | N
         splits = source.splits()
         fingerprint = {"dataset": source.name, "source": source.fingerprint(),
                        "splits": [[s.config, s.split, s.num_rows] for s in splits],
+                       "skipped_configs": getattr(source, "skipped", dict)(),
                        **_option_fingerprint(opts)}
         _check_options(opts.out, fingerprint, write=True)
         start = time.perf_counter()

@@ -6,6 +6,8 @@ This module owns turning stored media bytes into uint8 RGB pixels of exactly the
   half the source per side; EXIF orientation is applied; CMYK, palette, 1-bit, 16-bit and float
   images are converted to 8-bit RGB; alpha is composited on white; sources above
   ``max_source_pixels`` are refused before decoding (decompression bombs);
+- frame-sequence videos (a tar of frame images, docs/format.md): the chosen frames only, each
+  decoded whole and resized as a video frame is;
 - videos: only what the chosen frames need is decoded: seek to the keyframe before the next
   needed frame when a keyframe surely lies between it and the current position (spacing learned
   while decoding; no pass over the clip to list keyframes), else decode forward; frames before a
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import io
 import math
+import tarfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ from fractions import Fraction
 
 import numpy as np
 from PIL import Image, ImageOps
+
+from energon_tasks.sample_format import is_frame_sequence, unpack_frames
 
 #: Skip reasons raised by this module.
 MEDIA_SKIP_REASONS = (
@@ -151,6 +156,8 @@ def decode_video_frames(
     if list(frame_indices) != picks or not picks:
         raise MediaError("undecodable_video", f"{name}: frame indices must ascend, got "
                          f"{list(frame_indices)[:8]}")
+    if is_frame_sequence(data):
+        return _frame_sequence(data, picks, (width, height), max_source_pixels, name)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = container.streams.video[0]
@@ -168,6 +175,35 @@ def decode_video_frames(
         raise MediaError("undecodable_video", f"{name}: no frame decoded")
     frames += [frames[-1]] * (len(picks) - len(frames))
     return DecodedVideo(frames=np.stack(frames), decoded_frames=decoded, seeks=seeks)
+
+
+def _frame_sequence(data: bytes, picks: list[int], size: tuple[int, int], max_source_pixels: int,
+                    name: str) -> DecodedVideo:
+    """The chosen frames of a frame-sequence video (a tar of frame images, sample_format): each
+    image decoded whole, converted to RGB and resized as a decoded video frame is."""
+    try:
+        files = unpack_frames(data)
+        frames = []
+        for pick in (p for p in picks if p < len(files)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(files[pick]))
+            if image.width * image.height > max_source_pixels:
+                raise MediaError("source_too_large", f"{name}: {image.width}x{image.height} "
+                                 f"pixels > max_source_pixels {max_source_pixels}")
+            rgb = np.asarray(_to_rgb(image), dtype=np.uint8)
+            if (rgb.shape[1], rgb.shape[0]) != size:
+                rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.BICUBIC), np.uint8)
+            frames.append(rgb)
+    except MediaError:
+        raise
+    except (tarfile.TarError, OSError, SyntaxError, ValueError, Image.DecompressionBombError
+            ) as error:
+        raise MediaError("undecodable_video", f"{name}: {type(error).__name__}: {error}") from None
+    if not frames:
+        raise MediaError("undecodable_video", f"{name}: no frame in the sequence")
+    frames += [frames[-1]] * (len(picks) - len(frames))
+    return DecodedVideo(frames=np.stack(frames), decoded_frames=len(frames), seeks=0)
 
 
 class _FrameReader:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import re
+import tarfile
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +45,8 @@ IMAGE_EXTENSIONS = {
     "TIFF": "tiff",
 }
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "avi", "mov")
+#: `Media.format` of a video stored as a sequence of frame images (part `vidN.tar`)
+FRAMES_FORMAT = "frames"
 
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 KEY_RE = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -140,6 +144,33 @@ _ALWAYS = ("source_name", "reencoded_from")
 def _without_none(obj, keep: tuple[str, ...]) -> dict:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
             if getattr(obj, f.name) is not None or f.name in keep}
+
+
+def pack_frames(frames: list[tuple[str, bytes]]) -> bytes:
+    """The member of a frame-sequence video: an uncompressed POSIX tar of the original frame
+    files, in frame order (mtime 0, no owners: the same frames give the same bytes)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in frames:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def is_frame_sequence(data: bytes) -> bool:
+    """True for a `pack_frames` member (a tar), judged from the bytes."""
+    return len(data) >= 512 and data[257:262] == b"ustar"
+
+
+def unpack_frames(data: bytes) -> list[bytes]:
+    """The frame files of a frame-sequence member, in frame order.
+
+    Raises:
+        tarfile.TarError: the member is not a readable tar.
+    """
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        return [tar.extractfile(m).read() for m in tar if m.isfile()]
 
 
 def sample_key(dataset: str, config: str, split: str, row: int, source_id: str) -> str:

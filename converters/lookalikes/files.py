@@ -154,6 +154,7 @@ class Manifest:
     expected_fixups: Counter = field(default_factory=Counter)
     expected_samples: dict[str, int] = field(default_factory=dict)
     pitfalls: list[dict] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  #: dataset-specific expectations, written as is
 
     def note(self, where: str, row: int | None, row_id, pitfall: str, expect: str) -> None:
         """Record a pitfall.
@@ -181,5 +182,6 @@ class Manifest:
                 "expected_fixups": dict(sorted(self.expected_fixups.items())),
                 "expected_samples": self.expected_samples,
                 "pitfalls": self.pitfalls,
+                **self.extra,
             },
         )

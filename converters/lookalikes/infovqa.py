@@ -187,5 +187,21 @@ def build_infovqa(root: Path, *, spelling: str = "ahren09", n_images: int = 12,
     write_card(out, card, f"InfographicVQA, {spelling} spelling (local lookalike)",
                "Synthetic stand-in with the hub's schema and layout; see lookalike_manifest.json.",
                [card_info(config, features, files)])
+    if spelling == "lmms-lab":
+        _undeclared_train(out, config, rng, features)
+        man.note(f"{config}/train", None, None, "train_files_present_but_commented_out_in_card",
+                 "ignored")
     man.write(out)
     return out
+
+
+def _undeclared_train(out: Path, config: str, rng: random.Random, features) -> None:
+    """As on the hub: train parquet files exist, but the card's train entry is commented out."""
+    pages = [_page(rng, 100 + k, "normal") for k in range(2)]
+    rows = [_lmms_row(page, i, "train", 90000 + n) for n, (page, i) in
+            enumerate(_rows(rng, pages, shuffle=False))]
+    write_parquet(out / config / shard_names("train", 1)[0], rows, features, hf_metadata=True)
+    card = (out / "README.md").read_text(encoding="utf-8")
+    entry = f"  - split: validation\n    path: {config}/validation-*\n"
+    commented = f"  # - split: train\n  #   path: {config}/train-*\n"
+    (out / "README.md").write_text(card.replace(entry, commented + entry, 1), encoding="utf-8")

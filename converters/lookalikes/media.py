@@ -196,6 +196,17 @@ def moving_square_clip(
     return buf.getvalue()
 
 
+def moving_square_frames(direction: str, colour: str, *, size: tuple[int, int] = (96, 64),
+                         n: int = 8, quality: int = 85) -> list[bytes]:
+    """The frames of `moving_square_clip` as JPEG files (a frame-folder video)."""
+    out = []
+    for rgb in _frames(direction, colour, size, n):
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, "JPEG", quality=quality)
+        out.append(buf.getvalue())
+    return out
+
+
 def audio_only_mp4(seconds: float = 0.5, rate: int = 16000) -> bytes:
     """A valid mp4 holding one silent AAC track and no video stream (zero video frames)."""
     buf = io.BytesIO()

@@ -48,7 +48,10 @@ def test_lmms_lab_spelling(tmp_path):
 
     root = build_infovqa(tmp_path / "src", spelling="lmms-lab")
     out = tmp_path / "out"
-    run_cli("converters", "infovqa", "--source", str(root), "--out", str(out))
+    proc = run_cli("converters", "infovqa", "--source", str(root), "--out", str(out))
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "declares no train split" in notes[0]
+    assert "validation (" in notes[0] and "-> val" in notes[0] and "Ahren09/InfoVQA" in notes[0]
     expected = manifest(root)
     s = summary(out)
     assert s["rows_read"] == sum(expected["rows"].values())
