@@ -1,8 +1,9 @@
-"""Nemotron-Omni on megatron-core: HF import parity (attention/MLP and MoE patterns; one image,
-interleaved images, tiles, a video), round trip, M/E name table vs transformers, count-mismatch
-errors, the Mamba-without-mamba_ssm error, mixed image + video batches on the shared ``<image>``
-token (``visual_kinds``), tiny config training, KV-cache generation, FLOPs, TP=2 and PP=2
-import parity."""
+"""Nemotron-Omni on megatron-core: HF import parity (patterns with Mamba2 layers, on CPU through
+models/cpu_mamba.py, with attention, MLP and MoE layers; one image, interleaved images, tiles, a
+video), round trip, count-mismatch errors, the Mamba-without-kernels error, mixed image + video
+batches on the shared ``<image>`` token (``visual_kinds``), tiny config training, generation
+(KV cache + Mamba states) against full forwards and against transformers' ``generate``, FLOPs,
+TP=2 and PP=2 import parity."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def imported(tiny_nemotron_hf, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("pattern", ["*-*-", "*E-E"])
+@pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
 def test_logits_match_transformers(pattern, tiny_nemotron_hf, imported):
     from models.convert import verify
 
@@ -41,13 +42,15 @@ def test_logits_match_transformers(pattern, tiny_nemotron_hf, imported):
         assert row["max_abs_logit_diff"] <= TOL, (pattern, name, row)
 
 
-def test_round_trip_identical(tiny_nemotron_hf, imported, tmp_path):
+@pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
+def test_round_trip_identical(tiny_nemotron_hf, imported, tmp_path, pattern):
+    """HF -> ours -> HF gives the same keys (every layer kind's names) and tensors."""
     from safetensors.torch import load_file
 
     from models.convert import mcore_to_hf
 
-    source = tiny_nemotron_hf["*E-E"]
-    mcore_to_hf(imported["*E-E"], tmp_path / "hf")
+    source = tiny_nemotron_hf[pattern]
+    mcore_to_hf(imported[pattern], tmp_path / "hf")
     before = load_file(str(source / "model.safetensors"))
     after = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert sorted(before) == sorted(after)
@@ -57,32 +60,20 @@ def test_round_trip_identical(tiny_nemotron_hf, imported, tmp_path):
             == json.loads((source / "config.json").read_text()))
 
 
-def test_mamba_and_moe_names_match_transformers(tmp_path):
-    """The table's HF side equals the keys transformers saves for a pattern with every layer
-    kind (Mamba layers cannot run here: names only)."""
-    from safetensors.torch import load_file
-
-    from models.families import config_from_hf
-    from models.nemotron_hf_mapping import SUMMARY_IDXS, expand_table
-    from tests.tiny_hf import build_tiny_nemotron_omni
-
-    path = build_tiny_nemotron_omni(tmp_path / "hf", pattern="M*-E")
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
-    assert cfg.lm.pattern == "M*-E" and cfg.vision_final_norm
-    keys = set(load_file(str(path / "model.safetensors"))) - {SUMMARY_IDXS}
-    assert keys == set(expand_table(cfg))
-
-
-def test_mamba_needs_mamba_ssm():
+def test_mamba_without_kernels_refused(monkeypatch):
+    """Where the torch kernels do not stand in (a GPU) and mamba_ssm is missing: one clear
+    error before megatron's own ImportError."""
     import importlib.util
 
+    from models import nemotron_omni
     from models.checkpoint import build_model, init_parallel
     from models.nemotron_omni_config import load_yaml
 
     if importlib.util.find_spec("mamba_ssm") is not None:
         pytest.skip("mamba_ssm is installed")
     init_parallel()
-    cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml", ["lm.pattern=M*-"])
+    cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
+    monkeypatch.setattr(nemotron_omni, "use_torch_mamba_kernels", lambda: False)
     with pytest.raises(ValueError, match=r"Mamba layers \('M'\).*mamba_ssm"):
         build_model(cfg, use_te=False)
 
@@ -92,7 +83,7 @@ def test_count_mismatch_names_row(imported):
     from models.convert import make_inputs
 
     init_parallel()
-    model, cfg = load_checkpoint(imported["*-*-"], use_te=False)
+    model, cfg = load_checkpoint(imported["M*M-"], use_te=False)
     inputs = make_inputs(cfg)["images_interleaved"]
     ids = inputs["input_ids"].clone()
     ids[0, (ids[0] == cfg.image_token_id).nonzero()[0]] = 5  # drop one context token
@@ -189,8 +180,9 @@ def test_mixed_image_video_batch_matches_rows_alone():
 
 
 def test_tiny_config_trains_and_generates():
-    """configs/nemotron_omni_tiny.yaml: loss falls within a few CPU steps; greedy generation
-    with the KV cache equals greedy decoding by full forwards."""
+    """configs/nemotron_omni_tiny.yaml ("M*M-"): loss falls within a few CPU steps; greedy
+    generation (KV cache and Mamba conv / SSM states, a batch of two prompt lengths) equals greedy
+    decoding by full forwards."""
     from models.checkpoint import build_model, init_parallel
     from models.convert import make_inputs
     from models.generate import Prompt, greedy_generate
@@ -228,6 +220,51 @@ def test_tiny_config_trains_and_generates():
         assert tokens == reference
 
 
+def _prompt(case: dict):
+    from models.generate import Prompt
+
+    return Prompt(input_ids=case["input_ids"][0], position_ids=case["position_ids"][:, 0],
+                  **{k: case.get(k) for k in ("pixel_values", "image_grid_thw",
+                                              "pixel_values_videos", "video_grid_thw")})
+
+
+def _hf_greedy(hf, inputs: dict, new: int, eos: int) -> list[int]:
+    ids = inputs["input_ids"]
+    out = hf.generate(**inputs, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+    out = out[0, ids.shape[1]:].tolist()
+    return out[:out.index(eos)] if eos in out else out
+
+
+def test_greedy_tokens_equal_transformers_generate(tiny_nemotron_hf, imported):
+    """"M*M-": models.generate (megatron's KV cache, Mamba prefill states then one-token decode
+    steps) gives transformers' ``generate`` tokens on one image, interleaved images, tiles and a
+    video; stopping at a token of that run stops both at the same place; the four prompts in one
+    call (unequal lengths: one run per length) give what each gives alone."""
+    from models.checkpoint import init_parallel, load_checkpoint
+    from models.convert import hf_inputs, load_hf_model, make_inputs
+    from models.generate import greedy_generate
+
+    never = 10 ** 6  # outside the vocabulary: never generated
+    init_parallel()
+    model, cfg = load_checkpoint(imported["M*M-"], use_te=False)
+    hf = load_hf_model(tiny_nemotron_hf["M*M-"])
+    cases = make_inputs(cfg)
+    alone = {}
+    for name, case in cases.items():
+        ours = greedy_generate(model, [_prompt(case)], eos_id=never, max_new_tokens=8)[0]
+        theirs = _hf_greedy(hf, hf_inputs(cfg, case), 8, never)
+        assert len(ours) == 8 and ours == theirs, (name, ours, theirs)
+        stop = ours[5]
+        ours_stopped = greedy_generate(model, [_prompt(case)], eos_id=stop, max_new_tokens=8)[0]
+        assert ours_stopped == _hf_greedy(hf, hf_inputs(cfg, case), 8, stop) \
+            == ours[:ours.index(stop)], name
+        alone[name] = ours
+    batched = greedy_generate(model, [_prompt(c) for c in cases.values()], eos_id=never,
+                              max_new_tokens=8)
+    assert batched == list(alone.values())
+
+
 def test_batch_flops_counts_layers_and_vision():
     from models.nemotron_omni_config import load_yaml
     from models.training import batch_flops
@@ -247,11 +284,12 @@ def test_batch_flops_counts_layers_and_vision():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", ["*-*-", "*E-E"])
+@pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
 def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path, pattern):
     """One torchrun launch (2 gloo ranks): import sharded at TP=2 and check TP=2 logits; then load
-    that TP=2 checkpoint at TP=1 here and check logits again (attention / MLP, and MoE: routed and
-    shared experts sliced over TP, the router whole)."""
+    that TP=2 checkpoint at TP=1 here and check logits again (Mamba: heads and groups sliced
+    over TP inside the packed in_proj / conv1d; attention / MLP; MoE: routed and shared experts
+    sliced over TP, the router whole)."""
     import subprocess
     import sys
 
@@ -271,10 +309,11 @@ def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path, pattern):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", ["*-*-", "*E-E"])
+@pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
 def test_pp2_parity_and_reshard(tiny_nemotron_hf, imported, tmp_path, pattern):
-    """One torchrun launch (2 gloo ranks): import at PP=2 (pattern "*-*-": "*-" per stage;
-    "*E-E": "*E" and "-E", MoE on both stages; each stage writes its own, global layer numbers),
+    """One torchrun launch (2 gloo ranks): import at PP=2 (pattern "M*M-": "M*" and "M-", a
+    Mamba layer on each stage; "ME*E": "ME" and "*E", MoE on both stages; each stage writes its
+    own, global layer numbers),
     PP=2 logits vs transformers, the PP=1 import loaded at PP=2 equals it; then at PP=1: the
     PP=2 import's logits and tensors equal the PP=1 import's."""
     from tests.models.pp2_check import check_pp2
