@@ -80,10 +80,8 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
         **transformer_config_kwargs(cfg.recompute, block_recompute=False),  # MambaStack: no full
     )
     if "M" in t.pattern:
-        if not t.use_conv_bias or t.rms_norm_eps != MAMBA_NORM_EPS:
-            raise ValueError(f"lm.pattern {t.pattern!r}: megatron's Mamba mixer needs "
-                             f"lm.use_conv_bias=true and lm.rms_norm_eps={MAMBA_NORM_EPS} (its "
-                             f"gated norm's fixed eps), got {t.use_conv_bias} and {t.rms_norm_eps}")
+        check_mamba_shape(t, parallel_state.get_tensor_model_parallel_world_size(),
+                          parallel_state.get_context_parallel_world_size())
         kwargs.update(mamba_state_dim=t.ssm_state_size, mamba_head_dim=t.mamba_head_dim,
                       mamba_num_groups=t.mamba_groups, mamba_num_heads=t.mamba_num_heads)
     if "E" in t.pattern:
@@ -107,6 +105,28 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
         raise ValueError(f"this megatron-core's TransformerConfig lacks {missing} "
                          f"(needed by lm.pattern {t.pattern!r})")
     return TransformerConfig(**kwargs)
+
+
+def check_mamba_shape(t, tp: int, cp: int) -> None:
+    """What megatron's Mamba mixer asserts, as one ValueError naming every problem: a conv bias
+    and the norm eps it fixes; whole heads per group; whole heads and groups per tensor-parallel
+    rank; under context parallel (heads shared over CP ranks) whole heads per rank, and groups
+    either split evenly or repeated evenly."""
+    problems = []
+    if not t.use_conv_bias or t.rms_norm_eps != MAMBA_NORM_EPS:
+        problems.append(f"lm.use_conv_bias must be true and lm.rms_norm_eps {MAMBA_NORM_EPS} (the "
+                        f"mixer norm's fixed eps), got {t.use_conv_bias} and {t.rms_norm_eps}")
+    if t.mamba_num_heads % t.mamba_groups:
+        problems.append(f"lm.mamba_num_heads {t.mamba_num_heads} is not a multiple of "
+                        f"lm.mamba_groups {t.mamba_groups}")
+    if t.mamba_num_heads % (tp * cp) or t.mamba_groups % tp:
+        problems.append(f"lm.mamba_num_heads {t.mamba_num_heads} / lm.mamba_groups "
+                        f"{t.mamba_groups} do not split over tp {tp} x cp {cp}")
+    elif cp > 1 and max(t.mamba_groups // tp, cp) % min(t.mamba_groups // tp, cp):
+        problems.append(f"the {t.mamba_groups // tp} Mamba groups per tensor-parallel rank and "
+                        f"cp {cp} do not divide one another")
+    if problems:
+        raise ValueError(f"lm.pattern {t.pattern!r} (Mamba layers): " + "; ".join(problems))
 
 
 def _mixer_params(cfg: NemotronOmniModelConfig) -> dict:
