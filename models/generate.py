@@ -20,7 +20,9 @@ Recurrent (Mamba) layers: megatron's mixer keeps each row's conv and SSM state i
 inference context (filled by the prefill, updated in place by every decode step). It has no
 padding mask, so a left pad would enter the state: with Mamba layers, prompts of unequal
 length are generated in groups of equal length (each group one batched run; same tokens as
-alone). One host sync per step
+alone). megatron >= 0.17's static-batching decode step hands the mixer's (1, B, d) projection to
+a step that reads it as (B, s, d): right for one row only, so there rows run one at a time
+(``_row_groups``). One host sync per step
 (``tolist`` of the B new tokens) decides which rows stopped; the batch stops when all have. Runs
 under ``torch.inference_mode`` (no autograd bookkeeping).
 
@@ -91,10 +93,20 @@ def _inference_mode():
         contextlib.nullcontext()
 
 
-def _has_recurrent_layers(lm) -> bool:
-    """The LM's decoder holds Mamba layers (megatron's ``mamba_state_shapes_per_request``)."""
+def _row_groups(lm, lengths: list[int]) -> list[list[int]]:
+    """The prompts (row indices) that run as one batch: all of them, except with Mamba layers
+    (megatron's ``mamba_state_shapes_per_request``): equal lengths together, and one row at a
+    time on megatron >= 0.17 (module docstring)."""
+    from megatron.core import __version__
+    from packaging.version import Version
+
     shapes = getattr(getattr(lm, "decoder", None), "mamba_state_shapes_per_request", None)
-    return shapes is not None and shapes() is not None
+    if shapes is None or shapes() is None:
+        return [list(range(len(lengths)))]
+    if Version(__version__) >= Version("0.17"):
+        return [[row] for row in range(len(lengths))]
+    return [[row for row, n in enumerate(lengths) if n == length]
+            for length in sorted(set(lengths))]
 
 
 def _unwrap(model):
@@ -157,8 +169,8 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
 
     Args:
         model: a ``QwenVL`` / ``NemotronOmni`` (or a wrapper with ``.module``), in eval mode.
-        prompts: the batch; rows are left-padded to the longest (with Mamba layers: one run
-            per prompt length).
+        prompts: the batch; rows are left-padded to the longest (with Mamba layers: see
+            ``_row_groups``).
         eos_id: token id(s) that end a row (``<|im_end|>``).
         max_new_tokens: bound on generated tokens per row.
         pad_id: id placed in the padding (never attended to).
@@ -170,10 +182,10 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
     qwen = _unwrap(model)
     lm = qwen.language_model
     lengths = [int(p.input_ids.numel()) for p in prompts]
-    if len(set(lengths)) > 1 and _has_recurrent_layers(lm):  # no left padding (module docstring)
+    groups = _row_groups(lm, lengths)
+    if len(groups) > 1:  # Mamba layers (module docstring)
         out: list[list[int]] = [[] for _ in prompts]
-        for n in sorted(set(lengths)):
-            rows = [row for row, length in enumerate(lengths) if length == n]
+        for rows in groups:
             group = greedy_generate(model, [prompts[row] for row in rows], eos_id=eos_id,
                                     max_new_tokens=max_new_tokens, pad_id=pad_id, stats=stats)
             for row, tokens in zip(rows, group):

@@ -265,6 +265,87 @@ def test_greedy_tokens_equal_transformers_generate(tiny_nemotron_hf, imported):
     assert batched == list(alone.values())
 
 
+def mixer_reference(mixer, x: torch.Tensor) -> torch.Tensor:
+    """megatron's ``MambaMixer`` on x (L, B, H) in float64, one token at a time: in_proj, causal
+    depthwise conv + SiLU, h_t = exp(dt_t A) h_(t-1) + dt_t B_t x_t, y_t = C_t.h_t + D x_t, times
+    SiLU(z), grouped RMSNorm, out_proj."""
+    import torch.nn.functional as F
+
+    w = {n.replace("conv1d.", "conv1d_"): p.detach().double() for n, p in mixer.named_parameters()}
+    heads, headdim, state, groups = mixer.nheads, mixer.headdim, mixer.d_state, mixer.ngroups
+    inner, (length, batch, _) = heads * headdim, x.shape
+    z, xbc, dt = (x.double().transpose(0, 1) @ w["in_proj.weight"].T).split(
+        [inner, inner + 2 * groups * state, heads], -1)
+    xbc = F.conv1d(xbc.transpose(1, 2), w["conv1d_weight"], w["conv1d_bias"],
+                   padding=w["conv1d_weight"].shape[-1] - 1, groups=xbc.shape[-1])
+    xs, B, C = F.silu(xbc[..., :length]).transpose(1, 2).split(
+        [inner, groups * state, groups * state], -1)
+    xs = xs.reshape(batch, length, heads, headdim)
+    B, C = (t.reshape(batch, length, groups, state).repeat_interleave(heads // groups, 2)
+            for t in (B, C))
+    dt, A = F.softplus(dt + w["dt_bias"]), -torch.exp(w["A_log"])
+    h = torch.zeros(batch, heads, headdim, state, dtype=torch.float64)
+    ys = []
+    for t in range(length):
+        h = h * torch.exp(dt[:, t] * A)[..., None, None] \
+            + (dt[:, t, :, None] * xs[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, C[:, t]) + w["D"][:, None] * xs[:, t])
+    y = torch.stack(ys, 1).reshape(batch, length, groups, -1) \
+        * F.silu(z).reshape(batch, length, groups, -1)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)
+    y = y.reshape(batch, length, inner) * w["norm.weight"]
+    return (y @ w["out_proj.weight"].T).transpose(0, 1)
+
+
+def test_mamba_mixer_on_torch_kernels():
+    """megatron's ``MambaMixer`` alone, on the installed megatron-core (0.16.1 here, >= 0.17 on
+    clusters): the training path equals the step-by-step float64 recurrence; a packed row of
+    three segments (``packed_sequence_params``) equals each segment alone; the inference prefill
+    then one-token decode steps (megatron's torch decode on the kernels' final states) equal the
+    full forward, for the rows ``models.generate`` runs together on this version."""
+    from models.checkpoint import init_parallel
+
+    init_parallel()  # the CPU shims before megatron's Mamba modules are imported
+    from megatron.core import __version__
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from packaging.version import Version
+
+    from models.cpu_compat import use_torch_mamba_kernels
+    from models.generate import _inference_mode, _make_context
+    from models.multimodal import packed_sequence_params
+    from models.nemotron_omni import lm_transformer_config
+    from models.nemotron_omni_config import load_yaml
+
+    assert use_torch_mamba_kernels()
+    cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
+    torch.manual_seed(0)
+    mixer = MambaMixer(lm_transformer_config(cfg), MambaMixerSubmodules(
+        in_proj=ColumnParallelLinear, out_proj=RowParallelLinear), d_model=cfg.lm.hidden_size,
+        chunk_size=cfg.lm.chunk_size, layer_number=1,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups()).eval()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        x = torch.randn(30, 2, cfg.lm.hidden_size)
+        full = mixer(x)[0]
+        torch.testing.assert_close(full.double(), mixer_reference(mixer, x), rtol=0, atol=5e-6)
+        cu = torch.tensor([0, 7, 19, 30], dtype=torch.int32)  # segment ends inside chunks of 8
+        packed = mixer(x[:, :1], packed_seq_params=packed_sequence_params(cu, None, "cpu"))[0]
+        alone = torch.cat([mixer(x[a:b, :1])[0] for a, b in zip(cu[:-1], cu[1:])])
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-6)
+        rows = 1 if Version(__version__) >= Version("0.17") else 2  # models.generate._row_groups
+        context = _make_context(rows, 40)
+        context.seqlen_offset = 0  # set by MambaStack before its layers run
+        with _inference_mode():
+            steps = [mixer(x[:20, :rows], inference_context=context)[0]]
+            for t in range(20, 30):
+                context.sequence_len_offset = context.seqlen_offset = t
+                steps.append(mixer(x[t:t + 1, :rows], inference_context=context)[0])
+        torch.testing.assert_close(torch.cat(steps), full[:, :rows], rtol=0, atol=2e-6)
+
+
 def test_batch_flops_counts_layers_and_vision():
     from models.nemotron_omni_config import load_yaml
     from models.training import batch_flops
