@@ -44,28 +44,27 @@ def _segment_ids(seq_idx: torch.Tensor | None, batch: int, length: int, device) 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   seq_idx: torch.Tensor | None = None, activation: str | None = "silu"):
-    """Depthwise causal conv over time: x (b, d, l), weight (d, w) -> (b, d, l); the window of a
-    token covers only earlier tokens of its own segment (``seq_idx`` (b, l))."""
+    """Depthwise causal conv over time, channels last: x (b, l, d), weight (d, w) -> (b, l, d);
+    the window of a token covers only earlier tokens of its own segment (``seq_idx`` (b, l))."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"causal_conv1d: activation {activation!r} is not supported")
-    batch, _, length = x.shape
+    batch, length, _ = x.shape
     width = weight.shape[-1]
     segments = _segment_ids(seq_idx, batch, length, x.device)
-    out = x.new_zeros(x.shape, dtype=torch.float32) if bias is None else \
-        bias.float()[None, :, None].expand(x.shape).clone()
-    for lag in range(width):  # tap width-1-lag multiplies the token `lag` steps back
-        earlier = F.pad(x.float(), (lag, 0))[..., :length]
-        if lag:
-            same = F.pad(segments, (lag, 0), value=-1)[..., :length] == segments
-            earlier = earlier * same[:, None, :]
-        out = out + weight[:, width - 1 - lag].float()[None, :, None] * earlier
-    return (F.silu(out) if activation else out).to(x.dtype)
+    dtype, x, weight = x.dtype, x.float(), weight.float()
+    out = x * weight[:, -1] if bias is None else torch.addcmul(bias.float(), x, weight[:, -1])
+    for lag in range(1, width):  # tap width-1-lag multiplies the token `lag` steps back
+        earlier = F.pad(x, (0, 0, lag, 0))[:, :length]
+        same = F.pad(segments, (lag, 0), value=-1)[:, :length] == segments
+        out = out + earlier * same[..., None] * weight[:, width - 1 - lag]
+    return (F.silu(out) if activation else out).to(dtype)
 
 
-def _chunks(t: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
-    """(b, l, ...) -> (b, c, chunk, ...), zero-padded at the end."""
-    t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-    return t.reshape(t.shape[0], -1, chunk, *t.shape[2:])
+def _head_major_chunks(t: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
+    """(b, l, h, ...) -> (b, h, c, chunk, ...), zero-padded at the end of the sequence."""
+    if pad:
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+    return t.reshape(t.shape[0], -1, chunk, *t.shape[2:]).movedim(3, 1)
 
 
 def _masked_exp(log_decay: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -76,49 +75,54 @@ def _masked_exp(log_decay: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 def ssd_scan(x, dt, A, B, C, chunk_size: int, seq_idx=None, initial_states=None):
     """The chunked scan on discretised inputs: x (b, l, h, p), dt (b, l, h) (after bias /
     softplus), A (h,), B / C (b, l, g, n) -> (y (b, l, h, p) float32 without the D term,
-    final state (b, h, p, n) float32: the state after the last token, of the last segment)."""
-    batch, length, heads, _ = x.shape
+    final state (b, h, p, n) float32: the state after the last token, of the last segment).
+
+    Layout: heads first, each group's heads side by side ((b, g, r, c, k, ...), r heads per
+    group), so the matmuls broadcast B and C over a group's heads instead of copying them."""
+    batch, length, heads, headdim = x.shape
     groups = B.shape[2]
     pad = (-length) % chunk_size
     segments = _segment_ids(seq_idx, batch, length, x.device)
     segments = torch.cat([segments, segments[:, -1:].expand(batch, pad)], 1)
-    seg = segments.reshape(batch, -1, chunk_size)  # (b, c, k): padding joins the last segment
-    x = _chunks(x.float() * dt.float()[..., None], pad, chunk_size)  # dt x   (b, c, k, h, p)
-    B = _chunks(B.float().repeat_interleave(heads // groups, 2), pad, chunk_size)
-    C = _chunks(C.float().repeat_interleave(heads // groups, 2), pad, chunk_size)
-    log_a = _chunks((dt.double() * A.double()), pad, chunk_size)  # (b, c, k, h); 0 on padding
-    cum = log_a.cumsum(2)  # log decay from the chunk start through token k (inclusive)
+    seg = segments.reshape(batch, 1, 1, -1, chunk_size)  # (b, ., ., c, k): padding joins the last
+
+    def by_group(t):  # (b, l, h|g, ...) -> (b, g, h/g | 1, c, k, ...)
+        t = _head_major_chunks(t, pad, chunk_size)
+        return t.reshape(batch, groups, -1, *t.shape[2:])
+
+    xdt = by_group(x.float() * dt.float()[..., None])  # dt x   (b, g, r, c, k, p)
+    B, C = by_group(B.float()), by_group(C.float())  # (b, g, 1, c, k, n)
+    cum = by_group(dt.double() * A.double()).cumsum(-1)  # (b, g, r, c, k) log decay from the
+    # chunk start through token k (inclusive); 0 on padding
 
     # inside a chunk: y_l += sum_{s <= l, same segment} C_l.B_s exp(cum_l - cum_s) dt_s x_s
     k = torch.arange(chunk_size, device=x.device)
-    keep = (k[:, None] >= k[None, :]) & (seg[..., :, None] == seg[..., None, :])  # (b, c, l, s)
-    decay = _masked_exp(cum[:, :, :, None] - cum[:, :, None, :], keep[..., None])
-    scores = torch.einsum("bclhn,bcshn->bclsh", C, B) * decay
-    y = torch.einsum("bclsh,bcshp->bclhp", scores, x)
+    keep = (k[:, None] >= k[None, :]) & (seg[..., :, None] == seg[..., None, :])  # (.., c, l, s)
+    decay = _masked_exp(cum[..., :, None] - cum[..., None, :], keep)
+    y = ((C @ B.transpose(-1, -2)) * decay) @ xdt  # (b, g, r, c, l, p)
 
     # the state at each chunk end from that chunk's tokens (of the chunk end's segment)
-    end_seg = seg[:, :, -1]
-    to_end = _masked_exp(cum[:, :, -1:] - cum, (seg == end_seg[..., None])[..., None])
-    states = torch.einsum("bckhn,bckh,bckhp->bchpn", B, to_end, x)
+    end_seg = seg[..., -1]  # (b, 1, 1, c)
+    to_end = _masked_exp(cum[..., -1:] - cum, seg == end_seg[..., None])  # (b, g, r, c, k)
+    states = (xdt * to_end[..., None]).transpose(-1, -2) @ B  # (b, g, r, c, p, n)
 
     # across chunks: the state at every chunk end (index 0: before the first chunk, the initial
     # state, which belongs to the first token's segment) from the chunk states before it
-    first = torch.zeros_like(states[:, :1]) if initial_states is None else \
-        initial_states.float()[:, None]
-    states = torch.cat([first, states], 1)  # (b, c+1, h, p, n)
-    ends = F.pad(cum[:, :, -1].cumsum(1), (0, 0, 1, 0))  # (b, c+1, h) log decay to each end
-    end_seg = torch.cat([seg[:, :1, 0], end_seg], 1)  # (b, c+1)
-    c = torch.arange(ends.shape[1], device=x.device)
-    keep = (c[:, None] >= c[None, :]) & (end_seg[:, :, None] == end_seg[:, None, :])
-    passing = _masked_exp(ends[:, :, None] - ends[:, None, :], keep[..., None])  # (b, to, from, h)
-    at_ends = torch.einsum("btfh,bfhpn->bthpn", passing, states)
+    first = torch.zeros_like(states[..., :1, :, :]) if initial_states is None else \
+        initial_states.float().reshape(batch, groups, -1, 1, headdim, states.shape[-1])
+    states = torch.cat([first, states], -3).flatten(-2)  # (b, g, r, c+1, p*n)
+    ends = F.pad(cum[..., -1].cumsum(-1), (1, 0))  # (b, g, r, c+1) log decay to each chunk end
+    end_seg = torch.cat([seg[..., :1, 0], end_seg], -1)  # (b, 1, 1, c+1)
+    c = torch.arange(ends.shape[-1], device=x.device)
+    keep = (c[:, None] >= c[None, :]) & (end_seg[..., :, None] == end_seg[..., None, :])
+    at_ends = _masked_exp(ends[..., :, None] - ends[..., None, :], keep) @ states
+    at_ends = at_ends.unflatten(-1, (headdim, -1))  # (b, g, r, c+1, p, n)
 
     # tokens read the state entering their chunk, decayed to them, if of their segment
-    entering = at_ends[:, :-1]
-    decay_in = _masked_exp(cum, (seg == end_seg[:, :-1, None])[..., None])
-    y = y + torch.einsum("bclhn,bchpn->bclhp", C, entering) * decay_in[..., None]
-    y = y.reshape(batch, -1, *y.shape[3:])[:, :length]
-    return y, at_ends[:, -1]
+    decay_in = _masked_exp(cum, seg == end_seg[..., :-1, None])  # (b, g, r, c, k)
+    y = y + (C @ at_ends[..., :-1, :, :].transpose(-1, -2)) * decay_in[..., None]
+    y = y.reshape(batch, heads, -1, headdim).transpose(1, 2)[:, :length]
+    return y, at_ends[..., -1, :, :].reshape(batch, heads, headdim, -1)
 
 
 def _discretise_dt(dt, dt_bias, dt_softplus: bool, dt_limit) -> torch.Tensor:
@@ -180,8 +184,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         raise NotImplementedError(f"zxbcdt width {zxbcdt.shape[-1]} is not z | xBC | dt of "
                                   f"{heads} heads x {headdim} (extra MLP channels unsupported)")
     z, xbc, dt = zxbcdt.split([dim, dim + 2 * ngroups * state, heads], dim=-1)
-    xbc = causal_conv1d(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx,
-                        activation).transpose(1, 2)
+    xbc = causal_conv1d(xbc, conv1d_weight, conv1d_bias, seq_idx, activation)
     x, B, C = xbc.split([dim, ngroups * state, ngroups * state], dim=-1)
     batch, length = x.shape[:2]
     out = mamba_chunk_scan_combined(
