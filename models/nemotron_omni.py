@@ -137,7 +137,9 @@ def _mixer_params(cfg: NemotronOmniModelConfig) -> dict:
 
 
 def _mamba_spec(cfg: NemotronOmniModelConfig):
-    """The local Mamba layer: torch norm + megatron linears around megatron's ``MambaMixer``."""
+    """The local Mamba layer: torch norm + megatron linears around megatron's ``MambaMixer``.
+    Its norm is stored under the TE spec's name (fused into ``mixer.in_proj``), as the local
+    attention / MLP layers do, so a checkpoint written on CPU loads with the TE spec."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -150,7 +152,8 @@ def _mamba_spec(cfg: NemotronOmniModelConfig):
         mixer=ModuleSpec(module=MambaMixer, params=_mixer_params(cfg),
                          submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
                                                          out_proj=RowParallelLinear)),
-        mamba_bda=get_bias_dropout_add))
+        mamba_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"}))
 
 
 def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool):
