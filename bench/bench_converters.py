@@ -180,10 +180,11 @@ def convert_timed(command: str, source: Path, out: Path, workers: int) -> tuple[
         datasets.config.HF_DATASETS_CACHE = Path(cache)
         start, cpu = time.perf_counter(), cpu_seconds()
         src = Source(str(source))
-        dataset = {"mantis": lambda: MantisSource(src),
-                   "infovqa": lambda: InfoVQASource(src),
-                   "llava-video": lambda: LlavaVideoSource(src, out / ".work")}[command]()
-        convert(dataset, Options(out=out, workers=workers, shard_size=200, val_fraction=0.01))
+        make_source = {"mantis": lambda: MantisSource(src),
+                       "infovqa": lambda: InfoVQASource(src),
+                       "llava-video": lambda: LlavaVideoSource(src, out / ".work")}[command]
+        convert(make_source, Options(out=out, workers=workers, shard_size=200,
+                                     val_fraction=0.01))
         return time.perf_counter() - start, cpu_seconds() - cpu
 
 

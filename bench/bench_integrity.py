@@ -88,8 +88,9 @@ def main(repeats: int, out: Path) -> None:
         grid = geo.image_grid(height, width, min_pixels=200_704, max_pixels=1_003_520)
         size = (grid.grid_thw[1] * geo.patch_size, grid.grid_thw[2] * geo.patch_size)
         parts = _sample_parts("image", data, width, height)
-        check = _cpu(lambda: conversation_fields("k", parts), repeats)
-        decode = _cpu(lambda: decode_image(data, size=size, max_source_pixels=10**9), repeats)
+        check = _cpu(lambda parts=parts: conversation_fields("k", parts), repeats)
+        decode = _cpu(lambda data=data, size=size: decode_image(data, size=size,
+                                                                max_source_pixels=10**9), repeats)
         rows.append({"medium": name, "bytes": len(data), "check_ms": check * 1e3,
                      "decode_ms": decode * 1e3, "ratio": check / decode})
     clip = _clip()

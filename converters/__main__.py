@@ -20,7 +20,7 @@ import click
 from converters.base import UsageError
 from converters.finalize import NoSamples
 from converters.lock import LockedError
-from converters.media import Limits
+from converters.media import DEFAULT_LIMITS, Limits
 from converters.pipeline import (
     Interrupted,
     Options,
@@ -31,7 +31,6 @@ from converters.pipeline import (
 )
 from converters.progress import DEFAULT_INTERVAL_S
 
-_DEFAULT_LIMITS = Limits()
 _DEFAULT_SHARD_SIZE = {"mantis": 1000, "infovqa": 200, "llava-video": 100}
 
 
@@ -61,18 +60,18 @@ def common_options(dataset: str, hub_id: str):
             click.option("--energon-media-metadata", is_flag=True,
                          help="Also store Energon's media metadata in .nv-meta/index.sqlite "
                               "(K.json always has it; ~2 ms per image at the final step)."),
-            click.option("--max-image-pixels", default=_DEFAULT_LIMITS.max_image_pixels,
+            click.option("--max-image-pixels", default=DEFAULT_LIMITS.max_image_pixels,
                          show_default=True, type=click.IntRange(1),
                          help="Reject images with more pixels (decided from the header, "
                               "before decoding)."),
-            click.option("--max-member-bytes", default=_DEFAULT_LIMITS.max_member_bytes,
+            click.option("--max-member-bytes", default=DEFAULT_LIMITS.max_member_bytes,
                          show_default=True, type=click.IntRange(1),
                          help="Reject archive members / files larger than this without reading "
                               "them into memory."),
-            click.option("--max-video-frames", default=_DEFAULT_LIMITS.max_video_frames,
+            click.option("--max-video-frames", default=DEFAULT_LIMITS.max_video_frames,
                          show_default=True, type=click.IntRange(1),
                          help="Reject videos with more frames (counted by demuxing)."),
-            click.option("--max-video-seconds", default=_DEFAULT_LIMITS.max_video_seconds,
+            click.option("--max-video-seconds", default=DEFAULT_LIMITS.max_video_seconds,
                          show_default=True, type=click.FloatRange(min=0, min_open=True),
                          help="Reject videos lasting longer (measured from the packets)."),
             click.option("--progress-interval", default=DEFAULT_INTERVAL_S, show_default=True,

@@ -124,8 +124,8 @@ def _prepare(out: Path, parts: dict[str, str], workers: int, media_metadata: boo
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"energon prepare failed: {proc.stderr.strip()[-2000:]}")
-    header = ("# Conversation samples (docs/format.md), loaded by vlm-sft's installed package: read\n"
-              "# by its task encoders and by `energon info / lint / preview` alike.\n")
+    header = ("# Conversation samples (docs/format.md), loaded by vlm-sft's installed package:\n"
+              "# read by its task encoders and by `energon info / lint / preview` alike.\n")
     write_atomic(out / ".nv-meta" / "dataset.yaml",
                  (header + yaml.safe_dump(DATASET_YAML, sort_keys=False)).encode())
 

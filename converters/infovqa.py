@@ -19,7 +19,7 @@ import datasets
 
 from converters.base import Built, Reject, SourceSplit, Unit, reject_all
 from converters.hub import Source, open_splits, resolve_configs
-from converters.media import Limits, MediaError, image_media, probe_image
+from converters.media import DEFAULT_LIMITS, Limits, MediaError, image_media, probe_image
 from converters.progress import phase
 from energon_tasks.sample_format import (
     IMAGE_PLACEHOLDER,
@@ -83,7 +83,7 @@ class InfoVQASource:
 
     def __init__(self, source: Source, configs: list[str] | None = None,
                  splits: list[str] | None = None, one_question_per_sample: bool = False,
-                 limits: Limits = Limits()):
+                 limits: Limits = DEFAULT_LIMITS):
         self.source = source
         self.limits = limits
         self.one_question_per_sample = one_question_per_sample

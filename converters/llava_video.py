@@ -19,7 +19,6 @@ several videos is rejected `several_videos`.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import re
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from converters.base import (
 )
 from converters.hub import Source, open_data_file, reraise_full_disk, resolve_configs
 from converters.media import (
+    DEFAULT_LIMITS,
     Limits,
     MediaError,
     fetch_media,
@@ -256,7 +256,7 @@ class LlavaVideoSource:
     name = DATASET
 
     def __init__(self, source: Source, work_dir: Path, configs: list[str] | None = None,
-                 splits: list[str] | None = None, limits: Limits = Limits(),
+                 splits: list[str] | None = None, limits: Limits = DEFAULT_LIMITS,
                  frames_root: Path | None = None, frames_fps: float = 1.0):
         self.source = source
         self.work_dir = work_dir

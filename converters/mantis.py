@@ -20,7 +20,14 @@ from __future__ import annotations
 from converters.archives import ZipMembers
 from converters.base import Built, SourceSplit, Unit, UsageError, reject_all
 from converters.hub import Source, open_splits, resolve_configs
-from converters.media import Limits, MediaError, fetch_media, image_media, probe_image
+from converters.media import (
+    DEFAULT_LIMITS,
+    Limits,
+    MediaError,
+    fetch_media,
+    image_media,
+    probe_image,
+)
 from energon_tasks.sample_format import (
     IMAGE_PLACEHOLDER,
     CanonicalSample,
@@ -70,7 +77,7 @@ class MantisSource:
     name = DATASET
 
     def __init__(self, source: Source, configs: list[str] | None = None,
-                 splits: list[str] | None = None, limits: Limits = Limits()):
+                 splits: list[str] | None = None, limits: Limits = DEFAULT_LIMITS):
         self.source = source
         self.limits = limits
         self.configs = resolve_configs(source, configs)

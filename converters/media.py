@@ -51,6 +51,9 @@ class Limits:
         return asdict(self)
 
 
+DEFAULT_LIMITS = Limits()
+
+
 class MediaError(Exception):
     """A media file cannot be used; `reason` is the reject reason recorded for its row."""
 
@@ -86,7 +89,7 @@ def _decode_error(name: str, exc: BaseException) -> MediaError:
     return MediaError("undecodable_image", f"{name}: {type(exc).__name__}: {exc}")
 
 
-def probe_image(data: bytes, name: str = "", limits: Limits = Limits()) -> ProbedImage:
+def probe_image(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) -> ProbedImage:
     """Format and size from the bytes, the pixel cap, then a decode that proves the image whole.
 
     Raises:
@@ -168,7 +171,7 @@ def _last_frame(container, stream):
     return last
 
 
-def probe_video(data: bytes, name: str = "", limits: Limits = Limits()) -> ProbedVideo:
+def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) -> ProbedVideo:
     """Measure frames and duration by demuxing, then decode the first and the last frame.
 
     Raises:
@@ -214,7 +217,7 @@ def probe_video(data: bytes, name: str = "", limits: Limits = Limits()) -> Probe
         raise _video_error("unreadable_video", name, exc) from None
 
 
-def probe_frames(data: bytes, name: str = "", limits: Limits = Limits(),
+def probe_frames(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS,
                  fps: float = 1.0) -> ProbedVideo:
     """A frame-sequence video (`pack_frames`): every frame's header must give the same size, and
     the first and last frames must decode; `fps` is the rate the frames were taken at.

@@ -17,8 +17,8 @@ import json
 import os
 import tarfile
 import time
-from contextlib import contextmanager
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 

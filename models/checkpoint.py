@@ -3,9 +3,10 @@
 
 This module owns ``init_parallel`` (gloo on CPU / nccl on GPU, parallel_state, seeded RNG
 tracker; CPU shims from models.cpu_compat), ``build_model``, TP slicing of a full (TP=1) state dict
-for this rank (``shard_for_rank``; ``global_keys`` names a pipeline stage's layers and an
-expert-parallel rank's experts by their PP=1 / EP=1 index), and save/load of a self-describing
-checkpoint folder: megatron ``dist_checkpointing`` files + ``qwen_vl_model.json`` (our config, any
+for this rank (``shard_for_rank``: by each parameter's megatron attributes ``partition_dim`` and,
+for a tensor packing several components, ``partition_sizes``; ``global_keys`` names a pipeline
+stage's layers and an expert-parallel rank's experts by their PP=1 / EP=1 index), and save/load
+of a self-describing checkpoint folder: megatron ``dist_checkpointing`` files + ``qwen_vl_model.json`` (our config, any
 family: the name is kept so that existing checkpoints load) + ``hf_config.json`` (the source HF
 config when imported). dist_checkpointing stores global tensors, so a checkpoint saved at one
 TP / PP / EP loads at any other (megatron reshards on load; decoder layers and experts are stored
@@ -133,8 +134,12 @@ def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tens
             dim = p.partition_dim
             owner = model.get_submodule(name.rsplit(".", 1)[0])
             glu = name.split(".")[-2] == "linear_fc1" and owner.config.gated_linear_unit
+            sizes = getattr(p, "partition_sizes", None)  # this rank's share of each component
             if glu:
                 tensor = torch.cat([h.chunk(tp, dim)[rank] for h in tensor.chunk(2, 0)], dim=0)
+            elif sizes:  # packed components (Mamba in_proj z|x|B|C|dt, conv1d x|B|C): each sliced
+                parts = tensor.split([size * tp for size in sizes], dim)
+                tensor = torch.cat([part.chunk(tp, dim)[rank] for part in parts], dim)
             else:
                 tensor = tensor.chunk(tp, dim)[rank]
         local[name] = tensor.to(p.dtype)

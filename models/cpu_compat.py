@@ -2,9 +2,10 @@
 
 megatron-core has no CPU-only path: it calls ``torch.cuda.current_device()`` as a device in many
 places, allocates ``device="cuda"`` tensors in a few constructors, forks the CUDA RNG for dropout,
-and (0.19.x) imports ``triton`` unconditionally for one MoE kernel module. This module owns the
-shims that let the project's model, checkpoint and training code run unchanged on a CPU machine
-(gloo). Everything here is applied by one explicit call and does nothing when CUDA is available:
+and imports ``triton`` unconditionally in a few kernel modules (``_TRITON_MODULES``). This
+module owns the shims that let the project's model, checkpoint and training code run unchanged
+on a CPU machine (gloo). Everything here is applied by one explicit call and does nothing when
+CUDA is available:
 
     from models.cpu_compat import enable_cpu_compat, seed_model_parallel
     enable_cpu_compat()                 # before importing megatron.core
@@ -16,10 +17,13 @@ that parameters are CUDA tensors by their ``Tensor.type()`` name; on CPU that na
 with ``cuda`` for calls from ``megatron.core.optimizer`` only (``_optimizer_type_names``), so the
 same optimizer code runs.
 
-Two accommodations of the hybrid (Nemotron) language model, called by its builder:
+Three accommodations of the hybrid (Nemotron) language model, called by its builder:
 ``use_local_mamba_final_norm()`` (``MambaStack`` builds its final norm with ``TENorm``
-unconditionally, which raises without TransformerEngine) and ``cpu_moe_overrides()`` (MoE config
-values that avoid megatron's CUDA-only MoE paths on CPU).
+unconditionally, which raises without TransformerEngine), ``cpu_moe_overrides()`` (MoE config
+values that avoid megatron's CUDA-only MoE paths on CPU) and ``use_torch_mamba_kernels()``
+(megatron's ``MambaMixer`` takes its scan, gated norm and decode kernels from mamba_ssm /
+causal_conv1d / Triton: on CPU without mamba_ssm they are bound to the plain-torch versions of
+the sibling module ``models/cpu_mamba.py``, which only this module imports).
 
 Written against megatron-core 0.16.1 and 0.19.x (attribute differences are guarded).
 """
@@ -43,24 +47,40 @@ def cpu_only() -> bool:
     return not torch.cuda.is_available()
 
 
-def _stub_triton_kernel_module() -> None:
-    """megatron-core >= 0.19 imports triton in transformer/moe/ops/paged_stash.py (MoE only)."""
+#: megatron modules that import triton unconditionally -> constants they must still export.
+#: 0.19.x: the MoE paged-stash kernels; 0.16.1: the dynamic-inference tensor ops that
+#: ``ssm/mamba_mixer.py`` imports at module level (used only by dynamic batching)
+_TRITON_MODULES = {
+    "megatron.core.transformer.moe.ops.paged_stash": {"GLOBAL_BLOCK_SIZE": 1024},
+    "megatron.core.inference.contexts.attention_context.triton.tensor_ops": {},
+}
+
+
+def _stub_triton_kernel_modules() -> None:
+    """Without triton, register stand-ins for ``_TRITON_MODULES``: their constants, and any
+    other name (a kernel or its launcher) a function that raises when called."""
     try:
         import triton  # noqa: F401
         return
     except ImportError:
         pass
-    name = "megatron.core.transformer.moe.ops.paged_stash"
-    if name in sys.modules:
-        return
-    stub = types.ModuleType(name)
-    stub.GLOBAL_BLOCK_SIZE = 1024
+    for name, constants in _TRITON_MODULES.items():
+        if name in sys.modules:
+            continue
+        stub = types.ModuleType(name)
+        stub.__dict__.update(constants)
 
-    def _needs_triton(*_args, **_kwargs):
-        raise RuntimeError("MoE paged stash needs triton and CUDA")
+        def kernel(attr, _module=name):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
 
-    stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = _needs_triton
-    sys.modules[name] = stub
+            def needs_triton(*_args, **_kwargs):
+                raise RuntimeError(f"{_module}.{attr} needs triton and CUDA")
+
+            return needs_triton
+
+        stub.__getattr__ = kernel
+        sys.modules[name] = stub
 
 
 def _cpu_kwargs(kwargs: dict) -> dict:
@@ -107,7 +127,7 @@ def enable_cpu_compat(remap_tensor_literals: bool = False) -> bool:
         torch.tensor = tensor
     if _ENABLED:
         return True
-    _stub_triton_kernel_module()
+    _stub_triton_kernel_modules()
     torch.cuda.current_device = lambda: "cpu"
     for name in _FACTORIES:
         original = getattr(torch, name)
@@ -235,3 +255,67 @@ def cpu_moe_overrides() -> dict:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     return {"moe_token_dispatcher_type": "allgather"}
+
+
+def use_torch_mamba_kernels() -> bool:
+    """Let megatron's ``MambaMixer`` run on CPU without mamba_ssm (idempotent).
+
+    In ``megatron.core.ssm.mamba_mixer`` (0.16.1 and >= 0.17):
+
+    - the scan kernels (``mamba_split_conv1d_scan_combined``: training / eval forwards;
+      ``mamba_chunk_scan_combined``: the inference prefill) and the gated norm
+      (``RMSNormGated``; ``ExtendedRMSNorm``, which megatron builds on a mock without mamba_ssm,
+      is rebuilt with megatron's ``sharded_state_dict``) are bound to ``models.cpu_mamba``;
+    - ``HAVE_MAMBA_SSM`` is set, so the mixer builds;
+    - packed training sequences are reported supported (megatron checks installed mamba_ssm /
+      causal_conv1d versions; the torch scan restarts at every ``seq_idx`` change);
+    - the decode-step kernels (mamba_ssm's, or megatron's own Triton ones in >= 0.17) are set to
+      None, which selects megatron's own torch decode step.
+
+    Returns True when the torch kernels are in effect; a no-op (False) with CUDA or when
+    mamba_ssm is installed.
+    """
+    from megatron.core.ssm import mamba_mixer
+
+    if getattr(mamba_mixer, "_torch_kernels", False):
+        return True
+    if not cpu_only() or getattr(mamba_mixer, "HAVE_MAMBA_SSM", False):
+        return False
+    from models import cpu_mamba
+
+    def packing_support(for_inference_not_training: bool = True):
+        if for_inference_not_training:  # megatron's dynamic-batching inference
+            return False, "packed Mamba inference needs mamba_ssm (not the CPU torch kernels)"
+        return True, None
+
+    mamba_mixer.RMSNormGated = cpu_mamba.RMSNormGated
+    mamba_mixer.ExtendedRMSNorm = _sharded_gated_norm(cpu_mamba.RMSNormGated)
+    mamba_mixer.mamba_chunk_scan_combined = cpu_mamba.mamba_chunk_scan_combined
+    mamba_mixer.mamba_split_conv1d_scan_combined = cpu_mamba.mamba_split_conv1d_scan_combined
+    mamba_mixer._check_mamba_sequence_packing_support = packing_support
+    for name in ("causal_conv1d_update", "selective_state_update"):
+        setattr(mamba_mixer, name, None)
+    mamba_mixer.HAVE_MAMBA_SSM = True
+    mamba_mixer._torch_kernels = True
+    return True
+
+
+def _sharded_gated_norm(norm_class):
+    """megatron's ``mamba_mixer.ExtendedRMSNorm`` over ``norm_class``: the same sharded state
+    dict (the weight split on dim 0 over tensor parallel, as in 0.16.1 and >= 0.17)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.utils import (
+        ensure_metadata_has_dp_cp_group,
+        make_sharded_tensors_for_checkpoint,
+    )
+
+    class ExtendedRMSNorm(norm_class):
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            if not hasattr(self, "tp_group"):
+                self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+    return ExtendedRMSNorm

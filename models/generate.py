@@ -14,18 +14,29 @@ keeps cached keys before RoPE and rotates them with the rotary table of the whol
 step; for the Qwen-VL GPTModel the table of the whole run is computed once and the decode step
 calls the model's own decoder and output layer (``_fast_decoder``: bitwise the logits of
 ``language_model(...)``, which would recompute the table and copy the logits every step); other
-language models (Nemotron's MambaModel) go through ``language_model(...)``. One host sync per step
+language models (Nemotron's MambaModel) go through ``language_model(...)``.
+
+Recurrent (Mamba) layers: megatron's mixer keeps each row's conv and SSM state in the same
+inference context (filled by the prefill, updated in place by every decode step). It has no
+padding mask, so a left pad would enter the state: with Mamba layers, prompts of unequal
+length are generated in groups of equal length (each group one batched run; same tokens as
+alone). megatron >= 0.17's static-batching decode step hands the mixer's (1, B, d) projection to
+a step that reads it as (B, s, d): right for one row only, so there rows run one at a time
+(``_row_groups``). One host sync per step
 (``tolist`` of the B new tokens) decides which rows stopped; the batch stops when all have. Runs
 under ``torch.inference_mode`` (no autograd bookkeeping).
 
 Written against megatron-core 0.16.1 (``inference_context=``, ``StaticInferenceContext``) with
-guards for the older/newer names (``inference_params=`` / ``InferenceParams``). Needs a layer spec
+guards for the older/newer names (``inference_params=`` / ``InferenceParams``); >= 0.19 reads
+the process-wide ``InferenceMode`` flag (its Mamba mixer uses the context only when it is set),
+which is set for the run as megatron's engines do. Needs a layer spec
 whose attention takes an explicit mask (the local spec; ``models.checkpoint.load_checkpoint(...,
 use_te=False)``). TP > 1: megatron gathers the vocab-parallel logits (``runtime_gather_output``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -69,6 +80,33 @@ def _make_context(batch: int, max_len: int):
 def _context_kwarg(language_model) -> str:
     params = inspect.signature(language_model.forward).parameters
     return "inference_context" if "inference_context" in params else "inference_params"
+
+
+def _inference_mode():
+    """megatron >= 0.19's ``InferenceMode.active()`` (what its inference engines set); a no-op
+    context on versions without it."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return contextlib.nullcontext()
+    return InferenceMode.active() if hasattr(InferenceMode, "active") else \
+        contextlib.nullcontext()
+
+
+def _row_groups(lm, lengths: list[int]) -> list[list[int]]:
+    """The prompts (row indices) that run as one batch: all of them, except with Mamba layers
+    (megatron's ``mamba_state_shapes_per_request``): equal lengths together, and one row at a
+    time on megatron >= 0.17 (module docstring)."""
+    from megatron.core import __version__
+    from packaging.version import Version
+
+    shapes = getattr(getattr(lm, "decoder", None), "mamba_state_shapes_per_request", None)
+    if shapes is None or shapes() is None:
+        return [list(range(len(lengths)))]
+    if Version(__version__) >= Version("0.17"):
+        return [[row] for row in range(len(lengths))]
+    return [[row for row, n in enumerate(lengths) if n == length]
+            for length in sorted(set(lengths))]
 
 
 def _unwrap(model):
@@ -130,8 +168,9 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
     """Greedy continuation of each prompt, up to (not including) ``eos_id`` or max_new_tokens.
 
     Args:
-        model: a ``QwenVL`` (or a wrapper with ``.module``), in eval mode.
-        prompts: the batch; rows are left-padded to the longest.
+        model: a ``QwenVL`` / ``NemotronOmni`` (or a wrapper with ``.module``), in eval mode.
+        prompts: the batch; rows are left-padded to the longest (with Mamba layers: see
+            ``_row_groups``).
         eos_id: token id(s) that end a row (``<|im_end|>``).
         max_new_tokens: bound on generated tokens per row.
         pad_id: id placed in the padding (never attended to).
@@ -142,11 +181,27 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
     """
     qwen = _unwrap(model)
     lm = qwen.language_model
+    lengths = [int(p.input_ids.numel()) for p in prompts]
+    groups = _row_groups(lm, lengths)
+    if len(groups) > 1:  # Mamba layers (module docstring)
+        out: list[list[int]] = [[] for _ in prompts]
+        for rows in groups:
+            group = greedy_generate(model, [prompts[row] for row in rows], eos_id=eos_id,
+                                    max_new_tokens=max_new_tokens, pad_id=pad_id, stats=stats)
+            for row, tokens in zip(rows, group):
+                out[row] = tokens
+        return out
+    with _inference_mode():
+        return _generate(qwen, lm, prompts, lengths, eos_id, max_new_tokens, pad_id, stats)
+
+
+def _generate(qwen, lm, prompts: list[Prompt], lengths: list[int], eos_id, max_new_tokens: int,
+              pad_id: int, stats: GenerationStats | None) -> list[list[int]]:
+    """``greedy_generate`` of one batch (left-padded to the longest prompt)."""
     device = next(qwen.parameters()).device
     eos = {eos_id} if isinstance(eos_id, int) else set(eos_id)
     start = time.perf_counter()
     batch = len(prompts)
-    lengths = [int(p.input_ids.numel()) for p in prompts]
     width = max(lengths)
     total = width + max_new_tokens
     # positions and key-padding mask of the whole run, built once: a generated token sits at

@@ -175,11 +175,20 @@ def shift_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None):
 
 def packed_sequence_params(cu_seqlens: torch.Tensor, max_seqlen: int | None, device):
     """megatron's THD parameters of a packed batch: every packed sample (and each row's pad tail)
-    is one causal segment of the flattened B*L tokens (``cu_seqlens``, batch contract)."""
+    is one causal segment of the flattened B*L tokens (``cu_seqlens``, batch contract).
+
+    Mamba layers restart their state per segment from a per-token segment index: megatron
+    0.16.1's mixer builds it from ``cu_seqlens_q``; >= 0.17 reads ``PackedSeqParams.seq_idx``,
+    which it computes only when ``total_tokens`` is given (without it the state would silently
+    run across segments), so ``total_tokens`` is set where the field exists.
+    """
     bounds = cu_seqlens.to(device=device, dtype=torch.int32)
     longest = int(max_seqlen) if max_seqlen is not None else int((bounds[1:] - bounds[:-1]).max())
+    extra = {}
+    if "total_tokens" in PackedSeqParams.__dataclass_fields__:
+        extra["total_tokens"] = int(bounds[-1])
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+                           max_seqlen_q=longest, max_seqlen_kv=longest, **extra)
 
 
 class PipelineStagesMixin:

@@ -10,11 +10,16 @@ built with the local (non-TE) spec at TP=1.
 LM layers are mapped by the symbol of the layer in ``lm.pattern``: the block's ``norm`` goes to
 the norm in front of its one mixer. ``M`` (Mamba2) and ``E`` (MoE) names follow transformers'
 modeling code (``NemotronHMamba2Mixer``, ``NemotronHMoE`` with per-expert hub keys) and megatron's
-``MambaMixer`` / ``MoELayer``; they can be mapped but not run on CPU (no mamba_ssm there, MoE not
-parity-tested). Import-only rules: RADIO's input conditioner buffers and ``summary_idxs``, audio
-(``sound_*``) and MTP (``mtp.*``) weights are not part of our model and are skipped; a checkpoint
-without LayerScale vectors gets ``layerscale_value`` (HF does the same). Export writes
-``summary_idxs`` from the config.
+``MambaMixer`` / ``MoELayer`` (parity-tested on CPU, Mamba through models/cpu_mamba.py). Mamba
+tensors keep their layout (in_proj z|x|B|C|dt, conv1d x|B|C); their tensor-parallel slices come
+from megatron's ``partition_sizes`` (``models.checkpoint.shard_for_rank``). megatron >= 0.19 names
+the conv ``mixer.conv1d_weight`` / ``conv1d_bias`` (0.16.1: an ``nn.Conv1d``, ``mixer.conv1d.*``):
+the table's targets follow the model's keys (``_as_model_names``).
+
+Import-only rules: RADIO's input conditioner buffers and ``summary_idxs``, audio (``sound_*``)
+and MTP (``mtp.*``) weights are not part of our model and are skipped; a checkpoint without
+LayerScale vectors gets ``layerscale_value`` (HF does the same). Export writes ``summary_idxs``
+from the config.
 """
 
 from __future__ import annotations
@@ -125,6 +130,16 @@ def expand_table(cfg: NemotronOmniModelConfig) -> dict[str, tuple[str, str | Non
     return out
 
 
+def _as_model_names(table: dict[str, tuple[str, str | None]],
+                    model_keys) -> dict[str, tuple[str, str | None]]:
+    """``table`` with the Mamba conv targets renamed when the model names them as parameters
+    (megatron >= 0.19: ``mixer.conv1d_weight`` / ``mixer.conv1d_bias``)."""
+    if not any(k.endswith("mixer.conv1d_weight") for k in model_keys):
+        return table
+    return {hf: (ours.replace(".mixer.conv1d.", ".mixer.conv1d_"), part)
+            for hf, (ours, part) in table.items()}
+
+
 def _import_view(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
                  table: dict[str, tuple[str, str | None]]) -> dict[str, torch.Tensor]:
     """The HF weights as the table reads them: ignored keys and a tied lm_head dropped, missing
@@ -146,7 +161,7 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
         ValueError: an HF key not in the table, a table key missing, or a shape mismatch
             (the first offender is named).
     """
-    table = expand_table(cfg)
+    table = _as_model_names(expand_table(cfg), expected)
     return hf_mapping.hf_to_ours(_import_view(hf_sd, cfg, table), cfg, expected, table=table)
 
 
@@ -158,7 +173,7 @@ def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfi
     Raises:
         ValueError: as ``hf_to_ours``.
     """
-    table = expand_table(cfg)
+    table = _as_model_names(expand_table(cfg), expected)
     return hf_mapping.hf_to_ours_stage(_import_view(hf_sd, cfg, table), cfg, expected,
                                        table=table, embed_key=EMBED, lm_head_key=LM_HEAD)
 
@@ -167,6 +182,7 @@ def ours_to_hf(sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
                hub_layout: bool = True) -> dict[str, torch.Tensor]:
     """Map our (TP=1) state dict to the published HF key layout (+ ``summary_idxs``)."""
     del hub_layout  # one layout: the published one
-    out = hf_mapping.ours_to_hf(sd, cfg, hub_layout=False, table=expand_table(cfg))
+    out = hf_mapping.ours_to_hf(sd, cfg, hub_layout=False,
+                                table=_as_model_names(expand_table(cfg), sd))
     out[SUMMARY_IDXS] = torch.tensor(cfg.vision.summary_idxs, dtype=torch.long)
     return out

@@ -11,9 +11,12 @@ Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE; RMSNorm pre-norm + residual), no 
 embedding (``position_embedding_type='none'``: NemotronH attention has no rotary, so the
 (3, B, L) ``position_ids`` of the batch are ignored), squared-ReLU non-gated MLPs, GQA attention
 without biases. Specs: on GPU megatron's TransformerEngine hybrid stack spec; on CPU local specs
-for ``*``, ``-`` and ``E`` (megatron's local GPT attention / MLP / MoE modules). ``M`` needs
-``mamba_ssm`` (Triton/CUDA kernels): without it the model refuses to build with a clear error.
-MambaStack's final ``TENorm`` without TransformerEngine is handled in models/cpu_compat.py.
+(megatron's local GPT attention / MLP / MoE modules, megatron's ``MambaMixer`` with megatron
+linears and a torch norm). ``M`` runs megatron's ``MambaMixer``, whose kernels come from
+``mamba_ssm`` on GPU (without it the model refuses to build with a clear error) and from the
+plain-torch stand-ins of models/cpu_mamba.py on CPU (``cpu_compat.use_torch_mamba_kernels``);
+the mixer gets the config's conv width, chunk size and dt init range. MambaStack's final
+``TENorm`` without TransformerEngine is handled in models/cpu_compat.py.
 Pipeline parallel: MambaStack gives each stage its slice of the pattern (an even split of the
 layer count) and numbers the layers globally (dist checkpoints load at any PP); vision +
 embedding live on the first stage, the output layer + loss on the last
@@ -26,6 +29,7 @@ Vision: ``models.radio.RadioEncoder`` (tower, pixel shuffle, projector) behind t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import inspect
@@ -36,12 +40,20 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.cpu_attention import with_packed_attention
-from models.cpu_compat import cpu_moe_overrides, cpu_only, use_local_mamba_final_norm
+from models.cpu_compat import (
+    cpu_moe_overrides,
+    cpu_only,
+    use_local_mamba_final_norm,
+    use_torch_mamba_kernels,
+)
 from models.multimodal import PipelineStagesMixin, scatter_visual
 from models.nemotron_omni_config import NemotronOmniModelConfig
 from models.radio import RadioEncoder
 from models.recompute import transformer_config_kwargs
 from models.vision_dp import CostModel, VisionDPOverCP
+
+#: the eps of the gated RMSNorm inside megatron's Mamba mixer (fixed in its constructor)
+MAMBA_NORM_EPS = 1e-5
 
 
 def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
@@ -68,6 +80,8 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
         **transformer_config_kwargs(cfg.recompute, block_recompute=False),  # MambaStack: no full
     )
     if "M" in t.pattern:
+        check_mamba_shape(t, parallel_state.get_tensor_model_parallel_world_size(),
+                          parallel_state.get_context_parallel_world_size())
         kwargs.update(mamba_state_dim=t.ssm_state_size, mamba_head_dim=t.mamba_head_dim,
                       mamba_num_groups=t.mamba_groups, mamba_num_heads=t.mamba_num_heads)
     if "E" in t.pattern:
@@ -93,7 +107,39 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
     return TransformerConfig(**kwargs)
 
 
-def _mamba_spec(use_te: bool):
+def check_mamba_shape(t, tp: int, cp: int) -> None:
+    """What megatron's Mamba mixer asserts, as one ValueError naming every problem: a conv bias
+    and the norm eps it fixes; whole heads per group; whole heads and groups per tensor-parallel
+    rank; under context parallel (heads shared over CP ranks) whole heads per rank, and groups
+    either split evenly or repeated evenly."""
+    problems = []
+    if not t.use_conv_bias or t.rms_norm_eps != MAMBA_NORM_EPS:
+        problems.append(f"lm.use_conv_bias must be true and lm.rms_norm_eps {MAMBA_NORM_EPS} (the "
+                        f"mixer norm's fixed eps), got {t.use_conv_bias} and {t.rms_norm_eps}")
+    if t.mamba_num_heads % t.mamba_groups:
+        problems.append(f"lm.mamba_num_heads {t.mamba_num_heads} is not a multiple of "
+                        f"lm.mamba_groups {t.mamba_groups}")
+    if t.mamba_num_heads % (tp * cp) or t.mamba_groups % tp:
+        problems.append(f"lm.mamba_num_heads {t.mamba_num_heads} / lm.mamba_groups "
+                        f"{t.mamba_groups} do not split over tp {tp} x cp {cp}")
+    elif cp > 1 and max(t.mamba_groups // tp, cp) % min(t.mamba_groups // tp, cp):
+        problems.append(f"the {t.mamba_groups // tp} Mamba groups per tensor-parallel rank and "
+                        f"cp {cp} do not divide one another")
+    if problems:
+        raise ValueError(f"lm.pattern {t.pattern!r} (Mamba layers): " + "; ".join(problems))
+
+
+def _mixer_params(cfg: NemotronOmniModelConfig) -> dict:
+    """``MambaMixer`` constructor arguments from the config (megatron's defaults otherwise)."""
+    t = cfg.lm
+    return dict(d_conv=t.conv_kernel, chunk_size=t.chunk_size, dt_min=t.time_step_min,
+                dt_max=t.time_step_max, dt_init_floor=t.time_step_floor)
+
+
+def _mamba_spec(cfg: NemotronOmniModelConfig):
+    """The local Mamba layer: torch norm + megatron linears around megatron's ``MambaMixer``.
+    Its norm is stored under the TE spec's name (fused into ``mixer.in_proj``), as the local
+    attention / MLP layers do, so a checkpoint written on CPU loads with the TE spec."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -101,29 +147,33 @@ def _mamba_spec(use_te: bool):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    del use_te  # the local Mamba layer: torch norm + megatron linears (TE: the stack spec)
     return ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
         norm=WrappedTorchNorm,
-        mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
-            in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
-        mamba_bda=get_bias_dropout_add))
+        mixer=ModuleSpec(module=MambaMixer, params=_mixer_params(cfg),
+                         submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
+                                                         out_proj=RowParallelLinear)),
+        mamba_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"}))
 
 
 def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool):
-    """MambaStack spec: TE hybrid spec on GPU; local attention / MLP / MoE (/ Mamba) on CPU.
+    """MambaStack spec: TE hybrid spec on GPU; local attention / MLP / MoE / Mamba on CPU.
 
     Raises:
-        ValueError: the pattern has Mamba layers ('M') and ``mamba_ssm`` is not installed.
+        ValueError: the pattern has Mamba layers ('M'), this is not a CPU run (where the torch
+            kernels stand in) and ``mamba_ssm`` is not installed.
     """
     pattern = cfg.lm.pattern
-    if "M" in pattern and importlib.util.find_spec("mamba_ssm") is None:
+    if "M" in pattern and not use_torch_mamba_kernels() \
+            and importlib.util.find_spec("mamba_ssm") is None:
         raise ValueError(f"lm.pattern {pattern!r} has Mamba layers ('M'), which need the "
-                         "mamba_ssm package (CUDA/Triton kernels); it is not installed. On CPU "
-                         "use a pattern of '*', '-' (and 'E') layers only")
+                         "mamba_ssm package (CUDA/Triton kernels) on GPU; it is not installed")
     if use_te:
         from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 
-        return mamba_stack_spec
+        spec = copy.deepcopy(mamba_stack_spec)
+        spec.submodules.mamba_layer.submodules.mixer.params = _mixer_params(cfg)
+        return spec
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
@@ -154,8 +204,31 @@ def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool):
                                              submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=moe.submodules.mlp, mlp_bda=get_bias_dropout_add))
     if "M" in pattern:
-        submodules["mamba_layer"] = _mamba_spec(use_te)
+        submodules["mamba_layer"] = _mamba_spec(cfg)
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(**submodules))
+
+
+def mark_mamba_tp_layout(lm) -> None:
+    """Give every Mamba mixer's tensor-parallel parameters megatron's layout attributes where
+    this megatron-core lacks them (0.16.1; >= 0.17 sets them itself): ``partition_dim`` 0, and
+    ``partition_sizes`` (this rank's rows of each component) on the packed ``in_proj``
+    (z | x | B | C | dt) and conv1d (x | B | C). Import slicing reads them
+    (``models.checkpoint.shard_for_rank``)."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    for mixer in lm.modules():
+        if not isinstance(mixer, MambaMixer):
+            continue
+        groups = mixer.ngroups_local_tp * mixer.d_state
+        xbc = [mixer.d_inner_local_tp, groups, groups]
+        packed = {"in_proj.weight": [mixer.d_inner_local_tp, *xbc, mixer.nheads_local_tp],
+                  "conv1d.weight": xbc, "conv1d.bias": xbc,  # 0.16.1: an nn.Conv1d
+                  "conv1d_weight": xbc, "conv1d_bias": xbc}  # >= 0.19: parameters
+        for name, p in mixer.named_parameters():
+            if getattr(p, "tensor_model_parallel", False) and not hasattr(p, "partition_dim"):
+                p.partition_dim = 0
+            if name in packed and not hasattr(p, "partition_sizes"):
+                p.partition_sizes = packed[name]
 
 
 def _pattern_kwarg() -> str:
@@ -194,6 +267,7 @@ class NemotronOmni(PipelineStagesMixin, MegatronModule):
             share_embeddings_and_output_weights=cfg.lm.tie_embeddings,
             position_embedding_type="none", **{_pattern_kwarg(): cfg.lm.pattern},
         )
+        mark_mamba_tp_layout(self.language_model)
         self._vision_dp = None
         if self.pre_process:
             self._vision_dp = VisionDPOverCP(

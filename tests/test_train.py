@@ -179,7 +179,8 @@ def test_resume_continues_exactly(mantis_reference, mantis_out, tmp_path):
 
 @pytest.mark.slow
 def test_nemotron_resume_continues_exactly(mantis_out, tmp_path):
-    """The Nemotron-Omni model (MambaModel LM, RADIO tower) checkpoints and resumes exactly."""
+    """The Nemotron-Omni model (MambaModel LM with Mamba layers, "M*M-"; RADIO tower)
+    checkpoints and resumes exactly."""
     args = [str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=4",
             *FAST]
     ok(train(*args, f"out={tmp_path / 'ref'}", "checkpoint.interval=2"))
@@ -235,7 +236,8 @@ def test_cp2_equals_single_process(mantis_reference, mantis_out, tmp_path):
 @pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni"])
 def test_cp2_equals_single_process_other_families(family, mantis_out, tmp_path):
     """Qwen3-VL under CP: each rank adds the DeepStack rows of its own zig-zag share.
-    Nemotron-Omni: the hybrid LM's attention layers under CP, its MLP layers per token."""
+    Nemotron-Omni ("M*M-"): the hybrid LM's attention layers under CP, its MLP layers per token,
+    its Mamba layers by megatron's CP (all-to-all: the whole sequence, half the heads per rank)."""
     args = [f"data.path={mantis_out}/metadataset.yaml", "train.steps=3", *FAST]
     if family == "qwen3_vl":
         args = [str(MANTIS_CFG), *args, "model.base=configs/qwen3_vl_tiny.yaml",
@@ -397,8 +399,8 @@ def test_nemotron_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path):
 
 @pytest.mark.slow
 def test_nemotron_packed_pp2_equals_pp1(mantis_out, tmp_path):
-    """Nemotron-Omni (MambaModel LM, pattern "*-*-": two layers per stage) with packing at PP=2
-    gives the PP=1 losses from the same initial weights: packed batches run as one THD row of
-    B*L tokens, which is also what the stages exchange."""
+    """Nemotron-Omni (MambaModel LM, pattern "M*M-": a Mamba layer on each stage) with packing at
+    PP=2 gives the PP=1 losses from the same initial weights: packed batches run as one THD row of
+    B*L tokens (Mamba states restart per segment), which is also what the stages exchange."""
     pp2_and_pp1_losses(NEMOTRON_MANTIS_CFG, mantis_out, tmp_path,
                        shared=("task_encoder.packing=true",))

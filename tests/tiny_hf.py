@@ -57,11 +57,19 @@ def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | No
 NEMOTRON_TOKENS = dict(image_token_id=420, video_token_id=421)
 
 
-def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "*-*-",
+#: the tiny Mamba2 shape (also configs/nemotron_omni_tiny.yaml's): 8 heads of 8 in 2 groups
+#: (TP=2 and CP=2 each get whole groups), state 16, chunks of 8 tokens (the test inputs span
+#: several chunks)
+TINY_MAMBA = dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2,
+                  chunk_size=8, conv_kernel=4)
+
+
+def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "M*M-",
                              seed: int = 0, tokens: dict | None = None) -> Path:
-    """Save a tiny fp32 NemotronH_Omni_Reasoning_V3 (tiny RADIO, attention/MLP-only hybrid LM,
-    no audio; one MTP layer declared so that ``vision_final_layernorm`` exists), weights
-    perturbed well beyond the default init. Videos get their own token id here (HF ignores it)."""
+    """Save a tiny fp32 NemotronH_Omni_Reasoning_V3 (tiny RADIO, hybrid LM of ``pattern``: M
+    Mamba2, * attention, - MLP, E MoE; no audio; one MTP layer declared so that
+    ``vision_final_layernorm`` exists), weights perturbed well beyond the default init. Videos
+    get their own token id here (HF ignores it)."""
     from transformers.models.nemotron_h_omni.configuration_nemotron_h_omni import (
         NemotronH_Omni_Reasoning_V3_Config,
     )
@@ -77,19 +85,34 @@ def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "*-*
         text_config=dict(vocab_size=vocab, hidden_size=64, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, intermediate_size=96,
                          layers_block_type=[names[s] for s in pattern],
-                         num_nextn_predict_layers=1),
+                         num_nextn_predict_layers=1, **TINY_MAMBA),
         projector_hidden_size=48, vision_hidden_size=32, **(tokens or NEMOTRON_TOKENS))
-    return save_perturbed(NemotronH_Omni_Reasoning_V3, config, out, seed)
+    return save_perturbed(NemotronH_Omni_Reasoning_V3, config, out, seed,
+                          adjust=dt_above_transformers_floor)
 
 
-def save_perturbed(cls, config, out: Path, seed: int) -> Path:
+def dt_above_transformers_floor(model) -> None:
+    """Set every Mamba head's ``dt_bias`` near -1, so that softplus(dt + dt_bias) stays well
+    above ``time_step_min`` (0.001) on the test inputs. transformers' NemotronH clamps dt there in
+    its full-sequence path (not in its decode step); megatron's mixer, like mamba_ssm's default,
+    does not clamp (docs/nemotron.md). HF's init (dt in [0.001, 0.1]) would make the clamp bind
+    and the parity tests would measure that difference instead of the mapping."""
+    for name, p in model.named_parameters():
+        if name.endswith("mixer.dt_bias"):
+            p.copy_(torch.randn_like(p) * 0.1 - 1)
+
+
+def save_perturbed(cls, config, out: Path, seed: int, adjust=None) -> Path:
     """Build ``cls(config)`` with seeded weights perturbed by N(0, 0.1) (well beyond the default
-    init, so a wrong mapping shows in the logits) and save it to ``out``."""
+    init, so a wrong mapping shows in the logits), ``adjust(model)`` when given, and save it to
+    ``out``."""
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        if adjust is not None:
+            adjust(model)
     model.save_pretrained(out)
     return out
 
@@ -104,8 +127,8 @@ TEST_TOKENIZER_QWEN = dict(image_token_id=5, video_token_id=6, vision_start_toke
 TEST_TOKENIZER_NEMOTRON = dict(image_token_id=420, video_token_id=420)
 
 
-def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int], pattern: str = "*-*-",
-                        seed: int = 0) -> Path:
+def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int],
+                        pattern: str = "M*M-", seed: int = 0) -> Path:
     """A complete tiny HF model folder as the hub has them: weights + config.json (token ids of
     the test tokenizer), the test tokenizer with a ChatML chat template, and the processor files
     (``preprocessor_config.json`` / ``video_preprocessor_config.json`` with ``pixels`` = (min,

@@ -10,8 +10,9 @@ Owns the layout, as the hub repository has it (../shared/reference/hub-layouts.m
 - `llava_hound`: only `sharegptvideo_qa_255k_processed.json`, whose `video` values are ids of frame
   folders published in another repository; they are written next to this one, in
   `ShareGPTVideo/train_300k/<id>/` (JPEG frames), for `--frames-root`;
-- the real multiple-choice text (`Question?\\nOptions:\\nA. ...\\nE. ...\\nPlease provide your answer
-  by stating the letter followed by the full option.`, answers like `E. it does not move.`) and
+- the real multiple-choice text (`Question?\\nOptions:\\nA. ...\\nE. ...\\nPlease provide your
+  answer by stating the letter followed by the full option.`, answers like `E. it does not
+  move.`) and
   `data_source` values (the config's folder name);
 - the planted pitfalls, each in `lookalike_manifest.json`.
 Each clip shows a coloured square moving left/right/up/down, so every caption and answer can be

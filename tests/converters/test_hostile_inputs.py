@@ -1,5 +1,5 @@
-"""Hostile inputs through the CLI: every bad row or medium is a reject with a specific reason and the
-run goes on; a source that cannot be planned is one line (exit 2) before any shard; paths never
+"""Hostile inputs through the CLI: every bad row or medium is a reject with a specific reason and
+the run goes on; a source that cannot be planned is one line (exit 2) before any shard; paths never
 leave the source; sizes are proven by decoding within caps."""
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def test_claimed_frame_count_is_replaced_by_the_measured_one(video_hostile):
     assert Counter(summary(out)["fixups_by_kind"])["video_frames_measured"] == 1
 
 
-# ---- planning problems: one line, exit 2, nothing written -----------------------------------------
+# ---- planning problems: one line, exit 2, nothing written --------------------------------------
 
 def _no_id(tmp):
     features = h.Features({k: v for k, v in h.MANTIS_FEATURES.items() if k != "id"})

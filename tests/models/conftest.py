@@ -39,11 +39,12 @@ def tiny_hf(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_nemotron_hf(tmp_path_factory) -> dict[str, Path]:
-    """pattern -> saved tiny NemotronH_Omni_Reasoning_V3: "*-*-" (attention + MLP) and "*E-E"
-    (with MoE layers, which run on CPU with megatron's local MoE)."""
+    """pattern -> saved tiny NemotronH_Omni_Reasoning_V3: "M*M-" (Mamba2, attention, MLP; the
+    tiny config's pattern) and "ME*E" (with MoE layers, which run on CPU with megatron's local
+    MoE; at PP=2 each stage has MoE)."""
     root = tmp_path_factory.mktemp("tiny_nemotron")
     return {p: build_tiny_nemotron_omni(root / f"p{i}", pattern=p)
-            for i, p in enumerate(("*-*-", "*E-E"))}
+            for i, p in enumerate(("M*M-", "ME*E"))}
 
 
 def train_steps(model, batch: dict, steps: int = 4, lr: float = 1e-2) -> list[float]:

@@ -1,8 +1,9 @@
-"""Nemotron-Omni on megatron-core: HF import parity (attention/MLP and MoE patterns; one image,
-interleaved images, tiles, a video), round trip, M/E name table vs transformers, count-mismatch
-errors, the Mamba-without-mamba_ssm error, mixed image + video batches on the shared ``<image>``
-token (``visual_kinds``), tiny config training, KV-cache generation, FLOPs, TP=2 and PP=2
-import parity."""
+"""Nemotron-Omni on megatron-core: HF import parity (patterns with Mamba2 layers, on CPU through
+models/cpu_mamba.py, with attention, MLP and MoE layers; one image, interleaved images, tiles, a
+video), round trip, count-mismatch errors, the Mamba-without-kernels error, mixed image + video
+batches on the shared ``<image>`` token (``visual_kinds``), tiny config training, generation
+(KV cache + Mamba states) against full forwards and against transformers' ``generate``, FLOPs,
+TP=2 and PP=2 import parity."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def imported(tiny_nemotron_hf, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("pattern", ["*-*-", "*E-E"])
+@pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
 def test_logits_match_transformers(pattern, tiny_nemotron_hf, imported):
     from models.convert import verify
 
@@ -41,13 +42,15 @@ def test_logits_match_transformers(pattern, tiny_nemotron_hf, imported):
         assert row["max_abs_logit_diff"] <= TOL, (pattern, name, row)
 
 
-def test_round_trip_identical(tiny_nemotron_hf, imported, tmp_path):
+@pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
+def test_round_trip_identical(tiny_nemotron_hf, imported, tmp_path, pattern):
+    """HF -> ours -> HF gives the same keys (every layer kind's names) and tensors."""
     from safetensors.torch import load_file
 
     from models.convert import mcore_to_hf
 
-    source = tiny_nemotron_hf["*E-E"]
-    mcore_to_hf(imported["*E-E"], tmp_path / "hf")
+    source = tiny_nemotron_hf[pattern]
+    mcore_to_hf(imported[pattern], tmp_path / "hf")
     before = load_file(str(source / "model.safetensors"))
     after = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert sorted(before) == sorted(after)
@@ -57,32 +60,20 @@ def test_round_trip_identical(tiny_nemotron_hf, imported, tmp_path):
             == json.loads((source / "config.json").read_text()))
 
 
-def test_mamba_and_moe_names_match_transformers(tmp_path):
-    """The table's HF side equals the keys transformers saves for a pattern with every layer
-    kind (Mamba layers cannot run here: names only)."""
-    from safetensors.torch import load_file
-
-    from models.families import config_from_hf
-    from models.nemotron_hf_mapping import SUMMARY_IDXS, expand_table
-    from tests.tiny_hf import build_tiny_nemotron_omni
-
-    path = build_tiny_nemotron_omni(tmp_path / "hf", pattern="M*-E")
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
-    assert cfg.lm.pattern == "M*-E" and cfg.vision_final_norm
-    keys = set(load_file(str(path / "model.safetensors"))) - {SUMMARY_IDXS}
-    assert keys == set(expand_table(cfg))
-
-
-def test_mamba_needs_mamba_ssm():
+def test_mamba_without_kernels_refused(monkeypatch):
+    """Where the torch kernels do not stand in (a GPU) and mamba_ssm is missing: one clear
+    error before megatron's own ImportError."""
     import importlib.util
 
+    from models import nemotron_omni
     from models.checkpoint import build_model, init_parallel
     from models.nemotron_omni_config import load_yaml
 
     if importlib.util.find_spec("mamba_ssm") is not None:
         pytest.skip("mamba_ssm is installed")
     init_parallel()
-    cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml", ["lm.pattern=M*-"])
+    cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
+    monkeypatch.setattr(nemotron_omni, "use_torch_mamba_kernels", lambda: False)
     with pytest.raises(ValueError, match=r"Mamba layers \('M'\).*mamba_ssm"):
         build_model(cfg, use_te=False)
 
@@ -92,7 +83,7 @@ def test_count_mismatch_names_row(imported):
     from models.convert import make_inputs
 
     init_parallel()
-    model, cfg = load_checkpoint(imported["*-*-"], use_te=False)
+    model, cfg = load_checkpoint(imported["M*M-"], use_te=False)
     inputs = make_inputs(cfg)["images_interleaved"]
     ids = inputs["input_ids"].clone()
     ids[0, (ids[0] == cfg.image_token_id).nonzero()[0]] = 5  # drop one context token
@@ -189,8 +180,9 @@ def test_mixed_image_video_batch_matches_rows_alone():
 
 
 def test_tiny_config_trains_and_generates():
-    """configs/nemotron_omni_tiny.yaml: loss falls within a few CPU steps; greedy generation
-    with the KV cache equals greedy decoding by full forwards."""
+    """configs/nemotron_omni_tiny.yaml ("M*M-"): loss falls within a few CPU steps; greedy
+    generation (KV cache and Mamba conv / SSM states, a batch of two prompt lengths) equals greedy
+    decoding by full forwards."""
     from models.checkpoint import build_model, init_parallel
     from models.convert import make_inputs
     from models.generate import Prompt, greedy_generate
@@ -228,6 +220,132 @@ def test_tiny_config_trains_and_generates():
         assert tokens == reference
 
 
+def _prompt(case: dict):
+    from models.generate import Prompt
+
+    return Prompt(input_ids=case["input_ids"][0], position_ids=case["position_ids"][:, 0],
+                  **{k: case.get(k) for k in ("pixel_values", "image_grid_thw",
+                                              "pixel_values_videos", "video_grid_thw")})
+
+
+def _hf_greedy(hf, inputs: dict, new: int, eos: int) -> list[int]:
+    ids = inputs["input_ids"]
+    out = hf.generate(**inputs, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+    out = out[0, ids.shape[1]:].tolist()
+    return out[:out.index(eos)] if eos in out else out
+
+
+def test_greedy_tokens_equal_transformers_generate(tiny_nemotron_hf, imported):
+    """"M*M-": models.generate (megatron's KV cache, Mamba prefill states then one-token decode
+    steps) gives transformers' ``generate`` tokens on one image, interleaved images, tiles and a
+    video; stopping at a token of the video run stops both at the same place; the four prompts in
+    one call (unequal lengths: one run per length) give what each gives alone."""
+    from models.checkpoint import init_parallel, load_checkpoint
+    from models.convert import hf_inputs, load_hf_model, make_inputs
+    from models.generate import greedy_generate
+
+    never = 10 ** 6  # outside the vocabulary: never generated
+    init_parallel()
+    model, cfg = load_checkpoint(imported["M*M-"], use_te=False)
+    hf = load_hf_model(tiny_nemotron_hf["M*M-"])
+    cases = make_inputs(cfg)
+    alone = {}
+    for name, case in cases.items():
+        ours = greedy_generate(model, [_prompt(case)], eos_id=never, max_new_tokens=6)[0]
+        theirs = _hf_greedy(hf, hf_inputs(cfg, case), 6, never)
+        assert len(ours) == 6 and ours == theirs, (name, ours, theirs)
+        alone[name] = ours
+    video, stop = cases["video"], alone["video"][4]
+    ours_stopped = greedy_generate(model, [_prompt(video)], eos_id=stop, max_new_tokens=6)[0]
+    assert ours_stopped == _hf_greedy(hf, hf_inputs(cfg, video), 6, stop) \
+        == alone["video"][:alone["video"].index(stop)]
+    batched = greedy_generate(model, [_prompt(c) for c in cases.values()], eos_id=never,
+                              max_new_tokens=6)
+    assert batched == list(alone.values())
+
+
+def mixer_reference(mixer, x: torch.Tensor) -> torch.Tensor:
+    """megatron's ``MambaMixer`` on x (L, B, H) in float64, one token at a time: in_proj, causal
+    depthwise conv + SiLU, h_t = exp(dt_t A) h_(t-1) + dt_t B_t x_t, y_t = C_t.h_t + D x_t, times
+    SiLU(z), grouped RMSNorm, out_proj."""
+    import torch.nn.functional as F
+
+    w = {n.replace("conv1d.", "conv1d_"): p.detach().double() for n, p in mixer.named_parameters()}
+    heads, headdim, state, groups = mixer.nheads, mixer.headdim, mixer.d_state, mixer.ngroups
+    inner, (length, batch, _) = heads * headdim, x.shape
+    z, xbc, dt = (x.double().transpose(0, 1) @ w["in_proj.weight"].T).split(
+        [inner, inner + 2 * groups * state, heads], -1)
+    xbc = F.conv1d(xbc.transpose(1, 2), w["conv1d_weight"], w["conv1d_bias"],
+                   padding=w["conv1d_weight"].shape[-1] - 1, groups=xbc.shape[-1])
+    xs, B, C = F.silu(xbc[..., :length]).transpose(1, 2).split(
+        [inner, groups * state, groups * state], -1)
+    xs = xs.reshape(batch, length, heads, headdim)
+    B, C = (t.reshape(batch, length, groups, state).repeat_interleave(heads // groups, 2)
+            for t in (B, C))
+    dt, A = F.softplus(dt + w["dt_bias"]), -torch.exp(w["A_log"])
+    h = torch.zeros(batch, heads, headdim, state, dtype=torch.float64)
+    ys = []
+    for t in range(length):
+        h = h * torch.exp(dt[:, t] * A)[..., None, None] \
+            + (dt[:, t, :, None] * xs[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, C[:, t]) + w["D"][:, None] * xs[:, t])
+    y = torch.stack(ys, 1).reshape(batch, length, groups, -1) \
+        * F.silu(z).reshape(batch, length, groups, -1)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)
+    y = y.reshape(batch, length, inner) * w["norm.weight"]
+    return (y @ w["out_proj.weight"].T).transpose(0, 1)
+
+
+def test_mamba_mixer_on_torch_kernels():
+    """megatron's ``MambaMixer`` alone, on the installed megatron-core (0.16.1 here, >= 0.17 on
+    clusters): the training path equals the step-by-step float64 recurrence; a packed row of
+    three segments (``packed_sequence_params``) equals each segment alone; the inference prefill
+    then one-token decode steps (megatron's torch decode on the kernels' final states) equal the
+    full forward, for the rows ``models.generate`` runs together on this version."""
+    from models.checkpoint import init_parallel
+
+    init_parallel()  # the CPU shims before megatron's Mamba modules are imported
+    from megatron.core import __version__
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from packaging.version import Version
+
+    from models.cpu_compat import use_torch_mamba_kernels
+    from models.generate import _inference_mode, _make_context
+    from models.multimodal import packed_sequence_params
+    from models.nemotron_omni import lm_transformer_config
+    from models.nemotron_omni_config import load_yaml
+
+    assert use_torch_mamba_kernels()
+    cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
+    torch.manual_seed(0)
+    mixer = MambaMixer(lm_transformer_config(cfg), MambaMixerSubmodules(
+        in_proj=ColumnParallelLinear, out_proj=RowParallelLinear), d_model=cfg.lm.hidden_size,
+        chunk_size=cfg.lm.chunk_size, layer_number=1,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups()).eval()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        x = torch.randn(30, 2, cfg.lm.hidden_size)
+        full = mixer(x)[0]
+        torch.testing.assert_close(full.double(), mixer_reference(mixer, x), rtol=0, atol=5e-6)
+        cu = torch.tensor([0, 7, 19, 30], dtype=torch.int32)  # segment ends inside chunks of 8
+        packed = mixer(x[:, :1], packed_seq_params=packed_sequence_params(cu, None, "cpu"))[0]
+        alone = torch.cat([mixer(x[a:b, :1])[0] for a, b in zip(cu[:-1], cu[1:])])
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-6)
+        rows = 1 if Version(__version__) >= Version("0.17") else 2  # models.generate._row_groups
+        context = _make_context(rows, 40)
+        context.seqlen_offset = 0  # set by MambaStack before its layers run
+        with _inference_mode():
+            steps = [mixer(x[:20, :rows], inference_context=context)[0]]
+            for t in range(20, 30):
+                context.sequence_len_offset = context.seqlen_offset = t
+                steps.append(mixer(x[t:t + 1, :rows], inference_context=context)[0])
+        torch.testing.assert_close(torch.cat(steps), full[:, :rows], rtol=0, atol=2e-6)
+
+
 def test_batch_flops_counts_layers_and_vision():
     from models.nemotron_omni_config import load_yaml
     from models.training import batch_flops
@@ -247,11 +365,12 @@ def test_batch_flops_counts_layers_and_vision():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", ["*-*-", "*E-E"])
+@pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
 def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path, pattern):
     """One torchrun launch (2 gloo ranks): import sharded at TP=2 and check TP=2 logits; then load
-    that TP=2 checkpoint at TP=1 here and check logits again (attention / MLP, and MoE: routed and
-    shared experts sliced over TP, the router whole)."""
+    that TP=2 checkpoint at TP=1 here and check logits again (Mamba: heads and groups sliced
+    over TP inside the packed in_proj / conv1d; attention / MLP; MoE: routed and shared experts
+    sliced over TP, the router whole)."""
     import subprocess
     import sys
 
@@ -271,10 +390,11 @@ def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path, pattern):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", ["*-*-", "*E-E"])
+@pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
 def test_pp2_parity_and_reshard(tiny_nemotron_hf, imported, tmp_path, pattern):
-    """One torchrun launch (2 gloo ranks): import at PP=2 (pattern "*-*-": "*-" per stage;
-    "*E-E": "*E" and "-E", MoE on both stages; each stage writes its own, global layer numbers),
+    """One torchrun launch (2 gloo ranks): import at PP=2 (pattern "M*M-": "M*" and "M-", a
+    Mamba layer on each stage; "ME*E": "ME" and "*E", MoE on both stages; each stage writes its
+    own, global layer numbers),
     PP=2 logits vs transformers, the PP=1 import loaded at PP=2 equals it; then at PP=1: the
     PP=2 import's logits and tensors equal the PP=1 import's."""
     from tests.models.pp2_check import check_pp2

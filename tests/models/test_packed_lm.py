@@ -1,6 +1,7 @@
 """Packed batches through both VLM families: megatron's THD path (the rows flattened into one
 sequence over ``cu_seqlens``; on CPU ``models.cpu_attention.PackedCausalAttention`` stands in for
-TE's varlen attention) gives every packed sample the logits and per-token losses it has alone."""
+TE's varlen attention, and Mamba layers restart their conv window and state at every segment:
+``models.cpu_mamba``) gives every packed sample the logits and per-token losses it has alone."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from tests.models.conftest import build_tiny
 
 IGNORE = -100
 #: (family, overrides): Qwen2.5-VL, Qwen3-VL (DeepStack rows land on the flattened tokens), and
-#: Nemotron-Omni with MoE layers (images and videos share one context token: visual_kinds)
-CASES = [("qwen2_5_vl", ()), ("qwen3_vl", ()), ("nemotron_omni", ("lm.pattern='*E-E'",))]
+#: Nemotron-Omni with Mamba and MoE layers (images and videos share one context token:
+#: visual_kinds)
+CASES = [("qwen2_5_vl", ()), ("qwen3_vl", ()), ("nemotron_omni", ("lm.pattern='ME*E'",))]
 
 
 def with_labels(case: dict) -> dict:
