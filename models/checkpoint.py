@@ -6,9 +6,9 @@ tracker; CPU shims from models.cpu_compat), ``build_model``, TP slicing of a ful
 for this rank (``shard_for_rank``: by each parameter's megatron attributes ``partition_dim`` and,
 for a tensor packing several components, ``partition_sizes``; ``global_keys`` names a pipeline
 stage's layers and an expert-parallel rank's experts by their PP=1 / EP=1 index), and save/load
-of a self-describing checkpoint folder: megatron ``dist_checkpointing`` files + ``qwen_vl_model.json`` (our config, any
-family: the name is kept so that existing checkpoints load) + ``hf_config.json`` (the source HF
-config when imported). dist_checkpointing stores global tensors, so a checkpoint saved at one
+of a self-describing checkpoint folder: megatron ``dist_checkpointing`` files +
+``qwen_vl_model.json`` (our config, any family: the name is kept so that existing checkpoints load)
++ ``hf_config.json`` (the source HF config when imported). dist_checkpointing stores global tensors, so a checkpoint saved at one
 TP / PP / EP loads at any other (megatron reshards on load; decoder layers and experts are stored
 by their global index).
 
