@@ -8,9 +8,9 @@ for a tensor packing several components, ``partition_sizes``; ``global_keys`` na
 stage's layers and an expert-parallel rank's experts by their PP=1 / EP=1 index), and save/load
 of a self-describing checkpoint folder: megatron ``dist_checkpointing`` files +
 ``qwen_vl_model.json`` (our config, any family: the name is kept so that existing checkpoints load)
-+ ``hf_config.json`` (the source HF config when imported). dist_checkpointing stores global tensors, so a checkpoint saved at one
-TP / PP / EP loads at any other (megatron reshards on load; decoder layers and experts are stored
-by their global index).
++ ``hf_config.json`` (the source HF config when imported). dist_checkpointing stores global
+tensors, so a checkpoint saved at one TP / PP / EP loads at any other (megatron reshards on load;
+decoder layers and experts are stored by their global index).
 
 Model checkpoints come in two kinds, both read by ``find_model_checkpoint`` / ``load_checkpoint``:
 an import folder (``models.convert hf-to-mcore``, the cached ``model.hf`` imports) and a train.py
