@@ -219,7 +219,11 @@ def load_hf_weights(model, cfg, folder: Path) -> dict:
     hf_config, hf_sd = read_hf_folder(folder)
     to_global = global_keys(model)
     shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
-    if all(local == glob for local, glob in to_global.items()):  # the whole model is here
+    from megatron.core import parallel_state as ps
+
+    whole = (ps.get_pipeline_model_parallel_world_size() == 1
+             and ps.get_expert_model_parallel_world_size() == 1)
+    if whole:  # the whole model is here (a first PP stage's names equal its PP=1 names too)
         full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, shapes)
     else:  # this stage's layers / this rank's experts, mapped under their global numbers
         part = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
