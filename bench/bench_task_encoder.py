@@ -8,8 +8,9 @@ One process, one run, everything timed on the same machine (single-threaded nump
        followed by transformers' ``Qwen2VLImageProcessorPil`` (min_pixels 200704, max_pixels
        1003520) -> ``pixel_values``;
    (b) ours: the task encoder's public steps end to end on a one-image conversation
-       (``tokenize_turns`` -> ``plan_sample`` -> ``decode_media`` -> ``assemble``: JPEG draft
-       decode at the planned size, normalise, patchify, tokens, labels, M-RoPE positions);
+       (``tokenize_turns`` -> ``plan_sample`` -> ``decode_media`` -> ``assemble``: decode at the
+       planned size, ``--image-decode`` exact (default) or fast (JPEG draft), normalise, patchify,
+       tokens, labels, M-RoPE positions);
    (c) floor: PIL decode at the needed DCT scale (``draft``) + resize to the target + float32
        normalise only (no patchify, no tokens).
 2. Mantis-like samples of 12 images (400..900 px a side), per sample, the same three paths.
@@ -500,7 +501,10 @@ def table(result: dict) -> str:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_out/te"),
               show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer images / samples / batches (under 1 minute).")
-def main(out: Path, quick: bool) -> None:
+@click.option("--image-decode", type=click.Choice(["exact", "fast"]), default="exact",
+              show_default=True, help="task_encoder.image_decode of 'ours' (the figures in "
+              "docs/benchmarks_task_encoder.md's throughput section were measured with fast).")
+def main(out: Path, quick: bool, image_decode: str) -> None:
     """Run every section once and write <out>/task_encoder.json."""
     import torch
 
@@ -535,7 +539,8 @@ def main(out: Path, quick: bool) -> None:
             (image_dir / f"{name}.json").write_text(json.dumps(names))
         print(f"data generated in {time.perf_counter() - wall:.1f} s", file=sys.stderr)
 
-        encoder = make_encoder(tokenizer_dir, max_num_images=16, seq_length=16384)
+        encoder = make_encoder(tokenizer_dir, max_num_images=16, seq_length=16384,
+                               image_decode=image_decode)
         processor = make_reference_processor()
         result = {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -543,7 +548,7 @@ def main(out: Path, quick: bool) -> None:
                         "load_average_at_start": os.getloadavg()},
             "quick": quick, "repeats": repeats,
             "settings": {"model": "qwen2.5-vl", "min_pixels": MIN_PIXELS,
-                         "max_pixels": MAX_PIXELS},
+                         "max_pixels": MAX_PIXELS, "image_decode": image_decode},
         }
         result["infovqa"] = image_section(encoder, processor, info, repeats)
         print(f"infovqa done {time.perf_counter() - wall:.1f} s", file=sys.stderr)

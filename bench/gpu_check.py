@@ -5,7 +5,7 @@ Three parts, each printing one JSON line (and writing ``OUT/gpu_check.json``):
 1. ``vision``: the real-shaped vision towers (configs/qwen2_5_vl_7b.yaml, qwen3_vl_8b.yaml,
    nemotron_omni_30b_a3b.yaml), bf16, TransformerEngine layer specs when TE is importable (the
    local spec otherwise, said in the output), forward + backward over a batch of InfoVQA-sized
-   images; reports patches/s and the achieved TFLOP/s (``models.training.vision_flops`` x 3).
+   images; reports patches/s and the achieved TFLOP/s (``models.flops.vision_flops`` x 3).
 2. ``packed``: packed batches in megatron's THD format through TE's varlen attention (the tiny
    models of each family, bf16): the largest |logit difference| between every packed sample and
    the same sample alone, next to the bf16 noise of the unpacked batch (``max_abs_diff`` must
@@ -82,7 +82,7 @@ def vision_part(smoke: bool, repeats: int) -> list[dict]:
     from energon_tasks.config import TaskEncoderConfig
     from models.checkpoint import init_parallel
     from models.families import config_module
-    from models.training import vision_flops
+    from models.flops import vision_flops
 
     init_parallel()
     device = "cpu" if smoke else "cuda"

@@ -1,10 +1,11 @@
 """Settings of the task encoders (Qwen-VL and Nemotron-Omni): one dataclass, validated as a whole.
 
 This module owns every knob of the loader side (pixel limits, media caps, the visual-token and
-sequence budgets, padding, context parallel divisibility, packing, the decompression-bomb cap, the
-model / tokenizer names, and the two Nemotron-Omni knobs ``max_num_tiles`` /
-``video_maintain_aspect_ratio``) and the rules they must satisfy together. ``train.py`` loads YAML
-plus ``key=value`` overrides into ``TaskEncoderConfig.from_dict``; unknown keys are an error.
+sequence budgets, padding, context parallel divisibility, packing, the decompression-bomb cap, how
+images are decoded (``image_decode``), the model / tokenizer names, and the two Nemotron-Omni
+knobs ``max_num_tiles`` / ``video_maintain_aspect_ratio``) and the rules they must satisfy
+together. ``train.py`` loads YAML plus ``key=value`` overrides into
+``TaskEncoderConfig.from_dict``; unknown keys are an error.
 
 Model families (``model``): "qwen2.5-vl", "qwen3-vl" (``QwenVLGeometry``) and "nemotron-omni"
 (dynamic-resolution images), "nemotron-omni-tiled" (512x512 tiles + thumbnail)
@@ -23,6 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from energon_tasks.geometry import QwenVLGeometry, get_geometry, model_family
+
+#: ``image_decode`` values: "exact" = the model's transformers processor's pixel values (whole
+#: image decoded, the processor's resize); "fast" = JPEG decoded at a reduced DCT scale when the
+#: target is at most half the source per side, then PIL bicubic (energon_tasks.decode)
+IMAGE_DECODES = ("exact", "fast")
 
 #: Hub id of the tokenizer / processor used when ``tokenizer`` is not set.
 DEFAULT_TOKENIZERS = {
@@ -58,6 +64,9 @@ class TaskEncoderConfig:
     packing: bool = False  #: pack several samples per row (Energon packing hooks)
     packing_buffer_size: int = 64  #: samples Energon buffers before each packing selection
     max_source_pixels: int = 89_478_485  #: decompression-bomb cap on stored pixels (PIL default)
+    #: "exact" (pixel values equal to the transformers processor's) or "fast" (JPEG draft decode:
+    #: cheaper, pixels differ; docs/benchmarks_task_encoder.md measures both), see IMAGE_DECODES
+    image_decode: str = "exact"
     #: nemotron-omni-tiled only: tiles per image before the thumbnail (None: the geometry's 12).
     #: ``max_pixels`` caps it further to max_pixels // 512**2 tiles (at least 1).
     max_num_tiles: int | None = None
@@ -138,6 +147,9 @@ class TaskEncoderConfig:
                     problems.append(f"{name}: must be a positive integer or null, got {value!r}")
             if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
                 problems.append(f"{low} ({lo}) is above {high} ({hi})")
+        if self.image_decode not in IMAGE_DECODES:
+            problems.append(f"image_decode: must be one of {', '.join(IMAGE_DECODES)}, got "
+                            f"{self.image_decode!r}")
         if not problems and self.seq_length % self.length_multiple():
             problems.append(
                 f"seq_length ({self.seq_length}) must be a multiple of {self.length_multiple()} "

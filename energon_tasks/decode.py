@@ -1,11 +1,18 @@
 """Media decoding at the planned size: images through PIL, the chosen video frames through PyAV.
 
-This module owns turning stored media bytes into uint8 RGB pixels of exactly the planned size:
+This module owns turning stored media bytes into RGB pixels of exactly the planned size:
 
-- images: the JPEG DCT is decoded at a reduced scale (``Image.draft``) when the target is at most
-  half the source per side; EXIF orientation is applied; CMYK, palette, 1-bit, 16-bit and float
-  images are converted to 8-bit RGB; alpha is composited on white; sources above
-  ``max_source_pixels`` are refused before decoding (decompression bombs);
+- images, two ways (``TaskEncoderConfig.image_decode``, docs/benchmarks_task_encoder.md):
+  ``exact`` decodes the whole image and resizes it as the model's transformers processor does,
+  so the pixel values equal the processor's: PIL bicubic on uint8 (Qwen-VL: qwen-vl-utils'
+  ``fetch_image`` and ``Qwen2VLImageProcessorPil``; InternVL's tiling) or torch's antialiased
+  bicubic in float32, unclamped (Nemotron-Omni's image processor: torchvision ``resize`` on a
+  float32 tensor = ``F.interpolate(..., "bicubic", antialias=True)``); ``fast`` decodes a JPEG at
+  a reduced DCT scale (``Image.draft``) when the target is at most half the source per side, then
+  PIL bicubic on uint8 (cheaper, not the processor's pixels). Both apply EXIF orientation; convert
+  CMYK, palette, 1-bit, 16-bit and float images to 8-bit RGB; composite alpha on white (as
+  transformers' ``convert_to_rgb``); refuse sources above ``max_source_pixels`` before decoding
+  (decompression bombs);
 - frame-sequence videos (a tar of frame images, docs/format.md): the chosen frames only, each
   decoded whole and resized as a video frame is;
 - videos: only what the chosen frames need is decoded: seek to the keyframe before the next
@@ -27,10 +34,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps
 
 from energon_tasks.sample_format import is_frame_sequence, unpack_frames
 
+#: image resize filters: "pil" = PIL bicubic on uint8, "torch" = torch antialiased bicubic in
+#: float32 (``decode_image``'s ``resize``)
+IMAGE_RESIZES = ("pil", "torch")
 #: Skip reasons raised by this module.
 MEDIA_SKIP_REASONS = (
     "missing_media", "source_too_large", "undecodable_image", "undecodable_video",
@@ -52,7 +63,7 @@ class MediaError(Exception):
 class DecodedImage:
     """One image at its planned size (after EXIF orientation)."""
 
-    pixels: np.ndarray  #: (H, W, 3) uint8 RGB
+    pixels: np.ndarray  #: (H, W, 3) RGB: uint8 (resize "pil"), float32 0..255 unclamped ("torch")
     draft_scale: int  #: 1, 2, 4 or 8: the JPEG DCT reduction used (1 = full decode)
 
 
@@ -82,9 +93,10 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def decode_image(
-    data: bytes, *, size: tuple[int, int], max_source_pixels: int, name: str = "image"
+    data: bytes, *, size: tuple[int, int], max_source_pixels: int, name: str = "image",
+    draft: bool = True, resize: str = "pil",
 ) -> DecodedImage:
-    """Decode an image to RGB uint8 of ``size`` (height, width) in the oriented frame.
+    """Decode an image to RGB of ``size`` (height, width) in the oriented frame.
 
     When EXIF orientation swaps the sides, the target is swapped too (``smart_resize`` is symmetric,
     so the token count the planner computed from the stored size is unchanged).
@@ -94,10 +106,16 @@ def decode_image(
         size: planned (height, width) for the stored (un-rotated) orientation.
         max_source_pixels: refuse sources with more stored pixels than this.
         name: sample key and part, for messages.
+        draft: decode a JPEG at a reduced DCT scale when the target allows it (``fast``); False
+            decodes every source pixel (``exact``).
+        resize: "pil" (bicubic on uint8 -> uint8) or "torch" (antialiased bicubic on float32 ->
+            float32, values unclamped, as the Nemotron-Omni image processor).
 
     Raises:
         MediaError: ``source_too_large`` or ``undecodable_image``.
     """
+    if resize not in IMAGE_RESIZES:
+        raise ValueError(f"resize {resize!r}: expected one of {IMAGE_RESIZES}")
     height, width = size
     try:
         with warnings.catch_warnings():
@@ -109,20 +127,35 @@ def decode_image(
                              f"> max_source_pixels {max_source_pixels}")
         orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
         scale = 1
-        if image.format == "JPEG":
+        if draft and image.format == "JPEG":
             image.draft(None, (width, height))  # PIL keeps the result >= the requested size
             scale = max(1, source_w // image.size[0])
         image = _to_rgb(ImageOps.exif_transpose(image) if orientation != 1 else image)
         if orientation in _ROTATING:
             height, width = width, height
-        if image.size != (width, height):
-            image = image.resize((width, height), Image.BICUBIC)
-        return DecodedImage(pixels=np.asarray(image, dtype=np.uint8), draft_scale=scale)
+        return DecodedImage(pixels=_resized(image, width, height, resize), draft_scale=scale)
     except MediaError:
         raise
     except (Image.DecompressionBombError, OSError, SyntaxError, ValueError, TypeError,
             EOFError, IndexError, KeyError, MemoryError) as error:
         raise MediaError("undecodable_image", f"{name}: {type(error).__name__}: {error}") from None
+
+
+def _resized(image: Image.Image, width: int, height: int, resize: str) -> np.ndarray:
+    """(height, width, 3) pixels of an RGB image: PIL bicubic (uint8), or torch's antialiased
+    bicubic on the float32 (C, H, W) tensor, which is what torchvision's ``resize`` runs on a
+    float32 tensor (the Nemotron-Omni processor resizes in float32 to keep the overshoot)."""
+    if resize == "pil":
+        if image.size != (width, height):
+            image = image.resize((width, height), Image.BICUBIC)
+        return np.asarray(image, dtype=np.uint8)
+    pixels = np.array(image, dtype=np.uint8)
+    if image.size == (width, height):
+        return pixels.astype(np.float32)
+    tensor = torch.from_numpy(pixels).permute(2, 0, 1).contiguous()[None].float()
+    out = torch.nn.functional.interpolate(tensor, size=(height, width), mode="bicubic",
+                                          align_corners=False, antialias=True)
+    return out[0].permute(1, 2, 0).numpy()
 
 
 def decode_video_frames(

@@ -146,6 +146,10 @@ class QwenVLGeometry:
     default_max_num_frames: int = 768
     video_resize: Literal["per_frame", "clip_volume"]
     frame_sampling: Literal["qwen_vl_utils", "transformers_qwen3"]
+    #: the image resize of the processor path (``energon_tasks.decode.decode_image``):
+    #: qwen-vl-utils' ``fetch_image`` resizes with PIL's bicubic on uint8, then the PIL
+    #: processor's own resize is a no-op (same size)
+    image_resize: Literal["pil", "torch"] = "pil"
 
     @property
     def factor(self) -> int:

@@ -205,6 +205,14 @@ class NemotronOmniGeometry:
         return self.patch_size * self.merge_size
 
     @property
+    def image_resize(self) -> str:
+        """The image resize of the processor path (``energon_tasks.decode.decode_image``):
+        dynamic images "torch" (``NemotronH_Omni_Reasoning_V3ImageProcessor`` resizes the float32
+        tensor with torchvision's antialiased bicubic, unclamped); tiled images "pil" (InternVL's
+        ``dynamic_preprocess`` resizes with PIL's bicubic)."""
+        return "pil" if self.image_mode == "tiled" else "torch"
+
+    @property
     def pixel_cap_step(self) -> int:
         """Granularity of ``max_pixels`` for the budget planner: caps between two multiples of
         this give the same grids (dynamic: whole patches, patch**2; tiled: whole tiles,
@@ -367,8 +375,10 @@ class NemotronOmniGeometry:
 
     def pixel_rows(self, frames: np.ndarray, *, kind: str,
                    out: np.ndarray | None = None) -> np.ndarray:
-        """uint8 frames (T, H, W, C) -> float32 patch rows as the transformers processors make
-        them, normalised by ``normalization_table(kind)``.
+        """Frames (T, H, W, C) -> float32 patch rows as the transformers processors make them,
+        normalised as ``normalization_table(kind)``: uint8 frames through the table, float32
+        frames (0..255, e.g. resized in float32 as the image processor does) with the same
+        float ops.
 
         - ``kind="image"``: one row per 16x16 patch of each frame (a dynamic image is T = 1, a
           tiled image is T = tiles), frames in order, patches row-major, each row (C, 16, 16):
@@ -379,14 +389,16 @@ class NemotronOmniGeometry:
           RGB: RADIO's ``_image_to_patches`` on the video processor's (2C, H, W) tubelet.
 
         Args:
-            frames: (T, H, W, C) uint8, H and W multiples of ``patch_size``.
+            frames: (T, H, W, C) uint8 or float32, H and W multiples of ``patch_size``.
             kind: "image" or "video".
             out: optional C-contiguous float32 array of the result's shape to fill.
 
         Raises:
             ValueError: a bad shape or ``out``.
         """
-        frames = np.asarray(frames, dtype=np.uint8)
+        frames = np.asarray(frames)
+        if frames.dtype != np.float32:
+            frames = frames.astype(np.uint8, copy=False)
         p = self.patch_size
         if frames.ndim != 4 or frames.shape[1] % p or frames.shape[2] % p:
             raise ValueError(f"frames of shape {frames.shape}: need (T, H, W, C) with H, W "
@@ -401,11 +413,15 @@ class NemotronOmniGeometry:
             raise ValueError(f"out of shape {out.shape} {out.dtype}: need C-contiguous float32 "
                              f"{shape}")
         table = self.normalization_table(kind)
-        # (T, grid row, grid col, C, patch row, patch col): a view of the uint8 frames
+        # (T, grid row, grid col, C, patch row, patch col): a view of the frames
         source = frames.reshape(count, gh, p, gw, p, channels).transpose(0, 1, 3, 5, 2, 4)
         target = out.reshape(slots, gh, gw, step, channels, p, p)
         for slot in range(slots * step):
             frame = source[min(slot, count - 1)]  # the last frame also fills the padding
+            if frames.dtype == np.float32:
+                target[slot // step, :, :, slot % step] = _normalize(
+                    kind, frame, self.image_mean, self.image_std)
+                continue
             for channel in range(channels):
                 target[slot // step, :, :, slot % step, channel] = table[channel][
                     frame[:, :, channel]]
@@ -439,18 +455,23 @@ class NemotronOmniGeometry:
 
 @functools.lru_cache(maxsize=8)
 def _normalization_table(kind: str, mean: tuple, std: tuple) -> np.ndarray:
-    levels = np.arange(256, dtype=np.float32)[None, :]
-    mean32 = np.asarray(mean, dtype=np.float32)[:, None]
-    std32 = np.asarray(std, dtype=np.float32)[:, None]
-    if kind == "image":
-        scale = np.float32(1.0 / (1.0 / 255))  # transformers: mean * (1.0 / rescale_factor)
-        table = (levels - mean32 * scale) / (std32 * scale)
-    elif kind == "video":
-        table = (levels / np.float32(255.0) - mean32) / std32
-    else:
-        raise ValueError(f"kind {kind!r}: need 'image' or 'video'")
+    levels = np.arange(256, dtype=np.float32)[None, :, None]
+    table = _normalize(kind, levels, mean, std)[:, :, 0]
     table.setflags(write=False)
     return table
+
+
+def _normalize(kind: str, values: np.ndarray, mean: tuple, std: tuple) -> np.ndarray:
+    """float32 values 0..255, channels on axis -3 -> the processor's normalised values (the float
+    ops of ``NemotronOmniGeometry.normalization_table``)."""
+    mean32 = np.asarray(mean, dtype=np.float32)[:, None, None]
+    std32 = np.asarray(std, dtype=np.float32)[:, None, None]
+    if kind == "image":
+        scale = np.float32(1.0 / (1.0 / 255))  # transformers: mean * (1.0 / rescale_factor)
+        return (values - mean32 * scale) / (std32 * scale)
+    if kind == "video":
+        return (values / np.float32(255.0) - mean32) / std32
+    raise ValueError(f"kind {kind!r}: need 'image' or 'video'")
 
 
 def pixel_shuffle(features: np.ndarray, merge_size: int = 2) -> np.ndarray:

@@ -93,7 +93,7 @@ class NemotronOmniTaskEncoder(QwenVLTaskEncoder):
                 thumbnail = decode_image(
                     media_bytes[media.part], size=(geo.tile_size, geo.tile_size),
                     max_source_pixels=self.config.max_source_pixels,
-                    name=f"{plan.key}.{media.part}").pixels
+                    name=f"{plan.key}.{media.part}", **self.image_decode_options()).pixels
             out[number] = geo.tiles(image, thumbnail)
         return out
 

@@ -28,8 +28,11 @@ _STYLE = """body{font-family:sans-serif;max-width:1100px;margin:auto}
 
 
 def _png(pixels: np.ndarray) -> str:
-    """(T, H, W, 3) uint8 -> data URL of one PNG (frames side by side, at most 16)."""
+    """(T, H, W, 3) uint8, or float32 0..255 (an image resized in float) -> data URL of one PNG
+    (frames side by side, at most 16)."""
     strip = np.concatenate(list(pixels[:16]), axis=1)
+    if strip.dtype != np.uint8:
+        strip = np.clip(np.rint(strip), 0, 255).astype(np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(strip).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

@@ -212,10 +212,18 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
                            turn_text_tokens=[t.count() for t in turns],
                            video_extra_tokens=self._video_extra)
 
+    def image_decode_options(self) -> dict:
+        """``decode_image``'s ``draft`` / ``resize`` for ``config.image_decode``: exact = the
+        whole image, the processor's resize (``geometry.image_resize``); fast = JPEG draft, PIL."""
+        if self.config.image_decode == "exact":
+            return {"draft": False, "resize": self.geometry.image_resize}
+        return {"draft": True, "resize": "pil"}
+
     def decode_media(
         self, plan: budget.Plan, sample: CanonicalSample, media_bytes: dict
     ) -> list[np.ndarray]:
-        """uint8 (T, H, W, 3) pixels of each kept media item at its planned size (T = 1: image).
+        """(T, H, W, 3) pixels of each kept media item at its planned size (T = 1: image): uint8,
+        or float32 for an image resized in float (``image_decode_options``).
 
         Raises:
             MediaError: a missing part or bad media (reason + key + part in the message).
@@ -230,7 +238,7 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
             cap = self.config.max_source_pixels
             if item.kind == "image":
                 image = decode_image(media_bytes[media.part], size=size, max_source_pixels=cap,
-                                     name=name)
+                                     name=name, **self.image_decode_options())
                 out.append(image.pixels[None])
             else:
                 video = decode_video_frames(media_bytes[media.part], item.frame_indices,

@@ -9,8 +9,8 @@ Stages, in the order train.py uses them:
    the budget all skips, is a ``UsageError`` before the model is built.
 3. ``lr_at``: linear warmup then cosine decay (the scheduler state is the step).
 4. ``loss_tokens`` / ``step_token_total``: per-token loss normalised over micro-batches, DP and CP.
-5. ``batch_flops`` / ``StepMeter`` / ``MetricsLogger``: throughput, estimated FLOPs, peak memory,
-   budget counters; console + metrics.jsonl + TensorBoard (+ wandb).
+5. ``StepMeter`` / ``MetricsLogger``: throughput, FLOPs (``models.flops.batch_flops``), peak
+   memory, budget counters; console + metrics.jsonl + TensorBoard (+ wandb).
 6. ``save_checkpoint`` / ``read_train_state`` / ``load_checkpoint``: megatron dist_checkpointing
    of model + (distributed) optimizer, the Energon loader state of every DP rank, RNG,
    scheduler, config.
@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from models.checkpoint import init_process_group, write_files
 from models.cpu_compat import cpu_only, enable_cpu_compat, seed_model_parallel
+from models.flops import batch_flops
 
 
 class UsageError(Exception):
@@ -183,103 +184,6 @@ def step_token_total(local_tokens: int) -> int:
 
 
 # ------------------------------------------------------------------ 5. metrics
-def batch_flops(batch, model_cfg) -> float:
-    """Estimated training FLOPs (forward + backward = 3x forward) of one batch.
-
-    LM: dense matmuls per real (non-pad) token + causal attention over each real sequence
-    (packed segments separately); Nemotron-Omni per layer of its hybrid pattern. Vision: per
-    patch, blocks + patch embed; per merged token, the merger / projector; attention within each
-    image / temporal slice (windows for Qwen2.5 window blocks; RADIO: + its prefix tokens).
-    """
-    if batch.cu_seqlens is not None:
-        lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).double()
-        real_lengths = lengths  # pad tails counted as a segment: small over-estimate
-    else:
-        real_lengths = batch.attention_mask.sum(1).double()
-    tokens = float(batch.attention_mask.sum())
-    squares = float((real_lengths ** 2).sum())
-    grids = [g.tolist() for g in (batch.image_grid_thw, batch.video_grid_thw)]
-    lm_flops = _hybrid_lm_flops if model_cfg.family == "nemotron_omni" else _qwen_lm_flops
-    return 3.0 * (lm_flops(model_cfg.lm, tokens, squares) + vision_flops(model_cfg, grids))
-
-
-def vision_flops(model_cfg, grids: list[list[list[int]]]) -> float:
-    """Forward FLOPs of the vision tower (+ merger / projector) on lists of (t, h, w) grids."""
-    if model_cfg.family == "nemotron_omni":
-        return _radio_flops(model_cfg, grids)
-    return _qwen_vision_flops(model_cfg, grids)
-
-
-def _qwen_lm_flops(lm, tokens: float, squares: float) -> float:
-    q, kv = lm.num_heads * lm.head_dim, lm.num_kv_heads * lm.head_dim
-    per_token = 2 * (lm.num_layers * (lm.hidden_size * (2 * q + 2 * kv)
-                                      + 3 * lm.hidden_size * lm.intermediate_size)
-                     + lm.hidden_size * lm.vocab_size)
-    return per_token * tokens + 2 * 2 * lm.num_layers * q * squares / 2
-
-
-def _qwen_vision_flops(model_cfg, grids) -> float:
-    v = model_cfg.vision
-    mlp = (3 if v.hidden_act == "silu" else 2) * v.hidden_size * v.intermediate_size
-    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-    merged = v.hidden_size * v.spatial_merge_size ** 2
-    vis_fwd = 0.0
-    for grid in grids:
-        for t, h, w in grid:
-            patches = t * h * w
-            vis_fwd += 2 * patches * (v.depth * (4 * v.hidden_size ** 2 + mlp)
-                                      + patch_dim * v.hidden_size)
-            vis_fwd += 2 * patches / v.spatial_merge_size ** 2 * (merged * merged
-                                                                  + merged * v.out_hidden_size)
-            window = (v.window_size // v.patch_size) ** 2 if v.window_size else h * w
-            full = len(v.fullatt_block_indexes) if v.window_size else v.depth
-            span = full * h * w + (v.depth - full) * min(window, h * w)
-            vis_fwd += 2 * 2 * v.hidden_size * t * h * w * span
-    return vis_fwd
-
-
-def _hybrid_lm_flops(lm, tokens: float, squares: float) -> float:
-    """NemotronH forward FLOPs: per layer symbol of ``lm.pattern`` (2 FLOPs per MAC)."""
-    hidden = lm.hidden_size
-    q, kv = lm.num_heads * lm.head_dim, lm.num_kv_heads * lm.head_dim
-    inner = lm.mamba_num_heads * lm.mamba_head_dim
-    conv_dim = inner + 2 * lm.mamba_groups * lm.ssm_state_size
-    expert_in = lm.moe_latent_size or hidden
-    macs = {  # per token, excluding attention over the sequence
-        "*": hidden * (2 * q + 2 * kv),
-        "-": 2 * hidden * lm.intermediate_size,
-        "M": (hidden * (inner + conv_dim + lm.mamba_num_heads) + conv_dim * lm.conv_kernel
-              + 3 * inner * lm.ssm_state_size + inner * hidden),
-        "E": (hidden * lm.num_experts + lm.experts_per_token * 2 * expert_in
-              * lm.moe_intermediate_size + 2 * hidden * lm.moe_shared_expert_intermediate_size
-              + (2 * hidden * expert_in if lm.moe_latent_size else 0)),
-    }
-    per_token = 2 * (sum(macs[s] for s in lm.pattern) + hidden * lm.vocab_size)
-    attention_layers = lm.pattern.count("*")
-    return per_token * tokens + 2 * 2 * attention_layers * q * squares / 2
-
-
-def _radio_flops(model_cfg, grids) -> float:
-    """RADIO tower over every segment (prefix tokens included) + patch embed + projector."""
-    v = model_cfg.vision
-    width, merge = v.hidden_size, model_cfg.merge_size
-    mlp = (3 if v.mlp == "swiglu" else 2) * width * v.intermediate_size
-    merged = width * merge ** 2
-    vis_fwd = 0.0
-    for kind, grid in zip(("image", "video"), grids):
-        patch_dim = v.in_channels * v.patch_size ** 2 * (
-            v.video_temporal_patch_size if kind == "video" else 1)
-        for t, h, w in grid:
-            seq = v.prefix_tokens + h * w
-            vis_fwd += 2 * t * seq * v.depth * (4 * width ** 2 + mlp)
-            vis_fwd += 2 * 2 * v.depth * width * t * seq * seq
-            vis_fwd += 2 * t * h * w * patch_dim * width
-            vis_fwd += 2 * t * h * w / merge ** 2 * (
-                merged * model_cfg.projector_hidden_size
-                + model_cfg.projector_hidden_size * model_cfg.lm.hidden_size)
-    return vis_fwd
-
-
 def peak_memory_gb() -> float:
     if not cpu_only():
         return torch.cuda.max_memory_allocated() / 2 ** 30

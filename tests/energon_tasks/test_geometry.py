@@ -482,3 +482,144 @@ def test_float32_rescale_equals_the_processor_rescale_for_every_uint8():
         pixels = np.tile(pixels, (1, geo.factor, geo.factor, 1))  # every value, every channel
         expected = geo.patchify(geo.normalize(pixels.transpose(0, 3, 1, 2)))
         assert np.array_equal(geo.pixel_rows(pixels), expected)
+
+
+# ---- constants from transformers ----------------------------------------------------------------
+
+#: The published checkpoints' processor files, where they set what transformers' processor classes
+#: do not (the Qwen image processor class is Qwen2-VL's; Qwen3-VL's files override its sizes):
+#: - Qwen/Qwen2.5-VL-7B-Instruct preprocessor_config.json: "min_pixels": 3136,
+#:   "max_pixels": 12845056 (the class default max is Qwen2-VL's 1003520);
+#: - Qwen/Qwen3-VL-8B-Instruct preprocessor_config.json: "size": {"shortest_edge": 65536,
+#:   "longest_edge": 16777216}, "image_mean" / "image_std": [0.5, 0.5, 0.5];
+#:   video_preprocessor_config.json: "size": {"shortest_edge": 4096, "longest_edge": 25165824}
+#:   (the Qwen3VLVideoProcessor class default is 131072..786432).
+#: (huggingface.co/<repo>/blob/main/<file>, as published; the hub is not reachable here, and the
+#: files of the other sizes in configs/ were not re-read: the geometry applies one set per family.)
+HUB_PROCESSOR_FILES = {
+    "qwen2.5-vl": {"max_pixels": 12845056},
+    "qwen3-vl": {"min_pixels": 65536, "max_pixels": 16777216, "video_min_pixels": 4096,
+                 "video_max_pixels": 25165824},
+}
+#: qwen-vl-utils' FPS (vision_process.py), the Qwen2.5-VL frame rate (its video class has none)
+QWEN_VL_UTILS_FPS = 2.0
+
+
+def _model_configs() -> dict[str, object]:
+    """configs/<model>.yaml (every model config we ship) -> the transformers config it exports to
+    (``to_hf_dict`` read back by ``AutoConfig``)."""
+    import yaml
+    from transformers import AutoConfig
+
+    from models.families import config_module
+
+    out = {}
+    for path in sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")):
+        family = yaml.safe_load(path.read_text()).get("family")
+        if family:
+            module = config_module(family)
+            out[path.stem] = AutoConfig.for_model(**module.to_hf_dict(module.load_yaml(path)))
+    return out
+
+
+def _class_attributes(path: Path, name: str) -> dict:
+    """Literal class attributes of ``name`` in a transformers module that cannot be imported here
+    (it needs torchvision); names such as ``OPENAI_CLIP_MEAN`` resolved from image_utils."""
+    import ast
+
+    import transformers.image_utils as image_utils
+
+    tree = ast.parse(path.read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name).body
+    out = {}
+    for node in body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            if isinstance(value, ast.Name):
+                out[node.targets[0].id] = getattr(image_utils, value.id, None)
+            elif isinstance(value, ast.Constant):
+                out[node.targets[0].id] = value.value
+    return out
+
+
+def test_model_configs_carry_the_geometry_patch_merge_and_temporal_sizes():
+    """Each model config in configs/, as transformers reads its export, has the patch, merge and
+    temporal sizes (and, Nemotron-Omni, the normalisation) of its family's geometry."""
+    from energon_tasks.nemotron_geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
+
+    configs = _model_configs()
+    assert {"qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_2b", "qwen3_vl_4b", "qwen3_vl_8b",
+            "nemotron_omni_30b_a3b"} <= set(configs)
+    for name, hf in configs.items():
+        v = hf.vision_config
+        if hf.model_type == "nemotron_h_omni":
+            for geometry in (NEMOTRON_OMNI, NEMOTRON_OMNI_TILED):
+                assert geometry.patch_size == v.patch_size, name
+                assert geometry.merge_size == round(1 / hf.downsample_ratio), name
+                assert geometry.temporal_patch_size == hf.video_temporal_patch_size, name
+                assert geometry.temporal_patch_size == v.video_temporal_patch_size, name
+                assert list(geometry.image_mean) == v.norm_mean, name
+                assert list(geometry.image_std) == v.norm_std, name
+            continue
+        geometry = get_geometry(hf.model_type)
+        assert (geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size) == (
+            v.patch_size, v.spatial_merge_size, v.temporal_patch_size), name
+
+
+def test_qwen_geometry_constants_are_the_processors(qwen2_video_processor):
+    """Qwen2.5-VL: ``Qwen2VLImageProcessorPil`` / ``Qwen2VLVideoProcessor`` class defaults (+ the
+    published max_pixels); Qwen3-VL: ``Qwen3VLVideoProcessor`` class defaults (+ the published
+    image and video sizes). Also the transformers vision configs' defaults."""
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+
+    image = hf_image.Qwen2VLImageProcessorPil()
+    video3 = hf_video3.Qwen3VLVideoProcessor()
+    for geometry, processor, video, vision in [
+        (QWEN2_5_VL, image, qwen2_video_processor, Qwen2_5_VLConfig().vision_config),
+        (QWEN3_VL, video3, video3, Qwen3VLConfig().vision_config),
+    ]:
+        hub = HUB_PROCESSOR_FILES[geometry.name]
+        sizes = (geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size)
+        assert sizes == (processor.patch_size, processor.merge_size,
+                         processor.temporal_patch_size)
+        assert sizes == (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
+        assert sizes == (video.patch_size, video.merge_size, video.temporal_patch_size)
+        assert geometry.image_mean == tuple(processor.image_mean), geometry.name
+        assert geometry.image_std == tuple(processor.image_std), geometry.name
+        assert geometry.default_min_pixels == hub.get("min_pixels", processor.size.shortest_edge)
+        assert geometry.default_max_pixels == hub.get("max_pixels", processor.size.longest_edge)
+        assert geometry.default_video_min_pixels == hub.get("video_min_pixels",
+                                                            video.size.shortest_edge)
+        assert geometry.default_video_max_pixels == hub.get("video_max_pixels",
+                                                            video.size.longest_edge)
+        assert (geometry.default_min_num_frames, geometry.default_max_num_frames) == (
+            video.min_frames, video.max_frames)
+        assert geometry.default_video_fps == (video.fps or QWEN_VL_UTILS_FPS)
+    assert QWEN2_5_VL.factor == 28 and QWEN3_VL.factor == 32  # vlm-facts: 14 x 2, 16 x 2
+
+
+def test_nemotron_geometry_constants_are_the_processors():
+    """``NemotronH_Omni_Reasoning_V3ImageProcessor`` class attributes (read from its source: the
+    module needs torchvision) and ``NemotronH_Omni_Reasoning_V3VideoProcessor`` class defaults."""
+    import transformers
+    from transformers.models.nemotron_h_omni.video_processing_nemotron_h_omni import (
+        NemotronH_Omni_Reasoning_V3VideoProcessor as VideoProcessor,
+    )
+
+    from energon_tasks.nemotron_geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
+
+    source = (Path(transformers.__file__).parent / "models" / "nemotron_h_omni"
+              / "image_processing_nemotron_h_omni.py")
+    image = _class_attributes(source, "NemotronH_Omni_Reasoning_V3ImageProcessor")
+    video = VideoProcessor()
+    for geometry in (NEMOTRON_OMNI, NEMOTRON_OMNI_TILED):
+        assert geometry.patch_size == image["patch_size"] == video.patch_size
+        assert geometry.merge_size == round(1 / image["downsample_ratio"]) == round(
+            1 / video.downsample_ratio)
+        assert geometry.image_mean == tuple(image["image_mean"])
+        assert geometry.image_std == tuple(image["image_std"])
+        assert geometry.default_min_pixels == image["min_num_patches"] * geometry.patch_size**2
+        assert geometry.default_max_pixels == image["max_num_patches"] * geometry.patch_size**2
+        assert geometry.temporal_patch_size == video.temporal_patch_size
+        assert geometry.video_target_num_patches == video.video_target_num_patches
+        assert geometry.video_maintain_aspect_ratio == video.video_maintain_aspect_ratio

@@ -47,10 +47,12 @@ def test_inspect_agrees_with_the_loader(request, make_encoder, tokenizer_dir, ca
     assert real == report["tokens"]["total"]["sum"]
 
 
-def test_preview_writes_html_with_resized_media(tokenizer_dir, mantis_out, tmp_path, capsys):
+@pytest.mark.parametrize("model", ["qwen2.5-vl", "nemotron-omni"])  # uint8 / float32 pixels
+def test_preview_writes_html_with_resized_media(tokenizer_dir, mantis_out, tmp_path, capsys,
+                                                model):
     out = tmp_path / "p.html"
     code = main(["preview", str(mantis_out), "--index", "1", "--tokenizer", str(tokenizer_dir),
-                 "--max-pixels", "50000", "--out", str(out)])
+                 "--max-pixels", "50000", "--model", model, "--out", str(out)])
     assert code == 0 and capsys.readouterr().out.strip() == str(out)
     page = out.read_text()
     assert page.count("data:image/png;base64,") >= 1

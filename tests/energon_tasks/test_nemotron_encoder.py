@@ -69,6 +69,18 @@ def hf_image_rows(pixels: np.ndarray) -> np.ndarray:
     return HF_PATCHES(image[None], 16)[0].numpy()
 
 
+def nemotron_resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(H, W, 3) uint8 -> (height, width, 3) float32 as the image processor resizes (it needs
+    torchvision, absent here): the channel-first tensor in float32, then torchvision's
+    ``resize_image``, which for a float32 tensor is ``F.interpolate(bicubic, align_corners=False,
+    antialias=True)`` and nothing else (skipped at the same size)."""
+    tensor = torch.from_numpy(np.array(pixels)).permute(2, 0, 1).contiguous()[None].float()
+    if tensor.shape[-2:] != (height, width):
+        tensor = torch.nn.functional.interpolate(tensor, size=(height, width), mode="bicubic",
+                                                 align_corners=False, antialias=True)
+    return tensor[0].permute(1, 2, 0).numpy()
+
+
 def hf_video_rows(frames: np.ndarray) -> np.ndarray:
     """(T, H, W, 3) uint8 at the target size -> the video processor's tubelets, cut into rows
     as RADIO's ``_image_to_patches`` does."""
@@ -399,8 +411,8 @@ def test_chatml_labels_and_span_layout(make_nemotron):
     supervised = [i for i, label in zip(ids, out.labels.tolist()) if label != IGNORE_INDEX]
     assert encoder.tokenizer.decode(supervised) == "yes<|im_end|>"
     assert out.image_grid_thw.tolist() == [[1, 32, 32]]  # 100x100 lifted to 1024 patches
-    pixels = np.asarray(Image.open(io.BytesIO(sample.media_bytes["img0.png"])).resize(
-        (512, 512), Image.BICUBIC))
-    np.testing.assert_array_equal(out.pixel_values.numpy(), hf_image_rows(pixels))
+    pixels = np.asarray(Image.open(io.BytesIO(sample.media_bytes["img0.png"])))
+    np.testing.assert_array_equal(out.pixel_values.numpy(),
+                                  hf_image_rows(nemotron_resize(pixels, 512, 512)))
     parsed = CanonicalSample.from_json(sample.conversation.to_json_bytes())
     assert encoder.plan_sample(parsed, "c").total_tokens == len(ids)
