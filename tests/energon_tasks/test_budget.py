@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from energon_tasks.budget import plan
 from energon_tasks.config import ConfigError, TaskEncoderConfig
+from energon_tasks.geometry import QWEN2_5_VL
 from tests.energon_tasks.conftest import conversation, image_media, video_media
 
 F2 = 28 * 28  # Qwen2.5-VL: one visual token per 28x28 pixels
@@ -156,5 +155,9 @@ def test_plan_invariants(turns, sizes, max_images, max_visual, seq_length):
         if item.kind == "video":
             assert len(item.frame_indices) % 2 == 0 and len(item.frame_indices) <= 8
         else:
+            # never below the grid at the min_pixels cap (which, as in transformers' smart_resize,
+            # can be under min_pixels for an elongated image: e.g. 40x127 -> 28x84)
+            floor = QWEN2_5_VL.image_grid(*sizes[item.index], min_pixels=4 * F2,
+                                          max_pixels=4 * F2)
             area = item.grid.resized_height * item.grid.resized_width
-            assert area >= min(4 * F2, math.prod(sizes[item.index]) // 2)
+            assert area >= floor.resized_height * floor.resized_width
