@@ -87,7 +87,7 @@ class InfoVQASource:
                                                  required=REQUIRED_COLUMNS)
 
     def fingerprint(self) -> dict:
-        return {"location": self.source.location, "configs": self.configs,
+        return {**self.source.fingerprint(), "configs": self.configs,
                 "one_question_per_sample": self.one_question_per_sample,
                 "limits": self.limits.fingerprint()}
 

@@ -142,7 +142,7 @@ class LlavaVideoSource:
         return records
 
     def fingerprint(self) -> dict:
-        return {"location": self.source.location, "configs": self.configs,
+        return {**self.source.fingerprint(), "configs": self.configs,
                 "limits": self.limits.fingerprint()}
 
     def splits(self) -> list[SourceSplit]:
