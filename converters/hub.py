@@ -68,10 +68,11 @@ class Source:
         if self.local and revision is not None:
             raise UsageError(f"--revision {revision}: --source {location} is a local folder "
                              "(revisions are for hub ids)")
+        same_source = bool(recorded) and recorded.get("location") == location
+        recorded_commit = recorded.get("revision") if same_source else None
         #: the commit every read names (None for a local folder)
-        same = recorded and recorded.get("location") == location
-        self.revision = None if self.local else self._pin(
-            revision, recorded.get("revision") if same else None, recorded_binds)
+        self.revision = None if self.local else self._pin(revision, recorded_commit,
+                                                          recorded_binds)
         self._listing: list[str] | None = None
 
     def _pin(self, wanted: str | None, recorded: str | None, binds: bool) -> str:

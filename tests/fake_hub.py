@@ -13,7 +13,8 @@ them and logging their requests (`FakeHub.requests`):
   (`list_repo_files`, `HfFileSystem.ls/glob` behind `datasets`' data files), paginated with a
   `Link: <...>; rel="next"` header, `page_size` entries per page (1000 on the Hub; tests use a
   few, so that the clients' page following runs);
-- `HEAD` / `GET /datasets/{repo}/resolve/{rev}/{path}` (a `Range` too): the file, with the headers
+- `HEAD` / `GET /datasets/{repo}/resolve/{rev}/{path}`, with a `Range` too (`HfFileSystem`'s
+  reads after a seek, e.g. a parquet footer, and resumed downloads): the file, with the headers
   `hf_hub_download` checks (`X-Repo-Commit`, `ETag`, `Content-Length`). LFS files (binary
   suffixes, or over 10 MB) are answered as on the Hub: a 302 to another origin (the "CDN",
   `/{sha256}`) carrying `X-Linked-Etag` / `X-Linked-Size`, which `huggingface_hub` reads
@@ -103,7 +104,8 @@ class FakeHub:
 
     def __init__(self, page_size: int = 1000):
         self.page_size = page_size
-        self.requests: list[str] = []  #: "METHOD /path?query" of every request, in order
+        #: "METHOD /path?query" of every request in order (the CDN's: "GET cdn:/<sha256>")
+        self.requests: list[str] = []
         self.unhandled: list[str] = []  #: requests the fake does not implement (answered 501)
         self._repos: dict[str, _Repo] = {}
         self._blobs: dict[str, _Blob] = {}  #: sha256 -> blob (what the CDN serves)

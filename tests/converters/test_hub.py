@@ -118,6 +118,7 @@ def test_a_resume_reads_the_recorded_commit_after_main_moved(hub, env, sources, 
     assert not any("/main" in r or moved in r for r in hub.requests[mark:])
     same_output(mantis_out, out)  # = an uninterrupted run at the first commit
     assert summary(out)["revision"] == first
+    assert not hub.unhandled
 
     refused = _run(cmd + ["--revision", "main"], env)
     line = one_error_line(refused, 2)
