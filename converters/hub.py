@@ -140,7 +140,7 @@ class Source:
         try:
             return datasets.load_dataset(self.ref, config, split=split, **pinned)
         except Exception as exc:  # datasets raises many kinds; an empty split is one of them
-            _reraise_full_disk(exc)
+            reraise_full_disk(exc)
             if self._is_empty(config, split):
                 return datasets.Dataset.from_list([])
             try:  # datasets prepares every split of a config at once: an empty one fails all
@@ -212,7 +212,7 @@ class Source:
             return Path(hf_hub_download(self.location, relpath, repo_type="dataset",
                                         revision=self.revision))
         except Exception as exc:
-            _reraise_full_disk(exc)
+            reraise_full_disk(exc)
             raise UsageError(f"--source {self.location}: cannot download {relpath} at "
                              f"{self.revision} ({_hub_failure(exc)})") from None
 
@@ -263,7 +263,7 @@ def resolve_configs(source: Source, wanted: list[str] | None) -> list[str]:
     return wanted
 
 
-def _reraise_full_disk(exc: BaseException) -> None:
+def reraise_full_disk(exc: BaseException) -> None:
     """Re-raise the OSError behind `exc` when the disk (or a file size limit) is full, so that it
     reads as such rather than as a bad source."""
     seen = exc
