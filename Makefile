@@ -7,6 +7,9 @@ SOURCE_MANTIS  ?= TIGER-Lab/Mantis-Instruct
 SOURCE_INFOVQA ?= Ahren09/InfoVQA
 SOURCE_VIDEO   ?= lmms-lab/LLaVA-Video-178K
 WORKERS ?= 2
+# REVISION=<branch, tag or commit> pins the hub source of make prepare-* (default: main, resolved
+# once to a commit at the start)
+PREPARE_REVISION = $(if $(REVISION),--revision $(REVISION))
 DEMO   ?= demo_out
 # One data root: make prepare-<dataset> writes $(DATA_ROOT)/<dataset>, make train-<family>-<dataset>
 # reads $(DATA_ROOT)/<dataset>/metadataset.yaml (the train configs' own default is data/ too).
@@ -36,13 +39,13 @@ check: $(STAMP)
 	$(PY) -m ruff check . || true
 
 prepare-mantis: $(STAMP)
-	$(PY) -m converters mantis --source $(or $(SOURCE),$(SOURCE_MANTIS)) --out $(or $(OUT),$(DATA_ROOT)/mantis) --workers $(WORKERS)
+	$(PY) -m converters mantis --source $(or $(SOURCE),$(SOURCE_MANTIS)) --out $(or $(OUT),$(DATA_ROOT)/mantis) --workers $(WORKERS) $(PREPARE_REVISION)
 
 prepare-infovqa: $(STAMP)
-	$(PY) -m converters infovqa --source $(or $(SOURCE),$(SOURCE_INFOVQA)) --out $(or $(OUT),$(DATA_ROOT)/infovqa) --workers $(WORKERS)
+	$(PY) -m converters infovqa --source $(or $(SOURCE),$(SOURCE_INFOVQA)) --out $(or $(OUT),$(DATA_ROOT)/infovqa) --workers $(WORKERS) $(PREPARE_REVISION)
 
 prepare-llava-video: $(STAMP)
-	$(PY) -m converters llava-video --source $(or $(SOURCE),$(SOURCE_VIDEO)) --out $(or $(OUT),$(DATA_ROOT)/llava-video) --workers $(WORKERS)
+	$(PY) -m converters llava-video --source $(or $(SOURCE),$(SOURCE_VIDEO)) --out $(or $(OUT),$(DATA_ROOT)/llava-video) --workers $(WORKERS) $(PREPARE_REVISION)
 
 DEMO_STEPS ?= 30
 FAMILIES := qwen-vl nemotron-omni

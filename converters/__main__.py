@@ -45,6 +45,10 @@ def common_options(dataset: str, hub_id: str):
         options = [
             click.option("--source", default=hub_id, show_default=True,
                          help="Hub id, or a local folder with the hub's layout."),
+            click.option("--revision",
+                         help="Branch, tag or commit id of a hub --source (default: main), "
+                              "resolved once to a commit that every read uses; a resumed run "
+                              "continues at the commit it recorded."),
             click.option("--out", required=True, type=click.Path(path_type=Path),
                          help="Output folder: the Energon dataset."),
             click.option("--configs", help="Comma-separated source configs (default: all)."),
@@ -155,20 +159,22 @@ def dataset_command(dataset: str, hub_id: str, *extra_options):
 
     def decorate(fn):
         @functools.wraps(fn)
-        def command(source, out, configs, splits, workers, num_partitions, partition_index,
-                    val_fraction, shard_size, energon_media_metadata, max_image_pixels,
-                    max_member_bytes, max_video_frames, max_video_seconds, progress_interval,
-                    **extra):
+        def command(source, revision, out, configs, splits, workers, num_partitions,
+                    partition_index, val_fraction, shard_size, energon_media_metadata,
+                    max_image_pixels, max_member_bytes, max_video_frames, max_video_seconds,
+                    progress_interval, **extra):
             limits = Limits(max_image_pixels=max_image_pixels, max_member_bytes=max_member_bytes,
                             max_video_frames=max_video_frames,
                             max_video_seconds=max_video_seconds)
 
-            def make_source():
+            def make_source():  # under the partition's lock
                 from converters.hub import Source
+                from converters.pipeline import recorded_source
 
-                cache = out / ".work" / "datasets_cache"
-                return fn(Source(source, cache), out, _csv(configs), _csv(splits), limits=limits,
-                          **extra)
+                recorded, binds = recorded_source(out)
+                opened = Source(source, out / ".work" / "datasets_cache", revision,
+                                recorded=recorded, recorded_binds=binds)
+                return fn(opened, out, _csv(configs), _csv(splits), limits=limits, **extra)
 
             _run(make_source, out, workers=workers, num_partitions=num_partitions,
                  partition_index=partition_index, val_fraction=val_fraction,

@@ -78,6 +78,8 @@ def _summarize(out: Path, records: list[dict], options: dict) -> dict:
     bytes_out = sum(r["bytes_out"] for r in records)
     return {
         "dataset": options["dataset"],
+        "source": options["source"].get("location"),
+        "revision": options["source"].get("revision"),  #: the hub commit read (None: a folder)
         "source_rows": source_rows,
         "rows_read": rows_read,
         "rows_written": rows_written,

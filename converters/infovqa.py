@@ -105,7 +105,7 @@ class InfoVQASource:
         return [INFOGRAPHIC_CONFIG] if INFOGRAPHIC_CONFIG in names and len(names) > 1 else None
 
     def fingerprint(self) -> dict:
-        return {"location": self.source.location, "configs": self.configs,
+        return {**self.source.fingerprint(), "configs": self.configs,
                 "one_question_per_sample": self.one_question_per_sample,
                 "limits": self.limits.fingerprint()}
 

@@ -321,7 +321,7 @@ class LlavaVideoSource:
         return records
 
     def fingerprint(self) -> dict:
-        return {"location": self.source.location, "configs": self.configs,
+        return {**self.source.fingerprint(), "configs": self.configs,
                 "limits": self.limits.fingerprint(),
                 "frames_root": str(self.frames_root) if self.frames_root else None,
                 "frames_fps": self.frames_fps if self.frames_root else None}

@@ -86,7 +86,7 @@ class MantisSource:
         self._members: dict[tuple[str, str], ZipMembers] = {}
 
     def fingerprint(self) -> dict:
-        return {"location": self.source.location, "configs": self.configs,
+        return {**self.source.fingerprint(), "configs": self.configs,
                 "limits": self.limits.fingerprint()}
 
     def splits(self) -> list[SourceSplit]:

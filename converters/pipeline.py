@@ -244,6 +244,15 @@ def _check_options(out: Path, fingerprint: dict, *, write: bool) -> None:
         write_json_atomic(path, fingerprint)
 
 
+def recorded_source(out: Path) -> tuple[dict | None, bool]:
+    """What the conversion in `out` recorded of its source (its `fingerprint()["source"]`, None
+    when there is none), and whether that record binds a rerun (a shard exists). Read it under the
+    partition's lock, i.e. from `make_source`."""
+    path = out / ".work" / "options.json"
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    return previous.get("source"), _has_shards(out)
+
+
 def precheck(opts: Options) -> None:
     """Argument checks that need no source: run before opening it (which can be slow)."""
     opts.check()
