@@ -35,6 +35,7 @@ class DataConfig:
 
     path: str = ""  #: Energon dataset folder or metadataset YAML (``DATA=`` on the make targets)
     split_part: str = "train"  #: Energon split part
+    val_split_part: str = "val"  #: Energon split part of the validation loss (train.eval_interval)
     num_workers: int = 1  #: loader worker processes per data-parallel rank (0 = main process)
     shuffle_buffer_size: int = 100  #: samples in the shuffle buffer
     max_samples_per_sequence: int = 100  #: samples read in a row from one shard
@@ -77,6 +78,14 @@ class TrainConfig:
     #: shard the optimizer state (fp32 master weights, Adam moments) over the data-parallel ranks
     #: (megatron's DistributedOptimizer: reduce-scatter of grads, all-gather of updated params)
     distributed_optimizer: bool = True
+    #: validation loss on data.val_split_part every N steps (0: never), over eval_batches
+    #: micro-batches per data-parallel rank (the same ones each time)
+    eval_interval: int = 0
+    eval_batches: int = 8
+    #: resume from the newest complete checkpoint of the run when there is one (a requeued job);
+    #: otherwise start at step 0 (replacing what an earlier attempt logged)
+    auto_resume: bool = False
+    keep_checkpoints: int = 2  #: newest complete checkpoints kept (0: all)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,6 +94,7 @@ class LogConfig:
     tensorboard: bool = True  #: when torch.utils.tensorboard imports
     wandb: bool = False  #: when wandb imports
     wandb_project: str = "vlm-sft"
+    all_warnings: bool = False  #: show the known third-party warnings (counted and hidden)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -256,7 +266,11 @@ def _check_values(s: dict) -> list[str]:
         ("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
         ("train.grad_accum", t.grad_accum), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
         ("parallel.cp", p.cp), ("data.virtual_dp", d.virtual_dp),
-        ("log.interval", s["log"].interval)) if value < 1]
+        ("log.interval", s["log"].interval), ("train.eval_batches", t.eval_batches))
+        if value < 1]
+    problems += [f"{name} must be >= 0, got {value}" for name, value in (
+        ("train.eval_interval", t.eval_interval), ("train.keep_checkpoints", t.keep_checkpoints))
+        if value < 0]
     if t.precision not in ("auto", "fp32", "bf16"):
         problems.append(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
     if t.lr < t.min_lr:
