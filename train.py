@@ -244,6 +244,7 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
 
     # --- run folder: continue it, start it again, or refuse ------------------------------------
     from models import run_state as R
+    from models import training as T
 
     ckpt_dir, held = cfg.checkpoint_dir, R.run_contents(out, cfg.checkpoint_dir)
     if resume_from and overwrite:
@@ -260,13 +261,11 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     if held and resume_from is None and not overwrite:
         raise UsageError(f"out {out} holds a run ({held}): add --resume to continue it, "
                          "--overwrite to start it again, or choose another out=")
+    resume = T.read_train_state(resume_from, world // (p.tp * p.pp * p.cp)) if resume_from else None
 
     # --- distributed setup ---------------------------------------------------------------------
-    from models import training as T
-
     layout = T.init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
     stop = R.StopSignal()
-    resume = T.read_train_state(resume_from, layout) if resume_from else None
     is_logger = layout.rank == 0
     if is_logger:
         if overwrite and held:
@@ -356,15 +355,16 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     if resume is not None:
         from energon_tasks.loader_state import LoaderStateError, from_plain
 
-        if len(resume["loader"]) != virtual:
-            raise UsageError(f"checkpoint {resume['dir']} holds {len(resume['loader'])} loader "
-                             f"states per rank, data.virtual_dp is {virtual}")
+        plain, rng = R.read_rank_state(Path(resume["dir"]), layout)
+        if len(plain) != virtual:
+            raise UsageError(f"checkpoint {resume['dir']} holds {len(plain)} loader states per "
+                             f"rank, data.virtual_dp is {virtual}")
         try:
-            states = [from_plain(state) for state in resume["loader"]]
+            states = [from_plain(state) for state in plain]
         except LoaderStateError as error:
             raise UsageError(f"checkpoint {resume['dir']}: loader state refused ({error})"
                              ) from None
-        T.load_checkpoint(resume, model=model.module, optimizer=optimizer)
+        T.load_checkpoint(resume, model=model.module, optimizer=optimizer, rng=rng)
         for loader, state in zip(loaders, states, strict=True):
             loader.restore_state_rank(state)
         start = resume["step"]

@@ -16,10 +16,14 @@ def run_click(command: click.Command, prog: str, argv: list[str] | None,
         The exit code: the command's return value (0 when None), 2 for a usage error or one of
         ``user_errors`` (printed as ``<prog>: error: <message>``, one line).
     """
+    no_args_is_help = getattr(click.exceptions, "NoArgsIsHelpError", ())
     try:
         result = command.main(args=argv, prog_name=prog, standalone_mode=False)
     except click.exceptions.Exit as done:  # --help
         return done.exit_code
+    except no_args_is_help as error:  # a group without a command: its help
+        click.echo(error.ctx.get_help(), err=True)
+        return 2
     except click.Abort:
         print(f"{prog}: aborted", file=sys.stderr, flush=True)
         return 130

@@ -57,12 +57,13 @@ class Progress:
 
     ``update(done, total)`` prints at most every ``every`` seconds; ``heartbeat()`` starts a
     thread that prints "still running" lines until ``stop()`` (a context manager does both).
-    On a TTY nothing periodic is printed unless ``always``.
+    Lines go to ``stream`` (stdout); on a TTY nothing periodic is printed unless ``always``.
     """
 
-    def __init__(self, label: str, every: float = 30.0, *, always: bool = False):
+    def __init__(self, label: str, every: float = 30.0, *, always: bool = False, stream=None):
         self.label, self.every = label, every
-        self.enabled = always or not sys.stdout.isatty()
+        self.stream = stream or sys.stdout
+        self.enabled = always or not self.stream.isatty()
         self.start = self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -78,14 +79,15 @@ class Progress:
         count = f"{done}/{total}" if total else f"{done}"
         left = f", ETA {eta(self.elapsed(), done, total)}" if total else ""
         print(f"[{self.label}] {count} {unit}{extra}, {format_duration(self.elapsed())} "
-              f"elapsed{left}", flush=True)
+              f"elapsed{left}", file=self.stream, flush=True)
 
     def heartbeat(self, what: str) -> Progress:
         if self.enabled and self._thread is None:
             def beat():
                 while not self._stop.wait(self.every):
                     print(f"[{self.label}] {what}: still running, "
-                          f"{format_duration(self.elapsed())} elapsed", flush=True)
+                          f"{format_duration(self.elapsed())} elapsed", file=self.stream,
+                          flush=True)
 
             self._thread = threading.Thread(target=beat, daemon=True)
             self._thread.start()

@@ -278,19 +278,39 @@ def _check_values(s: dict) -> list[str]:
     return problems
 
 
-def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
-                    task_encoder_config: type) -> RunConfig:
+def _merged(base: dict, top: dict) -> dict:
+    """``base`` with ``top``'s keys over it, section by section (nested mappings merged)."""
+    out = dict(base)
+    for key, value in top.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
+                    task_encoder_config: type, stored: dict | None = None) -> RunConfig:
     """Read ``path`` (YAML), apply dotted ``key=value`` overrides, build and validate.
+
+    ``stored``: the run config saved with a checkpoint (eval.py). It is the base: the file, when
+    given, only refines it (its ``model`` section is ignored: the checkpoint's model is the one
+    evaluated), then the overrides apply.
 
     Raises:
         ConfigError: the file is missing or not YAML, or any invalid key/value (all listed).
     """
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as error:
-        raise ConfigError(f"config {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    raw = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as error:
+            raise ConfigError(f"config {path}: {error.strerror}") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})"
+                              ) from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config {path}: not a mapping of sections")
+    if stored is not None:
+        raw = _merged(stored, {k: v for k, v in raw.items() if k != "model"})
     errors = []
     # ``model.base=<yaml>`` on the command line swaps the model: it replaces the file's whole
     # model section (whose inline keys describe another model), and the other ``model.*``

@@ -4,8 +4,9 @@ retention, the run guard, and stopping at a step boundary.
 - Per-rank state of a step folder: the Energon loader state of each DP replica as JSON
   (``loader/dp_NNNNN.json``, plain data from ``energon_tasks.loader_state``) and each rank's RNG
   state as plain tensors (``rng/rank_NNNNN.pt``, read back with ``torch.load(weights_only=True)``).
-  ``read_rank_state`` refuses anything else (a pickle where a state file should be, a folder of
-  an older format) with one line; ``check_dist_metadata`` reads the one pickle of a megatron
+  ``check_rank_states`` (every file, before any heavy work) and ``read_rank_state`` (this
+  rank's) refuse anything else (a pickle where a state file should be, a folder of an older
+  format) with one line; ``check_dist_metadata`` reads the one pickle of a megatron
   dist checkpoint (torch DCP's ``.metadata``) with an unpickler that accepts only DCP's metadata
   classes, before megatron unpickles it.
 - ``COMPLETE``: written last into a step folder, after every rank's files; ``newest_complete``
@@ -28,6 +29,7 @@ import random
 import shutil
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -88,18 +90,7 @@ def write_rank_state(step_dir: Path, layout: Layout, loader_states: list) -> Non
     torch.save(rng_state(), rng_file(step_dir, layout.rank))
 
 
-def read_rank_state(step_dir: Path, layout: Layout) -> tuple[list, dict | None]:
-    """(loader states in their plain form, RNG state or None) of this rank, checked.
-
-    Raises:
-        UsageError: a missing or foreign state file (e.g. a pickle), in one line.
-    """
-    path = loader_file(step_dir, layout.dp_rank)
-    if not path.is_file():
-        older = path.with_suffix(".pt")
-        raise UsageError(f"checkpoint {step_dir} has no {path.relative_to(step_dir)}" + (
-            f" ({older.name} is the pickled format of an earlier version: refused, nothing is "
-            "unpickled)" if older.exists() else ""))
+def _loader_states(path: Path, step_dir: Path) -> list:
     try:
         loader = json.loads(path.read_bytes())
         if not isinstance(loader, list):
@@ -108,15 +99,48 @@ def read_rank_state(step_dir: Path, layout: Layout) -> tuple[list, dict | None]:
         raise UsageError(f"checkpoint {step_dir}: {path.relative_to(step_dir)} is not a JSON "
                          f"loader state ({type(error).__name__}): refused, nothing in a "
                          "checkpoint is unpickled") from None
-    rng, state = rng_file(step_dir, layout.rank), None
-    if rng.is_file():
-        try:
-            state = torch.load(rng, weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as error:
-            raise UsageError(f"checkpoint {step_dir}: {rng.relative_to(step_dir)} is not a plain "
-                             f"tensor file ({type(error).__name__}): refused, nothing in a "
-                             "checkpoint is unpickled") from None
-    return loader, state
+    return loader
+
+
+def _rng_state(path: Path, step_dir: Path) -> dict:
+    try:
+        with warnings.catch_warnings():  # torch's note on a foreign pickle protocol: we refuse
+            warnings.simplefilter("ignore")
+            return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as error:
+        raise UsageError(f"checkpoint {step_dir}: {path.relative_to(step_dir)} is not a plain "
+                         f"tensor file ({type(error).__name__}): refused, nothing in a "
+                         "checkpoint is unpickled") from None
+
+
+def check_rank_states(step_dir: Path) -> None:
+    """Every loader and RNG state file of a step folder is of the safe formats (read, not used).
+
+    Raises:
+        UsageError: a file of another format (e.g. a pickle where a state file should be, or
+            the pickled ``.pt`` loader state of an earlier version), in one line.
+    """
+    for path in sorted((step_dir / "loader").glob("*")):
+        if path.suffix != ".json":
+            raise UsageError(f"checkpoint {step_dir}: {path.relative_to(step_dir)} is not a "
+                             "JSON loader state (a pickle of an earlier version?): refused, "
+                             "nothing in a checkpoint is unpickled")
+        _loader_states(path, step_dir)
+    for path in sorted((step_dir / "rng").glob("*")):
+        _rng_state(path, step_dir)
+
+
+def read_rank_state(step_dir: Path, layout: Layout) -> tuple[list, dict | None]:
+    """(loader states in their plain form, RNG state or None) of this rank.
+
+    Raises:
+        UsageError: a missing or foreign state file, in one line.
+    """
+    path = loader_file(step_dir, layout.dp_rank)
+    if not path.is_file():
+        raise UsageError(f"checkpoint {step_dir} has no {path.relative_to(step_dir)}")
+    rng = rng_file(step_dir, layout.rank)
+    return _loader_states(path, step_dir), _rng_state(rng, step_dir) if rng.is_file() else None
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -473,19 +473,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def read_train_state(path: str | Path, layout: Layout) -> dict:
-    """Read and validate a checkpoint's train_state.json and this rank's loader / RNG state
-    before any heavy work.
+def read_train_state(path: str | Path, dp: int) -> dict:
+    """Read and validate a checkpoint before any heavy work: train_state.json, completion,
+    the data-parallel size, and every state file (``models.run_state``: safe formats only).
 
     Returns:
-        The train state with ``dir`` (the step folder), ``step``, ``loader`` (this replica's
-        loader states, plain data) and ``rng`` (this rank's RNG state, or None).
+        The train state with ``dir`` (the step folder) and ``step``.
 
     Raises:
         UsageError: missing, half-written or unreadable checkpoint, a foreign state file, or a
             data-parallel size that differs.
     """
-    from models.run_state import COMPLETE, check_dist_metadata, read_rank_state
+    from models.run_state import COMPLETE, check_dist_metadata, check_rank_states
 
     step_dir = resolve_checkpoint(path)
     try:
@@ -499,12 +498,12 @@ def read_train_state(path: str | Path, layout: Layout) -> dict:
     if not (step_dir / COMPLETE).is_file():
         raise UsageError(f"checkpoint {step_dir} is incomplete (no {COMPLETE} marker: its save "
                          "was interrupted); resume from an earlier one")
-    if saved_dp != layout.dp:
+    if saved_dp != dp:
         raise UsageError(f"checkpoint {step_dir} was saved with data-parallel size {saved_dp}, "
-                         f"this run has {layout.dp}: the Energon loader state cannot be "
+                         f"this run has {dp}: the Energon loader state cannot be "
                          "redistributed (resume with the same DP size)")
     check_dist_metadata(step_dir / "model_optim")
-    state["loader"], state["rng"] = read_rank_state(step_dir, layout)
+    check_rank_states(step_dir)
     state["dir"] = str(step_dir)
     state["step"] = step
     return state
@@ -603,9 +602,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_state
     return step_dir
 
 
-def load_checkpoint(resume: dict, *, model, optimizer) -> None:
-    """Restore model + optimizer (+ this rank's RNG) in place from ``read_train_state``'s
-    result (the loader states are train.py's to restore).
+def load_checkpoint(resume: dict, *, model, optimizer, rng: dict | None) -> None:
+    """Restore model + optimizer (+ this rank's RNG) in place; ``resume`` is
+    ``read_train_state``'s result (the loader states are train.py's to restore).
 
     Raises:
         UsageError: the dist checkpoint does not match the model (one line).
@@ -623,8 +622,8 @@ def load_checkpoint(resume: dict, *, model, optimizer) -> None:
         with torch.no_grad():  # the distributed optimizer copies into views of the parameters
             optimizer.load_state_dict(state["optimizer"])
         _restore_torch_adam_steps(optimizer, state["optimizer"])
-        if resume["rng"] is not None:
-            set_rng_state(resume["rng"])
+        if rng is not None:
+            set_rng_state(rng)
     except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
         raise UsageError(f"checkpoint {step_dir} cannot be loaded: {type(error).__name__}: "
                          f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
