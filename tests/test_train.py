@@ -317,9 +317,9 @@ def test_other_datasets_run(family, fixture, request, tmp_path):
     data = request.getfixturevalue(fixture)
     ok(train(str(REPO / "configs" / f"train_{family}_{name}.yaml"),
              f"data.path={data}/metadataset.yaml", f"out={tmp_path}", "train.steps=4", *FAST))
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["loss"] < records[0]["loss"]
-    assert sum(r["visual_tokens_per_s"] for r in records) > 0
+    logged = records(tmp_path)
+    assert logged[-1]["loss"] < logged[0]["loss"]
+    assert sum(r["visual_tokens_per_s"] for r in logged) > 0
 
 
 @pytest.mark.slow
