@@ -17,7 +17,9 @@ import threading
 import time
 import warnings
 
-#: Substrings of third-party warnings that say nothing actionable about a run.
+#: Substrings of third-party warnings that say nothing actionable about a run (each seen on
+#: every CPU run of train.py / eval.py / models.convert here: TE-less fallbacks of megatron-core,
+#: torch deprecations of the internals megatron-core and torch DCP call).
 KNOWN_WARNINGS = (
     "Transformer Engine and Apex are not installed",
     "Apex is not installed. Falling back to Torch Norm",
@@ -26,17 +28,8 @@ KNOWN_WARNINGS = (
     "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
     "`torch.distributed.reduce_scatter_tensor` is deprecated",
     "`torch.distributed.all_gather_into_tensor` is deprecated",
-    "`torch.distributed._all_gather_base` is a private function",
-    "`torch.distributed._reduce_scatter_base` is a private function",
-    "TorchFP8Tensor",
-    "Please use the new API settings to control TF32 behavior",
-    "torch.cuda.amp.custom_fwd",
-    "torch.cuda.amp.custom_bwd",
-    "is deprecated and will be removed in a future release of megatron",
-    "No `model_comm_pgs` provided",
-    "mamba_ssm is not installed",
-    "causal_conv1d is not installed",
-    "Using a non-full backward hook when the forward contains multiple autograd Nodes",
+    "Please use DTensor instead and we are deprecating ShardedTensor",
+    "`load_state_dict` is deprecated and will be removed in future versions",
 )
 
 

@@ -4,8 +4,8 @@ This module owns the typed run config (``RunConfig``: model, task encoder, data,
 training, logging and checkpoint sections), how it is read (``load_run_config``: a YAML file, an
 optional ``model.base`` YAML under the inline model section, then command-line overrides such as
 ``train.steps=20 task_encoder.max_pixels=50176 model.lm.num_layers=2``), and how it is written
-back (``to_dict`` / ``dump_yaml``: the resolved config, logged at startup and saved in every
-checkpoint). Unknown keys are an error; every problem of a config is reported together, in one
+back (``to_dict`` / ``dump_yaml``: the resolved config, written to ``<out>/config.yaml`` at
+startup and saved in every checkpoint, where eval.py reads it back: ``stored=``). Unknown keys are an error; every problem of a config is reported together, in one
 line (``ConfigError``).
 """
 
@@ -128,8 +128,12 @@ SECTIONS = {"data": DataConfig, "parallel": ParallelConfig, "train": TrainConfig
 
 # ------------------------------------------------------------------ parsing helpers
 def parse_value(text: str) -> Any:
-    """A command-line value: YAML scalar/list, with '1e-3'-style numbers read as numbers."""
-    value = yaml.safe_load(text) if text != "" else ""
+    """A command-line value: YAML scalar/list, with '1e-3'-style numbers read as numbers; text
+    that is not YAML (e.g. a layer pattern ``*E-E``, a YAML alias) is taken as a string."""
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
     if isinstance(value, str):
         for kind in (int, float):
             try:

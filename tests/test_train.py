@@ -77,6 +77,8 @@ def test_config_loads_with_overrides():
     assert cfg.task_encoder.max_pixels == 50176 and cfg.data.path == "/x"
     assert cfg.task_encoder.context_parallel_size == 2  # follows parallel.cp
     assert to_dict(cfg)["train"]["steps"] == 7 and cfg.checkpoint_dir == Path("/tmp/o/checkpoints")
+    # a value that is no YAML (here an alias-like layer pattern) is taken as text
+    assert run_config(NEMOTRON_MANTIS_CFG, ["model.lm.pattern=*E-E"]).model.lm.pattern == "*E-E"
 
 
 def test_model_base_override_swaps_the_model():
