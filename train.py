@@ -246,21 +246,8 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     from models import run_state as R
     from models import training as T
 
-    ckpt_dir, held = cfg.checkpoint_dir, R.run_contents(out, cfg.checkpoint_dir)
-    if resume_from and overwrite:
-        raise UsageError("--resume and --overwrite exclude each other")
-    if resume_from is None and cfg.train.auto_resume:
-        newest = R.newest_complete(ckpt_dir)
-        resume_from = str(newest) if newest else None
-        overwrite = overwrite or not newest  # an attempt that never completed a checkpoint
-    if resume_from == "latest":
-        newest = R.newest_complete(ckpt_dir)
-        if newest is None:
-            raise UsageError(f"--resume: no complete checkpoint in {ckpt_dir}")
-        resume_from = str(newest)
-    if held and resume_from is None and not overwrite:
-        raise UsageError(f"out {out} holds a run ({held}): add --resume to continue it, "
-                         "--overwrite to start it again, or choose another out=")
+    ckpt_dir = cfg.checkpoint_dir
+    resume_from, clear = R.plan_start(out, ckpt_dir, resume_from, overwrite, cfg.train.auto_resume)
     resume = T.read_train_state(resume_from, world // (p.tp * p.pp * p.cp)) if resume_from else None
 
     # --- distributed setup ---------------------------------------------------------------------
@@ -268,16 +255,7 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     stop = R.StopSignal()
     is_logger = layout.rank == 0
     if is_logger:
-        if overwrite and held:
-            R.clear_run(out, ckpt_dir)
-            print(f"[train] {'train.auto_resume: no complete checkpoint: ' * (not resume_from)}"
-                  f"starting again in {out} (deleted {held})", flush=True)
-        dropped = R.trim_metrics(out, resume["step"]) if resume else 0
-        if resume:
-            print(f"[train] resuming from {resume['dir']} (step {resume['step']}"
-                  f"{f'; {dropped} later metrics records dropped' if dropped else ''})",
-                  flush=True)
-        out.mkdir(parents=True, exist_ok=True)
+        R.prepare_run_folder(out, ckpt_dir, clear, resume)
         (out / "config.yaml").write_text(dump_yaml(cfg))
         print(f"[train] resolved config: {out / 'config.yaml'}", flush=True)
     torch.distributed.barrier()

@@ -11,8 +11,8 @@ checkpoint loads at any TP / PP; every family). ``verify`` runs transformers' mo
 (fp32, eager attention) and ours on generated inputs (one image; several images of different
 sizes interleaved with text; a video; Nemotron-Omni also a tiled image) and prints JSON with the
 max absolute logit difference per input. Bad paths or a wrong model family: one line on stderr,
-exit 2. Each command says on stderr when it starts and ends, and every --progress-every seconds
-that it is still running when stderr is not a terminal (SLURM logs).
+exit 2. Each command says on stderr when it is done, and every --progress-every seconds that it
+is still running when stderr is not a terminal (SLURM logs).
 """
 
 from __future__ import annotations
@@ -300,7 +300,8 @@ def _layout_options(function):
 def _run(command: str, args: list[str], ranks: int, work, progress_every: float,
          all_warnings: bool) -> None:
     """``work()`` in this process, or this command again under torch.distributed.run with
-    ``ranks`` processes; rank 0 reports start, heartbeat and end on stderr."""
+    ``ranks`` processes; rank 0 reports a heartbeat and the end on stderr (an error stays the
+    one line ``main`` prints)."""
     from models.console import KnownWarnings, Progress, format_duration
 
     if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -312,7 +313,6 @@ def _run(command: str, args: list[str], ranks: int, work, progress_every: float,
     if int(os.environ.get("RANK", "0")):
         work()
         return
-    click.echo(f"[convert] {command}: started", err=True)
     with Progress("convert", progress_every, stream=sys.stderr).heartbeat(command) as progress:
         work()
     click.echo(f"[convert] {command}: done in {format_duration(progress.elapsed())}"
@@ -362,11 +362,14 @@ def verify_command(hf: Path, mcore: Path, tp: int, pp: int, **console) -> None:
          tp * pp, work, **console)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
+    """The command line; bad input is one line on stderr and ``SystemExit(2)``."""
     from models.cli import run_click
 
-    return run_click(cli, "python -m models.convert", argv, (ValueError, FileNotFoundError))
+    code = run_click(cli, "python -m models.convert", argv, (ValueError, FileNotFoundError))
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

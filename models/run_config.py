@@ -5,8 +5,8 @@ training, logging and checkpoint sections), how it is read (``load_run_config``:
 optional ``model.base`` YAML under the inline model section, then command-line overrides such as
 ``train.steps=20 task_encoder.max_pixels=50176 model.lm.num_layers=2``), and how it is written
 back (``to_dict`` / ``dump_yaml``: the resolved config, written to ``<out>/config.yaml`` at
-startup and saved in every checkpoint, where eval.py reads it back: ``stored=``). Unknown keys are an error; every problem of a config is reported together, in one
-line (``ConfigError``).
+startup and saved in every checkpoint, where eval.py reads it back: ``stored=``). Unknown keys
+are an error; every problem of a config is reported together, in one line (``ConfigError``).
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ retention, the run guard, and stopping at a step boundary.
   classes, before megatron unpickles it.
 - ``COMPLETE``: written last into a step folder, after every rank's files; ``newest_complete``
   never picks a half-written folder; ``prune`` keeps the newest N complete ones.
-- ``check_run_folder``: an ``out`` that holds a run (metrics or checkpoints) is refused unless the
-  run resumes or ``--overwrite`` clears it (``clear_run``); ``trim_metrics`` drops the records of
-  steps after the one resumed from, so each step is logged once.
+- ``plan_start``: an ``out`` that holds a run (metrics or checkpoints) is refused unless the run
+  resumes (``--resume``, ``auto_resume``: the newest complete checkpoint) or ``--overwrite``
+  clears it; ``prepare_run_folder`` then deletes the earlier run (``clear_run``) or drops the
+  metrics records of steps after the one resumed from (``trim_metrics``), so each step is
+  logged once.
 - ``StopSignal``: SIGINT / SIGTERM ask for a checkpoint and a clean exit at the next step
   boundary; every rank agrees on that boundary (a MAX all-reduce once per step).
 
@@ -233,6 +235,44 @@ def run_contents(out: Path, ckpt_dir: Path) -> str:
     if folders:
         parts.append(f"{len(folders)} checkpoint(s) up to {folders[-1][1].name}")
     return " and ".join(parts)
+
+
+def plan_start(out: Path, ckpt_dir: Path, resume: str | None, overwrite: bool,
+               auto_resume: bool) -> tuple[str | None, str]:
+    """Where a run starts: (the checkpoint to resume from, or None; what of an earlier run to
+    delete first, "" for nothing). ``resume`` is ``--resume``'s value ("latest" without one).
+
+    Raises:
+        UsageError: ``out`` holds a run and neither ``--resume`` nor ``--overwrite`` (nor
+            ``auto_resume``) says what to do with it, both are given, or ``--resume`` finds no
+            complete checkpoint.
+    """
+    held = run_contents(out, ckpt_dir)
+    if resume and overwrite:
+        raise UsageError("--resume and --overwrite exclude each other")
+    if resume == "latest" or (resume is None and auto_resume):
+        newest = newest_complete(ckpt_dir)
+        if newest is None and resume == "latest":
+            raise UsageError(f"--resume: no complete checkpoint in {ckpt_dir}")
+        resume = str(newest) if newest else None
+        overwrite = overwrite or resume is None  # auto_resume: no attempt completed a checkpoint
+    if held and resume is None and not overwrite:
+        raise UsageError(f"out {out} holds a run ({held}): add --resume to continue it, "
+                         "--overwrite to start it again, or choose another out=")
+    return resume, held if resume is None and overwrite else ""
+
+
+def prepare_run_folder(out: Path, ckpt_dir: Path, clear: str, resume: dict | None) -> None:
+    """Rank 0, before anything is written: delete an earlier run (``clear``: what it holds) or
+    drop the metrics records after the step resumed from; say which."""
+    if clear:
+        clear_run(out, ckpt_dir)
+        print(f"[train] starting again in {out} (deleted {clear})", flush=True)
+    if resume:
+        dropped = trim_metrics(out, resume["step"])
+        print(f"[train] resuming from {resume['dir']} (step {resume['step']}"
+              f"{f'; {dropped} later metrics records dropped' if dropped else ''})", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def clear_run(out: Path, ckpt_dir: Path) -> None:
