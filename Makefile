@@ -68,6 +68,7 @@ DEMO_CHECKS = $(foreach f,$(FAMILIES),--pair $(f)-vision-check:$(f)-vision-check
 # throughput, the vision-signal checks and the eval accuracy with / without media.
 demo: $(STAMP)
 	$(PY) -m converters.demo --out $(DEMO)
+	rm -rf $(DEMO)/runs $(DEMO)/eval
 	$(call demo_family,qwen-vl)
 	$(call demo_family,nemotron-omni)
 	$(PY) -m models.report $(DEMO)/report $(DEMO_RUNS) $(DEMO_CHECKS) --chance 0.167
@@ -107,11 +108,14 @@ $(EXPORT_TARGETS): export-%: $(STAMP)
 	$(PY) -m models.convert mcore-to-hf --mcore $(or $(CKPT),runs/$(subst -,_,$*)) --out $(or $(OUT),exports/$(subst -,_,$*))
 
 # --- evaluation (eval.py): greedy answers on the val split, scored per subset (docs/evaluation.md).
-#     make eval-<family>-<dataset>. CKPT= (train.py checkpoint dir / step folder, or an
-#     hf-to-mcore import; required), CONFIG= (the run config used for training), DATA=, SPLIT=
+#     make eval-<family>-<dataset>. CKPT= (required: a train.py run folder, its checkpoints
+#     folder or a step folder, whose stored run config is used; or an hf-to-mcore import, which
+#     takes configs/train_<family>_<dataset>.yaml), CONFIG= (a YAML refining it), DATA=, SPLIT=
 #     (default val), LIMIT= (val conversations), OUT= (predictions.jsonl + scores.json; default
-#     <config out>/eval), ARGS=.
+#     eval_<step> beside the checkpoint), ARGS=.
 EVAL_ARGS = --ckpt $(CKPT) --split $(or $(SPLIT),val) $(if $(LIMIT),--limit $(LIMIT)) $(if $(OUT),--out $(OUT)) $(if $(DATA),data.path=$(DATA)) $(ARGS)
+EVAL_USAGE = usage: make $@ CKPT=<run folder | checkpoints folder | step folder | hf-to-mcore import> [DATA=] [SPLIT=] [LIMIT=] [OUT=] [CONFIG=] [ARGS=]
 
 $(EVAL_TARGETS): eval-%: $(STAMP)
-	$(PY) eval.py $(or $(CONFIG),$(call run_config,$*)) $(EVAL_ARGS)
+	$(if $(CKPT),,$(error $(EVAL_USAGE)))
+	$(PY) eval.py $(or $(CONFIG),$(if $(wildcard $(CKPT)/qwen_vl_model.json),$(call run_config,$*))) $(EVAL_ARGS)

@@ -1,14 +1,16 @@
 """Evaluate a VLM checkpoint (Qwen-VL, Nemotron-Omni) on the val split: greedy answers, scores.
 
-    python eval.py CONFIG --ckpt CKPT [key=value ...] [--split val] [--limit N] [--out DIR]
-    make eval-qwen-vl-infovqa CKPT=runs/qwen_vl_infovqa/checkpoints DATA=... LIMIT=50
+    python eval.py --ckpt CKPT [CONFIG] [key=value ...] [--split val] [--limit N] [--out DIR]
+    make eval-qwen-vl-infovqa CKPT=runs/qwen_vl_infovqa LIMIT=50
 
-CONFIG is the run config of train.py (models/run_config.py): its ``task_encoder`` section (every
-budget knob) and ``data.path`` decide what the model sees, exactly as in training; ``key=value``
-overrides work the same way (``task_encoder.max_pixels=50176``). The model's shapes come from the
-checkpoint: a train.py checkpoint (``<run>/checkpoints`` with ``latest``, or one ``step_N``
-folder; loaded at this process's layout, TP=1) or an imported Hugging Face checkpoint
-(``python -m models.convert hf-to-mcore``: a baseline before fine-tuning).
+The checkpoint is either a train.py checkpoint (a run folder, its ``checkpoints`` folder (the
+newest complete step) or one ``step_N`` folder; loaded at this process's layout, TP=1), whose
+stored run config (models/run_config.py) decides what the model sees, exactly as in training:
+its ``task_encoder`` section (every budget knob) and ``data.path``; or an imported Hugging Face
+checkpoint (``python -m models.convert hf-to-mcore``: a baseline before fine-tuning), which needs
+a run config (CONFIG). A CONFIG given with a train.py checkpoint only refines the stored one, and
+``key=value`` overrides work as in training (``task_encoder.max_pixels=50176``). Output goes next
+to the checkpoint (``eval_<step>``) unless --out says otherwise.
 
 Each assistant turn of a val conversation is one question: the prompt is the conversation up to
 that turn (earlier answers as given) ending with the assistant header; the references are the
@@ -17,12 +19,12 @@ turn's ``answers`` (or its content). Prompts go through the task encoder's own s
 greedily with a KV cache (models/generate.py, batched, stop at ``<|im_end|>``), and are scored:
 InfoVQA ANLS; multiple choice (options "A. ..." in the question) option accuracy; everything else
 exact match (+ relaxed match). Writes ``predictions.jsonl`` and ``scores.json`` under --out and
-prints a table and the budget counters. Bad input: one line on stderr, exit code 2.
+prints a table and the budget counters (and a progress line every --progress-every seconds when
+stdout is not a terminal). Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
@@ -32,6 +34,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import yaml
 
 from models.families import TASK_ENCODER_MODELS
@@ -196,26 +199,6 @@ def encode_prompts(encoder, sample, counters: Counter, turns_mode: str = "all",
 
 
 # ------------------------------------------------------------------ data
-def check_split(path: str, split: str) -> None:
-    """The dataset folder / metadataset must declare the split (before anything is built)."""
-    p = Path(path)
-    if not p.exists():
-        raise EvalError(f"data path {path} does not exist")
-    try:
-        if p.is_file():
-            splits = (yaml.safe_load(p.read_text()) or {}).get("splits") or {}
-        else:
-            meta = p / ".nv-meta" / "split.yaml"
-            if not meta.is_file():
-                raise EvalError(f"{path} is not an Energon dataset (no .nv-meta/split.yaml)")
-            splits = (yaml.safe_load(meta.read_text()) or {}).get("split_parts") or {}
-    except (OSError, yaml.YAMLError, AttributeError) as error:
-        raise EvalError(f"data path {path} is unreadable ({error})") from None
-    if not splits.get(split):
-        have = ", ".join(sorted(k for k in splits if "/" not in k)) or "none"
-        raise EvalError(f"dataset {path} has no {split!r} split (splits: {have})")
-
-
 def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | None):
     """Cooked val samples (ConversationSample) in the loader's fixed order, up to ``limit``."""
     from megatron.energon import WorkerConfig, get_loader, get_val_dataset, stateless
@@ -246,32 +229,44 @@ def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | 
 
 
 # ------------------------------------------------------------------ checkpoint
-def find_checkpoint(ckpt: str):
-    """(model config, weights folder, description) of a train.py or an HF-import checkpoint.
+@dataclass(slots=True)
+class Checkpoint:
+    """What eval.py reads of a checkpoint before building anything."""
 
-    Reads only the self-description (nothing is built), so a wrong checkpoint fails fast.
-    """
+    model: object  #: the model config (QwenVLModelConfig | NemotronOmniModelConfig)
+    weights: Path  #: the megatron dist checkpoint folder
+    kind: str  #: "train.py step_N" or "hf-import"
+    folder: Path  #: the step folder, or the import folder
+    run_config: dict | None  #: the run config stored by train.py (None for an import)
+
+
+def find_checkpoint(ckpt: str) -> Checkpoint:
+    """A train.py or an HF-import checkpoint, from its self-description only (nothing is
+    built, its one pickle is checked), so a wrong checkpoint fails fast."""
     from models.checkpoint import MODEL_JSON, read_model_config
     from models.families import config_from_dict
+    from models.run_state import check_dist_metadata
+    from models.training import resolve_checkpoint
 
     path = Path(ckpt)
     if not path.exists():
         raise EvalError(f"checkpoint {ckpt} does not exist")
     try:
         if (path / MODEL_JSON).is_file():  # models/convert.py hf-to-mcore
-            return read_model_config(path), path, "hf-import"
-        from models.training import resolve_checkpoint
-
-        step = resolve_checkpoint(path)
-        config = step / "config.yaml"
-        if not (step / "model_optim" / "metadata.json").is_file() or not config.is_file():
-            raise EvalError(f"{ckpt} is not a checkpoint (neither {MODEL_JSON} nor a train.py "
-                            "step folder with model_optim/ and config.yaml)")
-        raw = yaml.safe_load(config.read_text()) or {}
-        return (config_from_dict(raw.get("model") or {}), step / "model_optim",
-                f"train.py {step.name}")
-    except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
+            found = Checkpoint(read_model_config(path), path, "hf-import", path, None)
+        else:
+            step = resolve_checkpoint(path)
+            config = step / "config.yaml"
+            if not (step / "model_optim" / "metadata.json").is_file() or not config.is_file():
+                raise EvalError(f"{ckpt} is not a checkpoint (neither {MODEL_JSON} nor a "
+                                "train.py step folder with model_optim/ and config.yaml)")
+            raw = yaml.safe_load(config.read_text()) or {}
+            found = Checkpoint(config_from_dict(raw.get("model") or {}), step / "model_optim",
+                               f"train.py {step.name}", step, raw)
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as error:
         raise EvalError(f"checkpoint {ckpt} is unreadable: {error}") from None
+    check_dist_metadata(found.weights)
+    return found
 
 
 def load_model(cfg, weights: Path, ckpt: str):
@@ -323,23 +318,27 @@ def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
 
 
 # ------------------------------------------------------------------ main
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="run config YAML (the one used for training)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. data.path=...")
-    parser.add_argument("--ckpt", required=True,
-                        help="train.py checkpoint dir / step folder, or an hf-to-mcore import")
-    parser.add_argument("--split", default="val", help="Energon split part (default: val)")
-    parser.add_argument("--limit", type=int, default=None, help="val conversations to read")
-    parser.add_argument("--out", default=None, help="output folder (default: <config out>/eval)")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--turns", choices=("all", "first"), default="all",
-                        help="questions per conversation: every assistant turn, or the first")
-    parser.add_argument("--blank-media", action="store_true",
-                        help="zero every pixel row (the vision-signal control; also "
-                             "data.blank_media=true)")
-    return parser.parse_intermixed_args(argv)
+@dataclass(slots=True)
+class Args:
+    """The command line of eval.py."""
+
+    ckpt: str
+    config: str | None = None
+    overrides: tuple[str, ...] = ()
+    split: str = "val"
+    limit: int | None = None
+    out: str | None = None
+    batch_size: int = 4
+    max_new_tokens: int = 32
+    turns: str = "all"
+    blank_media: bool = False
+    progress_every: float = 30.0
+
+
+def default_out(found: Checkpoint, split: str, blank: bool) -> Path:
+    """``eval_<checkpoint folder>[_<split>][_blank]`` beside the checkpoint."""
+    suffix = (f"_{split}" if split != "val" else "") + ("_blank" if blank else "")
+    return found.folder.parent / f"eval_{found.folder.name}{suffix}"
 
 
 def format_table(result: dict) -> str:
@@ -354,22 +353,29 @@ def format_table(result: dict) -> str:
                                for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
 
 
-def run(args) -> dict:
+def run(args: Args) -> dict:
     from energon_tasks.config import TaskEncoderConfig
+    from models.console import KnownWarnings, Progress
     from models.run_config import load_run_config
-    from models.training import check_data_path
+    from models.training import check_data_path, check_split
 
-    cfg = load_run_config(args.config, args.overrides, task_encoder_config=TaskEncoderConfig)
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise EvalError("--batch-size and --max-new-tokens must be >= 1")
+    found = find_checkpoint(args.ckpt)
+    if found.run_config is None and args.config is None:
+        raise EvalError(f"--ckpt {args.ckpt} is an hf-to-mcore import, which stores no run "
+                        "config: give one (e.g. configs/train_qwen_vl_infovqa.yaml)")
+    cfg = load_run_config(args.config, args.overrides, task_encoder_config=TaskEncoderConfig,
+                          stored=found.run_config)
+    quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
     check_data_path(cfg.data.path)
     check_split(cfg.data.path, args.split)
-    model_cfg, weights, kind = find_checkpoint(args.ckpt)
-    out = Path(args.out or Path(cfg.out) / "eval")
-    out.mkdir(parents=True, exist_ok=True)
+    model_cfg, weights, kind = found.model, found.weights, found.kind
     blank = args.blank_media or cfg.data.blank_media
+    out = Path(args.out) if args.out else default_out(found, args.split, blank)
+    out.mkdir(parents=True, exist_ok=True)
 
     from energon_tasks import task_encoder_for
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
@@ -412,8 +418,11 @@ def run(args) -> dict:
                 "score": scores[metric], "scores": scores, "generated_tokens": len(tokens)})
 
     start = time.perf_counter()
+    progress = Progress("eval", args.progress_every)
     for sample in read_samples(cfg.data.path, args.split, te_cfg, tokenizer, args.limit):
         conversations += 1
+        progress.update(conversations, args.limit, "conversations",
+                        f" ({len(records)} questions answered)")
         pending.extend(encode_prompts(encoder, sample, counters, args.turns, blank))
         while len(pending) >= args.batch_size:
             head, rest = pending[:args.batch_size], pending[args.batch_size:]
@@ -458,20 +467,46 @@ def run(args) -> dict:
           f"{g['generated_tokens']} tokens generated in {g['generate_seconds']} s "
           f"({g['samples_per_s']} samples/s, {g['tokens_per_s']} tokens/s); wrote "
           f"{out / 'predictions.jsonl'} and {out / 'scores.json'}", flush=True)
+    if quiet.summary("log.all_warnings=true"):
+        print(f"[eval] {quiet.summary('log.all_warnings=true')}", flush=True)
     return result
 
 
+USAGE = ("--ckpt CKPT is required: a train.py run folder, its checkpoints folder or a step "
+         "folder, or an hf-to-mcore import (eval.py --ckpt CKPT [CONFIG] [KEY=VALUE]...)")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("args", nargs=-1, metavar="[CONFIG] [KEY=VALUE]...")
+@click.option("--ckpt", help="train.py run folder, checkpoints folder or step folder, or an "
+                             "hf-to-mcore import.")
+@click.option("--split", default="val", show_default=True, help="Energon split part.")
+@click.option("--limit", type=int, help="Conversations to read (default: all).")
+@click.option("--out", help="Output folder (default: eval_<step> beside the checkpoint).")
+@click.option("--batch-size", default=4, show_default=True, help="Prompts per generate call.")
+@click.option("--max-new-tokens", default=32, show_default=True, help="Tokens per answer.")
+@click.option("--turns", type=click.Choice(["all", "first"]), default="all", show_default=True,
+              help="Questions per conversation: every assistant turn, or the first.")
+@click.option("--blank-media", is_flag=True,
+              help="Zero every pixel row (the vision-signal control; also data.blank_media=true).")
+@click.option("--progress-every", type=float, default=30.0, show_default=True,
+              help="Seconds between progress lines when stdout is not a terminal.")
+def cli(args: tuple[str, ...], ckpt: str | None, **options) -> None:
+    """Answer the val questions of a checkpoint greedily and score them. CONFIG (a run config
+    YAML) refines the config stored with a train.py checkpoint (required for an hf-to-mcore
+    import); KEY=VALUE overrides as in train.py."""
+    if not ckpt:
+        raise click.UsageError(USAGE)
+    config = args[0] if args and "=" not in args[0] else None
+    run(Args(ckpt=ckpt, config=config, overrides=args[1:] if config else args, **options))
+
+
 def main(argv=None) -> int:
+    from models.cli import run_click
     from models.run_config import ConfigError
     from models.training import UsageError
 
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (EvalError, ConfigError, UsageError) as error:
-        print(f"eval.py: error: {error}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    return run_click(cli, "eval.py", argv, (EvalError, ConfigError, UsageError))
 
 
 if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns a Manager process

@@ -3,31 +3,38 @@
 A recipe, top to bottom:
 
     python train.py configs/train_qwen_vl_mantis.yaml [key=value ...] [--resume [CKPT]]
+    python train.py CONFIG ... --overwrite             # start again in an out that holds a run
     python train.py configs/train_nemotron_omni_infovqa.yaml ...
     torchrun --nproc-per-node 2 train.py CONFIG parallel.cp=2 ...
     torchrun --nproc-per-node 2 train.py CONFIG parallel.pp=2 task_encoder.fixed_length=true ...
 
-Blocks: config -> checks -> distributed setup -> data -> model -> optimizer -> resume -> loop
-(-> checkpoints) -> teardown. Reusable parts live in models/training.py (schedule, metrics,
-checkpoints) and models/run_config.py (the config). Every input problem (config, data, layout,
-checkpoint) is one line on stderr and exit code 2, before the model is built.
+Blocks: config -> checks -> run folder -> distributed setup -> data -> model -> optimizer ->
+resume -> loop (-> validation, checkpoints, stop on SIGINT / SIGTERM) -> teardown. Reusable parts
+live in models/training.py (schedule, metrics, checkpoints), models/run_state.py (safe state
+files, completion, retention, the run guard, stop signals) and models/run_config.py (the config).
+Every input problem (config, data, layout, checkpoint, an ``out`` that holds a run) is one line on
+stderr and exit code 2, before the model is built. SIGINT / SIGTERM save a checkpoint after the
+current step and exit 0.
 """
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
+import click
 import torch
 
 from energon_tasks.config import TaskEncoderConfig
+from models.cli import run_click
 from models.cpu_compat import cpu_only
 from models.families import TASK_ENCODER_MODELS
 from models.run_config import ConfigError, dump_yaml, load_run_config, to_dict
-from models.training import UsageError, check_data_path, check_layout
+from models.training import UsageError, check_data_path, check_layout, check_split
 
 
 # --- adapter: the model and one forward over a batch ------------------------------------------
@@ -112,12 +119,13 @@ def forward_step(model, batch, layout, blank_media: bool):
     return out * split(shifted, 1)
 
 
-def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float) -> torch.Tensor:
-    """Forward + backward of one step's micro-batches through megatron's 1F1B pipeline schedule
-    (PP > 1): vision + embedding on the first stage, the loss on the last. Each micro-batch's
-    backward gets ``sum(token losses) * loss_scale`` as in the PP=1 loop (the schedule's own
-    division by the micro-batch count is undone). Returns the summed token loss (float64, (1,))
-    on the last stage, zero elsewhere."""
+def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float,
+                  forward_only: bool = False) -> torch.Tensor:
+    """Forward + backward (or only forward) of one step's micro-batches through megatron's 1F1B
+    pipeline schedule (PP > 1): vision + embedding on the first stage, the loss on the last. Each
+    micro-batch's backward gets ``sum(token losses) * loss_scale`` as in the PP=1 loop (the
+    schedule's own division by the micro-batch count is undone). Returns the summed token loss
+    (float64, (1,)) on the last stage, zero elsewhere."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -141,7 +149,7 @@ def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float) 
     get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=length, micro_batch_size=rows,
-        forward_only=False)
+        forward_only=forward_only)
     loss_sum = torch.zeros(1, dtype=torch.float64)
     if ps.is_pipeline_last_stage():
         for value in sums:
@@ -149,19 +157,82 @@ def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float) 
     return loss_sum
 
 
+def reduce_loss(loss_sum: torch.Tensor, layout) -> torch.Tensor:
+    """The summed token loss over DP x CP (and from the last pipeline stage to every stage)."""
+    from megatron.core import parallel_state as ps
+
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    if dp_cp.size() > 1:
+        torch.distributed.all_reduce(loss_sum, group=dp_cp)
+    if layout.pp > 1:  # the last stage's loss to every stage (rank 0 logs)
+        torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
+    return loss_sum
+
+
+def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
+    """(loss per supervised token, tokens, batches per reader) over the first
+    ``train.eval_batches`` micro-batches of each DP reader's share of the val split (the same
+    batches every time); the RNG state is left as it was."""
+    from megatron.core import parallel_state as ps
+
+    from energon_tasks.loader import get_val_loader
+    from models import training as T
+    from models.run_state import rng_state, set_rng_state
+
+    virtual, count = cfg.data.virtual_dp, cfg.train.eval_batches
+    batches = [list(itertools.islice(get_val_loader(
+        cfg.data.path, task_encoder=encoder, batch_size=cfg.train.micro_batch_size,
+        dp_rank=layout.dp_rank * virtual + v, dp_size=layout.dp * virtual, num_workers=0,
+        split_part=cfg.data.val_split_part), count)) for v in range(virtual)]
+    shortest = torch.tensor([min(len(b) for b in batches)])
+    if layout.dp > 1:  # every replica runs the same number of forwards (EP exchanges tokens)
+        torch.distributed.all_reduce(shortest, op=torch.distributed.ReduceOp.MIN,
+                                     group=ps.get_data_parallel_group())
+    batches = [b for reader in batches for b in reader[:int(shortest)]]
+    if not batches:
+        return float("nan"), 0, 0
+    saved = rng_state()
+    model.eval()
+    with torch.no_grad():
+        if layout.pp > 1:
+            loss_sum = pipeline_step(model, batches, layout, cfg.data.blank_media, 1.0,
+                                     forward_only=True)
+        else:
+            loss_sum = torch.zeros(1, dtype=torch.float64)
+            for batch in batches:
+                loss_sum += forward_step(model, batch, layout, cfg.data.blank_media).double().sum()
+    set_rng_state(saved)
+    tokens = T.step_token_total(sum(T.loss_tokens(b) for b in batches))
+    return float(reduce_loss(loss_sum, layout)) / max(tokens, 1), tokens, int(shortest)
+
+
 # --- config ------------------------------------------------------------------------------------
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="YAML in configs/")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. train.steps=20")
-    parser.add_argument("--resume", nargs="?", const="latest", default=None,
-                        help="continue from CKPT (default: the run's latest checkpoint)")
-    return parser.parse_args(argv)
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("config")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+@click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[CKPT]",
+              help="Continue a run: from CKPT (a step folder, a checkpoints folder or a run "
+                   "folder) or, without a value, from the newest complete checkpoint of this "
+                   "run (put it last, or write --resume=CKPT).")
+@click.option("--overwrite", is_flag=True,
+              help="Start again in an `out` that holds a run: its metrics, TensorBoard events "
+                   "and checkpoints are deleted first.")
+def cli(config: str, overrides: tuple[str, ...], resume: str | None, overwrite: bool) -> int:
+    """Fine-tune a VLM: CONFIG (a YAML in configs/) with dotted KEY=VALUE overrides, e.g.
+    train.steps=20 data.path=data/mantis/metadataset.yaml."""
+    return train(config, overrides, resume, overwrite)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    cfg = load_run_config(args.config, args.overrides, task_encoder_config=TaskEncoderConfig)
+    return run_click(cli, "train.py", argv, (ConfigError, UsageError))
+
+
+def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
+          overwrite: bool) -> int:
+    from models.console import KnownWarnings
+
+    cfg = load_run_config(config, overrides, task_encoder_config=TaskEncoderConfig)
+    quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
     feeds = TASK_ENCODER_MODELS[cfg.model.family]
     if cfg.task_encoder.geometry.name not in feeds:
         raise ConfigError(f"task_encoder.model {cfg.task_encoder.model!r} does not feed "
@@ -187,21 +258,27 @@ def main(argv=None) -> int:
                              "CPU MoE dispatcher, allgather, needs equal token counts per rank)")
     check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length, p.ep)
     check_data_path(cfg.data.path)
+    if cfg.train.eval_interval:
+        check_split(cfg.data.path, cfg.data.val_split_part, "train.eval_interval")
     out = Path(cfg.out)
 
-    # --- distributed setup ---------------------------------------------------------------------
+    # --- run folder: continue it, start it again, or refuse ------------------------------------
+    from models import run_state as R
     from models import training as T
 
+    ckpt_dir = cfg.checkpoint_dir
+    resume_from, clear = R.plan_start(out, ckpt_dir, resume_from, overwrite, cfg.train.auto_resume)
+    resume = T.read_train_state(resume_from, world // (p.tp * p.pp * p.cp)) if resume_from else None
+
+    # --- distributed setup ---------------------------------------------------------------------
     layout = T.init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
-    resume = None
-    if args.resume:
-        where = cfg.checkpoint_dir if args.resume == "latest" else args.resume
-        resume = T.read_train_state(where, layout.dp)
+    stop = R.StopSignal()
     is_logger = layout.rank == 0
     if is_logger:
-        out.mkdir(parents=True, exist_ok=True)
+        R.prepare_run_folder(out, ckpt_dir, clear, resume)
         (out / "config.yaml").write_text(dump_yaml(cfg))
-        print("[train] resolved config:\n" + dump_yaml(cfg), flush=True)
+        print(f"[train] resolved config: {out / 'config.yaml'}", flush=True)
+    torch.distributed.barrier()
 
     # --- data ----------------------------------------------------------------------------------
     from energon_tasks import task_encoder_for
@@ -237,6 +314,8 @@ def main(argv=None) -> int:
         num_workers=cfg.data.num_workers, shuffle_buffer_size=cfg.data.shuffle_buffer_size,
         max_samples_per_sequence=cfg.data.max_samples_per_sequence,
         seed_offset=cfg.data.seed_offset, split_part=cfg.data.split_part) for v in range(virtual)]
+    for loader in loaders:
+        stop.protect_workers(loader)
 
     # --- model ---------------------------------------------------------------------------------
     from megatron.core import dist_checkpointing
@@ -284,11 +363,18 @@ def main(argv=None) -> int:
     # --- resume --------------------------------------------------------------------------------
     start = 0
     if resume is not None:
-        states = T.load_checkpoint(resume["dir"], model=model.module, optimizer=optimizer,
-                                   layout=layout)
-        if len(states) != virtual:
-            raise UsageError(f"checkpoint {resume['dir']} holds {len(states)} loader states per "
+        from energon_tasks.loader_state import LoaderStateError, from_plain
+
+        plain, rng = R.read_rank_state(Path(resume["dir"]), layout)
+        if len(plain) != virtual:
+            raise UsageError(f"checkpoint {resume['dir']} holds {len(plain)} loader states per "
                              f"rank, data.virtual_dp is {virtual}")
+        try:
+            states = [from_plain(state) for state in plain]
+        except LoaderStateError as error:
+            raise UsageError(f"checkpoint {resume['dir']}: loader state refused ({error})"
+                             ) from None
+        T.load_checkpoint(resume, model=model.module, optimizer=optimizer, rng=rng)
         for loader, state in zip(loaders, states, strict=True):
             loader.restore_state_rank(state)
         start = resume["step"]
@@ -303,9 +389,8 @@ def main(argv=None) -> int:
     # --- loop ----------------------------------------------------------------------------------
     logger = T.MetricsLogger(out, enabled=is_logger, tensorboard=cfg.log.tensorboard,
                              wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
-                             config=to_dict(cfg), append=resume is not None)
+                             config=to_dict(cfg), start_step=start, total_steps=t.steps)
     iterators = [iter(loader) for loader in loaders]
-    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
     scale = layout.dp * layout.cp  # DDP averages over DP x CP: undo it, we divide by tokens
     meter = T.StepMeter()
     for step in range(start, t.steps):
@@ -335,10 +420,7 @@ def main(argv=None) -> int:
                 loss_sum += token_loss.detach().double().cpu()
         finalize_model_grads([model])
         _ok, grad_norm, _zeros = optimizer.step()  # clips to train.clip_grad first
-        if dp_cp.size() > 1:
-            torch.distributed.all_reduce(loss_sum, group=dp_cp)
-        if layout.pp > 1:  # the last stage's loss to every stage (rank 0 logs)
-            torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
+        reduce_loss(loss_sum, layout)
         meter.time += time.perf_counter() - step_start
         meter.wait += wait
         meter.steps += 1
@@ -351,26 +433,39 @@ def main(argv=None) -> int:
                       **meter.summary(layout)}
             logger.log(record)
             meter.reset()
+        if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
+            tick = time.perf_counter()
+            val_loss, val_tokens, val_batches = validation_loss(model, cfg, encoder, layout)
+            logger.log_validation(done, val_loss, val_tokens, val_batches,
+                                  time.perf_counter() - tick)
 
-        # --- checkpoint ----------------------------------------------------------------------
-        every = cfg.checkpoint.interval
-        if (every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final):
-            T.save_checkpoint(cfg.checkpoint_dir, done, model=model.module, optimizer=optimizer,
-                              loader_states=[loader.save_state_rank() for loader in loaders],
-                              layout=layout, config_yaml=dump_yaml(cfg), model_files=model_files,
-                              train_state={"scheduler": {"step": done, "lr": lr},
-                                           "params": n_params})
+        # --- checkpoint (and a stop asked by SIGINT / SIGTERM on any rank) -------------------
+        every, stop_signal = cfg.checkpoint.interval, stop.agreed()
+        if ((every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final)
+                or stop_signal):
+            from energon_tasks.loader_state import to_plain
+
+            step_dir = T.save_checkpoint(
+                ckpt_dir, done, model=model.module, optimizer=optimizer,
+                loader_states=[to_plain(loader.save_state_rank()) for loader in loaders],
+                layout=layout, config_yaml=dump_yaml(cfg), keep_last=t.keep_checkpoints,
+                model_files=model_files,
+                train_state={"scheduler": {"step": done, "lr": lr}, "params": n_params})
+        if stop_signal and done < t.steps:
+            if is_logger:
+                print(f"[train] stopped by {signal.Signals(stop_signal).name} after step "
+                      f"{done}/{t.steps}: checkpoint {step_dir} (continue with --resume or "
+                      "train.auto_resume=true)", flush=True)
+            break
 
     # --- teardown ------------------------------------------------------------------------------
     logger.close()
+    if is_logger and quiet.summary("log.all_warnings=true"):
+        print(f"[train] {quiet.summary('log.all_warnings=true')}", flush=True)
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns a Manager process
-    try:
-        sys.exit(main())
-    except (ConfigError, UsageError) as error:
-        print(f"train.py: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    sys.exit(main())

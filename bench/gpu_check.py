@@ -199,10 +199,11 @@ def train_part(smoke: bool, steps: int, out: Path, peak_tflops: float,
                       "train.micro_batch_size=2", "train.lr=1e-5", "train.min_lr=1e-6",
                       "train.precision=bf16"]
     proc = subprocess.run([sys.executable, "train.py", "configs/train_qwen_vl_mantis.yaml",
-                           *overrides], cwd=REPO, capture_output=True, text=True)
+                           *overrides, "--overwrite"], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"train.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r]  # training steps (not the val_loss records)
     timed = records[1:] or records  # the first step pays compilation / allocator warm-up
     tflops = statistics.median(r["tflops_per_s"] for r in timed)
     result = {"part": "train", "model": "tiny" if smoke else "qwen2.5-vl-3b", "steps": steps,

@@ -128,27 +128,61 @@ def write_histograms(report: dict, out: Path) -> Path:
     return out
 
 
-def make_encoder(model: str, tokenizer: str | None, knobs: dict):
-    """The model's task encoder (``task_encoder_for``; tokenizer from a hub id or folder)."""
-    from energon_tasks.encoders import task_encoder_for
+def run_config_task_encoder(path: Path | None) -> dict:
+    """The ``task_encoder`` section of a train.py run config (YAML), or {}.
 
-    values = {"model": model, "tokenizer": tokenizer,
-              **{k: v for k, v in knobs.items() if v is not None}}
+    Raises:
+        click.UsageError: the file is not YAML or has no such mapping.
+    """
+    if path is None:
+        return {}
     try:
-        return task_encoder_for(TaskEncoderConfig.from_dict(values))
+        section = (yaml.safe_load(path.read_text()) or {}).get("task_encoder") or {}
+    except (OSError, yaml.YAMLError, AttributeError) as error:
+        raise click.UsageError(f"--config {path}: not a run config ({error})") from None
+    if not isinstance(section, dict):
+        raise click.UsageError(f"--config {path}: task_encoder is not a mapping")
+    section.pop("context_parallel_size", None)  # follows parallel.cp in train.py
+    return section
+
+
+def make_encoder(model: str | None, tokenizer: str | None, knobs: dict,
+                 config: Path | None = None):
+    """The model's task encoder (``task_encoder_for``): the run config's ``task_encoder``
+    section (``--config``), then the options given; the tokenizer from a hub id, a local folder
+    or ``test``."""
+    from energon_tasks.encoders import task_encoder_for
+    from energon_tasks.tokenizer import load_tokenizer
+
+    values = {"model": "qwen2.5-vl", **run_config_task_encoder(config),
+              **{k: v for k, v in {"model": model, "tokenizer": tokenizer, **knobs}.items()
+                 if v is not None}}
+    try:
+        settings = TaskEncoderConfig.from_dict(values)
+        loaded = load_tokenizer(settings.tokenizer_name, settings.model, hint=TOKENIZER_HINT)
+        return task_encoder_for(settings, loaded)
     except ValueError as error:  # config problems, or a tokenizer that cannot be loaded
         raise click.ClickException(str(error)) from None
 
 
+TOKENIZER_HINT = ("pass --tokenizer test, --tokenizer <local tokenizer folder>, or --config "
+                  "<run config>")
+
+
 def knob_options(function):
-    """Decorate a click command with the budget knobs, --model and --tokenizer."""
+    """Decorate a click command with the budget knobs, --model, --tokenizer and --config."""
     for flag, field, kind in reversed(KNOBS):
         function = click.option(flag, field, type=kind, help=f"TaskEncoderConfig.{field}")(function)
-    function = click.option("--tokenizer", help="Hub id or folder (default: the model's).")(
-        function)
-    return click.option("--model", default="qwen2.5-vl", show_default=True,
-                        help="qwen2.5-vl, qwen3-vl, nemotron-omni or nemotron-omni-tiled.")(
-        function)
+    function = click.option(
+        "--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="A train.py run config: its task_encoder section (model, tokenizer, budget knobs) "
+             "is the default of these options.")(function)
+    function = click.option(
+        "--tokenizer", help="Hub id, local folder, or `test` (the tests' small tokenizer); "
+                            "default: the run config's, else the model's hub id.")(function)
+    return click.option("--model", help="qwen2.5-vl, qwen3-vl, nemotron-omni or "
+                                        "nemotron-omni-tiled (default: the run config's, else "
+                                        "qwen2.5-vl).")(function)
 
 
 @click.command("inspect")
@@ -157,9 +191,9 @@ def knob_options(function):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--plots", type=click.Path(path_type=Path), help="Write histograms to this PNG.")
 @knob_options
-def inspect(dataset_dir, split, as_json, plots, model, tokenizer, **knobs) -> None:
+def inspect(dataset_dir, split, as_json, plots, model, tokenizer, config, **knobs) -> None:
     """Dry run of the budget over DATASET_DIR's metadata (no pixel decoded)."""
-    report = predict(dataset_dir, split, make_encoder(model, tokenizer, knobs))
+    report = predict(dataset_dir, split, make_encoder(model, tokenizer, knobs, config))
     if plots:
         write_histograms(report, plots)
     report.pop("_values")

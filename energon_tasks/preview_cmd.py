@@ -94,7 +94,7 @@ def _media_html(sample: CanonicalSample, index: int, planned) -> str:
 @click.option("--split", default="train", show_default=True, help="Split part to read.")
 @click.option("--out", type=click.Path(path_type=Path), help="HTML file (preview_KEY.html).")
 @knob_options
-def preview(dataset_dir, index, split, out, model, tokenizer, **knobs) -> None:
+def preview(dataset_dir, index, split, out, model, tokenizer, config, **knobs) -> None:
     """Write an HTML page of one sample: resized media interleaved with text and token counts."""
     if index < 0:
         raise click.UsageError(f"--index must be >= 0, got {index}")
@@ -103,7 +103,8 @@ def preview(dataset_dir, index, split, out, model, tokenizer, **knobs) -> None:
     if found is None:
         raise click.UsageError(f"{dataset_dir} [{split}] has no sample {index}")
     key, doc, media = found
-    page = render(key, CanonicalSample.from_json(doc), media, make_encoder(model, tokenizer, knobs))
+    encoder = make_encoder(model, tokenizer, knobs, config)
+    page = render(key, CanonicalSample.from_json(doc), media, encoder)
     out = out or Path(f"preview_{key}.html")
     out.write_text(page, encoding="utf-8")
     click.echo(str(out))

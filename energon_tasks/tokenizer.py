@@ -1,16 +1,26 @@
 """Tokenizers of the task encoders: the real one by hub id / path, and a tiny local one for tests.
 
 This module owns how a tokenizer is obtained (``load_tokenizer``, which checks the special tokens
-of the model family) and the test tokenizer (``build_test_tokenizer``): a byte-level BPE trained on
-a few strings, with the Qwen special tokens (ids 0-6) and the Nemotron-Omni ones (``<img>``,
-``</img>``, ``<image>``, appended after training: ids 418-420, 421 tokens in all), saved as a
-folder ``transformers.AutoTokenizer`` loads without any network access. One test tokenizer serves
-both families.
+of the model family) and the test tokenizer (``build_test_tokenizer``; the name ``test``): a
+byte-level BPE trained on a few strings, with the Qwen special tokens (ids 0-6) and the
+Nemotron-Omni ones (``<img>``, ``</img>``, ``<image>``, appended after training: ids 418-420, 421
+tokens in all), saved as a folder ``transformers.AutoTokenizer`` loads without any network
+access. One test tokenizer serves both families.
+
+A hub id is looked up in the local Hugging Face cache first; only when it is not there is the
+hub asked, after a quick reachability check (``hub_reachable``: a TCP connection to
+``HF_ENDPOINT`` within a few seconds; ``HF_HUB_OFFLINE=1`` skips it), so an offline machine gets
+a one-line error within seconds instead of transformers' retries.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
+import threading
 from pathlib import Path
+from urllib.parse import urlparse
 
 #: The special tokens the Qwen-VL ChatML template uses, in the order they are added.
 QWEN_SPECIAL_TOKENS = (
@@ -37,34 +47,85 @@ _TRAINING_TEXT = [
 ]
 
 
-def load_tokenizer(name_or_path: str, model: str | None = None):
+#: The name of the small local tokenizer (``task_encoder.tokenizer: test``).
+TEST_TOKENIZER = "test"
+#: What to pass instead of an unreachable hub id (appended to the error).
+LOCAL_HINT = "pass a local tokenizer folder, or `test` (the small local tokenizer of the tests)"
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (``HF_ENDPOINT``) accepts a TCP connection within
+    ``timeout`` seconds (name resolution included); False under ``HF_HUB_OFFLINE=1``."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    address = (url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443))
+    result = []
+
+    def connect():
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            pass
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(timeout + 0.5)
+    return bool(result)
+
+
+def load_tokenizer(name_or_path: str, model: str | None = None, *, hint: str = LOCAL_HINT):
     """The tokenizer of a model for real runs (``AutoTokenizer.from_pretrained``).
 
     Args:
-        name_or_path: hub id (e.g. ``Qwen/Qwen2.5-VL-7B-Instruct``) or a local folder.
+        name_or_path: hub id (e.g. ``Qwen/Qwen2.5-VL-7B-Instruct``), a local folder, or ``test``
+            (the test tokenizer, built in a temporary folder).
         model: the ``TaskEncoderConfig.model`` whose family's special tokens are checked
             (``SPECIAL_TOKENS``); None checks the Qwen ones.
+        hint: what the caller's user should pass instead of an unreachable hub id.
 
     Raises:
-        ValueError: the id / folder cannot be loaded (one line: transformers' first line), the
-            tokenizer lacks one of the family's special tokens, or an unknown model.
+        ValueError: the id / folder cannot be loaded (one line: transformers' first line, or
+            that the hub is unreachable, with ``hint``), the tokenizer lacks one of the family's
+            special tokens, or an unknown model.
     """
     from transformers import AutoTokenizer
 
     from energon_tasks.geometry import model_family
 
     required = SPECIAL_TOKENS[model_family(model) if model else "qwen-vl"]
+    if name_or_path == TEST_TOKENIZER:
+        with tempfile.TemporaryDirectory() as folder:
+            return load_tokenizer(str(build_test_tokenizer(folder)), model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        if Path(name_or_path).is_dir():
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        else:
+            tokenizer = _from_cache_or_hub(name_or_path)
     except (OSError, ValueError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ValueError(f"cannot load tokenizer {name_or_path!r}: {first} (pass a local "
-                         "tokenizer folder or a reachable hub id)") from None
+        raise ValueError(f"cannot load tokenizer {name_or_path!r}: {first} ({hint}, or a "
+                         "reachable hub id)") from None
     vocab = tokenizer.get_vocab()
     missing = [token for token in required if token not in vocab]
     if missing:
         raise ValueError(f"tokenizer {name_or_path!r} lacks special tokens {missing}")
     return tokenizer
+
+
+def _from_cache_or_hub(hub_id: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(hub_id, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    if not hub_reachable():
+        raise ValueError(f"not a local folder, not in the Hugging Face cache, and the hub "
+                           f"({os.environ.get('HF_ENDPOINT') or 'huggingface.co'}) is "
+                           "unreachable")
+    return AutoTokenizer.from_pretrained(hub_id)
 
 
 def build_test_tokenizer(directory: str | Path, *, vocab_size: int = 600) -> Path:

@@ -12,18 +12,19 @@ checkpoint loads at any TP / PP; every family). ``verify`` runs transformers' mo
 (fp32, eager attention) and ours on generated inputs (one image; several images of different
 sizes interleaved with text; a video; Nemotron-Omni also a tiled image) and prints JSON with the
 max absolute logit difference per input. Bad paths or a wrong model family: one line on stderr,
-exit 2.
+exit 2. Each command says on stderr when it is done, and every --progress-every seconds that it
+is still running when stderr is not a terminal (SLURM logs).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import torch
 
 from models.families import config_from_hf, config_module, hf_model_class, mapping_module
@@ -332,45 +333,99 @@ def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m models.convert",
-                                 description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("hf-to-mcore")
-    a.add_argument("--hf", required=True)
-    a.add_argument("--out", required=True, type=Path)
-    a.add_argument("--tp", type=int, default=1)
-    a.add_argument("--pp", type=int, default=1)
-    b = sub.add_parser("mcore-to-hf")
-    b.add_argument("--mcore", required=True, type=Path)
-    b.add_argument("--out", required=True, type=Path)
-    c = sub.add_parser("verify")
-    c.add_argument("--hf", required=True, type=Path)
-    c.add_argument("--mcore", required=True, type=Path)
-    c.add_argument("--tp", type=int, default=1)
-    c.add_argument("--pp", type=int, default=1)
-    args = ap.parse_args(argv)
+_FOLDER = click.Path(exists=True, file_okay=False, path_type=Path)
 
-    for attr in ("mcore",) + (("hf",) if args.command == "verify" else ()):
-        path = getattr(args, attr, None)
-        if path is not None and not Path(path).is_dir():
-            _fail(f"--{attr} {path} is not a folder")
-    try:
-        ranks = getattr(args, "tp", 1) * getattr(args, "pp", 1)
-        if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                   str(ranks), "-m", "models.convert", *(argv or sys.argv[1:])]
-            raise SystemExit(subprocess.call(cmd))
-        if args.command == "hf-to-mcore":
-            hf_to_mcore(args.hf, args.out, args.tp, args.pp)
-        elif args.command == "mcore-to-hf":
-            mcore_to_hf(args.mcore, args.out)
-        else:
-            report = verify(args.hf, args.mcore, args.tp, args.pp)
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(json.dumps(report, indent=2))
-    except (ValueError, FileNotFoundError) as exc:
-        _fail(str(exc))
+
+def _console_options(function):
+    function = click.option("--all-warnings", is_flag=True,
+                            help="Show the known third-party warnings (counted and hidden "
+                                 "otherwise).")(function)
+    return click.option("--progress-every", type=float, default=30.0, show_default=True,
+                        help="Seconds between 'still running' lines when stderr is not a "
+                             "terminal.")(function)
+
+
+def _layout_options(function):
+    function = click.option("--pp", default=1, show_default=True,
+                            help="Pipeline-parallel size (processes: tp x pp, under "
+                                 "torch.distributed.run).")(function)
+    return click.option("--tp", default=1, show_default=True,
+                        help="Tensor-parallel size (processes: tp x pp, under "
+                             "torch.distributed.run).")(function)
+
+
+def _run(command: str, args: list[str], ranks: int, work, progress_every: float,
+         all_warnings: bool) -> None:
+    """``work()`` in this process, or this command again under torch.distributed.run with
+    ``ranks`` processes; rank 0 reports a heartbeat and the end on stderr (an error stays the
+    one line ``main`` prints)."""
+    from models.console import KnownWarnings, Progress, format_duration
+
+    if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+               "-m", "models.convert", command, *args, "--progress-every", str(progress_every),
+               *(["--all-warnings"] if all_warnings else [])]
+        raise SystemExit(subprocess.call(cmd))
+    quiet = KnownWarnings(enabled=not all_warnings)
+    if int(os.environ.get("RANK", "0")):
+        work()
+        return
+    with Progress("convert", progress_every, stream=sys.stderr).heartbeat(command) as progress:
+        work()
+    click.echo(f"[convert] {command}: done in {format_duration(progress.elapsed())}"
+               f"{'; ' + quiet.summary('--all-warnings') if quiet.count else ''}", err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Hugging Face <-> megatron-core checkpoints of Qwen2.5-VL / Qwen3-VL / Nemotron-Omni."""
+
+
+@cli.command("hf-to-mcore")
+@click.option("--hf", required=True, help="Hugging Face model folder, or a hub id.")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output folder: the megatron dist checkpoint (+ model and HF configs).")
+@_layout_options
+@_console_options
+def hf_to_mcore_command(hf: str, out: Path, tp: int, pp: int, **console) -> None:
+    """Import HF weights into a megatron dist checkpoint (loads at any TP / PP)."""
+    _run("hf-to-mcore", ["--hf", hf, "--out", str(out), "--tp", str(tp), "--pp", str(pp)],
+         tp * pp, lambda: hf_to_mcore(hf, out, tp, pp), **console)
+
+
+@cli.command("mcore-to-hf")
+@click.option("--mcore", required=True, type=_FOLDER, help="Megatron dist checkpoint folder.")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output folder: config.json + safetensors that transformers loads.")
+@_console_options
+def mcore_to_hf_command(mcore: Path, out: Path, **console) -> None:
+    """Export a megatron dist checkpoint as a Hugging Face model folder."""
+    _run("mcore-to-hf", [], 1, lambda: mcore_to_hf(mcore, out), **console)
+
+
+@cli.command("verify")
+@click.option("--hf", required=True, type=_FOLDER, help="Hugging Face model folder.")
+@click.option("--mcore", required=True, type=_FOLDER, help="Its megatron dist checkpoint.")
+@_layout_options
+@_console_options
+def verify_command(hf: Path, mcore: Path, tp: int, pp: int, **console) -> None:
+    """Print JSON: max |logit difference| of transformers' model and ours per generated input."""
+    def work():
+        report = verify(hf, mcore, tp, pp)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(report, indent=2))
+
+    _run("verify", ["--hf", str(hf), "--mcore", str(mcore), "--tp", str(tp), "--pp", str(pp)],
+         tp * pp, work, **console)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line; bad input is one line on stderr and ``SystemExit(2)``."""
+    from models.cli import run_click
+
+    code = run_click(cli, "python -m models.convert", argv, (ValueError, FileNotFoundError))
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Training report: loss curves (PNG) and a short markdown summary of runs' metrics.jsonl.
 
 `python -m models.report OUT RUN [RUN ...] [--pair WITH:BLANKED]` reads each run folder's
-`metrics.jsonl` (written by train.py), plots every loss curve into `OUT/loss_curves.png`, writes
-`OUT/report.md` (first/last loss, median step time, throughput) and prints the same table. A
+`metrics.jsonl` (written by train.py; each step counted once, the last record of a step wins),
+plots every loss curve (and validation loss, dashed) into `OUT/loss_curves.png`, writes
+`OUT/report.md` (first/last loss, last val_loss, median step time, throughput) and prints the
+same table. A
 `--pair` compares a run with media against the same run with media blanked (the vision-signal
 check): the mean loss of the last quarter of steps must be clearly higher without media.
 `--eval NAME=DIR` adds eval.py's overall score from DIR/scores.json, and `--eval-pair A:B`
@@ -23,11 +25,27 @@ VISION_SIGNAL_MARGIN = 0.10
 ACCURACY_MARGIN = 0.10
 
 
-def read_metrics(run: Path) -> list[dict]:
+def _records(run: Path, field: str) -> list[dict]:
+    """The records of ``metrics.jsonl`` that hold ``field``, one per step (the last one written:
+    a resumed run replays steps), in step order."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise click.ClickException(f"{run}: no metrics.jsonl (did the run finish?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_step = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and field in (record := json.loads(line)):
+            by_step[record["step"]] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """The training records of a run (``loss``, throughput, ...), one per logged step."""
+    return _records(run, "loss")
+
+
+def read_validation(run: Path) -> list[dict]:
+    """The validation records of a run (``val_loss``), one per evaluated step."""
+    return _records(run, "val_loss")
 
 
 def tail_loss(rows: list[dict]) -> float:
@@ -36,13 +54,14 @@ def tail_loss(rows: list[dict]) -> float:
     return statistics.fmean(r["loss"] for r in tail)
 
 
-def summarize(name: str, rows: list[dict]) -> dict:
+def summarize(name: str, rows: list[dict], val: list[dict] = ()) -> dict:
     return {
         "run": name,
         "steps": rows[-1]["step"],
         "loss_first": round(rows[0]["loss"], 4),
         "loss_last": round(rows[-1]["loss"], 4),
         "loss_tail_mean": round(tail_loss(rows), 4),
+        "val_loss_last": round(val[-1]["val_loss"], 4) if val else "-",
         "step_time_s_median": round(statistics.median(r["step_time_s"] for r in rows), 3),
         "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in rows), 1),
         "samples_per_s_median": round(statistics.median(r["samples_per_s"] for r in rows), 2),
@@ -58,7 +77,7 @@ def vision_signal(with_media: list[dict], blanked: list[dict]) -> dict:
             "passed": b > a * (1 + VISION_SIGNAL_MARGIN)}
 
 
-def plot(path: Path, runs: dict[str, list[dict]]) -> None:
+def plot(path: Path, runs: dict[str, list[dict]], validation: dict[str, list[dict]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,7 +85,11 @@ def plot(path: Path, runs: dict[str, list[dict]]) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rows in runs.items():
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=name)
+        line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=name)
+        if validation.get(name):
+            ax.plot([r["step"] for r in validation[name]],
+                    [r["val_loss"] for r in validation[name]], "--", color=line.get_color(),
+                    label=f"{name} (val)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (per supervised token)")
     ax.set_yscale("log")
@@ -89,9 +112,10 @@ def main(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple
          eval_pairs: tuple[str, ...], chance: float) -> None:
     """Plot loss curves and write report.md for the given run folders."""
     metrics = {run.name: read_metrics(run) for run in runs}
+    validation = {run.name: read_validation(run) for run in runs}
     out.mkdir(parents=True, exist_ok=True)
-    plot(out / "loss_curves.png", metrics)
-    rows = [summarize(name, m) for name, m in metrics.items()]
+    plot(out / "loss_curves.png", metrics, validation)
+    rows = [summarize(name, m, validation[name]) for name, m in metrics.items()]
     header = list(rows[0])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(r[k]) for k in header) + " |" for r in rows]

@@ -6,9 +6,9 @@ optional ``model.base`` YAML under the inline model section, or ``model.hf`` (a 
 model: its config.json is the model section's base, and its own files set the task encoder's
 tokenizer, pixel limits and model name, see ``_hf_model``), then command-line overrides such as
 ``train.steps=20 task_encoder.max_pixels=50176 model.lm.num_layers=2``), and how it is written
-back (``to_dict`` / ``dump_yaml``: the resolved config, logged at startup and saved in every
-checkpoint). Unknown keys are an error; every problem of a config is reported together, in one
-line (``ConfigError``).
+back (``to_dict`` / ``dump_yaml``: the resolved config, written to ``<out>/config.yaml`` at
+startup and saved in every checkpoint, where eval.py reads it back: ``stored=``). Unknown keys
+are an error; every problem of a config is reported together, in one line (``ConfigError``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class DataConfig:
 
     path: str = ""  #: Energon dataset folder or metadataset YAML (``DATA=`` on the make targets)
     split_part: str = "train"  #: Energon split part
+    val_split_part: str = "val"  #: Energon split part of the validation loss (train.eval_interval)
     num_workers: int = 1  #: loader worker processes per data-parallel rank (0 = main process)
     shuffle_buffer_size: int = 100  #: samples in the shuffle buffer
     max_samples_per_sequence: int = 100  #: samples read in a row from one shard
@@ -82,6 +83,14 @@ class TrainConfig:
     #: shard the optimizer state (fp32 master weights, Adam moments) over the data-parallel ranks
     #: (megatron's DistributedOptimizer: reduce-scatter of grads, all-gather of updated params)
     distributed_optimizer: bool = True
+    #: validation loss on data.val_split_part every N steps (0: never), over eval_batches
+    #: micro-batches per data-parallel rank (the same ones each time)
+    eval_interval: int = 0
+    eval_batches: int = 8
+    #: resume from the newest complete checkpoint of the run when there is one (a requeued job);
+    #: otherwise start at step 0 (replacing what an earlier attempt logged)
+    auto_resume: bool = False
+    keep_checkpoints: int = 2  #: newest complete checkpoints kept (0: all)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,6 +99,7 @@ class LogConfig:
     tensorboard: bool = True  #: when torch.utils.tensorboard imports
     wandb: bool = False  #: when wandb imports
     wandb_project: str = "vlm-sft"
+    all_warnings: bool = False  #: show the known third-party warnings (counted and hidden)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,8 +135,12 @@ SECTIONS = {"data": DataConfig, "parallel": ParallelConfig, "train": TrainConfig
 
 # ------------------------------------------------------------------ parsing helpers
 def parse_value(text: str) -> Any:
-    """A command-line value: YAML scalar/list, with '1e-3'-style numbers read as numbers."""
-    value = yaml.safe_load(text) if text != "" else ""
+    """A command-line value: YAML scalar/list, with '1e-3'-style numbers read as numbers; text
+    that is not YAML (e.g. a layer pattern ``*E-E``, a YAML alias) is taken as a string."""
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
     if isinstance(value, str):
         for kind in (int, float):
             try:
@@ -321,7 +335,11 @@ def _check_values(s: dict) -> list[str]:
         ("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
         ("train.grad_accum", t.grad_accum), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
         ("parallel.cp", p.cp), ("data.virtual_dp", d.virtual_dp),
-        ("log.interval", s["log"].interval)) if value < 1]
+        ("log.interval", s["log"].interval), ("train.eval_batches", t.eval_batches))
+        if value < 1]
+    problems += [f"{name} must be >= 0, got {value}" for name, value in (
+        ("train.eval_interval", t.eval_interval), ("train.keep_checkpoints", t.keep_checkpoints))
+        if value < 0]
     if t.precision not in ("auto", "fp32", "bf16"):
         problems.append(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
     if t.lr < t.min_lr:
@@ -329,19 +347,39 @@ def _check_values(s: dict) -> list[str]:
     return problems
 
 
-def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
-                    task_encoder_config: type) -> RunConfig:
+def _merged(base: dict, top: dict) -> dict:
+    """``base`` with ``top``'s keys over it, section by section (nested mappings merged)."""
+    out = dict(base)
+    for key, value in top.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
+                    task_encoder_config: type, stored: dict | None = None) -> RunConfig:
     """Read ``path`` (YAML), apply dotted ``key=value`` overrides, build and validate.
+
+    ``stored``: the run config saved with a checkpoint (eval.py). It is the base: the file, when
+    given, only refines it (its ``model`` section is ignored: the checkpoint's model is the one
+    evaluated), then the overrides apply.
 
     Raises:
         ConfigError: the file is missing or not YAML, or any invalid key/value (all listed).
     """
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as error:
-        raise ConfigError(f"config {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    raw = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as error:
+            raise ConfigError(f"config {path}: {error.strerror}") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})"
+                              ) from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config {path}: not a mapping of sections")
+    if stored is not None:
+        raw = _merged(stored, {k: v for k, v in raw.items() if k != "model"})
     errors = []
     # ``model.base=<yaml>`` or ``model.hf=<model>`` on the command line swaps the model: it
     # replaces the file's whole model section (whose inline keys describe another model), and

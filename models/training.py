@@ -5,15 +5,17 @@ Stages, in the order train.py uses them:
 
 1. ``check_layout`` / ``init_distributed``: world size vs TP x PP x CP (x EP), gloo (CPU) or
    nccl (GPU), megatron ``parallel_state``, seeded RNG tracker (``models.cpu_compat`` on CPU).
-2. ``check_data_path`` / ``probe_first_batch``: a missing or empty dataset, or one whose samples
-   the budget all skips, is a ``UsageError`` before the model is built.
+2. ``check_data_path`` / ``check_split`` / ``probe_first_batch``: a missing or empty dataset, a
+   missing split, or one whose samples the budget all skips, is a ``UsageError`` before the
+   model is built.
 3. ``lr_at``: linear warmup then cosine decay (the scheduler state is the step).
 4. ``loss_tokens`` / ``step_token_total``: per-token loss normalised over micro-batches, DP and CP.
 5. ``StepMeter`` / ``MetricsLogger``: throughput, FLOPs (``models.flops.batch_flops``), peak
    memory, budget counters; console + metrics.jsonl + TensorBoard (+ wandb).
 6. ``save_checkpoint`` / ``read_train_state`` / ``load_checkpoint``: megatron dist_checkpointing
    of model + (distributed) optimizer, the Energon loader state of every DP rank, RNG,
-   scheduler, config.
+   scheduler, config; the safe state files, completion marker and retention are
+   ``models.run_state``'s.
 
 Raises ``UsageError`` (one line; train.py exits 2) for every input problem it detects.
 """
@@ -22,14 +24,13 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import resource
 import shutil
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -108,6 +109,34 @@ def check_data_path(path: str) -> None:
                              f"use {p / 'metadataset.yaml'}")
         raise UsageError(f"data.path {path} is not an Energon dataset "
                          "(no .nv-meta/dataset.yaml) or it is empty")
+
+
+def check_split(path: str, split: str, needed_by: str = "") -> None:
+    """The dataset folder / metadataset must declare the split part (before anything is built).
+
+    Raises:
+        UsageError: a missing or unreadable path, or no such split (the message lists those
+            there are, and names ``needed_by``: the setting that asks for the split).
+    """
+    import yaml
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"data path {path} does not exist")
+    try:
+        if p.is_file():
+            splits = (yaml.safe_load(p.read_text()) or {}).get("splits") or {}
+        else:
+            meta = p / ".nv-meta" / "split.yaml"
+            if not meta.is_file():
+                raise UsageError(f"{path} is not an Energon dataset (no .nv-meta/split.yaml)")
+            splits = (yaml.safe_load(meta.read_text()) or {}).get("split_parts") or {}
+    except (OSError, yaml.YAMLError, AttributeError) as error:
+        raise UsageError(f"data path {path} is unreadable ({error})") from None
+    if not splits.get(split):
+        have = ", ".join(sorted(k for k in splits if "/" not in k)) or "none"
+        hint = f" for {needed_by} (set it to 0 or name another split)" if needed_by else ""
+        raise UsageError(f"dataset {path} has no {split!r} split{hint} (splits: {have})")
 
 
 def _blend_members(path: str, split_part: str) -> list[tuple[str, str]]:
@@ -249,20 +278,28 @@ class StepMeter:
 
 
 class MetricsLogger:
-    """Console + ``metrics.jsonl`` + TensorBoard (when importable) + wandb (when asked)."""
+    """Console + ``metrics.jsonl`` + TensorBoard (when importable) + wandb (when asked).
+
+    A resumed run (``start_step`` > 0) appends to metrics.jsonl (``run_state.trim_metrics`` has
+    dropped the records after ``start_step``) and TensorBoard purges its events after it, so
+    every step is logged once. The console line shows ``step i/N``, elapsed time and the ETA of
+    this process's steps.
+    """
 
     def __init__(self, out: Path, *, enabled: bool, tensorboard: bool, wandb: bool,
-                 wandb_project: str, config: dict, append: bool):
+                 wandb_project: str, config: dict, start_step: int, total_steps: int):
         self.enabled = enabled
         self.tb = self.wandb = None
+        self.start_step, self.total_steps = start_step, total_steps
+        self.started = time.perf_counter()
         if not enabled:
             return
         out.mkdir(parents=True, exist_ok=True)
-        self.file = open(out / "metrics.jsonl", "a" if append else "w")
+        self.file = open(out / "metrics.jsonl", "a" if start_step else "w")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(out / "tensorboard"))
+                self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1)
             except ImportError:
                 print("[train] TensorBoard not installed: logging to metrics.jsonl only")
         if wandb:
@@ -272,27 +309,47 @@ class MetricsLogger:
             except ImportError:
                 print("[train] wandb not installed: skipped")
 
+    def _timing(self, step: int) -> str:
+        from models.console import eta, format_duration
+
+        elapsed = time.perf_counter() - self.started
+        return (f"elapsed {format_duration(elapsed)} ETA "
+                f"{eta(elapsed, step - self.start_step, self.total_steps - self.start_step)}")
+
+    def _write(self, record: dict, scalars: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
+
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
         budget = record.get("budget", {})
-        print(f"[train] step {record['step']:>5} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-              f"gnorm {record['grad_norm']:.3f} step {record['step_time_s']:.2f}s "
-              f"wait {record['data_wait_s']:.2f}s {record['samples_per_s']:.1f} samp/s "
-              f"{record['tokens_per_s']:.0f} tok/s {record['visual_tokens_per_s']:.0f} vis/s "
-              f"{record['images_per_s']:.1f} img/s {record['tflops_per_s']:.4f} TFLOP/s "
-              f"mem {record['peak_mem_gb']:.2f}GB "
-              f"skipped {sum(v for k, v in budget.items() if k.startswith('skipped_'))}",
-              flush=True)
+        print(f"[train] step {record['step']}/{self.total_steps} loss {record['loss']:.4f} "
+              f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f} "
+              f"step {record['step_time_s']:.2f}s wait {record['data_wait_s']:.2f}s "
+              f"{record['samples_per_s']:.1f} samp/s {record['tokens_per_s']:.0f} tok/s "
+              f"{record['visual_tokens_per_s']:.0f} vis/s {record['images_per_s']:.1f} img/s "
+              f"{record['tflops_per_s']:.4f} TFLOP/s mem {record['peak_mem_gb']:.2f}GB "
+              f"skipped {sum(v for k, v in budget.items() if k.startswith('skipped_'))} "
+              f"{self._timing(record['step'])}", flush=True)
         flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         flat.update({f"budget/{k}": v for k, v in budget.items()})
-        if self.tb is not None:
-            for key, value in flat.items():
-                self.tb.add_scalar(key, value, record["step"])
-        if self.wandb is not None:
-            self.wandb.log(flat, step=record["step"])
+        self._write(record, flat)
+
+    def log_validation(self, step: int, loss: float, tokens: int, batches: int,
+                       seconds: float) -> None:
+        """A ``val_loss`` record (per supervised token of ``batches`` val batches)."""
+        if not self.enabled:
+            return
+        print(f"[train] step {step}/{self.total_steps} val_loss {loss:.4f} ({batches} val "
+              f"batches, {tokens} tokens, {seconds:.1f}s)", flush=True)
+        self._write({"step": step, "val_loss": loss, "val_loss_tokens": tokens,
+                     "val_batches": batches}, {"val_loss": loss})
 
     def close(self) -> None:
         if self.enabled:
@@ -307,43 +364,32 @@ class MetricsLogger:
 TRAIN_STATE = "train_state.json"
 
 
-def rng_state() -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": None if cpu_only() else torch.cuda.get_rng_state(),
-            "tracker": get_cuda_rng_tracker().get_states()}
-
-
-def set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and not cpu_only():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A step folder, a checkpoint dir with a ``latest`` file, or a run folder (its
-    ``checkpoints/``) -> the step folder."""
+    """A step folder, a checkpoint dir, or a run folder (its ``checkpoints/``) -> the step
+    folder: the newest complete one of a checkpoint dir (``models.run_state.COMPLETE``)."""
+    from models.run_state import newest_complete, step_folders
+
     path = Path(path)
-    if (path / "checkpoints" / "latest").is_file():
+    if (path / "checkpoints").is_dir() and not step_folders(path):
         path = path / "checkpoints"
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
+    if step_folders(path):
+        return newest_complete(path) or path
     return path
 
 
-def read_train_state(path: str | Path, layout_dp: int) -> dict:
-    """Read and validate a checkpoint's train_state.json before any heavy work.
+def read_train_state(path: str | Path, dp: int) -> dict:
+    """Read and validate a checkpoint before any heavy work: train_state.json, completion,
+    the data-parallel size, and every state file (``models.run_state``: safe formats only).
+
+    Returns:
+        The train state with ``dir`` (the step folder) and ``step``.
 
     Raises:
-        UsageError: missing/unreadable checkpoint, or a data-parallel size that differs.
+        UsageError: missing, half-written or unreadable checkpoint, a foreign state file, or a
+            data-parallel size that differs.
     """
+    from models.run_state import COMPLETE, check_dist_metadata, check_rank_states
+
     step_dir = resolve_checkpoint(path)
     try:
         state = json.loads((step_dir / TRAIN_STATE).read_text())
@@ -353,10 +399,15 @@ def read_train_state(path: str | Path, layout_dp: int) -> dict:
                          f"{str(error).splitlines()[0] if str(error) else ''})") from None
     if not (step_dir / "model_optim" / "metadata.json").is_file():
         raise UsageError(f"checkpoint {step_dir} is unreadable (no model_optim/metadata.json)")
-    if saved_dp != layout_dp:
+    if not (step_dir / COMPLETE).is_file():
+        raise UsageError(f"checkpoint {step_dir} is incomplete (no {COMPLETE} marker: its save "
+                         "was interrupted); resume from an earlier one")
+    if saved_dp != dp:
         raise UsageError(f"checkpoint {step_dir} was saved with data-parallel size {saved_dp}, "
-                         f"this run has {layout_dp}: the Energon loader state cannot be "
+                         f"this run has {dp}: the Energon loader state cannot be "
                          "redistributed (resume with the same DP size)")
+    check_dist_metadata(step_dir / "model_optim")
+    check_rank_states(step_dir)
     state["dir"] = str(step_dir)
     state["step"] = step
     return state
@@ -422,12 +473,16 @@ def _sharded(model, optimizer, is_loading: bool) -> dict:
 def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_states: list,
                     layout: Layout, train_state: dict, config_yaml: str, keep_last: int = 2,
                     model_files: dict[str, bytes] | None = None) -> Path:
-    """Write ``ckpt_dir/step_<N>/`` (collective: every rank calls it) and update ``latest``.
+    """Write ``ckpt_dir/step_<N>/`` (collective: every rank calls it), mark it complete, update
+    ``latest`` and keep the newest ``keep_last`` complete step folders (0: all).
 
-    ``loader_states``: this rank's Energon loader states (one per virtual DP reader).
+    ``loader_states``: this rank's Energon loader states (one per virtual DP reader), in their
+    plain form (``energon_tasks.loader_state.to_plain``).
     ``model_files``: what export needs besides weights (``models.checkpoint.model_record``).
     """
     from megatron.core import dist_checkpointing
+
+    from models.run_state import mark_complete, prune, write_rank_state
 
     step_dir = ckpt_dir / f"step_{step:06d}"
     if layout.rank == 0:
@@ -438,9 +493,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_state
     dist.barrier()
     dist_checkpointing.save(_sharded(model, optimizer, is_loading=False),
                             str(step_dir / "model_optim"))
-    if layout.first_in_replica:
-        torch.save(loader_states, step_dir / "loader" / f"dp_{layout.dp_rank:05d}.pt")
-    torch.save(rng_state(), step_dir / "rng" / f"rank_{layout.rank:05d}.pt")
+    write_rank_state(step_dir, layout, loader_states)
     dist.barrier()
     if layout.rank == 0:
         record = {**train_state, "step": step,
@@ -448,23 +501,25 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_state
         (step_dir / TRAIN_STATE).write_text(json.dumps(record, indent=2))
         (step_dir / "config.yaml").write_text(config_yaml)
         write_files(step_dir, model_files or {})
+        mark_complete(step_dir, step)  # last: a folder without it is never resumed from
         (ckpt_dir / "latest").write_text(step_dir.name + "\n")
-        old = sorted(p for p in ckpt_dir.glob("step_*") if p.name != step_dir.name)
-        for stale in old[: max(0, len(old) - (keep_last - 1))]:
-            shutil.rmtree(stale, ignore_errors=True)
+        prune(ckpt_dir, step, keep_last)
     dist.barrier()
     return step_dir
 
 
-def load_checkpoint(step_dir: str | Path, *, model, optimizer, layout: Layout) -> list:
-    """Restore model + optimizer + RNG in place; returns this replica's loader states.
+def load_checkpoint(resume: dict, *, model, optimizer, rng: dict | None) -> None:
+    """Restore model + optimizer (+ this rank's RNG) in place; ``resume`` is
+    ``read_train_state``'s result (the loader states are train.py's to restore).
 
     Raises:
         UsageError: the dist checkpoint does not match the model (one line).
     """
     from megatron.core import dist_checkpointing
 
-    step_dir = Path(step_dir)
+    from models.run_state import set_rng_state
+
+    step_dir = Path(resume["dir"])
     _prime_torch_adam_state(optimizer)
     try:
         state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True),
@@ -473,14 +528,9 @@ def load_checkpoint(step_dir: str | Path, *, model, optimizer, layout: Layout) -
         with torch.no_grad():  # the distributed optimizer copies into views of the parameters
             optimizer.load_state_dict(state["optimizer"])
         _restore_torch_adam_steps(optimizer, state["optimizer"])
-        loader_states = torch.load(step_dir / "loader" / f"dp_{layout.dp_rank:05d}.pt",
-                                   weights_only=False)
-        rng = step_dir / "rng" / f"rank_{layout.rank:05d}.pt"
-        if rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=False))
-    except (OSError, RuntimeError, KeyError, ValueError) as error:
+        if rng is not None:
+            set_rng_state(rng)
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
         raise UsageError(f"checkpoint {step_dir} cannot be loaded: {type(error).__name__}: "
                          f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
                          ) from None
-    return loader_states
-

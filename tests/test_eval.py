@@ -185,6 +185,16 @@ def test_bad_checkpoint_family(imported, infovqa_out, tmp_path):
     assert "qwen3_vl" in _one_line_exit_2(proc)
 
 
+def test_missing_checkpoint_is_one_usage_line():
+    """eval.py and make eval-... without a checkpoint: one line naming what to pass."""
+    assert "--ckpt CKPT is required" in _one_line_exit_2(run_eval("configs/x.yaml"))
+    venv = Path(sys.executable).parents[1]
+    proc = subprocess.run(["make", "-s", "-o", str(venv / ".installed"), f"VENV={venv}",
+                           "eval-qwen-vl-mantis"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "usage: make eval-qwen-vl-mantis CKPT=" in proc.stderr
+
+
 def test_not_a_checkpoint(infovqa_out, tmp_path):
     proc = run_eval("configs/train_qwen_vl_infovqa.yaml", f"data.path={infovqa_out}",
                     "--ckpt", str(tmp_path), "--out", str(tmp_path / "e"))

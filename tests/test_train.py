@@ -1,4 +1,5 @@
-"""train.py: config loading, schedule, bad input (exit 2), end-to-end runs, exact resume,
+"""train.py: config loading, schedule, bad input (exit 2), end-to-end runs, exact resume (also
+after SIGTERM, with auto_resume), the run-folder and checkpoint refusals, validation loss,
 DP=2 / CP=2 / PP=2 equivalence and the vision-signal check (tiny Qwen-VL and tiny Nemotron-Omni on
 the lookalike datasets)."""
 
@@ -7,12 +8,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from energon_tasks.config import TaskEncoderConfig
 from models.run_config import ConfigError, load_run_config, to_dict
@@ -40,8 +44,14 @@ def train(*args: str, nproc: int = 1, env: dict | None = None, timeout: int = 30
                           env={**os.environ, **(env or {})})
 
 
+def records(out: Path, field: str = "loss") -> list[dict]:
+    """The metrics.jsonl records of a run that hold ``field`` (training or val_loss ones)."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if field in r]
+
+
 def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records(out)]
 
 
 def ok(proc) -> None:
@@ -67,6 +77,8 @@ def test_config_loads_with_overrides():
     assert cfg.task_encoder.max_pixels == 50176 and cfg.data.path == "/x"
     assert cfg.task_encoder.context_parallel_size == 2  # follows parallel.cp
     assert to_dict(cfg)["train"]["steps"] == 7 and cfg.checkpoint_dir == Path("/tmp/o/checkpoints")
+    # a value that is no YAML (here an alias-like layer pattern) is taken as text
+    assert run_config(NEMOTRON_MANTIS_CFG, ["model.lm.pattern=*E-E"]).model.lm.pattern == "*E-E"
 
 
 def test_model_base_override_swaps_the_model():
@@ -142,30 +154,119 @@ def test_unreadable_checkpoint_and_all_skipped_exit_2(mantis_out, tmp_path):
 
 
 # ------------------------------------------------------------------ end to end
+#: the reference run: 4 steps, checkpoints at 2 and 4, val_loss (2 val batches) at 2 and 4
+REFERENCE = ["train.steps=4", "checkpoint.interval=2", "train.eval_interval=2",
+             "train.eval_batches=2", *FAST]
+
+
 @pytest.fixture(scope="session")
 def mantis_reference(mantis_out, tmp_path_factory):
     """4 steps on mantis, checkpoint at step 2: the reference of resume and CP=2."""
     out = tmp_path_factory.mktemp("ref")
-    ok(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={out}",
-             "train.steps=4", "checkpoint.interval=2", *FAST))
+    proc = train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={out}",
+                 *REFERENCE)
+    ok(proc)
+    (out / "stdout.txt").write_text(proc.stdout)
     return out
 
 
 @pytest.mark.slow
 def test_mantis_run_logs_metrics_and_checkpoints(mantis_reference):
-    records = [json.loads(x) for x in (mantis_reference / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    logged = records(mantis_reference)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
     for key in ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "samples_per_s",
                 "tokens_per_s", "visual_tokens_per_s", "images_per_s", "tflops_per_s",
                 "peak_mem_gb", "budget"):
-        assert key in records[0], key
-    assert records[-1]["loss"] < records[0]["loss"]
-    assert records[0]["visual_tokens_per_s"] > 0 and records[0]["budget"]["samples"] > 0
+        assert key in logged[0], key
+    assert logged[-1]["loss"] < logged[0]["loss"]
+    assert logged[0]["visual_tokens_per_s"] > 0 and logged[0]["budget"]["samples"] > 0
+    validation = records(mantis_reference, "val_loss")
+    assert [r["step"] for r in validation] == [2, 4]
+    assert validation[1]["val_loss"] < validation[0]["val_loss"]
+    assert all(r["val_batches"] == 2 and r["val_loss_tokens"] > 0 for r in validation)
     step = mantis_reference / "checkpoints" / "step_000002"
     assert (mantis_reference / "checkpoints" / "latest").read_text().strip() == "step_000004"
-    for part in ("model_optim/metadata.json", "loader/dp_00000.pt", "rng/rank_00000.pt",
-                 "train_state.json", "config.yaml"):
+    for part in ("model_optim/metadata.json", "loader/dp_00000.json", "rng/rank_00000.pt",
+                 "train_state.json", "config.yaml", "COMPLETE"):
         assert (step / part).exists(), part
+    stdout = (mantis_reference / "stdout.txt").read_text()
+    assert "step 3/4" in stdout and "ETA" in stdout and "elapsed" in stdout
+    assert "model:" not in stdout and (mantis_reference / "config.yaml").is_file()  # not dumped
+    assert "known third-party warning(s) hidden" in stdout
+
+
+def refusal(capsys, *args: str) -> str:
+    """train.py's main() in this process, for refusals made before any setup: the one line."""
+    sys.path.insert(0, str(REPO))
+    import train as script
+
+    assert script.main([str(MANTIS_CFG), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error:"), lines
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_refusals_of_run_folders_and_checkpoints(mantis_reference, mantis_out, tmp_path, capsys):
+    """One line, exit 2, before the model is built: an out that holds a run (without --resume /
+    --overwrite), a pickle planted where a state file should be (never unpickled), a checkpoint
+    whose save did not complete."""
+    data = f"data.path={mantis_out}/metadataset.yaml"
+    line = refusal(capsys, data, f"out={mantis_reference}", *FAST)
+    assert "holds a run" in line and "--resume" in line and "--overwrite" in line
+    assert "exclude" in refusal(capsys, data, f"out={tmp_path}", "--overwrite", "--resume")
+    marker = tmp_path / "unpickled"
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    for state_file in ("loader/dp_00000.json", "rng/rank_00000.pt", "model_optim/.metadata"):
+        step = tmp_path / state_file.split("/")[0] / "step_000002"
+        shutil.copytree(mantis_reference / "checkpoints" / "step_000002", step)
+        (step / state_file).write_bytes(pickle.dumps(Planted()))
+        line = refusal(capsys, data, f"out={tmp_path / 'out'}", "--resume", str(step))
+        assert "refused" in line and state_file.split("/")[-1] in line, line
+    assert not marker.exists()
+    (step / "COMPLETE").unlink()
+    line = refusal(capsys, data, f"out={tmp_path / 'out'}", "--resume", str(step))
+    assert "incomplete" in line
+
+
+@pytest.mark.slow
+def test_sigterm_then_auto_resume_equals_uninterrupted(mantis_reference, mantis_out, tmp_path):
+    """SIGTERM mid-run: a checkpoint at the next step boundary, one line, exit 0. Then
+    ``train.auto_resume=true`` picks the newest COMPLETE checkpoint (not a half-written later
+    one), metrics.jsonl holds each step once (a record the interrupted run wrote after its last
+    checkpoint is replaced) and the losses equal the uninterrupted run's, bit for bit."""
+    args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={tmp_path}",
+            *REFERENCE]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=stderr)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[train] step 1/4 loss"):
+                proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    stopped = [ln for ln in lines if "stopped by SIGTERM" in ln]
+    assert len(stopped) == 1, "".join(lines)
+    saved = int(stopped[0].split("after step ")[1].split("/")[0])
+    assert saved < 4 and losses(tmp_path) == losses(mantis_reference)[:saved]
+    ckpts = tmp_path / "checkpoints"
+    half = ckpts / f"step_{saved + 1:06d}"  # a later save that did not complete
+    shutil.copytree(ckpts / f"step_{saved:06d}", half)
+    (half / "COMPLETE").unlink()
+    with open(tmp_path / "metrics.jsonl", "a") as metrics:
+        metrics.write(json.dumps({"step": saved + 1, "loss": 0.0}) + "\n")
+    proc = train(*args, "train.auto_resume=true", "train.keep_checkpoints=1")
+    ok(proc)
+    assert f"resuming from {ckpts / f'step_{saved:06d}'}" in proc.stdout
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4]
+    assert losses(tmp_path) == losses(mantis_reference)
+    assert records(tmp_path, "val_loss") == records(mantis_reference, "val_loss")
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000004"]  # keep_checkpoints=1
 
 
 @pytest.mark.slow
@@ -219,9 +320,9 @@ def test_other_datasets_run(family, fixture, request, tmp_path):
     data = request.getfixturevalue(fixture)
     ok(train(str(REPO / "configs" / f"train_{family}_{name}.yaml"),
              f"data.path={data}/metadataset.yaml", f"out={tmp_path}", "train.steps=4", *FAST))
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["loss"] < records[0]["loss"]
-    assert sum(r["visual_tokens_per_s"] for r in records) > 0
+    logged = records(tmp_path)
+    assert logged[-1]["loss"] < logged[0]["loss"]
+    assert sum(r["visual_tokens_per_s"] for r in logged) > 0
 
 
 @pytest.mark.slow
@@ -404,3 +505,22 @@ def test_nemotron_packed_pp2_equals_pp1(mantis_out, tmp_path):
     B*L tokens (Mamba states restart per segment), which is also what the stages exchange."""
     pp2_and_pp1_losses(NEMOTRON_MANTIS_CFG, mantis_out, tmp_path,
                        shared=("task_encoder.packing=true",))
+
+
+@pytest.mark.slow
+def test_eval_reads_the_run_config_from_the_checkpoint(mantis_reference, tmp_path):
+    """eval.py --ckpt alone: the data, task encoder and tokenizer of the run come from the config
+    stored with the checkpoint; the output goes beside the checkpoint; progress lines when
+    stdout is not a terminal."""
+    step = tmp_path / "step_000004"
+    shutil.copytree(mantis_reference / "checkpoints" / "step_000004", step)
+    proc = subprocess.run([sys.executable, "eval.py", "--ckpt", str(step), "--limit", "2",
+                           "--max-new-tokens", "2", "--progress-every", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scores = json.loads((tmp_path / "eval_step_000004" / "scores.json").read_text())
+    assert scores["checkpoint_kind"] == "train.py step_000004" and scores["conversations"] == 2
+    stored = yaml.safe_load((step / "config.yaml").read_text())
+    assert scores["data"] == stored["data"]["path"]
+    assert scores["task_encoder"]["tokenizer"] == "test"
+    assert "[eval] 2/2 conversations" in proc.stdout

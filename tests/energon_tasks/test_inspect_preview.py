@@ -1,14 +1,20 @@
-"""`inspect` predicts what the loader does; `preview` renders one sample as HTML."""
+"""`inspect` predicts what the loader does; `preview` renders one sample as HTML; both take the
+test tokenizer, a run config's settings, and fail fast offline."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
 
 from energon_tasks.__main__ import main
 from energon_tasks.loader import get_val_loader
+from tests.conftest import REPO
 
 KNOBS = {"min_pixels": 784, "max_num_images": 2, "max_visual_tokens": 20,
          "seq_length": 128}
@@ -59,3 +65,30 @@ def test_preview_writes_html_with_resized_media(tokenizer_dir, mantis_out, tmp_p
     assert "grid_thw" in page and "visual tokens" in page and "tokens]" in page
     assert main(["preview", str(mantis_out), "--index", "100000", "--tokenizer",
                  str(tokenizer_dir)]) == 2
+
+
+def test_inspect_takes_the_test_tokenizer_and_a_run_config(mantis_out, capsys):
+    """``--tokenizer test`` (what the train configs use) and ``--config RUN_CONFIG`` (its
+    task_encoder section: model, tokenizer, budget knobs; options still override)."""
+    assert main(["inspect", str(mantis_out), "--tokenizer", "test", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["tokenizer"] == "test"
+    config = REPO / "configs" / "train_nemotron_omni_mantis.yaml"
+    assert main(["inspect", str(mantis_out), "--config", str(config), "--seq-length", "512",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["config"]
+    assert (report["model"], report["tokenizer"], report["seq_length"]) == (
+        "nemotron-omni", "test", 512)
+
+
+def test_unreachable_hub_fails_fast_with_one_line(mantis_out, tmp_path):
+    """The default tokenizer is a hub id: offline (nothing cached, the hub refuses connections)
+    the command fails within seconds with one line saying what to pass."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "energon_tasks", "inspect", str(mantis_out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "unreachable" in proc.stderr and "--tokenizer test" in proc.stderr
+    assert elapsed < 30  # was ~57 s of retries; the hub check itself takes < 1 s here

@@ -1,14 +1,16 @@
-"""The savable loader over converted shards: exact resume with 0 and 2 workers, counters."""
+"""The savable loader over converted shards: exact resume with 0 and 2 workers (the state through
+its JSON form, energon_tasks.loader_state), counters."""
 
 from __future__ import annotations
 
 import gc
-import io
+import json
 
 import pytest
 import torch
 
 from energon_tasks.loader import get_train_loader, get_val_loader
+from energon_tasks.loader_state import LoaderStateError, from_plain, to_plain
 
 
 def take(iterator, count):
@@ -37,13 +39,11 @@ def test_resume_gives_the_same_next_batches(make_encoder, video_out, workers, pa
     first = loader()
     iterator = iter(first)
     seen = take(iterator, 3)
-    state = first.save_state_rank()
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
+    saved = json.dumps(to_plain(first.save_state_rank()))  # what a checkpoint stores
     expected = take(iterator, 3)
     del iterator, first
     resumed = loader()
-    resumed.restore_state_rank(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    resumed.restore_state_rank(from_plain(json.loads(saved)))
     iterator = iter(resumed)
     got = take(iterator, 3)
     del iterator, resumed  # shut the workers down now, not during a later test
@@ -63,3 +63,12 @@ def test_val_loader_reads_every_sample_once_with_subflavors(make_encoder, mantis
         counted += batch.budget_counters.get("samples", 0)
     assert len(keys) == len(set(keys)) == counted
     assert len(configs) > 1
+
+
+def test_loader_state_refuses_foreign_classes():
+    """Only Energon's own state classes are rebuilt: a name elsewhere is refused, not imported."""
+    for name in ("os:system", "subprocess:Popen", "megatron.energon.nope:X"):
+        with pytest.raises(LoaderStateError, match="unknown state class"):
+            from_plain({"__t": "state", "class": name, "v": {}})
+    with pytest.raises(LoaderStateError, match="untagged"):
+        from_plain({"args": ["rm", "-rf", "/"]})
