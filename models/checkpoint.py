@@ -239,10 +239,15 @@ def model_record(hf_folder: Path | None, tokenizer=None) -> dict[str, bytes]:
 
 def load_checkpoint(path: Path, use_te: bool | None = None):
     """Build the model described by the checkpoint (an import folder or a train.py run / step
-    folder, ``find_model_checkpoint``) at the current TP/PP and load its weights."""
+    folder, ``find_model_checkpoint``) at the current TP/PP and load its weights (its
+    ``.metadata``, torch's pickle, is checked by ``models.run_state.check_dist_metadata`` first:
+    a planted pickle is refused before megatron reads it)."""
     from megatron.core import dist_checkpointing
 
+    from models.run_state import check_dist_metadata
+
     cfg, weights, _files = find_model_checkpoint(path)
+    check_dist_metadata(weights)
     model = build_model(cfg, use_te=use_te)
     state = dist_checkpointing.load(model.sharded_state_dict(), str(weights))
     model.load_state_dict(state, strict=False)

@@ -422,8 +422,10 @@ def verify_command(hf: Path, mcore: Path, tp: int, pp: int, **console) -> None:
 def main(argv: list[str] | None = None) -> None:
     """The command line; bad input is one line on stderr and ``SystemExit(2)``."""
     from models.cli import run_click
+    from models.training import UsageError  # e.g. a checkpoint whose .metadata is refused
 
-    code = run_click(cli, "python -m models.convert", argv, (ValueError, FileNotFoundError))
+    code = run_click(cli, "python -m models.convert", argv,
+                     (ValueError, FileNotFoundError, UsageError))
     if code:
         raise SystemExit(code)
 
