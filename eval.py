@@ -201,9 +201,10 @@ def encode_prompts(encoder, sample, counters: Counter, turns_mode: str = "all",
 # ------------------------------------------------------------------ data
 def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | None):
     """Cooked val samples (ConversationSample) in the loader's fixed order, up to ``limit``."""
-    from megatron.energon import WorkerConfig, get_loader, get_val_dataset, stateless
+    from megatron.energon import get_loader, get_val_dataset, stateless
 
     from energon_tasks.encoders import task_encoder_class
+    from energon_tasks.loader import worker_config
 
     class _Reader(task_encoder_class(encoder_config.model)):  # cook only: encoded in this process
         @stateless
@@ -217,7 +218,7 @@ def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | 
             return batch
 
     dataset = get_val_dataset(path, split_part=split, batch_size=1,
-                              worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+                              worker_config=worker_config(),
                               task_encoder=_Reader(encoder_config, tokenizer))
     count = 0
     for batch in get_loader(dataset):

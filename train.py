@@ -282,7 +282,7 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
 
     # --- data ----------------------------------------------------------------------------------
     from energon_tasks import task_encoder_for
-    from energon_tasks.loader import get_train_loader
+    from energon_tasks.loader import get_train_loader, worker_config
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
 
     tokenizer_name = te_cfg.tokenizer_name
@@ -295,7 +295,8 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
         tokenizer = load_tokenizer(tokenizer_name, te_cfg.model)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    T.probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer))
+    T.probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer),
+                        worker_config())
     encoder = task_encoder_for(te_cfg, tokenizer)
     if len(tokenizer) > cfg.model.lm.vocab_size:
         raise UsageError(f"tokenizer has {len(tokenizer)} tokens, model.lm.vocab_size is "

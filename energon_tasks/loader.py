@@ -23,7 +23,10 @@ from energon_tasks.energon_dataset import skip_handler
 from energon_tasks.qwen_vl import QwenVLTaskEncoder
 
 
-def _worker_config(dp_rank: int, dp_size: int, num_workers: int, seed_offset: int) -> WorkerConfig:
+def worker_config(dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0,
+                  seed_offset: int = 0) -> WorkerConfig:
+    """The WorkerConfig of every loader of the project: damaged samples are skipped with one
+    counted, keyed line (skip_handler), never trained on and never a stop."""
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"data-parallel rank {dp_rank} is not in [0, {dp_size})")
     return WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers,
@@ -67,7 +70,7 @@ def get_train_loader(
     dataset = get_train_dataset(
         str(path),
         split_part=split_part,
-        worker_config=_worker_config(dp_rank, dp_size, num_workers, seed_offset),
+        worker_config=worker_config(dp_rank, dp_size, num_workers, seed_offset),
         batch_size=batch_size,
         packing_buffer_size=_packing(task_encoder),
         shuffle_buffer_size=shuffle_buffer_size,
@@ -96,7 +99,7 @@ def get_val_loader(
     dataset = get_val_dataset(
         str(path),
         split_part=split_part,
-        worker_config=_worker_config(dp_rank, dp_size, num_workers, 0),
+        worker_config=worker_config(dp_rank, dp_size, num_workers, 0),
         batch_size=batch_size,
         packing_buffer_size=_packing(task_encoder),
         limit=limit,

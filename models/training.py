@@ -154,16 +154,16 @@ def _blend_members(path: str, split_part: str) -> list[tuple[str, str]]:
     return [(path, split_part)]
 
 
-def probe_first_batch(path: str, split_part: str, task_encoder) -> None:
-    """Read the dataset once (no repeat) until one batch comes out.
+def probe_first_batch(path: str, split_part: str, task_encoder, worker_config) -> None:
+    """Read the dataset once (no repeat) until one batch comes out (with the data side's
+    ``worker_config``, so damaged samples are skipped as in training).
 
     Raises:
         UsageError: the dataset cannot be loaded, is empty, or the budget skips every sample
             (the skip reasons are counted in the message).
     """
-    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+    from megatron.energon import get_loader, get_train_dataset
 
-    worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0)
     try:
         for member, part in _blend_members(path, split_part):
             dataset = get_train_dataset(member, split_part=part, worker_config=worker_config,

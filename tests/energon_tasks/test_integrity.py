@@ -70,3 +70,17 @@ def test_energon_lint_names_the_damaged_samples(damaged):
     report = lint.stdout + lint.stderr
     assert f"{flipped}: checksum_mismatch" in report
     assert f"{broken_shard}@" in report and "unreadable_tar_member" in report
+
+
+def test_eval_reads_past_damaged_samples(damaged, tokenizer, caplog):
+    """eval.py reads its samples with the loaders' worker config: the same two skips, no stop."""
+    import eval as evaluation
+    from energon_tasks.config import TaskEncoderConfig
+
+    out, flipped, _ = damaged
+    with caplog.at_level(logging.WARNING, logger="energon_tasks.skips"):
+        keys = [s.__key__ for s in evaluation.read_samples(str(out), "train", TaskEncoderConfig(),
+                                                           tokenizer, limit=None)]
+    assert keys and flipped not in keys
+    assert f"skipped sample {flipped}: checksum_mismatch" in caplog.text
+    assert "unreadable_tar_member" in caplog.text
