@@ -30,13 +30,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow"
 
 check: $(STAMP)
-	$(PY) -m ruff check . || true
+	$(PY) -m ruff check .
 
 prepare-mantis: $(STAMP)
 	$(PY) -m converters mantis --source $(or $(SOURCE),$(SOURCE_MANTIS)) --out $(or $(OUT),$(DATA_ROOT)/mantis) --workers $(WORKERS) $(PREPARE_REVISION)

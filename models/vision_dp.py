@@ -420,13 +420,6 @@ class VisionDPOverCP:
         return tuple(torch.split(full, self.hidden, dim=1))
 
 
-def encode_vision_dp(encode: EncodeFn, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
-                     cp_group, *, hidden_size: int | Sequence[int], **kwargs):
-    """One-shot functional form of :class:`VisionDPOverCP` (reports its state on every call)."""
-    return VisionDPOverCP(encode, hidden_size=hidden_size, cp_group=cp_group, **kwargs)(
-        pixel_values, grid_thw)
-
-
 def allreduce_grads(module: torch.nn.Module, cp_group) -> None:
     """Sum parameter gradients over the CP group, for runs without megatron DDP (tests).
 
