@@ -19,14 +19,14 @@ from click.testing import CliRunner
 from datasets.exceptions import DatasetGenerationError
 from PIL import Image
 
-from converters.lookalikes import (
+from lookalikes import (
     MANIFEST_NAME,
     build_all,
     build_infovqa,
     build_llava_video,
     build_mantis,
 )
-from converters.lookalikes.__main__ import main
+from lookalikes.__main__ import main
 
 datasets.disable_progress_bars()
 
