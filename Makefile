@@ -68,7 +68,7 @@ DEMO_CHECKS = $(foreach f,$(FAMILIES),--pair $(f)-vision-check:$(f)-vision-check
 # Nemotron-Omni trained on each dataset on CPU -> loss curves (PNG) and a report with
 # throughput, the vision-signal checks and the eval accuracy with / without media.
 demo: $(STAMP)
-	$(PY) -m converters.demo --out $(DEMO)
+	$(PY) -m lookalikes.demo --out $(DEMO)
 	rm -rf $(DEMO)/runs $(DEMO)/eval
 	$(call demo_family,qwen-vl)
 	$(call demo_family,nemotron-omni)

@@ -28,14 +28,14 @@ import numpy as np
 import pyarrow.parquet as pq
 from datasets import Features, Image, List, Value
 
-from converters.lookalikes.files import (
+from lookalikes.files import (
     write_card,
     write_json,
     write_parquet,
     write_tar_gz,
     write_zip,
 )
-from converters.lookalikes.media import encode_h264, photo_jpeg
+from lookalikes.media import encode_h264, photo_jpeg
 
 
 def make_mantis(root: Path, rows: int, rng) -> None:

@@ -18,7 +18,7 @@ pixel limits) and each image set, every image goes through the task encoder's pu
    in turn in every round (one warm-up, median of rounds), one thread.
 
 Sets: InfoVQA-like text-heavy pages (``document_jpeg`` of bench_task_encoder.py, JPEG q90)
-2000x5000 and 1000x3000, and Mantis-like photos (``converters.lookalikes.media.photo_jpeg``,
+2000x5000 and 1000x3000, and Mantis-like photos (``lookalikes.media.photo_jpeg``,
 JPEG q90) about 500x400.
 
 Usage: python bench/bench_image_decode.py --out bench_out/image_decode [--quick]
@@ -52,7 +52,7 @@ from bench_task_encoder import (  # noqa: E402
     timed_together,
 )
 
-from converters.lookalikes.media import photo_jpeg  # noqa: E402
+from lookalikes.media import photo_jpeg  # noqa: E402
 
 #: task-encoder model -> (model family, tiny model config)
 MODELS = {"qwen2.5-vl": ("qwen2_5_vl", "qwen2_5_vl_tiny.yaml"),
@@ -92,7 +92,7 @@ def tiny_model(family: str, config: str):
 
 def model_inputs(cfg, encoded) -> dict:
     """The tiny model's sample: 6 text tokens, the image span, 8 text tokens (its own ids)."""
-    from models.convert import mrope_positions
+    from models.verify_inputs import mrope_positions
 
     grid = encoded.image_grid_thw
     merge = cfg.merge_size if cfg.family == "nemotron_omni" else cfg.vision.spatial_merge_size

@@ -34,7 +34,7 @@ SHAPES = ["vision.depth=4", "vision.hidden_size=128", "vision.intermediate_size=
 
 def make_row(cfg, images: int, tokens: int) -> dict:
     """One row: text, then ``images`` times (image span + text), ``tokens`` tokens in all."""
-    from models.convert import mrope_positions
+    from models.verify_inputs import mrope_positions
 
     g = torch.Generator().manual_seed(0)
     v, merge = cfg.vision, cfg.vision.spatial_merge_size

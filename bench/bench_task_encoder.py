@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from converters.lookalikes.media import encode_h264, photo_jpeg  # noqa: E402
+from lookalikes.media import encode_h264, photo_jpeg  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 200704, 1003520  # Megatron-Bridge defaults (256 / 1280 * 28**2)
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
@@ -351,8 +351,8 @@ def video_section(repeats: int, gop_seconds: float) -> dict:
 
 
 def packing_section(tokenizer_dir: str, batches: int, work: Path) -> dict:
-    from converters.lookalikes.mantis import build_mantis
     from energon_tasks.loader import get_train_loader
+    from lookalikes.mantis import build_mantis
 
     build_mantis(work / "src", configs={"llava_665k_multi": 40, "nlvr2": 40,
                                         "birds-to-words": 40}, pitfalls=False)

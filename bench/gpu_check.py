@@ -11,7 +11,7 @@ Three parts, each printing one JSON line (and writing ``OUT/gpu_check.json``):
    the same sample alone, next to the bf16 noise of the unpacked batch (``max_abs_diff`` must
    stay of that order; a sample that attended across its segment is off by far more);
 3. ``train``: ``train.py`` for a few real-shaped steps (Qwen2.5-VL 3B shapes, random init, bf16,
-   packing on) on lookalike shards built on the spot (converters.demo); reports the median step's
+   packing on) on lookalike shards built on the spot (lookalikes.demo); reports the median step's
    tokens/s, TFLOP/s and MFU against the GPU's dense bf16 peak (``--peak-tflops``, 989 for an
    H200).
 
@@ -142,9 +142,10 @@ def packed_part(smoke: bool) -> list[dict]:
     """Each family's tiny model: packed samples vs the same samples alone (max |logit diff|)."""
     import torch
 
+    from lookalikes.model_inputs import pack_inputs
     from models.checkpoint import build_model, init_parallel
-    from models.convert import make_inputs, pack_inputs
     from models.families import config_module
+    from models.verify_inputs import make_inputs
 
     init_parallel()
     device = "cpu" if smoke else "cuda"
@@ -186,7 +187,7 @@ def train_part(smoke: bool, steps: int, out: Path, peak_tflops: float,
     if data is None:
         built = out / "gpu_check_data"
         if not (built / "mantis" / "metadataset.yaml").is_file():
-            subprocess.run([sys.executable, "-m", "converters.demo", "--out", str(built)],
+            subprocess.run([sys.executable, "-m", "lookalikes.demo", "--out", str(built)],
                            cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         data = str(built / "mantis" / "metadataset.yaml")
     run = out / "gpu_check_run"

@@ -9,11 +9,11 @@ verification (the family comes from config.json's ``model_type``; models/familie
 ``hf-to-mcore`` and ``verify`` with ``N * P > 1`` start themselves under ``torch.distributed.run``
 with N * P processes (each writes / loads its TP shards of its pipeline stage's layers; the
 checkpoint loads at any TP / PP; every family). ``verify`` runs transformers' model
-(fp32, eager attention) and ours on generated inputs (one image; several images of different
-sizes interleaved with text; a video; Nemotron-Omni also a tiled image) and prints JSON with the
-max absolute logit difference per input. Bad paths or a wrong model family: one line on stderr,
-exit 2. Each command says on stderr when it is done, and every --progress-every seconds that it
-is still running when stderr is not a terminal (SLURM logs).
+(fp32, eager attention) and ours on generated inputs (models/verify_inputs.py: one image; several
+images of different sizes interleaved with text; a video; Nemotron-Omni also a tiled image) and
+prints JSON with the max absolute logit difference per input. Bad paths or a wrong model family:
+one line on stderr, exit 2. Each command says on stderr when it is done, and every
+--progress-every seconds that it is still running when stderr is not a terminal (SLURM logs).
 """
 
 from __future__ import annotations
@@ -28,120 +28,13 @@ import click
 import torch
 
 from models.families import config_from_hf, config_module, hf_model_class, mapping_module
+from models.verify_inputs import hf_inputs, make_inputs
 
 #: written last into a cached import folder (``import_hf_cached``): the import is complete
 IMPORT_DONE = "import_complete.json"
 
 
-# ------------------------------------------------------------------ inputs for verify / tests
-def mrope_positions(input_ids: torch.Tensor, grids: list[torch.Tensor], vision_ids: set[int],
-                    merge: int) -> torch.Tensor:
-    """(3, 1, L) M-RoPE positions of one row: text advances t/h/w; a visual run takes
-    (start + t, start + row, start + col) on the merged grid; text resumes at max + 1."""
-    ids, out, pos, k, i = input_ids.tolist(), [], 0, 0, 0
-    while i < len(ids):
-        if ids[i] in vision_ids:
-            t, h, w = (int(x) for x in grids[k])
-            h, w = h // merge, w // merge
-            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
-                                        indexing="ij")
-            out.append(torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos)
-            pos = int(out[-1].max()) + 1
-            i, k = i + t * h * w, k + 1
-        else:
-            out.append(torch.full((3, 1), pos))
-            pos, i = pos + 1, i + 1
-    return torch.cat(out, dim=1)[:, None, :]
-
-
-def make_inputs(cfg, seed: int = 0) -> dict[str, dict]:
-    """Single-row inputs: one image; 3 images of different sizes with text; a video (and, for
-    Nemotron-Omni, one tiled image: 2 tiles). Our batch-contract fields."""
-    if cfg.family == "nemotron_omni":
-        from models.nemotron_inputs import make_inputs as nemotron_inputs
-
-        return nemotron_inputs(cfg, seed)
-    g = torch.Generator().manual_seed(seed)
-    v, merge = cfg.vision, cfg.vision.spatial_merge_size
-    dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-    low = min(cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.lm.vocab_size)
-
-    def text(n):
-        return torch.randint(0, low, (n,), generator=g)
-
-    def visual(grid, token):
-        n = int(torch.tensor(grid).prod()) // merge ** 2
-        return torch.cat([torch.tensor([cfg.vision_start_token_id]), torch.full((n,), token),
-                          torch.tensor([cfg.vision_end_token_id])])
-
-    cases = {"one_image": [[1, 4, 6]], "images_interleaved": [[1, 4, 6], [1, 8, 4], [1, 2, 2]],
-             "video": [[2, 4, 4]]}
-    out = {}
-    for name, grids in cases.items():
-        video = name == "video"
-        token = cfg.video_token_id if video else cfg.image_token_id
-        parts = [text(5)]
-        for grid in grids:
-            parts += [visual(grid, token), text(3)]
-        ids = torch.cat(parts)
-        grid_t = torch.tensor(grids, dtype=torch.long)
-        pixels = torch.randn(int(grid_t.prod(-1).sum()), dim, generator=g)
-        pos = mrope_positions(ids, list(grid_t), {token}, merge)
-        key = "video" if video else "image"
-        out[name] = {"input_ids": ids[None], "position_ids": pos,
-                     f"pixel_values{'_videos' if video else ''}": pixels,
-                     f"{key}_grid_thw": grid_t}
-    return out
-
-
-def pack_inputs(rows: list[list[dict]], tail: int = 0, pad_id: int = 0) -> dict:
-    """Single-row inputs (``make_inputs``; ``labels`` too when they have them) packed into one
-    batch as the task encoder lays it out (batch contract): rows padded to one length (``tail``
-    pads after the longest), media and ``visual_kinds`` in row-major span order, ``cu_seqlens``
-    over the flattened B*L tokens with each row's pad tail as one more segment."""
-    from models.multimodal import IGNORE_INDEX
-
-    length = max(sum(c["input_ids"].shape[1] for c in row) for row in rows) + tail
-    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-    positions = torch.zeros(3, len(rows), length, dtype=torch.long)
-    bounds, media, kinds = [0], {}, []
-    for r, row in enumerate(rows):
-        at = 0
-        for case in row:
-            n = case["input_ids"].shape[1]
-            ids[r, at:at + n] = case["input_ids"][0]
-            if "labels" in case:
-                labels[r, at:at + n] = case["labels"][0]
-            positions[:, r, at:at + n] = case["position_ids"][:, 0]
-            at += n
-            bounds.append(r * length + at)
-            for key in ("pixel_values", "image_grid_thw", "pixel_values_videos",
-                        "video_grid_thw"):
-                if case.get(key) is not None:
-                    media.setdefault(key, []).append(case[key])
-            video = case.get("video_grid_thw") is not None
-            grid = case["video_grid_thw" if video else "image_grid_thw"]
-            kinds += [int(video)] * len(grid)
-        if at < length:
-            bounds.append((r + 1) * length)
-    cu = torch.tensor(bounds, dtype=torch.int32)
-    labelled = {"labels": labels, "loss_mask": (labels != IGNORE_INDEX).float()}
-    return {"input_ids": ids, "position_ids": positions, "visual_kinds": torch.tensor(kinds),
-            **(labelled if "labels" in rows[0][0] else {}),
-            "cu_seqlens": cu, "max_seqlen": int((cu[1:] - cu[:-1]).max()),
-            **{key: torch.cat(parts) for key, parts in media.items()}}
-
-
-def hf_inputs(cfg, inputs: dict) -> dict:
-    """Our inputs as transformers' forward of the family takes them."""
-    if cfg.family == "nemotron_omni":
-        from models.nemotron_inputs import to_hf_inputs
-
-        return to_hf_inputs(cfg, inputs)
-    return inputs
-
-
+# ------------------------------------------------------------------ verify: both models' logits
 def hf_logits(hf_model, inputs: dict) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(**inputs).logits.float()

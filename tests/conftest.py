@@ -38,7 +38,7 @@ def energon(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def sources(tmp_path_factory) -> dict[str, Path]:
-    from converters.lookalikes import build_all
+    from lookalikes import build_all
 
     return build_all(tmp_path_factory.mktemp("sources"))
 

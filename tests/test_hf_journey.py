@@ -57,7 +57,8 @@ def logits_diff(ckpt: Path, exported: Path) -> dict[str, float]:
     from transformers import AutoModelForImageTextToText
 
     from models.checkpoint import init_parallel, load_checkpoint
-    from models.convert import hf_inputs, hf_logits, make_inputs, our_logits
+    from models.convert import hf_logits, our_logits
+    from models.verify_inputs import hf_inputs, make_inputs
 
     init_parallel()
     model, cfg = load_checkpoint(ckpt, use_te=False)

@@ -380,7 +380,7 @@ def test_vision_signal(family, tmp_path):
     """On data whose answers depend only on the media, blanking the media must leave a clearly
     higher answer loss and a clearly lower eval accuracy (near chance): the visual tokens reach
     the right positions (a falling loss alone does not show that). Both runs go side by side."""
-    from converters.demo import build_vision_check
+    from lookalikes.demo import build_vision_check
     from models.report import ACCURACY_MARGIN, read_metrics, vision_signal
 
     data = build_vision_check(tmp_path)

@@ -1,7 +1,7 @@
 """Hostile sources for the converter tests: the hub's layouts, filled with the worst inputs.
 
 Each builder writes a local folder with a dataset's exact schema and layout (README card,
-parquet / JSON annotations, zips / tar.gz parts, via converters.lookalikes.files) and returns it
+parquet / JSON annotations, zips / tar.gz parts, via lookalikes.files) and returns it
 with the reject reason expected for each planted row. Media are built here by hand: images whose
 header lies about their size or whose data is damaged, zip members whose CRC does not match,
 truncated archives, videos with one frame, a broken moov, or a frame count claimed in the header.
@@ -21,7 +21,7 @@ import numpy as np
 from datasets import Features, Image, List, Value
 from PIL import Image as PILImage
 
-from converters.lookalikes.files import (
+from lookalikes.files import (
     fresh_dir,
     write_card,
     write_json,
@@ -29,7 +29,7 @@ from converters.lookalikes.files import (
     write_tar_gz,
     write_zip,
 )
-from converters.lookalikes.media import moving_square_clip
+from lookalikes.media import moving_square_clip
 
 _TURN = {"role": Value("string"), "content": Value("string")}
 MANTIS_FEATURES = Features({"id": Value("string"), "images": List({"bytes": Value("binary"),

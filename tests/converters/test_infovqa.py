@@ -44,7 +44,7 @@ def test_one_question_per_sample(sources, infovqa_out, tmp_path):
 
 
 def test_lmms_lab_spelling(tmp_path):
-    from converters.lookalikes import build_infovqa
+    from lookalikes import build_infovqa
 
     root = build_infovqa(tmp_path / "src", spelling="lmms-lab")
     out = tmp_path / "out"

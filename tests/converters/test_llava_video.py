@@ -105,7 +105,7 @@ def test_llava_hound_converts_from_frames_root(tmp_path, sources):
 
 
 def test_extracted_folder_gives_the_same_samples(tmp_path, sources, video_out):
-    from converters.lookalikes import build_llava_video
+    from lookalikes import build_llava_video
 
     root = build_llava_video(tmp_path / "src", extracted=True)
     out = tmp_path / "out"

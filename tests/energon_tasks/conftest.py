@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from converters.lookalikes.media import encode_h264
 from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.sample_format import CanonicalSample, Media, SourceRef, Turn
+from lookalikes.media import encode_h264
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ def _sample(key: str, media: Media, data: bytes):
 
 
 def _encode(encoder, frames):
-    from converters.lookalikes.media import encode_h264
+    from lookalikes.media import encode_h264
 
     sequence = pack_frames([(f"c01_{i + 1:04d}.png", _png(f)) for i, f in enumerate(frames)])
     mp4 = encode_h264(iter(frames), width=WIDTH, height=HEIGHT, fps=int(FPS),

@@ -26,8 +26,9 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.convert import mrope_positions, pack_inputs
+from lookalikes.model_inputs import pack_inputs
 from models.flops import batch_flops
+from models.verify_inputs import mrope_positions
 from tests.models.conftest import build_tiny
 
 aten = torch.ops.aten

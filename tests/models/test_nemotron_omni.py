@@ -80,7 +80,7 @@ def test_mamba_without_kernels_refused(monkeypatch):
 
 def test_count_mismatch_names_row(imported):
     from models.checkpoint import init_parallel, load_checkpoint
-    from models.convert import make_inputs
+    from models.verify_inputs import make_inputs
 
     init_parallel()
     model, cfg = load_checkpoint(imported["M*M-"], use_te=False)
@@ -184,9 +184,9 @@ def test_tiny_config_trains_and_generates():
     generation (KV cache and Mamba conv / SSM states, a batch of two prompt lengths) equals greedy
     decoding by full forwards."""
     from models.checkpoint import build_model, init_parallel
-    from models.convert import make_inputs
     from models.generate import Prompt, greedy_generate
     from models.nemotron_omni_config import load_yaml
+    from models.verify_inputs import make_inputs
 
     for path in sorted((REPO / "configs").glob("nemotron_omni_*.yaml")):
         load_yaml(path)  # every shipped model config parses
@@ -242,8 +242,9 @@ def test_greedy_tokens_equal_transformers_generate(tiny_nemotron_hf, imported):
     video; stopping at a token of the video run stops both at the same place; the four prompts in
     one call (unequal lengths: one run per length) give what each gives alone."""
     from models.checkpoint import init_parallel, load_checkpoint
-    from models.convert import hf_inputs, load_hf_model, make_inputs
+    from models.convert import load_hf_model
     from models.generate import greedy_generate
+    from models.verify_inputs import hf_inputs, make_inputs
 
     never = 10 ** 6  # outside the vocabulary: never generated
     init_parallel()

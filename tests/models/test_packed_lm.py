@@ -26,7 +26,8 @@ def with_labels(case: dict) -> dict:
 
 @pytest.mark.parametrize("family,overrides", CASES, ids=[c[0] for c in CASES])
 def test_packed_samples_match_samples_alone(family, overrides):
-    from models.convert import make_inputs, pack_inputs
+    from lookalikes.model_inputs import pack_inputs
+    from models.verify_inputs import make_inputs
 
     cfg, model = build_tiny(family, *overrides)
     model.eval()

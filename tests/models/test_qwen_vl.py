@@ -56,7 +56,7 @@ def test_round_trip_identical(family, tiny_hf, imported, tmp_path):
 
 def test_count_mismatch_names_row(imported):
     from models.checkpoint import init_parallel, load_checkpoint
-    from models.convert import make_inputs
+    from models.verify_inputs import make_inputs
 
     init_parallel()
     model, cfg = load_checkpoint(imported["qwen2_5_vl"], use_te=False)
@@ -147,8 +147,8 @@ def test_tiny_config_trains(name):
     import glob
 
     from models.checkpoint import build_model, init_parallel
-    from models.convert import make_inputs
     from models.qwen_vl_config import load_yaml
+    from models.verify_inputs import make_inputs
 
     for path in glob.glob(str(REPO / "configs" / "qwen*_vl_*.yaml")):
         load_yaml(path)  # every shipped model config parses
@@ -166,8 +166,8 @@ def test_visual_kinds_ignored_with_separate_tokens():
     image / video order) is not read, so a batch mixing both gives the same logits with it,
     without it, or with a wrong one (Qwen3-VL: DeepStack included)."""
     from models.checkpoint import build_model, init_parallel
-    from models.convert import make_inputs
     from models.qwen_vl_config import load_yaml
+    from models.verify_inputs import make_inputs
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_tiny.yaml", ["lm.max_position_embeddings=512"])
     assert cfg.image_token_id != cfg.video_token_id

@@ -12,8 +12,8 @@ from tests.models.conftest import TINY_CONFIGS, build_tiny
 
 @pytest.mark.parametrize("family", list(TINY_CONFIGS))
 def test_recompute_keeps_gradients_and_saves_memory(family):
-    from models.convert import make_inputs
     from models.recompute import backward_footprint
+    from models.verify_inputs import make_inputs
 
     kept, grads = {}, {}
     for mode in ("none", "selective", "full"):

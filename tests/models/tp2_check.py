@@ -11,14 +11,8 @@ def main():
     import torch.distributed as dist
 
     from models.checkpoint import load_checkpoint
-    from models.convert import (
-        hf_inputs,
-        hf_logits,
-        hf_to_mcore,
-        load_hf_model,
-        make_inputs,
-        our_logits,
-    )
+    from models.convert import hf_logits, hf_to_mcore, load_hf_model, our_logits
+    from models.verify_inputs import hf_inputs, make_inputs
 
     out, hf_paths = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     report = {}

@@ -1,4 +1,9 @@
-"""Small local lookalikes of the three Hugging Face source datasets, for tests and `make demo`.
+"""Test and demo scaffolding: small local lookalikes of the three Hugging Face source datasets.
+
+This package owns what only tests, bench/ and `make demo` need, kept out of the product packages:
+the dataset lookalikes (this module and its builders), the demo data builder (`lookalikes.demo`,
+`python -m lookalikes.demo`) and synthetic model inputs shared by tests and bench
+(`lookalikes.model_inputs`). The product (converters, energon_tasks, models) never imports it.
 
 Each builder writes a folder with exactly the hub's schema and file layout (README.md `configs:`
 card, parquet or JSON annotation files, image zips or video tar.gz parts), so that the converters'
@@ -6,10 +11,10 @@ real code path `datasets.load_dataset(<folder>, <config>, split=...)` runs on it
 `lookalike_manifest.json` with the ground truth a converter must reproduce (rows per split,
 expected rejects by reason, fixups by kind, samples per split, and where each pitfall lives).
 
-    from converters.lookalikes import build_all
+    from lookalikes import build_all
     roots = build_all(tmp_path)          # {"mantis": ..., "infovqa": ..., "llava-video": ...}
 
-Command line: `python -m converters.lookalikes --out DIR [--only mantis,infovqa,llava-video]`.
+Command line: `python -m lookalikes --out DIR [--only mantis,infovqa,llava-video]`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Command line for the lookalikes: `python -m converters.lookalikes --out DIR`.
+"""Command line for the lookalikes: `python -m lookalikes --out DIR`.
 
 Owns argument parsing and the one-line-per-dataset summary; building is in the builders.
 """

@@ -1,7 +1,7 @@
 """`make demo` (conversion part): lookalikes of the three datasets -> Energon datasets.
 
 Builds small local copies of Mantis-Instruct, InfoVQA and LLaVA-Video-178K with the hub's exact
-schema and layout (converters.lookalikes), converts each with the same CLI users run, shows
+schema and layout (lookalikes), converts each with the same CLI users run, shows
 `energon info` of every output and prints the accounting. Later stages (training, evaluation)
 extend the demo from train.py.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from converters.lookalikes import build_all, build_mantis
+from lookalikes import build_all, build_mantis
 
 #: Rows of the vision-signal dataset: single-config Mantis lookalike whose every answer is the
 #: colour of a shape in one of two images, so it can only be learnt from the pixels.

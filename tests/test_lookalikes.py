@@ -19,14 +19,14 @@ from click.testing import CliRunner
 from datasets.exceptions import DatasetGenerationError
 from PIL import Image
 
-from converters.lookalikes import (
+from lookalikes import (
     MANIFEST_NAME,
     build_all,
     build_infovqa,
     build_llava_video,
     build_mantis,
 )
-from converters.lookalikes.__main__ import main
+from lookalikes.__main__ import main
 
 datasets.disable_progress_bars()
 
@@ -312,3 +312,21 @@ def test_custom_mantis_configs_get_homeless_pitfalls(tmp_path, cache):
     assert set(manifest["rows"]) == {"dreamsim/train", "dreamsim/val"}
     assert sum(manifest["expected_rejects"].values()) == 5
     assert len(_load(root, "dreamsim/train", cache)) == manifest["rows"]["dreamsim/train"]
+
+
+def test_the_product_never_imports_the_scaffolding():
+    """converters, energon_tasks, models, train.py and eval.py import neither `lookalikes` nor
+    `tests` (read from their source: an import inside a function counts too)."""
+    import ast
+
+    repo = Path(__file__).resolve().parents[1]
+    product = [*repo.glob("converters/**/*.py"), *repo.glob("energon_tasks/**/*.py"),
+               *repo.glob("models/**/*.py"), repo / "train.py", repo / "eval.py"]
+    offenders = []
+    for path in product:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(repo)}:{node.lineno} imports {name}"
+                          for name in names if name.split(".")[0] in ("lookalikes", "tests")]
+    assert len(product) > 50 and not offenders, offenders
