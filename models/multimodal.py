@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from models.cpu_compat import cpu_only
+from models.cpu import use_te_by_default
 
 IGNORE_INDEX = -100
 #: ``visual_kinds`` codes of the batch contract (code c = VISUAL_KINDS[c]; the same tuple as
@@ -207,7 +207,7 @@ class PipelineStagesMixin:
         self.cfg = cfg
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
-        return (not cpu_only()) if use_te is None else use_te
+        return use_te_by_default() if use_te is None else use_te
 
     @staticmethod
     def _context_parallel_group():
