@@ -236,8 +236,8 @@ class PipelineStagesMixin:
         ``shape`` is the batch's (B, L). A packed batch (``cu_seqlens``) runs as megatron's THD
         format: the B rows are flattened into one sequence of B*L tokens (hidden states
         (B*L, 1, H), also between pipeline stages) whose segments attend only within themselves
-        (TE's varlen attention on GPU, ``models.cpu_attention`` on CPU; Mamba layers restart
-        their state per segment); the outputs are returned in (B, L) again.
+        (TE's varlen attention on GPU, ``models.segment_attention`` in the local spec; Mamba
+        layers restart their state per segment); the outputs are returned in (B, L) again.
         """
         batch, length = shape
         target, params = None, None

@@ -19,9 +19,14 @@ Patches ``activate()`` applies (on CPU only; with CUDA every one of them is mega
   ``total_num_tokens = torch.zeros(..., device="cuda")`` and megatron's layers
   (``device=torch.cuda.current_device()``). The process's own torch is not touched, so
   transformers and the project's code see plain torch. GPU: the real torch.
-- ``Tensor.type`` during ``Float16OptimizerWithFloat16Params.__init__`` only (bf16 runs): that
-  constructor sorts parameters by ``param.type()`` against ``'torch.cuda.*Tensor'`` names; for
-  its duration CPU float tensors report those names. GPU: real CUDA tensors report them.
+- ``Tensor.type``, only while these megatron optimizer functions run: the constructors of
+  ``DistributedOptimizer`` (the default, ``train.distributed_optimizer``) and
+  ``Float16OptimizerWithFloat16Params`` (bf16 without it), which sort parameters by
+  ``param.type()`` against ``'torch.cuda.*Tensor'`` names and refuse others, and
+  ``clip_grads.clip_grad_by_total_norm_fp32`` / ``count_zeros_fp32`` (``train.clip_grad``, which
+  assert ``grad.type() == 'torch.cuda.FloatTensor'``; rebound in ``optimizer.py`` too, which
+  imports them by name); for that time CPU float tensors report the CUDA names. GPU: real CUDA
+  tensors report them.
 - megatron modules that import ``triton`` unconditionally (``_TRITON_MODULES``; 0.19.x imports
   one of them from ``import megatron.core``) are registered as stand-ins when triton is absent;
   their kernels raise if ever called. GPU: triton is installed.
@@ -212,7 +217,7 @@ def _show_megatron_cpu_torch() -> None:
 # ------------------------------------------------------------------ megatron patches
 def _patch_megatron() -> None:
     from megatron.core import model_parallel_config
-    from megatron.core.optimizer import optimizer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.transformer.moe import moe_utils
 
     post_init = model_parallel_config.ModelParallelConfig.__post_init__
@@ -225,14 +230,13 @@ def _patch_megatron() -> None:
         post_init(self)
 
     model_parallel_config.ModelParallelConfig.__post_init__ = cpu_post_init
-    fp16_init = optimizer.Float16OptimizerWithFloat16Params.__init__
-
-    @functools.wraps(fp16_init)
-    def fp16_optimizer_init(self, *args, **kwargs):
-        with _cuda_type_names():
-            fp16_init(self, *args, **kwargs)
-
-    optimizer.Float16OptimizerWithFloat16Params.__init__ = fp16_optimizer_init
+    for optimizer_class in (distrib_optimizer.DistributedOptimizer,
+                            optimizer.Float16OptimizerWithFloat16Params):
+        optimizer_class.__init__ = _with_cuda_type_names(optimizer_class.__init__)
+    for name in ("clip_grad_by_total_norm_fp32", "count_zeros_fp32"):  # optimizer.py imports them
+        checked = _with_cuda_type_names(getattr(clip_grads, name))
+        setattr(clip_grads, name, checked)
+        setattr(optimizer, name, checked)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _use_cpu_rng_tracker()
@@ -245,21 +249,25 @@ _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
                     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
 
 
-@contextlib.contextmanager
-def _cuda_type_names():
-    """For the duration: ``Tensor.type()`` names CPU float tensors as the CUDA ones."""
-    original = torch.Tensor.type
+def _with_cuda_type_names(function):
+    """``function`` during which ``Tensor.type()`` names CPU float tensors as the CUDA ones."""
 
-    @functools.wraps(original)
-    def type_name(self, *args, **kwargs):
-        name = original(self, *args, **kwargs)
-        return name if args or kwargs else _CUDA_TYPE_NAMES.get(name, name)
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        original = torch.Tensor.type
 
-    torch.Tensor.type = type_name
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original
+        @functools.wraps(original)
+        def type_name(tensor, *type_args, **type_kwargs):
+            name = original(tensor, *type_args, **type_kwargs)
+            return name if type_args or type_kwargs else _CUDA_TYPE_NAMES.get(name, name)
+
+        torch.Tensor.type = type_name
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    return wrapped
 
 
 def _use_cpu_rng_tracker() -> None:

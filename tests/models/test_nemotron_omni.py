@@ -1,5 +1,5 @@
 """Nemotron-Omni on megatron-core: HF import parity (patterns with Mamba2 layers, on CPU through
-models/cpu_mamba.py, with attention, MLP and MoE layers; one image, interleaved images, tiles, a
+models/cpu/mamba.py, with attention, MLP and MoE layers; one image, interleaved images, tiles, a
 video), round trip, count-mismatch errors, the Mamba-without-kernels error, mixed image + video
 batches on the shared ``<image>`` token (``visual_kinds``), tiny config training, generation
 (KV cache + Mamba states) against full forwards and against transformers' ``generate``, FLOPs,
