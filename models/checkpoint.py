@@ -1,16 +1,16 @@
 """Process setup, model building and megatron-core distributed checkpoints of every model family
 (Qwen-VL, Nemotron-Omni; the family dispatch itself is models/families.py).
 
-This module owns ``init_parallel`` (the process: models/cpu's accommodations on a machine without
-CUDA, gloo / nccl, parallel_state, seeded RNG tracker), ``build_model``, TP slicing of a full (TP=1)
-state dict for this rank (``shard_for_rank``: by each parameter's megatron attributes
-``partition_dim`` and, for a tensor packing several components, ``partition_sizes``; ``global_keys``
-names a pipeline stage's layers and an expert-parallel rank's experts by their PP=1 / EP=1 index),
-and save/load of a self-describing checkpoint folder: megatron ``dist_checkpointing`` files +
+This module owns ``init_parallel`` (gloo on CPU / nccl on GPU, parallel_state, seeded RNG
+tracker; CPU accommodations: models.cpu), ``build_model``, TP slicing of a full (TP=1) state dict
+for this rank (``shard_for_rank``: by each parameter's megatron attributes ``partition_dim`` and,
+for a tensor packing several components, ``partition_sizes``; ``global_keys`` names a pipeline
+stage's layers and an expert-parallel rank's experts by their PP=1 / EP=1 index), and save/load
+of a self-describing checkpoint folder: megatron ``dist_checkpointing`` files +
 ``qwen_vl_model.json`` (our config, any family: the name is kept so that existing checkpoints load)
-+ ``hf_config.json`` (the source HF config when imported). dist_checkpointing stores global tensors,
-so a checkpoint saved at one TP / PP / EP loads at any other (megatron reshards on load; decoder
-layers and experts are stored by their global index).
++ ``hf_config.json`` (the source HF config when imported). dist_checkpointing stores global
+tensors, so a checkpoint saved at one TP / PP / EP loads at any other (megatron reshards on load;
+decoder layers and experts are stored by their global index).
 
 Model checkpoints come in two kinds, both read by ``find_model_checkpoint`` / ``load_checkpoint``:
 an import folder (``models.convert hf-to-mcore``, the cached ``model.hf`` imports) and a train.py

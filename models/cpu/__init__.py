@@ -5,7 +5,8 @@ checkpoint and training code run unchanged on CPU; that code reads as GPU code. 
 switches it on, once per process, and does nothing when CUDA is available:
 
     from models import cpu
-    cpu.activate()      # models.checkpoint.init_process_group calls it (and tests/conftest.py)
+    cpu.activate()      # models.checkpoint.init_process_group calls it: every process that
+                        # sets up megatron (train.py, eval.py, models.convert, tests) goes there
 
 Patches ``activate()`` applies (on CPU only; with CUDA every one of them is megatron's own path):
 
@@ -18,7 +19,9 @@ Patches ``activate()`` applies (on CPU only; with CUDA every one of them is mega
   and ``FP32Optimizer`` (``torch.tensor(..., device='cuda')``), the schedules'
   ``total_num_tokens = torch.zeros(..., device="cuda")`` and megatron's layers
   (``device=torch.cuda.current_device()``). The process's own torch is not touched, so
-  transformers and the project's code see plain torch. GPU: the real torch.
+  transformers and the project's code see plain torch (nothing else of torch is patched:
+  ``Tensor.cuda`` stays as it is, the project places models with ``compute_device()``).
+  GPU: the real torch.
 - ``Tensor.type``, only while these megatron optimizer functions run: the constructors of
   ``DistributedOptimizer`` (the default, ``train.distributed_optimizer``) and
   ``Float16OptimizerWithFloat16Params`` (bf16 without it), which sort parameters by
