@@ -19,8 +19,8 @@ Patches ``activate()`` applies (on CPU only; with CUDA every one of them is mega
   and ``FP32Optimizer`` (``torch.tensor(..., device='cuda')``), the schedules'
   ``total_num_tokens = torch.zeros(..., device="cuda")`` and megatron's layers
   (``device=torch.cuda.current_device()``). The process's own torch is not touched, so
-  transformers and the project's code see plain torch (nothing else of torch is patched:
-  ``Tensor.cuda`` stays as it is, the project places models with ``compute_device()``).
+  transformers and the project's code see plain torch (the project places models with
+  ``compute_device()``).
   GPU: the real torch.
 - ``Tensor.type``, only while these megatron optimizer functions run: the constructors of
   ``DistributedOptimizer`` (the default, ``train.distributed_optimizer``) and
@@ -30,6 +30,10 @@ Patches ``activate()`` applies (on CPU only; with CUDA every one of them is mega
   assert ``grad.type() == 'torch.cuda.FloatTensor'``; rebound in ``optimizer.py`` too, which
   imports them by name); for that time CPU float tensors report the CUDA names. GPU: real CUDA
   tensors report them.
+- ``Tensor.cuda`` keeps a tensor on the CPU, only while these run: ``rope_utils.
+  get_pos_emb_on_this_cp_rank`` (rotary under context parallelism; rebound where imported by
+  name) and ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings under
+  pipeline parallelism), each of which moves one tensor with ``.cuda()``. GPU: the real move.
 - megatron modules that import ``triton`` unconditionally (``_TRITON_MODULES``; 0.19.x imports
   one of them from ``import megatron.core``) are registered as stand-ins when triton is absent;
   their kernels raise if ever called. GPU: triton is installed.
@@ -220,6 +224,12 @@ def _show_megatron_cpu_torch() -> None:
 # ------------------------------------------------------------------ megatron patches
 def _patch_megatron() -> None:
     from megatron.core import model_parallel_config
+    from megatron.core.models.common.embeddings import (
+        rope_utils,
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
+    from megatron.core.models.common.language_module import language_module
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.transformer.moe import moe_utils
 
@@ -235,11 +245,18 @@ def _patch_megatron() -> None:
     model_parallel_config.ModelParallelConfig.__post_init__ = cpu_post_init
     for optimizer_class in (distrib_optimizer.DistributedOptimizer,
                             optimizer.Float16OptimizerWithFloat16Params):
-        optimizer_class.__init__ = _with_cuda_type_names(optimizer_class.__init__)
+        optimizer_class.__init__ = _with_tensor_methods(optimizer_class.__init__,
+                                                        type=_cuda_type_name)
     for name in ("clip_grad_by_total_norm_fp32", "count_zeros_fp32"):  # optimizer.py imports them
-        checked = _with_cuda_type_names(getattr(clip_grads, name))
+        checked = _with_tensor_methods(getattr(clip_grads, name), type=_cuda_type_name)
         setattr(clip_grads, name, checked)
         setattr(optimizer, name, checked)
+    cp_share = _with_tensor_methods(rope_utils.get_pos_emb_on_this_cp_rank, cuda=_stay)
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # by name
+        module.get_pos_emb_on_this_cp_rank = cp_share
+    lm_class = language_module.LanguageModule
+    lm_class.setup_embeddings_and_output_layer = _with_tensor_methods(
+        lm_class.setup_embeddings_and_output_layer, cuda=_stay)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _use_cpu_rng_tracker()
@@ -252,23 +269,33 @@ _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
                     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
 
 
-def _with_cuda_type_names(function):
-    """``function`` during which ``Tensor.type()`` names CPU float tensors as the CUDA ones."""
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(tensor, *args, **kwargs):
+    """``Tensor.type`` naming CPU float tensors as the CUDA ones."""
+    name = _TENSOR_TYPE(tensor, *args, **kwargs)
+    return name if args or kwargs else _CUDA_TYPE_NAMES.get(name, name)
+
+
+def _stay(tensor, *_args, **_kwargs):
+    """``Tensor.cuda`` keeping the tensor where it is (on the CPU)."""
+    return tensor
+
+
+def _with_tensor_methods(function, **methods):
+    """``function`` during which ``torch.Tensor`` has ``methods`` (restored afterwards)."""
 
     @functools.wraps(function)
     def wrapped(*args, **kwargs):
-        original = torch.Tensor.type
-
-        @functools.wraps(original)
-        def type_name(tensor, *type_args, **type_kwargs):
-            name = original(tensor, *type_args, **type_kwargs)
-            return name if type_args or type_kwargs else _CUDA_TYPE_NAMES.get(name, name)
-
-        torch.Tensor.type = type_name
+        originals = {name: getattr(torch.Tensor, name) for name in methods}
+        for name, method in methods.items():
+            setattr(torch.Tensor, name, method)
         try:
             return function(*args, **kwargs)
         finally:
-            torch.Tensor.type = original
+            for name, method in originals.items():
+                setattr(torch.Tensor, name, method)
 
     return wrapped
 
