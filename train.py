@@ -30,8 +30,8 @@ import click
 import torch
 
 from energon_tasks.config import TaskEncoderConfig
+from models import cpu
 from models.cli import run_click
-from models.cpu_compat import cpu_only
 from models.families import TASK_ENCODER_MODELS
 from models.run_config import ConfigError, dump_yaml, load_run_config, to_dict
 from models.training import UsageError, check_data_path, check_layout, check_split
@@ -43,10 +43,7 @@ def build_model(cfg, layout):
     from models.checkpoint import build_model as build
 
     model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
-    if layout.cp > 1 and cpu_only():
-        from models.cpu_attention import use_cp_attention
-
-        use_cp_attention(model.language_model)
+    cpu.use_cp_attention(model.language_model)
     return model
 
 
@@ -253,7 +250,7 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
             raise UsageError(f"parallel.ep {p.ep} needs MoE layers whose expert count it divides "
                              f"(model.family {cfg.model.family!r} has "
                              f"{experts or 'no'} experts)")
-        if cpu_only() and not te_cfg.fixed_length:  # GPU: alltoall takes any token counts
+        if cpu.ep_needs_fixed_length() and not te_cfg.fixed_length:
             raise UsageError("parallel.ep > 1 on CPU needs task_encoder.fixed_length=true (the "
                              "CPU MoE dispatcher, allgather, needs equal token counts per rank)")
     check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length, p.ep)
@@ -328,7 +325,8 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and not cpu_only())
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto"
+                                             and cpu.bf16_by_default())
     from models.checkpoint import model_record
     from models.hf_source import resolve
 

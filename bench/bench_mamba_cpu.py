@@ -1,4 +1,4 @@
-"""CPU speed of the Mamba layers' torch path (models/cpu_mamba.py under megatron's MambaMixer),
+"""CPU speed of the Mamba layers' torch path (models/cpu/mamba.py under megatron's MambaMixer),
 side by side with transformers' NemotronH on its own torch path, in one run.
 
 One process, ``--threads`` intra-op threads, fp32. For each case the hybrid LM of our Nemotron-Omni

@@ -2,7 +2,7 @@
 (Qwen-VL, Nemotron-Omni; the family dispatch itself is models/families.py).
 
 This module owns ``init_parallel`` (gloo on CPU / nccl on GPU, parallel_state, seeded RNG
-tracker; CPU shims from models.cpu_compat), ``build_model``, TP slicing of a full (TP=1) state dict
+tracker; CPU accommodations: models.cpu), ``build_model``, TP slicing of a full (TP=1) state dict
 for this rank (``shard_for_rank``: by each parameter's megatron attributes ``partition_dim`` and,
 for a tensor packing several components, ``partition_sizes``; ``global_keys`` names a pipeline
 stage's layers and an expert-parallel rank's experts by their PP=1 / EP=1 index), and save/load
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from models.cpu_compat import cpu_only, enable_cpu_compat, seed_model_parallel
+from models import cpu
 from models.families import config_from_dict, model_class
 
 MODEL_JSON, HF_JSON = "qwen_vl_model.json", "hf_config.json"
@@ -38,27 +38,28 @@ HF_FILES = "hf"
 
 def init_process_group() -> None:
     """torch.distributed for this process: from torchrun's environment, or, under plain python,
-    a one-process group on an in-memory store (no TCP port to collide with other runs)."""
+    a one-process group on an in-memory store (no TCP port to collide with other runs). First,
+    on a machine without CUDA, the CPU accommodations (``models.cpu.activate``)."""
     import torch.distributed as dist
 
+    cpu.activate()
     if dist.is_initialized():
         return
-    backend = "gloo" if cpu_only() else "nccl"
+    backend = cpu.distributed_backend()
     if "RANK" in os.environ and "MASTER_PORT" in os.environ:  # torchrun / SLURM launchers
         dist.init_process_group(backend)
     else:
         os.environ.setdefault("LOCAL_RANK", "0")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if not cpu_only():
+    if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     """Initialise torch.distributed (single process when not under torchrun) and megatron."""
-    enable_cpu_compat()
+    init_process_group()
     from megatron.core import parallel_state as ps
 
-    init_process_group()
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size() == tp
                 and ps.get_pipeline_model_parallel_world_size() == pp):
@@ -72,7 +73,15 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
 def build_model(cfg, use_te: bool | None = None, vision_dp_over_cp: bool | None = None):
     """The model of ``cfg``'s family (``QwenVL`` / ``NemotronOmni``), on the GPU when present."""
     model = model_class(cfg)(cfg, use_te=use_te, vision_dp_over_cp=vision_dp_over_cp)
-    return model if cpu_only() else model.cuda()
+    return model.to(cpu.compute_device())
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker (after parallel_state is set up)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def weight_shapes(model) -> dict[str, torch.Size]:

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from models.cpu_compat import cpu_only
+from models.cpu import use_te_by_default
 
 IGNORE_INDEX = -100
 #: ``visual_kinds`` codes of the batch contract (code c = VISUAL_KINDS[c]; the same tuple as
@@ -207,7 +207,7 @@ class PipelineStagesMixin:
         self.cfg = cfg
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
-        return (not cpu_only()) if use_te is None else use_te
+        return use_te_by_default() if use_te is None else use_te
 
     @staticmethod
     def _context_parallel_group():
@@ -236,8 +236,8 @@ class PipelineStagesMixin:
         ``shape`` is the batch's (B, L). A packed batch (``cu_seqlens``) runs as megatron's THD
         format: the B rows are flattened into one sequence of B*L tokens (hidden states
         (B*L, 1, H), also between pipeline stages) whose segments attend only within themselves
-        (TE's varlen attention on GPU, ``models.cpu_attention`` on CPU; Mamba layers restart
-        their state per segment); the outputs are returned in (B, L) again.
+        (TE's varlen attention on GPU, ``models.segment_attention`` in the local spec; Mamba
+        layers restart their state per segment); the outputs are returned in (B, L) again.
         """
         batch, length = shape
         target, params = None, None

@@ -14,9 +14,9 @@ without biases. Specs: on GPU megatron's TransformerEngine hybrid stack spec; on
 (megatron's local GPT attention / MLP / MoE modules, megatron's ``MambaMixer`` with megatron
 linears and a torch norm). ``M`` runs megatron's ``MambaMixer``, whose kernels come from
 ``mamba_ssm`` on GPU (without it the model refuses to build with a clear error) and from the
-plain-torch stand-ins of models/cpu_mamba.py on CPU (``cpu_compat.use_torch_mamba_kernels``);
-the mixer gets the config's conv width, chunk size and dt init range. MambaStack's final
-``TENorm`` without TransformerEngine is handled in models/cpu_compat.py.
+plain-torch stand-ins of models/cpu/mamba.py on CPU (``models.cpu.activate``); the mixer gets
+the config's conv width, chunk size and dt init range. MambaStack's final ``TENorm`` without
+TransformerEngine is also handled in models/cpu.
 Pipeline parallel: MambaStack gives each stage its slice of the pattern (an even split of the
 layer count) and numbers the layers globally (dist checkpoints load at any PP); vision +
 embedding live on the first stage, the output layer + loss on the last
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import inspect
 
 import torch
@@ -39,17 +38,11 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.cpu_attention import with_packed_attention
-from models.cpu_compat import (
-    cpu_moe_overrides,
-    cpu_only,
-    use_local_mamba_final_norm,
-    use_torch_mamba_kernels,
-)
 from models.multimodal import PipelineStagesMixin, scatter_visual
 from models.nemotron_omni_config import NemotronOmniModelConfig
 from models.radio import RadioEncoder
 from models.recompute import transformer_config_kwargs
+from models.segment_attention import with_packed_attention
 from models.vision_dp import CostModel, VisionDPOverCP
 
 #: the eps of the gated RMSNorm inside megatron's Mamba mixer (fixed in its constructor)
@@ -73,7 +66,7 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
         add_qkv_bias=False, gated_linear_unit=False, activation_func=squared_relu,
         bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, use_cpu_initialization=cpu_only(),
+        persist_layer_norm=False,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32,  # activations sent between PP stages (bf16 set by train.py)
@@ -94,7 +87,6 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
             moe_router_load_balancing_type="none", moe_router_dtype="fp32",
             moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
-        kwargs.update(cpu_moe_overrides())
         if t.n_group > 1:
             kwargs.update(moe_router_num_groups=t.n_group, moe_router_group_topk=t.topk_group)
         if t.moe_latent_size is not None:
@@ -160,12 +152,13 @@ def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool):
     """MambaStack spec: TE hybrid spec on GPU; local attention / MLP / MoE / Mamba on CPU.
 
     Raises:
-        ValueError: the pattern has Mamba layers ('M'), this is not a CPU run (where the torch
-            kernels stand in) and ``mamba_ssm`` is not installed.
+        ValueError: the pattern has Mamba layers ('M') and megatron's Mamba mixer has no kernels
+            (``mamba_ssm`` is not installed; on CPU models/cpu provides torch ones).
     """
+    from megatron.core.ssm import mamba_mixer
+
     pattern = cfg.lm.pattern
-    if "M" in pattern and not use_torch_mamba_kernels() \
-            and importlib.util.find_spec("mamba_ssm") is None:
+    if "M" in pattern and not mamba_mixer.HAVE_MAMBA_SSM:
         raise ValueError(f"lm.pattern {pattern!r} has Mamba layers ('M'), which need the "
                          "mamba_ssm package (CUDA/Triton kernels) on GPU; it is not installed")
     if use_te:
@@ -185,7 +178,6 @@ def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool):
         TransformerLayerSubmodules,
     )
 
-    use_local_mamba_final_norm()
     local = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     attention = with_packed_attention(local)
     attention.submodules.pre_mlp_layernorm = IdentityOp

@@ -25,11 +25,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.cpu_attention import with_packed_attention
-from models.cpu_compat import cpu_only
 from models.multimodal import PipelineStagesMixin, scatter_visual
 from models.qwen_vl_config import QwenVLModelConfig
 from models.recompute import transformer_config_kwargs
+from models.segment_attention import with_packed_attention
 from models.vision import QwenVisionEncoder
 from models.vision_dp import VisionDPOverCP
 
@@ -65,7 +64,7 @@ def lm_transformer_config(cfg: QwenVLModelConfig) -> TransformerConfig:
         add_qkv_bias=t.qkv_bias, qk_layernorm=t.qk_norm, gated_linear_unit=True,
         activation_func=F.silu, bias_activation_fusion=False, hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, use_cpu_initialization=cpu_only(),
+        apply_rope_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32,  # activations sent between PP stages (bf16 set by train.py)

@@ -42,7 +42,6 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from models.cpu_compat import cpu_only
 from models.nemotron_omni_config import NemotronOmniModelConfig, RadioConfig
 from models.recompute import run_layer, transformer_config_kwargs
 from models.vision import tower_sharded_state_dict, vision_layer_spec
@@ -87,7 +86,6 @@ def radio_transformer_config(v: RadioConfig, recompute: str = "none") -> Transfo
         activation_func=F.silu if swiglu else F.gelu, bias_activation_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        use_cpu_initialization=cpu_only(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         **transformer_config_kwargs(recompute, block_recompute=False),  # full: run_layer
     )
@@ -185,13 +183,12 @@ class Projector(nn.Module):
 class RadioEncoder(MegatronModule):
     """RADIO tower + pixel shuffle + projector (see module docstring)."""
 
-    def __init__(self, cfg: NemotronOmniModelConfig, *, use_te: bool | None = None):
+    def __init__(self, cfg: NemotronOmniModelConfig, *, use_te: bool):
         v = cfg.vision
         tconfig = radio_transformer_config(v, cfg.recompute)
         self.recompute = cfg.recompute
         super().__init__(config=tconfig)
         self.v, self.merge = v, cfg.merge_size
-        use_te = (not cpu_only()) if use_te is None else use_te
         self.embeddings = RadioEmbeddings(v)
         spec = radio_layer_spec(use_te)
         self.layers = nn.ModuleList(build_module(spec, config=tconfig, layer_number=i + 1)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from models.cpu_compat import cpu_only
+from models import cpu
 from models.training import Layout, UsageError
 
 #: Written last into a step folder: the checkpoint is complete.
@@ -67,7 +67,7 @@ def rng_state() -> dict:
             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
                       "has_gauss": has_gauss, "cached_gaussian": cached},
             "torch": torch.get_rng_state(),
-            "cuda": None if cpu_only() else torch.cuda.get_rng_state(),
+            "cuda": cpu.cuda_rng_state(),
             "tracker": dict(get_cuda_rng_tracker().get_states())}
 
 
@@ -79,8 +79,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
                          npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and not cpu_only():
-        torch.cuda.set_rng_state(state["cuda"])
+    cpu.set_cuda_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -328,8 +327,7 @@ class StopSignal:
 
     def agreed(self) -> int:
         """The signal any rank received (0: none); a collective, once per step on every rank."""
-        flag = torch.tensor([self.received], dtype=torch.int64,
-                            device="cpu" if cpu_only() else torch.cuda.current_device())
+        flag = torch.tensor([self.received], dtype=torch.int64, device=cpu.compute_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())

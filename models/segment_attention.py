@@ -1,22 +1,33 @@
-"""Core attention confined to segments (images, temporal slices, windows) of a packed sequence.
+"""Core attentions confined to the segments of a packed sequence, for megatron's layer specs.
 
-Qwen-VL vision towers attend within each image / each temporal slice of a video (full-attention
-blocks) or within each window of one (window blocks, Qwen2.5-VL). Patches of all images of a
-batch are one packed sequence, so attention must be block-diagonal over ``cu_seqlens``.
-megatron-core's local ``DotProductAttention`` rejects packed sequences, and its THD path (TE)
-re-indexes rotary frequencies per segment from 0, which breaks the per-patch 2D rotary of the
-vision tower. This module is therefore the ``core_attention`` of the vision layer spec: it plugs
-into megatron's ``SelfAttention`` (which still owns the QKV/projection linears, tensor parallel
-sharding and rotary), reads the boundaries from ``packed_seq_params.cu_seqlens_q`` (passed with
-``qkv_format="sbhd"`` so megatron applies rotary per token), and runs
-``scaled_dot_product_attention`` on each segment (flash-attention varlen on GPU when installed).
+``SegmentAttention`` (non-causal, the vision towers' core attention): Qwen-VL vision towers attend
+within each image / each temporal slice of a video (full-attention blocks) or within each window of
+one (window blocks, Qwen2.5-VL). Patches of all images of a batch are one packed sequence, so
+attention must be block-diagonal over ``cu_seqlens``. megatron-core's local ``DotProductAttention``
+rejects packed sequences, and its THD path (TE) re-indexes rotary frequencies per segment from 0,
+which breaks the per-patch 2D rotary of the vision tower. This module is therefore the
+``core_attention`` of the vision layer spec: it plugs into megatron's ``SelfAttention`` (which still
+owns the QKV/projection linears, tensor parallel sharding and rotary), reads the boundaries from
+``packed_seq_params.cu_seqlens_q`` (passed with ``qkv_format="sbhd"`` so megatron applies rotary per
+token), and runs ``scaled_dot_product_attention`` on each segment (flash-attention varlen on GPU
+when installed).
+
+``PackedCausalAttention`` (causal, the language models' core attention in the local,
+non-TransformerEngine spec: ``with_packed_attention(spec)``): TE's core attention takes packed
+(THD) sequences, megatron's local ``DotProductAttention`` refuses them. With
+``packed_seq_params`` (``qkv_format="thd"``, ``cu_seqlens_q``) it runs causal attention within
+each packed sample; without, it is megatron's ``DotProductAttention`` unchanged (explicit masks,
+generation).
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
 
 try:  # optional GPU fast path
@@ -58,3 +69,38 @@ class SegmentAttention(MegatronModule):
                                                            scale=self.scale)[0])
             out = torch.cat(outs, dim=1).transpose(0, 1) if outs else q.new_zeros(q.shape)
         return out.reshape(seq, 1, -1)
+
+
+class PackedCausalAttention(DotProductAttention):
+    """megatron's local core attention, plus packed (THD) sequences: causal within each sample.
+
+    megatron's ``Attention`` hands a THD call (T, heads, d) query and (T, groups, d) key / value
+    (the batch dimension squeezed, rotary already applied per token) and reshapes the result.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **kwargs):
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, **kwargs)
+        if packed_seq_params.qkv_format != "thd" or attention_bias is not None:
+            raise ValueError("packed sequences: only qkv_format 'thd' without attention bias")
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        heads, groups = query.shape[1], key.shape[1]
+        if heads != groups:
+            key = key.repeat_interleave(heads // groups, dim=1)
+            value = value.repeat_interleave(heads // groups, dim=1)
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (heads, T, d)
+        dropout = self.attention_dropout.p if self.training else 0.0
+        out = torch.cat([
+            F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
+                                           dropout_p=dropout, scale=self.softmax_scale)
+            for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+        return out.transpose(0, 1).reshape(query.shape[0], -1)  # (T, heads * d)
+
+
+def with_packed_attention(spec):
+    """A copy of a local GPT layer spec whose core attention also takes packed sequences."""
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
+    return spec

@@ -4,7 +4,7 @@ throughput and FLOP accounting, logging, and the training checkpoint.
 Stages, in the order train.py uses them:
 
 1. ``check_layout`` / ``init_distributed``: world size vs TP x PP x CP (x EP), gloo (CPU) or
-   nccl (GPU), megatron ``parallel_state``, seeded RNG tracker (``models.cpu_compat`` on CPU).
+   nccl (GPU), megatron ``parallel_state``, seeded RNG tracker (``models.checkpoint``).
 2. ``check_data_path`` / ``check_split`` / ``probe_first_batch``: a missing or empty dataset, a
    missing split, or one whose samples the budget all skips, is a ``UsageError`` before the
    model is built.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import shutil
 import time
 from collections import Counter
@@ -34,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.checkpoint import init_process_group, write_files
-from models.cpu_compat import cpu_only, enable_cpu_compat, seed_model_parallel
+from models.checkpoint import init_process_group, seed_model_parallel, write_files
+from models.cpu import peak_memory_gb
 from models.flops import batch_flops
 
 
@@ -78,10 +77,9 @@ def check_layout(world: int, tp: int, pp: int, cp: int, seq_length: int,
 
 def init_distributed(tp: int, pp: int, cp: int, seed: int, ep: int = 1) -> Layout:
     """gloo/nccl process group (plain python = one process), parallel_state, RNG tracker."""
-    enable_cpu_compat(remap_tensor_literals=True)  # megatron optimizer wrappers need it
+    init_process_group()
     from megatron.core import parallel_state as ps
 
-    init_process_group()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -213,12 +211,6 @@ def step_token_total(local_tokens: int) -> int:
 
 
 # ------------------------------------------------------------------ 5. metrics
-def peak_memory_gb() -> float:
-    if not cpu_only():
-        return torch.cuda.max_memory_allocated() / 2 ** 30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
-
-
 class StepMeter:
     """Sums one logging window of batches (this rank), then all-reduces over DP replicas."""
 

@@ -33,7 +33,6 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from models.cpu_compat import cpu_only
 from models.qwen_vl_config import QwenVLModelConfig, VisionConfig
 from models.recompute import run_layer, transformer_config_kwargs
 from models.segment_attention import SegmentAttention
@@ -67,7 +66,6 @@ def vision_transformer_config(v: VisionConfig, family: str, recompute: str = "no
         activation_func=ACTIVATIONS[v.hidden_act], bias_activation_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        use_cpu_initialization=cpu_only(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         **transformer_config_kwargs(recompute, block_recompute=False),  # full: run_layer
     )
@@ -181,14 +179,13 @@ def tower_sharded_state_dict(tower: torch.nn.Module, prefix="", sharded_offsets=
 class QwenVisionEncoder(MegatronModule):
     """The vision tower of Qwen2.5-VL or Qwen3-VL (see module docstring)."""
 
-    def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool | None = None):
+    def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool):
         v = cfg.vision
         tconfig = vision_transformer_config(v, cfg.family, cfg.recompute)
         self.recompute = cfg.recompute
         super().__init__(config=tconfig)
         self.family, self.v = cfg.family, v
         self.qwen3 = cfg.family == "qwen3_vl"
-        use_te = (not cpu_only()) if use_te is None else use_te
         patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
         self.patch_embed = nn.Linear(patch_dim, v.hidden_size, bias=self.qwen3)
         if self.qwen3:

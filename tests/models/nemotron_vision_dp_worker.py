@@ -34,9 +34,9 @@ def grad(p: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     sys.path.insert(0, str(REPO))
-    from models.cpu_compat import enable_cpu_compat, seed_model_parallel
+    from models.checkpoint import init_process_group, seed_model_parallel
 
-    enable_cpu_compat()
+    init_process_group()  # models/cpu's accommodations, then gloo from torchrun's environment
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -45,7 +45,6 @@ def main() -> int:
     from models.vision_dp import allreduce_grads
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     cp = dist.get_world_size()
     ps.initialize_model_parallel(context_parallel_size=cp)
     cp_group, cp_rank = ps.get_context_parallel_group(), ps.get_context_parallel_rank()

@@ -1,5 +1,5 @@
 """Nemotron-Omni on megatron-core: HF import parity (patterns with Mamba2 layers, on CPU through
-models/cpu_mamba.py, with attention, MLP and MoE layers; one image, interleaved images, tiles, a
+models/cpu/mamba.py, with attention, MLP and MoE layers; one image, interleaved images, tiles, a
 video), round trip, count-mismatch errors, the Mamba-without-kernels error, mixed image + video
 batches on the shared ``<image>`` token (``visual_kinds``), tiny config training, generation
 (KV cache + Mamba states) against full forwards and against transformers' ``generate``, FLOPs,
@@ -65,15 +65,16 @@ def test_mamba_without_kernels_refused(monkeypatch):
     error before megatron's own ImportError."""
     import importlib.util
 
-    from models import nemotron_omni
     from models.checkpoint import build_model, init_parallel
     from models.nemotron_omni_config import load_yaml
 
     if importlib.util.find_spec("mamba_ssm") is not None:
         pytest.skip("mamba_ssm is installed")
     init_parallel()
+    from megatron.core.ssm import mamba_mixer
+
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
-    monkeypatch.setattr(nemotron_omni, "use_torch_mamba_kernels", lambda: False)
+    monkeypatch.setattr(mamba_mixer, "HAVE_MAMBA_SSM", False)  # what a GPU without it has
     with pytest.raises(ValueError, match=r"Mamba layers \('M'\).*mamba_ssm"):
         build_model(cfg, use_te=False)
 
@@ -306,20 +307,18 @@ def test_mamba_mixer_on_torch_kernels():
     full forward, for the rows ``models.generate`` runs together on this version."""
     from models.checkpoint import init_parallel
 
-    init_parallel()  # the CPU shims before megatron's Mamba modules are imported
+    init_parallel()  # models/cpu's torch Mamba kernels
     from megatron.core import __version__
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from packaging.version import Version
 
-    from models.cpu_compat import use_torch_mamba_kernels
     from models.generate import _inference_mode, _make_context
     from models.multimodal import packed_sequence_params
     from models.nemotron_omni import lm_transformer_config
     from models.nemotron_omni_config import load_yaml
 
-    assert use_torch_mamba_kernels()
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
     torch.manual_seed(0)
     mixer = MambaMixer(lm_transformer_config(cfg), MambaMixerSubmodules(

@@ -1,7 +1,8 @@
 """Packed batches through both VLM families: megatron's THD path (the rows flattened into one
-sequence over ``cu_seqlens``; on CPU ``models.cpu_attention.PackedCausalAttention`` stands in for
-TE's varlen attention, and Mamba layers restart their conv window and state at every segment:
-``models.cpu_mamba``) gives every packed sample the logits and per-token losses it has alone."""
+sequence over ``cu_seqlens``; on CPU ``models.segment_attention.PackedCausalAttention`` stands in
+for TE's varlen attention, and Mamba layers restart their conv window and state at every
+segment: ``models.cpu.mamba``) gives every packed sample the logits and per-token losses it has
+alone."""
 
 from __future__ import annotations
 

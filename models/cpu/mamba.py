@@ -24,7 +24,7 @@ dt_t B_t x_t and y_t = C_t . h_t + D x_t, computed chunk by chunk (quadratic ins
 a decayed sum of chunk states across chunks). Log-decay differences are taken in float64 so that
 a long chunk does not lose precision to cancellation; everything else runs in float32 and the
 output comes back in the input's dtype. This is a test path (see docs/nemotron.md for its speed),
-imported only by ``models.cpu_compat.use_torch_mamba_kernels``.
+bound into megatron's mixer by ``models.cpu.activate``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,23 @@
-"""Core attentions that megatron-core's local (non-TransformerEngine) layer spec lacks: CPU
-accommodations of megatron-core.
+"""Context-parallel core attention on CPU (part of models/cpu, used through
+``models.cpu.use_cp_attention``).
 
-On GPU the TE core attention does both of these; megatron's local ``DotProductAttention`` refuses
-them:
-
-- packed (THD) sequences: ``PackedCausalAttention`` is the local spec's core attention
-  (``with_packed_attention(spec)``). With ``packed_seq_params`` (``qkv_format="thd"``,
-  ``cu_seqlens_q``) it runs causal attention within each packed sample; without, it is megatron's
-  ``DotProductAttention`` unchanged (explicit masks, generation).
-- context parallelism: ``CPUContextParallelAttention`` all-gathers K and V over the CP group
-  (``all_gather_into_tensor`` forward, ``reduce_scatter_tensor`` backward: both native in gloo),
-  undoes megatron's zig-zag layout (rank r holds chunks r and 2*cp-1-r of 2*cp), and applies the
-  causal mask in global positions. O(S^2) memory: for tests and CPU demos, not for real runs.
-  ``use_cp_attention(gpt_model)`` swaps it into every layer of a built ``GPTModel`` (the core
-  attention holds no parameters, so checkpoints are unchanged); train.py calls it on CPU only.
+On GPU TransformerEngine's core attention runs context parallelism; megatron's local
+``DotProductAttention`` refuses it. ``CPUContextParallelAttention`` all-gathers K and V over
+the CP group (``all_gather_into_tensor`` forward, ``reduce_scatter_tensor`` backward: both native
+in gloo), undoes megatron's zig-zag layout (rank r holds chunks r and 2*cp-1-r of 2*cp), and
+applies the causal mask in global positions. O(S^2) memory: for tests and CPU demos, not for real
+runs.
+``use_cp_attention(gpt_model)`` swaps it into every layer of a built ``GPTModel`` (the core
+attention holds no parameters, so checkpoints are unchanged).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -96,38 +88,3 @@ def use_cp_attention(gpt_model) -> None:
         layer.self_attention.core_attention = CPUContextParallelAttention(
             config, config.num_attention_heads // tp, config.num_query_groups // tp,
             config.kv_channels, group)
-
-
-class PackedCausalAttention(DotProductAttention):
-    """megatron's local core attention, plus packed (THD) sequences: causal within each sample.
-
-    megatron's ``Attention`` hands a THD call (T, heads, d) query and (T, groups, d) key / value
-    (the batch dimension squeezed, rotary already applied per token) and reshapes the result.
-    """
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, **kwargs):
-        if packed_seq_params is None:
-            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias, **kwargs)
-        if packed_seq_params.qkv_format != "thd" or attention_bias is not None:
-            raise ValueError("packed sequences: only qkv_format 'thd' without attention bias")
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        heads, groups = query.shape[1], key.shape[1]
-        if heads != groups:
-            key = key.repeat_interleave(heads // groups, dim=1)
-            value = value.repeat_interleave(heads // groups, dim=1)
-        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (heads, T, d)
-        dropout = self.attention_dropout.p if self.training else 0.0
-        out = torch.cat([
-            F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
-                                           dropout_p=dropout, scale=self.softmax_scale)
-            for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
-        return out.transpose(0, 1).reshape(query.shape[0], -1)  # (T, heads * d)
-
-
-def with_packed_attention(spec):
-    """A copy of a local GPT layer spec whose core attention also takes packed sequences."""
-    spec = copy.deepcopy(spec)
-    spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
-    return spec
