@@ -228,10 +228,11 @@ def _pattern_kwarg() -> str:
     releases rename it)."""
     from megatron.core.models.mamba import MambaModel
 
-    params = inspect.signature(MambaModel.__init__).parameters
-    for name in ("hybrid_override_pattern", "hybrid_layer_pattern", "hybrid_pattern"):
-        if name in params:
-            return name
+    for cls in MambaModel.__mro__:  # >= 0.19: MambaModel(*args, **kwargs) wraps HybridModel
+        params = inspect.signature(cls.__init__).parameters if "__init__" in vars(cls) else {}
+        for name in ("hybrid_override_pattern", "hybrid_layer_pattern", "hybrid_pattern"):
+            if name in params:
+                return name
     raise ValueError("this megatron-core's MambaModel takes no hybrid layer pattern argument")
 
 

@@ -71,9 +71,17 @@ def radio_layer_spec(use_te: bool):
     spec = copy.deepcopy(vision_layer_spec("LayerNorm", use_te))
     attention = spec.submodules.self_attention.submodules
     attention.linear_proj = layer_scaled(attention.linear_proj)
-    mlp = spec.submodules.mlp.submodules
+    mlp = mlp_submodules(spec.submodules.mlp)
     mlp.linear_fc2 = layer_scaled(mlp.linear_fc2)
     return spec
+
+
+def mlp_submodules(mlp_spec):
+    """The MLPSubmodules of a layer spec's MLP: a ModuleSpec up to megatron-core 0.16, a
+    ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` from 0.17 on."""
+    if isinstance(mlp_spec, functools.partial):
+        return mlp_spec.keywords["submodules"]
+    return mlp_spec.submodules
 
 
 def radio_transformer_config(v: RadioConfig, recompute: str = "none") -> TransformerConfig:
