@@ -33,13 +33,17 @@ import signal
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from contract.errors import UsageError
 from models.cpu_compat import cpu_only
-from models.training import Layout, UsageError
+
+if TYPE_CHECKING:  # an annotation only: models.training imports this module
+    from models.training import Layout
 
 #: Written last into a step folder: the checkpoint is complete.
 COMPLETE = "COMPLETE"
@@ -356,3 +360,14 @@ class _WorkerInit:
         signal.signal(signal.SIGTERM, on_sigterm)
         if self.inner is not None:
             self.inner(worker_id)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step folder, a checkpoint dir, or a run folder (its ``checkpoints/``) -> the step
+    folder: the newest complete one of a checkpoint dir (``COMPLETE``)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir() and not step_folders(path):
+        path = path / "checkpoints"
+    if step_folders(path):
+        return newest_complete(path) or path
+    return path
