@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from contract.errors import ConfigError  # the message lists every problem, separated by '; '
+from contract.families import TASK_ENCODER_MODELS, profile_name
 from models.families import config_from_dict
 from models.nemotron_omni_config import NemotronOmniModelConfig
 from models.overrides import apply_override
@@ -209,7 +210,6 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
     configured one does not feed the model's family, ``task_encoder.model``; a
     ``task_encoder.*`` key given on the command line keeps its value. Edits ``raw`` in place;
     returns (source, the processors' patch / merge sizes) or None when ``model.hf`` is unset."""
-    from contract.families import TASK_ENCODER_MODELS
     from models.families import config_from_hf
     from models.hf_source import HFSourceError, hf_config, resolve, task_encoder_settings
 
@@ -230,12 +230,20 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
     raw["model"] = _refine(base, {k: v for k, v in model.items() if k != "hf"})
     encoder = raw["task_encoder"] = dict(raw.get("task_encoder") or {})
     feeds = TASK_ENCODER_MODELS[base["family"]]
-    if encoder.get("model") not in feeds:
+    if _profile_or_none(encoder.get("model")) not in feeds:
         values["model"] = feeds[0]
     for key, value in values.items():
         if f"task_encoder.{key}" not in command_line:
             encoder[key] = value
     return source, geometry
+
+
+def _profile_or_none(name: Any) -> str | None:
+    """The canonical profile of a configured ``task_encoder.model`` (an alias allowed), or None."""
+    try:
+        return profile_name(name)
+    except (ValueError, AttributeError):
+        return None
 
 
 def _check_hf_geometry(source: str, geometry: dict, task_encoder: Any) -> list[str]:
