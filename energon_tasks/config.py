@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from contract.errors import ConfigError  # noqa: F401  (raised here; the callers catch it)
+from contract.errors import ConfigError
 from contract.families import NEMOTRON_OMNI, profile_name
 from energon_tasks.geometry import QwenVLGeometry
 from energon_tasks.profiles import Profile, get_profile
