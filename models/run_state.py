@@ -10,7 +10,8 @@ retention, the run guard, and stopping at a step boundary.
   dist checkpoint (torch DCP's ``.metadata``) with an unpickler that accepts only DCP's metadata
   classes, before megatron unpickles it.
 - ``COMPLETE``: written last into a step folder, after every rank's files; ``newest_complete``
-  never picks a half-written folder; ``prune`` keeps the newest N complete ones.
+  never picks a half-written folder (``resolve_checkpoint``: a run, checkpoints or step folder ->
+  the step folder); ``prune`` keeps the newest N complete ones.
 - ``plan_start``: an ``out`` that holds a run (metrics or checkpoints) is refused unless the run
   resumes (``--resume``, ``auto_resume``: the newest complete checkpoint) or ``--overwrite``
   clears it; ``prepare_run_folder`` then deletes the earlier run (``clear_run``) or drops the
@@ -19,7 +20,7 @@ retention, the run guard, and stopping at a step boundary.
 - ``StopSignal``: SIGINT / SIGTERM ask for a checkpoint and a clean exit at the next step
   boundary; every rank agrees on that boundary (a MAX all-reduce once per step).
 
-Raises ``models.training.UsageError`` (one line; train.py exits 2) for every bad input.
+Raises ``contract.errors.UsageError`` (one line; train.py exits 2) for every bad input.
 """
 
 from __future__ import annotations
