@@ -37,7 +37,7 @@ from pathlib import Path
 import click
 import yaml
 
-from models.families import TASK_ENCODER_MODELS
+from contract.families import TASK_ENCODER_MODELS
 from models.scores import (
     anls_one,
     answer_letter,
@@ -150,7 +150,7 @@ def encode_prompts(encoder, sample, counters: Counter, turns_mode: str = "all",
     """
     import torch
 
-    from energon_tasks.decode import MediaError
+    from contract.errors import MediaError
     from energon_tasks.sample_format import PLACEHOLDER_RE, Turn
     from models.generate import Prompt
 
@@ -203,10 +203,10 @@ def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | 
     """Cooked val samples (ConversationSample) in the loader's fixed order, up to ``limit``."""
     from megatron.energon import get_loader, get_val_dataset, stateless
 
-    from energon_tasks.encoders import task_encoder_class
     from energon_tasks.loader import worker_config
+    from energon_tasks.task_encoder import VLMTaskEncoder
 
-    class _Reader(task_encoder_class(encoder_config.model)):  # cook only: encoded in this process
+    class _Reader(VLMTaskEncoder):  # cook only: encoded in this process
         @stateless
         def encode_sample(self, sample):
             return sample
@@ -246,8 +246,7 @@ def find_checkpoint(ckpt: str) -> Checkpoint:
     built, its one pickle is checked), so a wrong checkpoint fails fast."""
     from models.checkpoint import MODEL_JSON, read_model_config
     from models.families import config_from_dict
-    from models.run_state import check_dist_metadata
-    from models.training import resolve_checkpoint
+    from models.run_state import check_dist_metadata, resolve_checkpoint
 
     path = Path(ckpt)
     if not path.exists():

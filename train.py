@@ -29,10 +29,10 @@ from pathlib import Path
 import click
 import torch
 
+from contract.families import TASK_ENCODER_MODELS
 from energon_tasks.config import TaskEncoderConfig
 from models import cpu
 from models.cli import run_click
-from models.families import TASK_ENCODER_MODELS
 from models.run_config import ConfigError, dump_yaml, load_run_config, to_dict
 from models.training import UsageError, check_data_path, check_layout, check_split
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from energon_tasks.decode import decode_image, decode_video_frames
 from energon_tasks.energon_dataset import conversation_fields
-from energon_tasks.geometry import get_geometry
+from energon_tasks.profiles import get_geometry
 from energon_tasks.sample_format import CanonicalSample, Media, SourceRef, Turn
 from lookalikes.media import encode_h264, photo_jpeg, text_page
 

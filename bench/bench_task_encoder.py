@@ -187,12 +187,12 @@ def ours_path(encoder, sample, parts, key: str = "bench"):
 
 def make_encoder(tokenizer_dir: str, **fields):
     from energon_tasks.config import TaskEncoderConfig
-    from energon_tasks.qwen_vl import QwenVLTaskEncoder
+    from energon_tasks.task_encoder import VLMTaskEncoder
     from energon_tasks.tokenizer import load_tokenizer
 
     config = TaskEncoderConfig(model="qwen2.5-vl", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
                                **fields)
-    return QwenVLTaskEncoder(config, tokenizer=load_tokenizer(tokenizer_dir))
+    return VLMTaskEncoder(config, tokenizer=load_tokenizer(tokenizer_dir))
 
 
 # ---- timing -----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from converters.media import MediaError
+from contract.errors import MediaError
 
 
 def safe_member_name(name: str) -> str | None:

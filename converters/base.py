@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from contract.errors import UsageError
 from energon_tasks.sample_format import CanonicalSample
 
 Target = Literal["train", "val", "test", "carve"]
@@ -48,10 +49,6 @@ def check_config_folders(configs: list[str]) -> None:
         if seen.setdefault(folder, config) != config:
             raise UsageError(f"configs {seen[folder]!r} and {config!r} map to one shard folder "
                              f"{folder!r}; convert them in separate runs (--configs)")
-
-
-class UsageError(Exception):
-    """Bad arguments or source (missing, unknown config, unwritable output): one line, exit 2."""
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)

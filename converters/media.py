@@ -17,18 +17,17 @@ Nothing a header claims is trusted:
 from __future__ import annotations
 
 import io
-import re
 import warnings
 from dataclasses import asdict, dataclass
 
 import av
 from PIL import Image
 
+from contract.errors import MediaError
 from energon_tasks.sample_format import IMAGE_EXTENSIONS, Media
 
 # PIL aliases that are the same bytes as a stored format (MPO is a JPEG with extra frames).
 _FORMAT_ALIASES = {"MPO": "JPEG"}
-_ADDRESS = re.compile(r" ?<[^<>]* at 0x[0-9a-fA-F]+>")
 _MB = 1024 * 1024
 #: A video must fill one temporal patch (2 frames) of the models: qwen-vl-utils refuses fewer and
 #: the loaders' frame sampling needs two. A one-frame "video" is rejected `too_few_frames`.
@@ -52,16 +51,6 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
-
-
-class MediaError(Exception):
-    """A media file cannot be used; `reason` is the reject reason recorded for its row."""
-
-    def __init__(self, reason: str, detail: str):
-        detail = _ADDRESS.sub("", detail)  # object addresses would make rejects.jsonl unstable
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(slots=True, frozen=True)

@@ -2,8 +2,10 @@
 
 Distributions of images per sample, megapixels per image, video duration and frames, text tokens
 (approximate: 4 characters per token) and the estimated visual tokens per sample under Qwen2.5-VL
-(factor 28) and Qwen3-VL (factor 32) at the default budgets, computed from the media metadata
-alone with the loader's own geometry (energon_tasks.geometry), plus the conversion speed.
+(factor 28) and Qwen3-VL (factor 32) at the loader's default budget (the defaults of
+``energon_tasks.config.TaskEncoderConfig``, the one source of them: pixel limits, video fps, frame
+cap), computed from the media metadata alone with the loader's own geometry, plus the conversion
+speed.
 """
 
 from __future__ import annotations
@@ -14,32 +16,43 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.families import QWEN2_5_VL, QWEN3_VL
 from converters.writer import write_atomic
 
-#: Budgets of the estimates (Megatron-Bridge defaults; see docs/format.md).
-MIN_PIXELS = 200_704
-MAX_PIXELS = 1_003_520
-VIDEO_FPS = 2.0
-MAX_NUM_FRAMES = 60
 CHARS_PER_TOKEN = 4
-MODELS = ("qwen2.5-vl", "qwen3-vl")
+MODELS = (QWEN2_5_VL, QWEN3_VL)
 
 
-def visual_tokens(model: str, record: dict) -> int | None:
-    """Estimated visual tokens of one sample (images and videos) at the default budgets; None
-    when the model's geometry cannot take one of its media (the loader would skip it)."""
-    from energon_tasks.geometry import get_geometry
+def default_budget(model: str) -> dict:
+    """The loader's default budget of a model (``TaskEncoderConfig(model=model)``): image and
+    video pixel limits (null knobs filled from the geometry), video fps, frame cap."""
+    from energon_tasks.config import TaskEncoderConfig
+
+    config = TaskEncoderConfig(model=model)
+    (low, high), (video_low, video_high) = config.image_pixels(), config.video_pixels()
+    return {"min_pixels": low, "max_pixels": high, "video_min_pixels": video_low,
+            "video_max_pixels": video_high, "video_fps": config.video_fps,
+            "max_num_frames": config.max_num_frames}
+
+
+def visual_tokens(model: str, record: dict, budget: dict | None = None) -> int | None:
+    """Estimated visual tokens of one sample (images and videos) at ``budget`` (default: the
+    loader's, ``default_budget``); None when the model's geometry cannot take one of its media
+    (the loader would skip it)."""
+    from energon_tasks.profiles import get_geometry
 
     geo = get_geometry(model)
+    b = default_budget(model) if budget is None else budget
     total = 0
     try:
         for width, height in record["images"]:
-            total += geo.image_grid(height, width, min_pixels=MIN_PIXELS,
-                                    max_pixels=MAX_PIXELS).visual_tokens
+            total += geo.image_grid(height, width, min_pixels=b["min_pixels"],
+                                    max_pixels=b["max_pixels"]).visual_tokens
         for _duration, frames, width, height, fps in record["videos"]:
-            chosen = geo.video_frame_indices(frames, fps, video_fps=VIDEO_FPS,
-                                             max_num_frames=MAX_NUM_FRAMES)
-            total += geo.video_grid(len(chosen), height, width).visual_tokens
+            chosen = geo.video_frame_indices(frames, fps, video_fps=b["video_fps"],
+                                             max_num_frames=b["max_num_frames"])
+            total += geo.video_grid(len(chosen), height, width, min_pixels=b["video_min_pixels"],
+                                    max_pixels=b["video_max_pixels"]).visual_tokens
     except ValueError:
         return None
     return total
@@ -67,13 +80,13 @@ def write_stats(out: Path, records: list[dict], conversion: dict) -> dict:
         "text_tokens_approx": [r["text_chars"] / CHARS_PER_TOKEN for r in records],
     }
     unusable = {}
+    budgets = {model: default_budget(model) for model in MODELS}
     for model in MODELS:
-        tokens = [visual_tokens(model, r) for r in records]
+        tokens = [visual_tokens(model, r, budgets[model]) for r in records]
         series[f"visual_tokens_{model}"] = [t for t in tokens if t is not None]
         unusable[model] = sum(t is None for t in tokens)
     stats = {
-        "budget": {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "video_fps": VIDEO_FPS,
-                   "max_num_frames": MAX_NUM_FRAMES, "chars_per_token": CHARS_PER_TOKEN},
+        "budget": {**budgets, "chars_per_token": CHARS_PER_TOKEN},
         "samples": len(records),
         "distributions": {name: _describe(values) for name, values in series.items()},
         "samples_the_geometry_cannot_take": unusable,

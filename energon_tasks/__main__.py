@@ -12,7 +12,8 @@ import sys
 
 import click
 
-from energon_tasks.geometry import ImageGrid, QwenVLGeometry, get_geometry
+from energon_tasks.geometry import ImageGrid, QwenVLGeometry
+from energon_tasks.profiles import get_geometry
 
 
 class _Size(click.ParamType):
@@ -84,7 +85,8 @@ def _grid_fields(grid: ImageGrid) -> dict:
 
 @cli.command(cls=_MediaOrderCommand)
 @click.option("--model", required=True,
-              help="qwen2.5-vl, qwen3-vl, nemotron-omni or nemotron-omni-tiled ('_' also works).")
+              help="qwen2_5_vl, qwen3_vl, nemotron_omni or nemotron_omni_tiled (also spelled "
+                   "qwen2.5-vl, qwen3-vl, nemotron-omni, nemotron-omni-tiled).")
 @click.option(
     "--image", "images", multiple=True, type=_Size(("H", "W"), "480x640"), help="Image HxW."
 )

@@ -19,10 +19,7 @@ from collections.abc import Sequence
 import torch
 from megatron.energon import Batch, Sample, edataclass
 
-IGNORE_INDEX = -100  #: label of every token without loss
-#: ``visual_kinds`` codes: the kind of code ``c`` is ``VISUAL_KINDS[c]`` (0 = image, 1 = video);
-#: models/multimodal.py reads the same codes
-VISUAL_KINDS = ("image", "video")
+from contract.constants import IGNORE_INDEX
 
 
 @edataclass

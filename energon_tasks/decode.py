@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from contract.errors import MediaError
 from energon_tasks.sample_format import is_frame_sequence, unpack_frames
 
 #: image resize filters: "pil" = PIL bicubic on uint8, "torch" = torch antialiased bicubic in
@@ -48,15 +49,6 @@ MEDIA_SKIP_REASONS = (
 )
 _ROTATING = (5, 6, 7, 8)  #: EXIF orientations that swap width and height
 _EXIF_ORIENTATION = 0x0112
-
-
-class MediaError(Exception):
-    """A media item cannot be used; ``reason`` is the skip counter suffix."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason  #: one of MEDIA_SKIP_REASONS
-        self.detail = detail
 
 
 @dataclass(slots=True, kw_only=True)

@@ -12,6 +12,8 @@ computes each one exactly as the Hugging Face transformers (5.x) processors and 
 - 3-D M-RoPE position ids (``mrope_position_ids``, the models' ``get_rope_index``; it lives in
   ``energon_tasks.mrope`` and is re-exported here).
 
+The geometry of a model by name is ``energon_tasks.profiles.get_geometry`` (the profile registry).
+
 Pure Python + numpy; torch is imported lazily only by the Qwen2.5-VL frame sampler, which must
 reproduce qwen-vl-utils' float32 ``torch.linspace``.
 """
@@ -24,6 +26,7 @@ from typing import Literal
 
 import numpy as np
 
+from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from energon_tasks.mrope import mrope_position_ids
 
 __all__ = [
@@ -31,16 +34,12 @@ __all__ = [
     "QWEN2_5_VL",
     "QWEN3_VL",
     "QwenVLGeometry",
-    "get_geometry",
-    "model_family",
     "mrope_position_ids",
     "smart_resize",
     "smart_resize_clip",
 ]
 
 MAX_ASPECT_RATIO = 200
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 RESCALE_FACTOR = 1 / 255
 
 
@@ -377,7 +376,7 @@ class QwenVLGeometry:
 
 
 QWEN2_5_VL = QwenVLGeometry(
-    name="qwen2.5-vl",
+    name="qwen2_5_vl",
     patch_size=14,
     merge_size=2,
     temporal_patch_size=2,
@@ -391,7 +390,7 @@ QWEN2_5_VL = QwenVLGeometry(
     frame_sampling="qwen_vl_utils",
 )
 QWEN3_VL = QwenVLGeometry(
-    name="qwen3-vl",
+    name="qwen3_vl",
     patch_size=16,
     merge_size=2,
     temporal_patch_size=2,
@@ -404,47 +403,3 @@ QWEN3_VL = QwenVLGeometry(
     video_resize="clip_volume",
     frame_sampling="transformers_qwen3",
 )
-_GEOMETRIES = {
-    "qwen2.5-vl": QWEN2_5_VL,
-    "qwen2_5_vl": QWEN2_5_VL,
-    "qwen3-vl": QWEN3_VL,
-    "qwen3_vl": QWEN3_VL,
-}
-#: Nemotron-Omni names -> attribute of ``energon_tasks.nemotron_geometry`` (imported lazily: that
-#: module imports this one).
-_NEMOTRON_GEOMETRIES = {
-    "nemotron-omni": "NEMOTRON_OMNI",
-    "nemotron_omni": "NEMOTRON_OMNI",
-    "nemotron-omni-tiled": "NEMOTRON_OMNI_TILED",
-    "nemotron_omni_tiled": "NEMOTRON_OMNI_TILED",
-}
-
-
-def model_family(name: str) -> str:
-    """``"nemotron-omni"`` for the Nemotron-Omni names, ``"qwen-vl"`` for the Qwen ones.
-
-    Raises:
-        ValueError: unknown name (the message lists the valid ones).
-    """
-    get_geometry(name)
-    return "nemotron-omni" if name.lower() in _NEMOTRON_GEOMETRIES else "qwen-vl"
-
-
-def get_geometry(name: str):
-    """The geometry of a model by name: ``QwenVLGeometry`` for "qwen2.5-vl" / "qwen2_5_vl" /
-    "qwen3-vl" / "qwen3_vl", ``NemotronOmniGeometry`` for "nemotron-omni" (dynamic images) /
-    "nemotron-omni-tiled" (tiled images), also spelled with "_".
-
-    Raises:
-        ValueError: unknown name (the message lists the valid ones).
-    """
-    key = name.lower()
-    if key in _NEMOTRON_GEOMETRIES:
-        from energon_tasks import nemotron_geometry
-
-        return getattr(nemotron_geometry, _NEMOTRON_GEOMETRIES[key])
-    try:
-        return _GEOMETRIES[key]
-    except KeyError:
-        valid = ", ".join([*_GEOMETRIES, *_NEMOTRON_GEOMETRIES])
-        raise ValueError(f"unknown model {name!r}; valid: {valid}") from None

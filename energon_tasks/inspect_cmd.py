@@ -1,8 +1,8 @@
 """``python -m energon_tasks inspect``: predict the budget's effect from shard metadata only.
 
 This module owns the dry run: it reads only the ``K.json`` members of a split's shards (tarfile;
-no pixel is decoded), runs the task encoder's own planner (``QwenVLTaskEncoder.plan_sample``, the
-encoder of ``--model`` from ``energon_tasks.encoders.task_encoder_for``, so
+no pixel is decoded), runs the task encoder's own planner (``VLMTaskEncoder.plan_sample``, the
+encoder of ``--model`` from ``energon_tasks.task_encoder.task_encoder_for``, so
 the prediction is what the loader does) and reports how many samples are kept / resized /
 frame-sampled / cut / skipped per reason, the distributions of text, visual and total tokens, and
 optionally PNG histograms. Only decode-time skips (corrupt media bytes) are not predictable here.
@@ -21,6 +21,7 @@ import click
 import numpy as np
 import yaml
 
+from contract.families import QWEN2_5_VL
 from energon_tasks.config import TaskEncoderConfig
 
 #: Budget knobs exposed as options: (option name, config field, type).
@@ -151,10 +152,10 @@ def make_encoder(model: str | None, tokenizer: str | None, knobs: dict,
     """The model's task encoder (``task_encoder_for``): the run config's ``task_encoder``
     section (``--config``), then the options given; the tokenizer from a hub id, a local folder
     or ``test``."""
-    from energon_tasks.encoders import task_encoder_for
+    from energon_tasks.task_encoder import task_encoder_for
     from energon_tasks.tokenizer import load_tokenizer
 
-    values = {"model": "qwen2.5-vl", **run_config_task_encoder(config),
+    values = {"model": QWEN2_5_VL, **run_config_task_encoder(config),
               **{k: v for k, v in {"model": model, "tokenizer": tokenizer, **knobs}.items()
                  if v is not None}}
     try:
@@ -180,9 +181,9 @@ def knob_options(function):
     function = click.option(
         "--tokenizer", help="Hub id, local folder, or `test` (the tests' small tokenizer); "
                             "default: the run config's, else the model's hub id.")(function)
-    return click.option("--model", help="qwen2.5-vl, qwen3-vl, nemotron-omni or "
-                                        "nemotron-omni-tiled (default: the run config's, else "
-                                        "qwen2.5-vl).")(function)
+    return click.option("--model", help="qwen2_5_vl, qwen3_vl, nemotron_omni or "
+                                        "nemotron_omni_tiled, also spelled qwen2.5-vl, ... "
+                                        "(default: the run config's, else qwen2_5_vl).")(function)
 
 
 @click.command("inspect")

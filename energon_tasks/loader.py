@@ -20,7 +20,7 @@ from megatron.energon import (
 )
 
 from energon_tasks.energon_dataset import skip_handler
-from energon_tasks.qwen_vl import QwenVLTaskEncoder
+from energon_tasks.task_encoder import VLMTaskEncoder
 
 
 def worker_config(dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0,
@@ -33,7 +33,7 @@ def worker_config(dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0,
                         seed_offset=seed_offset, global_error_handler=skip_handler)
 
 
-def _packing(task_encoder: QwenVLTaskEncoder) -> int | None:
+def _packing(task_encoder: VLMTaskEncoder) -> int | None:
     config = task_encoder.config
     return config.packing_buffer_size if config.packing else None
 
@@ -41,7 +41,7 @@ def _packing(task_encoder: QwenVLTaskEncoder) -> int | None:
 def get_train_loader(
     path: str | Path,
     *,
-    task_encoder: QwenVLTaskEncoder,
+    task_encoder: VLMTaskEncoder,
     batch_size: int,
     dp_rank: int = 0,
     dp_size: int = 1,
@@ -55,7 +55,7 @@ def get_train_loader(
 
     Args:
         path: dataset folder (``.nv-meta/dataset.yaml``) or a metadataset YAML.
-        task_encoder: the Qwen-VL task encoder (its config decides packing).
+        task_encoder: the task encoder (its config decides packing).
         batch_size: rows per batch (packed rows when packing).
         dp_rank: data-parallel rank (Energon rank); dp_size: data-parallel world size.
         num_workers: loader worker processes per rank (0 = in the main process).
@@ -83,7 +83,7 @@ def get_train_loader(
 def get_val_loader(
     path: str | Path,
     *,
-    task_encoder: QwenVLTaskEncoder,
+    task_encoder: VLMTaskEncoder,
     batch_size: int,
     dp_rank: int = 0,
     dp_size: int = 1,

@@ -31,7 +31,8 @@ from typing import Literal
 
 import numpy as np
 
-from energon_tasks.geometry import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageGrid
+from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from energon_tasks.geometry import MAX_ASPECT_RATIO, ImageGrid
 
 __all__ = [
     "NEMOTRON_OMNI",
@@ -43,8 +44,6 @@ __all__ = [
     "pixel_shuffle",
     "video_target_patches",
 ]
-
-MAX_ASPECT_RATIO = 200
 
 
 def patch_grid_size(
@@ -180,7 +179,7 @@ class NemotronOmniGeometry:
     The tiled values (512 tiles, 1..12 tiles, thumbnail) are InternVL / Nemotron-VL conventions.
     """
 
-    name: str = "nemotron-omni"
+    name: str = "nemotron_omni"
     image_mode: Literal["dynamic", "tiled"] = "dynamic"
     patch_size: int = 16
     merge_size: int = 2  #: 1 / downsample_ratio
@@ -491,4 +490,4 @@ def pixel_shuffle(features: np.ndarray, merge_size: int = 2) -> np.ndarray:
 
 
 NEMOTRON_OMNI = NemotronOmniGeometry()
-NEMOTRON_OMNI_TILED = NemotronOmniGeometry(name="nemotron-omni-tiled", image_mode="tiled")
+NEMOTRON_OMNI_TILED = NemotronOmniGeometry(name="nemotron_omni_tiled", image_mode="tiled")

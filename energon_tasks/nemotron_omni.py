@@ -1,9 +1,11 @@
-"""The Nemotron-Omni task encoder: the Qwen-VL pipeline with Nemotron-Omni tokens, spans and pixels.
+"""The Nemotron-Omni task-encoder hooks: tokens, spans, tiles, pixel rows and positions.
 
-``NemotronOmniTaskEncoder`` subclasses ``energon_tasks.qwen_vl.QwenVLTaskEncoder`` and overrides
-only its model hooks; cooking, the budget plan (``energon_tasks.budget``, driven by
-``energon_tasks.nemotron_geometry``), decoding, labels, packing and batching are the Qwen ones.
-What differs, each checked against transformers' ``nemotron_h_omni`` processors / model:
+``NemotronOmniHooks`` is what ``energon_tasks.task_encoder.VLMTaskEncoder`` asks for every step
+that depends on the model (``energon_tasks.profiles`` names it for ``nemotron_omni`` and
+``nemotron_omni_tiled``); cooking, the budget plan (``energon_tasks.budget``, driven by
+``energon_tasks.nemotron_geometry``), decoding, labels, packing and batching are the encoder's own.
+What differs from Qwen-VL, each checked against transformers' ``nemotron_h_omni`` processors /
+model:
 
 - tokens: ChatML (``<|im_start|>role\\n ... <|im_end|>\\n``) as Qwen; an image span is ``<img>`` +
   ``<image>`` x tokens + ``</img>`` (tokens = gh*gw/4 dynamic, 256 per tile tiled); a video span is
@@ -22,67 +24,85 @@ What differs, each checked against transformers' ``nemotron_h_omni`` processors 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from energon_tasks import budget
 from energon_tasks.decode import decode_image
-from energon_tasks.qwen_vl import QwenVLTaskEncoder
 from energon_tasks.sample_format import CanonicalSample, Media
 
+if TYPE_CHECKING:  # annotations only: the planner imports the config, which imports the profiles
+    from energon_tasks import budget
 
-class NemotronOmniTaskEncoder(QwenVLTaskEncoder):
-    """Energon task encoder for Nemotron-Omni SFT ("nemotron-omni" / "nemotron-omni-tiled").
+#: The special tokens the Nemotron-Omni encoder needs: the ChatML markers and the image span
+#: markers / context token of transformers' ``NemotronH_Omni_Reasoning_V3Processor`` (videos use
+#: ``<image>`` too: the tokenizer has no video context token).
+NEMOTRON_OMNI_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<img>", "</img>", "<image>")
 
-    Attributes read by the training loop have the Qwen encoder's names: ``image_pad`` (``<image>``),
-    ``video_pad`` (also ``<image>``), ``vision_start`` (``<img>``), ``vision_end`` (``</img>``),
-    ``im_start``, ``im_end``, ``pad_id``.
+
+class NemotronOmniHooks:
+    """The model-dependent steps of the encoder for Nemotron-Omni (dynamic and tiled images).
+
+    The encoder's token attributes keep their names: ``image_pad`` (``<image>``), ``video_pad``
+    (also ``<image>``), ``vision_start`` (``<img>``), ``vision_end`` (``</img>``), ``im_start``,
+    ``im_end``, ``pad_id``.
+
+    Args:
+        encoder: the ``VLMTaskEncoder`` these hooks serve.
     """
 
+    #: special tokens a tokenizer must have
+    REQUIRED_TOKENS = NEMOTRON_OMNI_SPECIAL_TOKENS
+    #: encoder attribute -> special token; each attribute holds the token's id
     SPECIAL_TOKENS = {
         "im_start": "<|im_start|>", "im_end": "<|im_end|>",
         "vision_start": "<img>", "vision_end": "</img>",
         "image_pad": "<image>", "video_pad": "<image>",
     }
 
+    def __init__(self, encoder) -> None:
+        self.encoder, self.geometry = encoder, encoder.geometry
+
     def default_pad_id(self) -> int:
         """Pad id when the tokenizer has no pad token: its eos, else ``<|im_end|>``."""
-        eos = self.tokenizer.eos_token_id
-        return self.im_end if eos is None else eos
+        eos = self.encoder.tokenizer.eos_token_id
+        return self.encoder.im_end if eos is None else eos
 
     # ---- spans --------------------------------------------------------------------------------
 
     def span(self, media: Media, grid_thw: Sequence[int], frames: Sequence[int] = ()) -> list[int]:
-        """Token ids of one media span; a video's is ``video_span_text`` tokenized.
+        """Token ids of one media span: an image ``<img>`` + ``<image>`` x tokens + ``</img>``; a
+        video ``video_span_text`` tokenized.
 
         Each frame-pair label is tokenized with the newline before it ("\\n" + label), as the
         processor's text splits at the special tokens.
         """
+        te, geo = self.encoder, self.geometry
         if media.kind == "image":
-            return super().span(media, grid_thw, frames)
+            t, h, w = grid_thw
+            return [te.vision_start, *[te.image_pad] * (t * (h * w // geo.merge_size**2)),
+                    te.vision_end]
         pairs, h, w = grid_thw
-        labels = self.geometry.video_labels(frames, media.fps)
+        labels = geo.video_labels(frames, media.fps)
         if len(labels) != pairs:
             raise ValueError(f"{media.part}: {len(labels)} frame-pair labels for {pairs} pairs")
-        chunk = [self.vision_start, *[self.video_pad] * (h * w // self.geometry.merge_size**2),
-                 self.vision_end]
+        chunk = [te.vision_start, *[te.video_pad] * (h * w // geo.merge_size**2), te.vision_end]
         ids: list[int] = []
         for number, label in enumerate(labels):
-            ids += self.encode_text(("\n" if number else "") + label) + chunk
+            ids += te.encode_text(("\n" if number else "") + label) + chunk
         return ids
 
-    # ---- decoding -----------------------------------------------------------------------------
+    # ---- decoded pixels -------------------------------------------------------------------------
 
-    def decode_media(
-        self, plan: budget.Plan, sample: CanonicalSample, media_bytes: dict
-    ) -> list[np.ndarray]:
-        """As the Qwen encoder; a tiled image becomes (tiles, 512, 512, 3): its grid tiles in
-        row-major order, then the thumbnail (the source decoded at 512x512 again, as InternVL
-        resizes the original image for it)."""
-        out = super().decode_media(plan, sample, media_bytes)
+    def finish_decode(self, plan: budget.Plan, sample: CanonicalSample, media_bytes: dict,
+                      pixels: list[np.ndarray]) -> list[np.ndarray]:
+        """A tiled image becomes (tiles, 512, 512, 3): its grid tiles in row-major order, then
+        the thumbnail (the source decoded at 512x512 again, as InternVL resizes the original
+        image for it). Dynamic images and videos stay as decoded."""
         geo = self.geometry
         if geo.image_mode != "tiled":
-            return out
+            return pixels
+        out = list(pixels)
         for number, item in enumerate(plan.media):
             if item.kind != "image":
                 continue
@@ -92,8 +112,9 @@ class NemotronOmniTaskEncoder(QwenVLTaskEncoder):
             if item.grid.grid_thw[0] > grid_tiles:
                 thumbnail = decode_image(
                     media_bytes[media.part], size=(geo.tile_size, geo.tile_size),
-                    max_source_pixels=self.config.max_source_pixels,
-                    name=f"{plan.key}.{media.part}", **self.image_decode_options()).pixels
+                    max_source_pixels=self.encoder.config.max_source_pixels,
+                    name=f"{plan.key}.{media.part}",
+                    **self.encoder.image_decode_options()).pixels
             out[number] = geo.tiles(image, thumbnail)
         return out
 

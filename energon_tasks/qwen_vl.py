@@ -1,103 +1,54 @@
-"""The Qwen-VL task encoder (Qwen2.5-VL, Qwen3-VL) for Energon 7.x.
+"""The Qwen-VL task-encoder hooks (Qwen2.5-VL, Qwen3-VL): tokens, spans, pixel rows, positions.
 
-This module owns the path from a stored sample to model inputs. Hooks, in Energon's order:
+``QwenVLHooks`` is what ``energon_tasks.task_encoder.VLMTaskEncoder`` asks for every step that
+depends on the model (``energon_tasks.profiles`` names it for the Qwen profiles); planning,
+decoding, labels, packing and batching are the encoder's own.
 
-1. the sample arrives as a ``ConversationSample`` (``energon_tasks.energon_dataset``: parsed
-   ``K.json`` + the checksum-verified media bytes, not decoded; subflavor ``config`` from the
-   JSON); datasets of format-1 converters are crude and cooked by ``cook_conversation``;
-2. ``encode_sample``: ChatML tokens of each turn -> ``budget.plan`` from metadata only (a skip
-   decodes nothing) -> decode the kept media at their planned size -> tokens with
-   ``<|vision_start|><|image_pad|>*n<|vision_end|>`` (or the video span) at each placeholder,
-   labels (-100 outside assistant content + its ``<|im_end|>``), loss mask, M-RoPE positions,
-   ``pixel_values`` in the HF processors' row layout, grids, ``visual_kinds`` (image / video
-   code of each item in span order);
-3. ``select_samples_to_pack`` / ``pack_selected_samples`` (packing on): rows of at most
-   ``seq_length`` tokens, vision cost (patches) balanced across the rows of one buffer;
-4. ``batch``: pad to the length multiple (or ``seq_length`` with ``fixed_length``) and carry the
-   budget counters of this worker since its previous batch.
-
-Video spans: Qwen2.5-VL ``<|vision_start|><|video_pad|>*n<|vision_end|>``; Qwen3-VL as its
-processor, ``<|vision_start|>`` + per temporal patch ``<T.T seconds><|vision_start|>
-<|video_pad|>*n<|vision_end|>`` + ``<|vision_end|>``.
-
-Model-specific steps are small hooks (``SPECIAL_TOKENS`` / ``default_pad_id``, ``span``,
-``pixel_grid`` / ``pixel_row_width`` / ``write_pixel_rows``, ``position_ids``) that
-``energon_tasks.nemotron_omni.NemotronOmniTaskEncoder`` overrides; planning, decoding, labels,
-packing and batching are shared.
+- special tokens: ChatML ``<|im_start|>`` / ``<|im_end|>``, ``<|vision_start|>`` /
+  ``<|vision_end|>``, ``<|image_pad|>`` / ``<|video_pad|>``; pad ``<|endoftext|>`` when the
+  tokenizer has none;
+- spans: an image ``<|vision_start|><|image_pad|>*n<|vision_end|>``; a video the same with
+  ``<|video_pad|>`` (Qwen2.5-VL), or as Qwen3-VL's processor: ``<|vision_start|>`` + per temporal
+  patch ``<T.T seconds><|vision_start|><|video_pad|>*n<|vision_end|>`` + ``<|vision_end|>``;
+- pixel rows: the HF processors' row layout (``QwenVLGeometry.pixel_rows``), one row width for
+  both kinds;
+- positions: 3-D M-RoPE (``mrope_position_ids``; Qwen2.5-VL's video time steps from the sampled
+  frame rate).
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
-import torch
-from megatron.energon import Cooker, DefaultTaskEncoder, SkipSample, stateless
 
-from energon_tasks import budget
-from energon_tasks.batch import (
-    IGNORE_INDEX,
-    VISUAL_KINDS,
-    EncodedSample,
-    QwenVLBatch,
-    collate,
-    pack_samples,
-)
-from energon_tasks.config import TaskEncoderConfig
-from energon_tasks.decode import MediaError, decode_image, decode_video_frames
-from energon_tasks.energon_dataset import (
-    ConversationSample,
-    conversation_sample,
-    drain_skips,
-    record_skip,
-)
-from energon_tasks.geometry import ImageGrid, mrope_position_ids
-from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
+from energon_tasks.geometry import mrope_position_ids
+from energon_tasks.sample_format import Media
 
 #: Qwen2.5-VL vision_config.tokens_per_second: M-RoPE time units per second of video.
 QWEN2_5_TOKENS_PER_SECOND = 2
+#: The special tokens the Qwen-VL ChatML template uses, in the order they are added.
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 
 
-@stateless
-def cook_conversation(crude: dict) -> ConversationSample:
-    """Crude webdataset dict -> ``ConversationSample``: the loader path of datasets written by
-    format-1 converters (``CrudeWebdataset``); newer datasets load typed samples directly.
-
-    Raises:
-        DamagedSample: no or unreadable ``K.json``, a missing member, a checksum mismatch.
-    """
-    return conversation_sample(crude)
-
-
-@dataclass(slots=True, kw_only=True)
-class TurnTokens:
-    """One turn of the ChatML template, tokenized around its placeholders."""
-
-    header: list[int]  #: <|im_start|> + "role\n"
-    pieces: list[list[int]]  #: content text before, between and after the placeholders
-    footer: list[int]  #: <|im_end|> + "\n"
-    supervised: bool  #: assistant turn: pieces + <|im_end|> carry loss
-
-    def count(self) -> int:
-        """Tokens of the turn outside its visual spans."""
-        return len(self.header) + sum(map(len, self.pieces)) + len(self.footer)
-
-
-class QwenVLTaskEncoder(DefaultTaskEncoder):
-    """Energon task encoder for Qwen2.5-VL / Qwen3-VL SFT (see the module docstring for stages).
+class QwenVLHooks:
+    """The model-dependent steps of the encoder for Qwen2.5-VL / Qwen3-VL.
 
     Args:
-        config: every knob (``TaskEncoderConfig``).
-        tokenizer: a transformers tokenizer with the Qwen special tokens; loaded from
-            ``config.tokenizer_name`` when None.
+        encoder: the ``VLMTaskEncoder`` these hooks serve (its geometry, token ids, text
+            tokenizer and decode settings).
     """
 
-    decoder = None  # raw bytes: media are decoded in encode_sample, at their planned size
-    cookers = [Cooker(cook_conversation)]
-
+    #: special tokens a tokenizer must have
+    REQUIRED_TOKENS = QWEN_SPECIAL_TOKENS
     #: encoder attribute -> special token; each attribute holds the token's id
     SPECIAL_TOKENS = {
         "im_start": "<|im_start|>", "im_end": "<|im_end|>",
@@ -105,48 +56,14 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
         "image_pad": "<|image_pad|>", "video_pad": "<|video_pad|>",
     }
 
-    def __init__(self, config: TaskEncoderConfig, tokenizer=None) -> None:
-        super().__init__()
-        if tokenizer is None:
-            from energon_tasks.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(config.tokenizer_name, config.model)
-        self.config, self.tokenizer, self.geometry = config, tokenizer, config.geometry
-        for name, token in self.SPECIAL_TOKENS.items():
-            setattr(self, name, tokenizer.convert_tokens_to_ids(token))
-        pad = tokenizer.pad_token_id
-        self.pad_id = self.default_pad_id() if pad is None else pad
-        self.newline = self.encode_text("\n")
-        self._pending: Counter = Counter()  # counters since the last batch (this process)
-        self._totals: Counter = Counter()  # counters since creation (this process)
+    def __init__(self, encoder) -> None:
+        self.encoder, self.geometry = encoder, encoder.geometry
 
     def default_pad_id(self) -> int:
         """Pad id when the tokenizer has no pad token: ``<|endoftext|>``."""
-        return self.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        return self.encoder.tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
-    # ---- text ---------------------------------------------------------------------------------
-
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of plain text; special-token strings inside it are NOT special."""
-        if not text:
-            return []
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)[
-            "input_ids"
-        ]
-
-    def tokenize_turns(self, sample: CanonicalSample) -> list[TurnTokens]:
-        """Each turn's template and content tokens, split at its placeholders."""
-        return [
-            TurnTokens(
-                header=[self.im_start, *self.encode_text(f"{turn.role}\n")],
-                pieces=[self.encode_text(p) for p in PLACEHOLDER_RE.split(turn.content)],
-                footer=[self.im_end, *self.newline],
-                supervised=turn.role == "assistant",
-            )
-            for turn in sample.conversation
-        ]
-
-    # ---- vision spans -------------------------------------------------------------------------
+    # ---- spans --------------------------------------------------------------------------------
 
     def video_timestamps(self, media: Media, frames: Sequence[int]) -> list[float]:
         """Seconds of each temporal patch (mean of its frames), as Qwen3-VL's processor."""
@@ -157,22 +74,25 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
 
     def span(self, media: Media, grid_thw: Sequence[int], frames: Sequence[int] = ()) -> list[int]:
         """Token ids of one media span (markers, pads, Qwen3-VL timestamps)."""
+        te = self.encoder
         t, h, w = grid_thw
         per_patch = h * w // self.geometry.merge_size**2
         if media.kind == "image":
-            return [self.vision_start, *[self.image_pad] * (t * per_patch), self.vision_end]
+            return [te.vision_start, *[te.image_pad] * (t * per_patch), te.vision_end]
         if self.geometry.frame_sampling != "transformers_qwen3":
-            return [self.vision_start, *[self.video_pad] * (t * per_patch), self.vision_end]
-        ids = [self.vision_start]
+            return [te.vision_start, *[te.video_pad] * (t * per_patch), te.vision_end]
+        ids = [te.vision_start]
         for second in self.video_timestamps(media, frames):
-            ids += self.encode_text(f"<{second:.1f} seconds>")
-            ids += [self.vision_start, *[self.video_pad] * per_patch, self.vision_end]
-        return [*ids, self.vision_end]
+            ids += te.encode_text(f"<{second:.1f} seconds>")
+            ids += [te.vision_start, *[te.video_pad] * per_patch, te.vision_end]
+        return [*ids, te.vision_end]
 
-    def _video_extra(self, media: Media, frames: Sequence[int], grid: ImageGrid) -> int:
-        return len(self.span(media, grid.grid_thw, frames)) - grid.visual_tokens
+    # ---- decoded pixels, pixel rows and positions ---------------------------------------------
 
-    # ---- pixel rows and positions ---------------------------------------------------------------
+    def finish_decode(self, plan, sample, media_bytes: dict,
+                      pixels: list[np.ndarray]) -> list[np.ndarray]:
+        """The decoded items as they are (the planned sizes are the model's input)."""
+        return pixels
 
     def pixel_grid(self, kind: str, frames: np.ndarray) -> tuple[int, int, int]:
         """(t, h, w) patch grid of decoded uint8 frames (T, H, W, C): t = ceil(T / temporal
@@ -197,239 +117,12 @@ class QwenVLTaskEncoder(DefaultTaskEncoder):
         qwen3 = self.geometry.frame_sampling == "transformers_qwen3"
         steps = None if qwen3 else [self._time_step(media, frames) for media, frames in videos]
         return mrope_position_ids(
-            ids, image_token_id=self.image_pad, video_token_id=self.video_pad,
+            ids, image_token_id=self.encoder.image_pad, video_token_id=self.encoder.video_pad,
             image_grid_thw=grids["image"], video_grid_thw=grids["video"],
             spatial_merge_size=self.geometry.merge_size, video_time_steps=steps)
-
-    # ---- plan, decode, assemble -----------------------------------------------------------------
-
-    def plan_sample(
-        self, sample: CanonicalSample, key: str, turns: list[TurnTokens] | None = None
-    ) -> budget.Plan:
-        """The budget plan of a sample from its metadata and text tokens (nothing decoded)."""
-        turns = self.tokenize_turns(sample) if turns is None else turns
-        return budget.plan(sample, key=key, config=self.config,
-                           turn_text_tokens=[t.count() for t in turns],
-                           video_extra_tokens=self._video_extra)
-
-    def image_decode_options(self) -> dict:
-        """``decode_image``'s ``draft`` / ``resize`` for ``config.image_decode``: exact = the
-        whole image, the processor's resize (``geometry.image_resize``); fast = JPEG draft, PIL."""
-        if self.config.image_decode == "exact":
-            return {"draft": False, "resize": self.geometry.image_resize}
-        return {"draft": True, "resize": "pil"}
-
-    def decode_media(
-        self, plan: budget.Plan, sample: CanonicalSample, media_bytes: dict
-    ) -> list[np.ndarray]:
-        """(T, H, W, 3) pixels of each kept media item at its planned size (T = 1: image): uint8,
-        or float32 for an image resized in float (``image_decode_options``).
-
-        Raises:
-            MediaError: a missing part or bad media (reason + key + part in the message).
-        """
-        out = []
-        for item in plan.media:
-            media = sample.media[item.index]
-            name = f"{plan.key}.{media.part}"
-            if media.part not in media_bytes:
-                raise MediaError("missing_media", f"{name}: member not in the shard")
-            size = (item.grid.resized_height, item.grid.resized_width)
-            cap = self.config.max_source_pixels
-            if item.kind == "image":
-                image = decode_image(media_bytes[media.part], size=size, max_source_pixels=cap,
-                                     name=name, **self.image_decode_options())
-                out.append(image.pixels[None])
-            else:
-                video = decode_video_frames(media_bytes[media.part], item.frame_indices,
-                                            size=size, max_source_pixels=cap, name=name)
-                out.append(video.frames)
-        return out
 
     def _time_step(self, media: Media, frames: Sequence[int]) -> float:
         """Qwen2.5-VL M-RoPE time step of a video: tokens_per_second * seconds per grid_t."""
         sampled_fps = len(frames) / media.frames * media.fps
         seconds = np.float32(self.geometry.temporal_patch_size / sampled_fps)
         return float(np.float32(QWEN2_5_TOKENS_PER_SECOND) * seconds)
-
-    def assemble(
-        self, sample: CanonicalSample, plan: budget.Plan, turns: list[TurnTokens],
-        pixels: list[np.ndarray], base: dict,
-    ) -> EncodedSample:
-        """Tokens, labels, positions and pixel rows of a planned, decoded sample."""
-        ids, labels = [], []
-        grids = {"image": [], "video": []}
-        kinds = []  # VISUAL_KINDS code of each item, in span order
-        videos = []
-        # one float32 buffer per kind, sized from the decoded shapes; each item's rows are
-        # written straight into its slice (no per-item arrays, no concatenate)
-        counts = {"image": 0, "video": 0}
-        for item, frames in zip(plan.media, pixels, strict=True):
-            counts[item.kind] += math.prod(self.pixel_grid(item.kind, frames))
-        buffers = {kind: np.empty((n, self.pixel_row_width(kind)), dtype=np.float32)
-                   for kind, n in counts.items()}
-        filled = {"image": 0, "video": 0}
-        items = iter(zip(plan.media, pixels, strict=True))
-        for turn in turns[: plan.kept_turns]:
-            ids += turn.header
-            labels += [IGNORE_INDEX] * len(turn.header)
-            for number, piece in enumerate(turn.pieces):
-                if number:
-                    item, frames = next(items)
-                    media = sample.media[item.index]
-                    grid = self.pixel_grid(item.kind, frames)
-                    span = self.span(media, grid, item.frame_indices)
-                    ids += span
-                    labels += [IGNORE_INDEX] * len(span)
-                    grids[item.kind].append(grid)
-                    kinds.append(VISUAL_KINDS.index(item.kind))
-                    start = filled[item.kind]
-                    filled[item.kind] += math.prod(grid)
-                    self.write_pixel_rows(item.kind, frames,
-                                          buffers[item.kind][start:filled[item.kind]])
-                    if item.kind == "video":
-                        videos.append((media, item.frame_indices))
-                ids += piece
-                labels += piece if turn.supervised else [IGNORE_INDEX] * len(piece)
-            ids += turn.footer
-            labels += [self.im_end if turn.supervised else IGNORE_INDEX]
-            labels += [IGNORE_INDEX] * (len(turn.footer) - 1)
-        positions = self.position_ids(ids, grids, videos)
-        if filled != counts:  # plan.media holds exactly the items of the kept turns
-            raise ValueError(f"sample {plan.key}: pixel rows filled {filled}, expected {counts}")
-        label_tensor = torch.tensor(labels, dtype=torch.int64)
-        return EncodedSample(
-            **base,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            labels=label_tensor,
-            loss_mask=(label_tensor != IGNORE_INDEX).to(torch.float32),
-            position_ids=torch.from_numpy(positions),
-            pixel_values=torch.from_numpy(buffers["image"]),
-            image_grid_thw=torch.tensor(grids["image"], dtype=torch.int64).reshape(-1, 3),
-            pixel_values_videos=torch.from_numpy(buffers["video"]),
-            video_grid_thw=torch.tensor(grids["video"], dtype=torch.int64).reshape(-1, 3),
-            visual_kinds=torch.tensor(kinds, dtype=torch.int64),
-            seq_lens=torch.tensor([len(ids)], dtype=torch.int64),
-        )
-
-    # ---- counters -----------------------------------------------------------------------------
-
-    def _count(self, counters: dict[str, int]) -> None:
-        self._pending.update(counters)
-        self._totals.update(counters)
-
-    def counters(self) -> dict[str, int]:
-        """Budget counters of every sample this process encoded (workers: see batch field)."""
-        return dict(self._totals)
-
-    # ---- Energon hooks ------------------------------------------------------------------------
-
-    @stateless
-    def encode_sample(self, sample: ConversationSample) -> EncodedSample:
-        """Plan, decode, tokenize one sample.
-
-        Raises:
-            SkipSample: over budget or bad media (counted as ``skipped_<reason>`` first).
-        """
-        key, conversation = sample.__key__, sample.conversation
-        turns = self.tokenize_turns(conversation)
-        plan = self.plan_sample(conversation, key, turns)
-        if plan.skip:
-            self._count(plan.counters())
-            record_skip(key, plan.skip, plan.detail, count=False)  # counted in the plan's counters
-            raise SkipSample(plan.detail)
-        try:
-            pixels = self.decode_media(plan, conversation, sample.media_bytes)
-        except MediaError as error:
-            self._count({"samples": 1, f"skipped_{error.reason}": 1})
-            record_skip(key, error.reason, error.detail, count=False)
-            raise SkipSample(f"sample {key}: {error}") from None
-        self._count(plan.counters())
-        base = {name: getattr(sample, name)
-                for name in ("__key__", "__restore_key__", "__subflavors__", "__sources__")}
-        return self.assemble(conversation, plan, turns, pixels, base)
-
-    def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
-        """Group a buffer into rows of <= seq_length tokens of nearly equal length, with balanced
-        vision cost.
-
-        Energon hands over the whole buffer and every sample must be placed, so the buffer needs
-        at least ``ceil(tokens / seq_length)`` rows, and since a batch is padded to its longest
-        row, the pad is smallest when those rows are as equal as possible (not when all but one
-        are full). So: for the fewest rows ``k`` that work, samples are placed largest first
-        into the row with the fewest tokens that still has room for both their tokens and their
-        patches (longest-processing-time scheduling); the patch room of a row is 1.25x the
-        buffer's mean patches per row (at least the largest sample). If no ``k`` up to the row
-        count of best-fit decreasing works, best-fit decreasing itself is used. Rows come out
-        longest first, so consecutive rows (one batch) have similar lengths.
-        """
-        capacity = self.config.seq_length
-        tokens = [len(s.input_ids) for s in samples]
-        patches = [len(s.pixel_values) + len(s.pixel_values_videos) for s in samples]
-
-        def patch_room(rows: int) -> int:
-            return max([1, *patches, math.ceil(1.25 * sum(patches) / rows)])
-
-        def order(room: int) -> list[int]:  # largest share first
-            return sorted(range(len(samples)),
-                          key=lambda i: (-max(tokens[i] / capacity, patches[i] / room), i))
-
-        def best_fit_decreasing() -> list[list[int]]:
-            room = patch_room(max(1, math.ceil(sum(tokens) / capacity)))
-            rows: list[list[int]] = []  # [tokens, patches, *members]
-            for i in order(room):
-                fits = [r for r in rows if r[0] + tokens[i] <= capacity
-                        and r[1] + patches[i] <= room]
-                if fits:
-                    row = max(fits, key=lambda r: r[0])
-                    row[0], row[1] = row[0] + tokens[i], row[1] + patches[i]
-                    row.append(i)
-                else:
-                    rows.append([tokens[i], patches[i], i])
-            return rows
-
-        def balanced(count: int) -> list[list[int]] | None:
-            room = patch_room(count)
-            rows = [[0, 0] for _ in range(count)]
-            for i in order(room):
-                fits = [r for r in rows if r[0] + tokens[i] <= capacity
-                        and r[1] + patches[i] <= room]
-                if not fits:
-                    return None
-                row = min(fits, key=lambda r: (r[0], r[1]))
-                row[0], row[1] = row[0] + tokens[i], row[1] + patches[i]
-                row.append(i)
-            return [r for r in rows if len(r) > 2]
-
-        fallback = best_fit_decreasing()
-        chosen = fallback
-        for count in range(max(1, math.ceil(sum(tokens) / capacity)), len(fallback) + 1):
-            if (rows := balanced(count)) is not None:
-                chosen = rows
-                break
-        chosen = sorted(chosen, key=lambda r: -r[0])  # stable: similar lengths side by side
-        return [[samples[i] for i in sorted(row[2:])] for row in chosen]
-
-    @stateless
-    def pack_selected_samples(self, samples: list[EncodedSample]) -> EncodedSample:
-        """Concatenate one selected group (positions restart per sample; ``seq_lens`` kept)."""
-        return pack_samples(samples)
-
-    @stateless
-    def batch(self, samples: list[EncodedSample]) -> QwenVLBatch:
-        """Pad rows (to the length multiple, or seq_length with fixed_length); add counters."""
-        self._count(drain_skips())  # samples the dataset could not load (energon_dataset)
-        counters = dict(self._pending)
-        self._pending.clear()
-        result = collate(
-            samples, pad_id=self.pad_id, multiple=self.config.length_multiple(),
-            fixed_length=self.config.seq_length if self.config.fixed_length else None,
-            packed=self.config.packing, budget_counters=counters)
-        real = int(result.attention_mask.sum())
-        result.budget_counters.update(tokens_real=real, tokens_total=result.input_ids.numel())
-        return result
-
-    @stateless
-    def encode_batch(self, batch: QwenVLBatch) -> QwenVLBatch:
-        """Identity: the batch is final."""
-        return batch

@@ -22,22 +22,9 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-#: The special tokens the Qwen-VL ChatML template uses, in the order they are added.
-QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-#: The special tokens the Nemotron-Omni encoder needs: the ChatML markers and the image span
-#: markers / context token of transformers' ``NemotronH_Omni_Reasoning_V3Processor`` (videos use
-#: ``<image>`` too: the tokenizer has no video context token).
-NEMOTRON_OMNI_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<img>", "</img>", "<image>")
-#: Special tokens a tokenizer must have, per model family (``energon_tasks.geometry.model_family``).
-SPECIAL_TOKENS = {"qwen-vl": QWEN_SPECIAL_TOKENS, "nemotron-omni": NEMOTRON_OMNI_SPECIAL_TOKENS}
+from energon_tasks.nemotron_omni import NEMOTRON_OMNI_SPECIAL_TOKENS
+from energon_tasks.profiles import get_profile
+from energon_tasks.qwen_vl import QWEN_SPECIAL_TOKENS
 
 _TRAINING_TEXT = [
     "user\nassistant\nsystem\nYou are a helpful assistant.",
@@ -81,8 +68,8 @@ def load_tokenizer(name_or_path: str, model: str | None = None, *, hint: str = L
     Args:
         name_or_path: hub id (e.g. ``Qwen/Qwen2.5-VL-7B-Instruct``), a local folder, or ``test``
             (the test tokenizer, built in a temporary folder).
-        model: the ``TaskEncoderConfig.model`` whose family's special tokens are checked
-            (``SPECIAL_TOKENS``); None checks the Qwen ones.
+        model: the ``TaskEncoderConfig.model`` whose profile's special tokens are checked (its
+            hooks' ``REQUIRED_TOKENS``); None checks the Qwen ones.
         hint: what the caller's user should pass instead of an unreachable hub id.
 
     Raises:
@@ -92,9 +79,7 @@ def load_tokenizer(name_or_path: str, model: str | None = None, *, hint: str = L
     """
     from transformers import AutoTokenizer
 
-    from energon_tasks.geometry import model_family
-
-    required = SPECIAL_TOKENS[model_family(model) if model else "qwen-vl"]
+    required = get_profile(model).hooks.REQUIRED_TOKENS if model else QWEN_SPECIAL_TOKENS
     if name_or_path == TEST_TOKENIZER:
         with tempfile.TemporaryDirectory() as folder:
             return load_tokenizer(str(build_test_tokenizer(folder)), model)

@@ -192,7 +192,7 @@ def read_model_config(path: Path):
 
 def find_model_checkpoint(path: str | Path):
     """(model config, weights folder, ``hf/`` folder or None) of an import folder or a train.py
-    run / checkpoints / step folder (``models.training.resolve_checkpoint``). Reads only the
+    run / checkpoints / step folder (``models.run_state.resolve_checkpoint``). Reads only the
     self-description.
 
     Raises:
@@ -200,7 +200,7 @@ def find_model_checkpoint(path: str | Path):
     """
     import yaml
 
-    from models.training import resolve_checkpoint
+    from models.run_state import resolve_checkpoint
 
     path = Path(path)
     if (path / MODEL_JSON).is_file():

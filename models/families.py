@@ -1,6 +1,7 @@
-"""The model families and the one dispatch on them: config module, model class, HF mapping.
+"""The model side's one registry of families: config module, model class, HF mapping.
 
-Families: "qwen2_5_vl" and "qwen3_vl" (``models.qwen_vl``) and "nemotron_omni"
+Families (named in ``contract.families``, the names the data side's ``energon_tasks.profiles``
+uses too): "qwen2_5_vl" and "qwen3_vl" (``models.qwen_vl``) and "nemotron_omni"
 (``models.nemotron_omni``). Everything that depends on the family asks here:
 
 * ``config_module(family)``: the config module (``from_dict``, ``from_hf_config``,
@@ -9,7 +10,9 @@ Families: "qwen2_5_vl" and "qwen3_vl" (``models.qwen_vl``) and "nemotron_omni"
 * ``model_class(cfg)``: ``QwenVL`` or ``NemotronOmni`` (same constructor and forward).
 * ``mapping_module(cfg)``: the HF weight table module (``hf_to_ours``, ``ours_to_hf``).
 * ``hf_model_class(model_type)``: the transformers class that ``verify`` compares against.
-* ``TASK_ENCODER_MODELS[family]``: the task encoder models whose batches the family consumes.
+
+Which task encoder models feed which family is ``contract.families.TASK_ENCODER_MODELS``; the HF
+``model_type`` of each family is ``contract.families.HF_MODEL_TYPES``.
 """
 
 from __future__ import annotations
@@ -18,20 +21,15 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-#: family -> (config module, model module:class, HF mapping module)
+from contract import families as F
+
+#: family -> (config module, model module:class, HF mapping module), imported on first use
 FAMILIES = {
-    "qwen2_5_vl": ("models.qwen_vl_config", "models.qwen_vl:QwenVL", "models.hf_mapping"),
-    "qwen3_vl": ("models.qwen_vl_config", "models.qwen_vl:QwenVL", "models.hf_mapping"),
-    "nemotron_omni": ("models.nemotron_omni_config", "models.nemotron_omni:NemotronOmni",
+    F.QWEN2_5_VL: ("models.qwen_vl_config", "models.qwen_vl:QwenVL", "models.hf_mapping"),
+    F.QWEN3_VL: ("models.qwen_vl_config", "models.qwen_vl:QwenVL", "models.hf_mapping"),
+    F.NEMOTRON_OMNI: ("models.nemotron_omni_config", "models.nemotron_omni:NemotronOmni",
                       "models.nemotron_hf_mapping"),
 }
-#: family -> the task encoder model names (``TaskEncoderConfig.model`` geometry names) that feed
-#: it; train.py and eval.py refuse other pairings (models/ never imports energon_tasks)
-TASK_ENCODER_MODELS = {"qwen2_5_vl": ("qwen2.5-vl",), "qwen3_vl": ("qwen3-vl",),
-                       "nemotron_omni": ("nemotron-omni", "nemotron-omni-tiled")}
-#: HF config.json model_type -> family
-HF_MODEL_TYPES = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
-                  "nemotron_h_omni": "nemotron_omni"}
 
 
 def _family(family: str) -> tuple[str, str, str]:
@@ -51,7 +49,7 @@ def config_from_dict(raw: dict):
     the model's shape and is left aside."""
     raw = {key: value for key, value in raw.items() if key != "hf"}
     family = raw.get("family")
-    module = config_module(family) if family in FAMILIES else config_module("qwen2_5_vl")
+    module = config_module(family) if family in FAMILIES else config_module(F.QWEN2_5_VL)
     return module.from_dict(raw)
 
 
@@ -63,9 +61,7 @@ def config_from_hf(hf_config: Any):
     """
     model_type = (hf_config.get("model_type") if isinstance(hf_config, dict)
                   else getattr(hf_config, "model_type", None))
-    if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {sorted(HF_MODEL_TYPES)}, got {model_type!r}")
-    return config_module(HF_MODEL_TYPES[model_type]).from_hf_config(hf_config)
+    return config_module(F.family_of_hf_model_type(model_type)).from_hf_config(hf_config)
 
 
 def model_class(cfg) -> type:
@@ -81,11 +77,11 @@ def hf_model_class(model_type: str) -> type:
     """The transformers class of an HF ``model_type`` (for ``verify``)."""
     import transformers
 
-    if model_type == "nemotron_h_omni":
+    if model_type == F.HF_MODEL_TYPES[F.NEMOTRON_OMNI]:
         from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import (
             NemotronH_Omni_Reasoning_V3,
         )
         return NemotronH_Omni_Reasoning_V3
-    if model_type == "qwen3_vl":
+    if model_type == F.HF_MODEL_TYPES[F.QWEN3_VL]:
         return transformers.Qwen3VLForConditionalGeneration
     return transformers.Qwen2_5_VLForConditionalGeneration

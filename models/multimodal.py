@@ -19,12 +19,8 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from contract.constants import IGNORE_INDEX, VISUAL_KINDS  # the batch contract
 from models.cpu import use_te_by_default
-
-IGNORE_INDEX = -100
-#: ``visual_kinds`` codes of the batch contract (code c = VISUAL_KINDS[c]; the same tuple as
-#: ``energon_tasks.batch.VISUAL_KINDS``, which models/ does not import)
-VISUAL_KINDS = ("image", "video")
 
 
 def check_visual_counts(token_mask: torch.Tensor, grid_thw: torch.Tensor, merge_size: int,

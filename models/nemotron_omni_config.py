@@ -2,7 +2,7 @@
 hybrid NemotronH language model (Mamba2 / attention / MLP / MoE layers), special tokens.
 
 This module owns the typed config ``NemotronOmniModelConfig`` (= ``RadioConfig`` + projector
-fields + ``NemotronHConfig`` + token ids + the parallel layout a user starts from), its
+fields + ``NemotronHConfig`` + token ids), its
 construction from a Hugging Face ``nemotron_h_omni`` config (``from_hf_config``: a
 ``config.json`` dict or a transformers config object), from YAML (``from_dict`` / ``load_yaml``,
 unknown keys rejected, dotted ``key=value`` overrides), and back to a Hugging Face
@@ -22,15 +22,18 @@ from typing import Any
 
 import yaml
 
-from models.qwen_vl_config import ParallelConfig, _get, sections_from_dict
+from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from contract.families import HF_MODEL_TYPES, NEMOTRON_OMNI
+from models.overrides import apply_override
+from models.qwen_vl_config import _get, sections_from_dict
 from models.recompute import check_mode
 
-FAMILY = "nemotron_omni"
-HF_MODEL_TYPE = "nemotron_h_omni"
+FAMILY = NEMOTRON_OMNI
+HF_MODEL_TYPE = HF_MODEL_TYPES[NEMOTRON_OMNI]
 #: HF ``layers_block_type`` names <-> megatron hybrid pattern symbols
 LAYER_SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+CLIP_MEAN = list(OPENAI_CLIP_MEAN)
+CLIP_STD = list(OPENAI_CLIP_STD)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -124,7 +127,6 @@ class NemotronOmniModelConfig:
     video_token_id: int = 18
     vision_start_token_id: int = -1  #: ``<img>`` (not used by the model; kept for the data side)
     vision_end_token_id: int = -1  #: ``</img>``
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     #: activation recomputation while training: none | selective | full (models/recompute.py;
     #: the hybrid LM recomputes its core attention for full)
     recompute: str = "none"
@@ -288,7 +290,7 @@ def to_hf_dict(cfg: NemotronOmniModelConfig) -> dict:
 
 
 # ------------------------------------------------------------------ YAML
-_SECTIONS = {"vision": RadioConfig, "lm": NemotronHConfig, "parallel": ParallelConfig}
+_SECTIONS = {"vision": RadioConfig, "lm": NemotronHConfig}
 
 
 def from_dict(raw: dict) -> NemotronOmniModelConfig:
@@ -304,8 +306,6 @@ def from_dict(raw: dict) -> NemotronOmniModelConfig:
 def load_yaml(path: str | Path,
               overrides: list[str] | tuple[str, ...] = ()) -> NemotronOmniModelConfig:
     """Load ``configs/nemotron_omni*.yaml`` (with dotted ``key=value`` overrides)."""
-    from models.run_config import apply_override  # the one override syntax (lazy: no cycle)
-
     raw = yaml.safe_load(Path(path).read_text()) or {}
     for item in overrides:
         apply_override(raw, item)

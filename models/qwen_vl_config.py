@@ -1,24 +1,31 @@
 """Model shapes of Qwen2.5-VL and Qwen3-VL (dense): vision tower, language model, special tokens.
 
 This module owns the typed model config (``QwenVLModelConfig`` = ``VisionConfig`` + ``LMConfig``
-+ token ids + the parallel layout a user starts from), its construction from a Hugging Face
++ token ids), its construction from a Hugging Face
 config (``from_hf_config``: a ``config.json`` dict or a transformers config object), from YAML
 (``load_yaml``, ``configs/qwen*_model*.yaml`` style, unknown keys rejected, dotted ``key=value``
-overrides), and back to a Hugging Face ``config.json`` dict (``to_hf_dict``, for export).
+overrides), and back to a Hugging Face ``config.json`` dict (``to_hf_dict``, for export); and the
+YAML reading both families' configs share (``sections_from_dict``: a legacy ``parallel`` section,
+which no code reads, is dropped with a one-line notice; the run's layout is the run config's
+``parallel`` section).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from contract.families import QWEN2_5_VL, QWEN3_VL
+from models.overrides import apply_override
 from models.recompute import check_mode
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+FAMILIES = (QWEN2_5_VL, QWEN3_VL)
+log = logging.getLogger("models.config")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,15 +72,6 @@ class LMConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class ParallelConfig:
-    """The parallel layout a user would start from (the trainer may override it)."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-
-
-@dataclass(kw_only=True, slots=True)
 class QwenVLModelConfig:
     family: str  #: "qwen2_5_vl" or "qwen3_vl"
     vision: VisionConfig
@@ -82,7 +80,6 @@ class QwenVLModelConfig:
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     #: activation recomputation while training: none | selective | full (models/recompute.py)
     recompute: str = "none"
 
@@ -204,23 +201,28 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
 
 
 # ------------------------------------------------------------------ YAML
-_SECTIONS = {"vision": VisionConfig, "lm": LMConfig, "parallel": ParallelConfig}
+_SECTIONS = {"vision": VisionConfig, "lm": LMConfig}
 
 
 def sections_from_dict(raw: dict, top_cls: type, sections: dict[str, type]):
     """Split the YAML layout into built section dataclasses and the remaining top-level keys.
 
-    Shared by every model family's ``from_dict``. ``parallel`` may be absent (defaults).
+    Shared by every model family's ``from_dict``. A ``parallel`` section (model YAMLs and saved
+    configs written before it was removed: it was never read) is dropped with a one-line notice.
 
     Raises:
         ValueError: unknown keys (top level and per section) or missing sections, all listed.
     """
+    if "parallel" in raw:
+        log.warning("model.parallel %s is not read (the run's layout is the run config's "
+                    "parallel section); ignored", raw["parallel"])
+        raw = {key: value for key, value in raw.items() if key != "parallel"}
     errors: list[str] = []
     top = {f.name for f in dataclasses.fields(top_cls)}
     errors += [f"unknown key {k!r}" for k in raw if k not in top]
     parts: dict[str, Any] = {}
     for name, cls in sections.items():
-        section = raw.get(name, {} if name == "parallel" else None)
+        section = raw.get(name)
         if section is None:
             errors.append(f"missing section {name!r}")
             continue
@@ -247,8 +249,6 @@ def from_dict(raw: dict) -> QwenVLModelConfig:
 
 def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> QwenVLModelConfig:
     """Load ``configs/qwen*.yaml`` (with dotted ``key=value`` overrides)."""
-    from models.run_config import apply_override  # the one override syntax (lazy: no cycle)
-
     raw = yaml.safe_load(Path(path).read_text()) or {}
     for item in overrides:
         apply_override(raw, item)

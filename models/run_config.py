@@ -22,13 +22,12 @@ from typing import Any
 
 import yaml
 
+from contract.errors import ConfigError  # the message lists every problem, separated by '; '
+from contract.families import TASK_ENCODER_MODELS, profile_name
 from models.families import config_from_dict
 from models.nemotron_omni_config import NemotronOmniModelConfig
+from models.overrides import apply_override
 from models.qwen_vl_config import QwenVLModelConfig
-
-
-class ConfigError(ValueError):
-    """The run config is invalid; the message lists every problem, separated by '; '."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,39 +133,6 @@ SECTIONS = {"data": DataConfig, "parallel": ParallelConfig, "train": TrainConfig
 
 
 # ------------------------------------------------------------------ parsing helpers
-def parse_value(text: str) -> Any:
-    """A command-line value: YAML scalar/list, with '1e-3'-style numbers read as numbers; text
-    that is not YAML (e.g. a layer pattern ``*E-E``, a YAML alias) is taken as a string."""
-    try:
-        value = yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str):
-        for kind in (int, float):
-            try:
-                return kind(value)
-            except ValueError:
-                pass
-    return value
-
-
-def apply_override(raw: dict, item: str) -> None:
-    """Set ``a.b.c=value`` in a nested dict (creating sections)."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not key=value")
-    key, text = item.split("=", 1)
-    *path, leaf = key.strip().split(".")
-    node = raw
-    for part in path:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node = child
-    node[leaf] = parse_value(text)
-
-
 def _allowed(annotation: Any) -> tuple[type, ...]:
     hint = eval(annotation, {"str": str, "int": int, "float": float, "bool": bool,
                              "None": None}) if isinstance(annotation, str) else annotation
@@ -244,7 +210,7 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
     configured one does not feed the model's family, ``task_encoder.model``; a
     ``task_encoder.*`` key given on the command line keeps its value. Edits ``raw`` in place;
     returns (source, the processors' patch / merge sizes) or None when ``model.hf`` is unset."""
-    from models.families import TASK_ENCODER_MODELS, config_from_hf
+    from models.families import config_from_hf
     from models.hf_source import HFSourceError, hf_config, resolve, task_encoder_settings
 
     model = raw.get("model")
@@ -264,12 +230,20 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
     raw["model"] = _refine(base, {k: v for k, v in model.items() if k != "hf"})
     encoder = raw["task_encoder"] = dict(raw.get("task_encoder") or {})
     feeds = TASK_ENCODER_MODELS[base["family"]]
-    if encoder.get("model") not in feeds:
+    if _profile_or_none(encoder.get("model")) not in feeds:
         values["model"] = feeds[0]
     for key, value in values.items():
         if f"task_encoder.{key}" not in command_line:
             encoder[key] = value
     return source, geometry
+
+
+def _profile_or_none(name: Any) -> str | None:
+    """The canonical profile of a configured ``task_encoder.model`` (an alias allowed), or None."""
+    try:
+        return profile_name(name)
+    except (ValueError, AttributeError):
+        return None
 
 
 def _check_hf_geometry(source: str, geometry: dict, task_encoder: Any) -> list[str]:
@@ -288,9 +262,8 @@ def _task_encoder_section(raw: Any, cp: int, errors: list[str], config_cls: type
         return None
     try:
         return config_cls.from_dict(raw)
-    except ValueError as error:
-        lines = [ln.strip() for ln in str(error).splitlines()[1:] if ln.strip()]
-        errors += [f"task_encoder.{ln}" for ln in lines if not ln.startswith("valid:")]
+    except ConfigError as error:
+        errors += [f"task_encoder.{problem}" for problem in error.problems]
         return None
 
 

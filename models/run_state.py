@@ -10,7 +10,8 @@ retention, the run guard, and stopping at a step boundary.
   dist checkpoint (torch DCP's ``.metadata``) with an unpickler that accepts only DCP's metadata
   classes, before megatron unpickles it.
 - ``COMPLETE``: written last into a step folder, after every rank's files; ``newest_complete``
-  never picks a half-written folder; ``prune`` keeps the newest N complete ones.
+  never picks a half-written folder (``resolve_checkpoint``: a run, checkpoints or step folder ->
+  the step folder); ``prune`` keeps the newest N complete ones.
 - ``plan_start``: an ``out`` that holds a run (metrics or checkpoints) is refused unless the run
   resumes (``--resume``, ``auto_resume``: the newest complete checkpoint) or ``--overwrite``
   clears it; ``prepare_run_folder`` then deletes the earlier run (``clear_run``) or drops the
@@ -19,7 +20,7 @@ retention, the run guard, and stopping at a step boundary.
 - ``StopSignal``: SIGINT / SIGTERM ask for a checkpoint and a clean exit at the next step
   boundary; every rank agrees on that boundary (a MAX all-reduce once per step).
 
-Raises ``models.training.UsageError`` (one line; train.py exits 2) for every bad input.
+Raises ``contract.errors.UsageError`` (one line; train.py exits 2) for every bad input.
 """
 
 from __future__ import annotations
@@ -33,13 +34,17 @@ import signal
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from contract.errors import UsageError
 from models import cpu
-from models.training import Layout, UsageError
+
+if TYPE_CHECKING:  # an annotation only: models.training imports this module
+    from models.training import Layout
 
 #: Written last into a step folder: the checkpoint is complete.
 COMPLETE = "COMPLETE"
@@ -354,3 +359,14 @@ class _WorkerInit:
         signal.signal(signal.SIGTERM, on_sigterm)
         if self.inner is not None:
             self.inner(worker_id)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step folder, a checkpoint dir, or a run folder (its ``checkpoints/``) -> the step
+    folder: the newest complete one of a checkpoint dir (``COMPLETE``)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir() and not step_folders(path):
+        path = path / "checkpoints"
+    if step_folders(path):
+        return newest_complete(path) or path
+    return path

@@ -33,13 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from contract.errors import UsageError
 from models.checkpoint import init_process_group, seed_model_parallel, write_files
 from models.cpu import peak_memory_gb
 from models.flops import batch_flops
-
-
-class UsageError(Exception):
-    """A bad input (config, data, layout, checkpoint): one line, exit code 2."""
 
 
 # ------------------------------------------------------------------ 1. layout
@@ -356,19 +353,6 @@ class MetricsLogger:
 TRAIN_STATE = "train_state.json"
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step folder, a checkpoint dir, or a run folder (its ``checkpoints/``) -> the step
-    folder: the newest complete one of a checkpoint dir (``models.run_state.COMPLETE``)."""
-    from models.run_state import newest_complete, step_folders
-
-    path = Path(path)
-    if (path / "checkpoints").is_dir() and not step_folders(path):
-        path = path / "checkpoints"
-    if step_folders(path):
-        return newest_complete(path) or path
-    return path
-
-
 def read_train_state(path: str | Path, dp: int) -> dict:
     """Read and validate a checkpoint before any heavy work: train_state.json, completion,
     the data-parallel size, and every state file (``models.run_state``: safe formats only).
@@ -380,7 +364,12 @@ def read_train_state(path: str | Path, dp: int) -> dict:
         UsageError: missing, half-written or unreadable checkpoint, a foreign state file, or a
             data-parallel size that differs.
     """
-    from models.run_state import COMPLETE, check_dist_metadata, check_rank_states
+    from models.run_state import (
+        COMPLETE,
+        check_dist_metadata,
+        check_rank_states,
+        resolve_checkpoint,
+    )
 
     step_dir = resolve_checkpoint(path)
     try:

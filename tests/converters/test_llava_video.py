@@ -75,8 +75,8 @@ def test_mixed_type_annotation_file_is_read(sources, video_out):
 
 def test_llava_hound_converts_from_frames_root(tmp_path, sources):
     from energon_tasks.config import TaskEncoderConfig
-    from energon_tasks.encoders import task_encoder_for
     from energon_tasks.energon_dataset import conversation_sample
+    from energon_tasks.task_encoder import task_encoder_for
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
 
     expected = manifest(sources["llava-video"])

@@ -32,11 +32,11 @@ def tokenizer(tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def make_encoder(tokenizer):
-    """encoder(**config fields) -> QwenVLTaskEncoder with the test tokenizer."""
-    from energon_tasks.qwen_vl import QwenVLTaskEncoder
+    """encoder(**config fields) -> the task encoder (Qwen-VL by default) with the test tokenizer."""
+    from energon_tasks.task_encoder import VLMTaskEncoder
 
     def build(**fields):
-        return QwenVLTaskEncoder(TaskEncoderConfig(**fields), tokenizer=tokenizer)
+        return VLMTaskEncoder(TaskEncoderConfig(**fields), tokenizer=tokenizer)
 
     return build
 
@@ -101,7 +101,7 @@ def crude(key: str, sample: CanonicalSample, parts: dict[str, bytes]) -> dict:
 
 def image_sample(key: str, turns: list[tuple[str, str]], sizes: list[tuple[int, int]]):
     """A cooked ConversationSample whose images (PNG noise) have the given (h, w) sizes."""
-    from energon_tasks.qwen_vl import cook_conversation
+    from energon_tasks.task_encoder import cook_conversation
 
     parts = {f"img{i}.png": image_bytes(h, w, seed=i) for i, (h, w) in enumerate(sizes)}
     media = [image_media(i, h, w, parts[f"img{i}.png"]) for i, (h, w) in enumerate(sizes)]

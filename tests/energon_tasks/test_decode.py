@@ -18,8 +18,8 @@ from energon_tasks.config import ConfigError, TaskEncoderConfig
 from energon_tasks.decode import MediaError, decode_image, decode_video_frames
 from energon_tasks.geometry import QWEN2_5_VL, QWEN3_VL
 from energon_tasks.nemotron_geometry import NEMOTRON_OMNI
-from energon_tasks.qwen_vl import cook_conversation
 from energon_tasks.sample_format import Media
+from energon_tasks.task_encoder import cook_conversation
 from tests.energon_tasks.conftest import (
     b_frame_video_bytes,
     conversation,

@@ -11,9 +11,8 @@ import pytest
 from PIL import Image
 
 from energon_tasks.config import TaskEncoderConfig
-from energon_tasks.encoders import task_encoder_for
-from energon_tasks.qwen_vl import cook_conversation
 from energon_tasks.sample_format import FRAMES_FORMAT, Media, pack_frames
+from energon_tasks.task_encoder import cook_conversation, task_encoder_for
 from tests.energon_tasks.conftest import conversation, crude, video_media
 from tests.energon_tasks.test_geometry import qwen2_video_processor  # noqa: F401 (fixture)
 

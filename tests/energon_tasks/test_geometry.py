@@ -26,10 +26,10 @@ from transformers.video_utils import VideoMetadata
 from energon_tasks.geometry import (
     QWEN2_5_VL,
     QWEN3_VL,
-    get_geometry,
     mrope_position_ids,
     smart_resize,
 )
+from energon_tasks.profiles import get_geometry
 
 MODELS = [QWEN2_5_VL, QWEN3_VL]
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 151655, 151656, 151652, 151653
@@ -497,8 +497,8 @@ def test_float32_rescale_equals_the_processor_rescale_for_every_uint8():
 #: (huggingface.co/<repo>/blob/main/<file>, as published; the hub is not reachable here, and the
 #: files of the other sizes in configs/ were not re-read: the geometry applies one set per family.)
 HUB_PROCESSOR_FILES = {
-    "qwen2.5-vl": {"max_pixels": 12845056},
-    "qwen3-vl": {"min_pixels": 65536, "max_pixels": 16777216, "video_min_pixels": 4096,
+    "qwen2_5_vl": {"max_pixels": 12845056},
+    "qwen3_vl": {"min_pixels": 65536, "max_pixels": 16777216, "video_min_pixels": 4096,
                  "video_max_pixels": 25165824},
 }
 #: qwen-vl-utils' FPS (vision_process.py), the Qwen2.5-VL frame rate (its video class has none)

@@ -77,7 +77,7 @@ def test_inspect_takes_the_test_tokenizer_and_a_run_config(mantis_out, capsys):
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)["config"]
     assert (report["model"], report["tokenizer"], report["seq_length"]) == (
-        "nemotron-omni", "test", 512)
+        "nemotron_omni", "test", 512)
 
 
 def test_unreachable_hub_fails_fast_with_one_line(mantis_out, tmp_path):

@@ -1,4 +1,4 @@
-"""NemotronOmniTaskEncoder end to end: real converted shards of the three lookalike datasets,
+"""Nemotron-Omni encoding end to end: real converted shards of the three lookalike datasets,
 token spans against the geometry formulas and ``video_span_text``, pixel rows against transformers'
 Nemotron-Omni processors (video: the processor itself; image: its normalisation and patch layout at
 formula level, the module needs the missing torchvision), the budget policy, tiles, packing, batch,
@@ -19,15 +19,16 @@ import torch
 from megatron.energon import SkipSample
 from PIL import Image
 
-from energon_tasks import budget, qwen_vl, task_encoder_for
-from energon_tasks.batch import IGNORE_INDEX, VISUAL_KINDS
-from energon_tasks.config import DEFAULT_TOKENIZERS, ConfigError, TaskEncoderConfig
+from contract.constants import IGNORE_INDEX, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VISUAL_KINDS
+from energon_tasks import budget, task_encoder, task_encoder_for
+from energon_tasks.config import ConfigError, TaskEncoderConfig
 from energon_tasks.decode import decode_image
-from energon_tasks.geometry import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from energon_tasks.nemotron_geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
-from energon_tasks.nemotron_omni import NemotronOmniTaskEncoder
-from energon_tasks.qwen_vl import QwenVLTaskEncoder, cook_conversation
+from energon_tasks.nemotron_omni import NemotronOmniHooks
+from energon_tasks.profiles import PROFILES
+from energon_tasks.qwen_vl import QwenVLHooks
 from energon_tasks.sample_format import CanonicalSample
+from energon_tasks.task_encoder import VLMTaskEncoder, cook_conversation
 from tests.conftest import read_samples
 from tests.energon_tasks.conftest import (
     conversation,
@@ -46,7 +47,7 @@ MODELS = ["nemotron-omni", "nemotron-omni-tiled"]
 
 @pytest.fixture(scope="module")
 def make_nemotron(tokenizer):
-    """encoder(**config fields) -> NemotronOmniTaskEncoder (dynamic unless model= is given)."""
+    """encoder(**config fields) -> the Nemotron-Omni encoder (dynamic unless model= is given)."""
     def build(**fields):
         fields.setdefault("model", "nemotron-omni")
         fields.setdefault("max_pixels", None)
@@ -196,8 +197,8 @@ def test_tiled_image_tiles_thumbnail_and_small_max_num_tiles(make_nemotron):
 # ------------------------------------------------------------------------------- budget
 def test_budget_resizes_then_cuts_then_skips(make_nemotron, monkeypatch):
     calls = []
-    real = qwen_vl.decode_image
-    monkeypatch.setattr(qwen_vl, "decode_image",
+    real = task_encoder.decode_image
+    monkeypatch.setattr(task_encoder, "decode_image",
                         lambda *a, **k: calls.append(k["name"]) or real(*a, **k))
     turns = [("user", "<image><image> compare"), ("assistant", "left"),
              ("user", "and <image>?"), ("assistant", "no")]
@@ -363,7 +364,7 @@ def test_config_knobs_tokenizer_and_encoder_choice(tokenizer, tokenizer_dir, tmp
     tiled = TaskEncoderConfig.from_dict({"model": "nemotron-omni-tiled", "max_num_tiles": "4",
                                          "video_maintain_aspect_ratio": "false"})
     assert tiled.geometry.max_num_tiles == 4 and not tiled.geometry.video_maintain_aspect_ratio
-    assert tiled.geometry.image_mode == "tiled" and tiled.family == "nemotron-omni"
+    assert tiled.geometry.image_mode == "tiled" and tiled.family == "nemotron_omni"
     for bad in ({"model": "qwen2.5-vl", "max_num_tiles": 4},
                 {"model": "nemotron-omni", "max_num_tiles": 4},
                 {"model": "qwen3-vl", "video_maintain_aspect_ratio": False},
@@ -371,11 +372,12 @@ def test_config_knobs_tokenizer_and_encoder_choice(tokenizer, tokenizer_dir, tmp
                 {"model": "nemotron-omni", "video_max_pixels": 100}):
         with pytest.raises(ConfigError):
             TaskEncoderConfig(**bad)
-    assert TaskEncoderConfig(model="nemotron-omni").tokenizer_name == DEFAULT_TOKENIZERS[
-        "nemotron-omni"] == "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16"
-    assert type(task_encoder_for(TaskEncoderConfig(), tokenizer)) is QwenVLTaskEncoder
+    assert TaskEncoderConfig(model="nemotron-omni").tokenizer_name == PROFILES[
+        "nemotron_omni"].default_tokenizer == "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16"
+    qwen = task_encoder_for(TaskEncoderConfig(), tokenizer)
+    assert type(qwen) is VLMTaskEncoder and type(qwen.hooks) is QwenVLHooks
     nemotron = task_encoder_for(TaskEncoderConfig(model="nemotron-omni-tiled"), tokenizer)
-    assert type(nemotron) is NemotronOmniTaskEncoder
+    assert type(nemotron) is VLMTaskEncoder and type(nemotron.hooks) is NemotronOmniHooks
     ids = tokenizer.convert_tokens_to_ids
     assert (nemotron.vision_start, nemotron.vision_end) == (ids("<img>"), ids("</img>"))
     assert nemotron.image_pad == nemotron.video_pad == ids("<image>")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from energon_tasks.batch import IGNORE_INDEX
+from contract.constants import IGNORE_INDEX
 from energon_tasks.loader import get_train_loader
 from tests.energon_tasks.conftest import image_sample
 

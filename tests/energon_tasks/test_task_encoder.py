@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from megatron.energon import SkipSample
 from PIL import Image
 
-from energon_tasks import qwen_vl
-from energon_tasks.batch import IGNORE_INDEX
+from contract.constants import IGNORE_INDEX
+from energon_tasks import task_encoder
 from energon_tasks.geometry import QWEN2_5_VL
-from energon_tasks.qwen_vl import cook_conversation
+from energon_tasks.task_encoder import cook_conversation
 from tests.energon_tasks.conftest import (
     conversation,
     crude,
@@ -115,8 +115,8 @@ def test_video_span_layout(make_encoder, model):
 
 def test_skipped_sample_decodes_nothing_and_cut_media_are_not_decoded(make_encoder, monkeypatch):
     calls = []
-    real = qwen_vl.decode_image
-    monkeypatch.setattr(qwen_vl, "decode_image",
+    real = task_encoder.decode_image
+    monkeypatch.setattr(task_encoder, "decode_image",
                         lambda *a, **k: calls.append(k["name"]) or real(*a, **k))
     encoder = make_encoder(max_num_images=1, min_pixels=784)
     over = image_sample("over", [("user", "<image><image>x"), ("assistant", "y")],

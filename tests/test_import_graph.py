@@ -1,0 +1,124 @@
+"""The project's import graph: no import circles, and the layering rules of docs/architecture.md.
+
+Read with ``ast`` from the source (nothing is imported, so it runs in well under a second). Every
+``import`` counts, also those inside functions: a lazy import that closes a circle is still a
+circle, only one that fails later (``if TYPE_CHECKING:`` imports are not run, so they do not).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+#: the product: packages and top-level scripts (tests, bench and docs are not imported by it)
+PACKAGES = ("contract", "converters", "energon_tasks", "models")
+SCRIPTS = ("train.py", "eval.py")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, Path]:
+    files = [REPO / name for name in SCRIPTS]
+    for package in PACKAGES:
+        files += sorted((REPO / package).rglob("*.py"))
+    return {_module_name(path): path for path in files}
+
+
+def _targets(node: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """Project modules one import statement loads (``from p import m``: the submodule p.m when
+    there is one, else p)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            anchor = module.split(".")
+            anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+            base = ".".join([*anchor, base] if base else anchor)
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                 for alias in node.names]
+    else:
+        return set()
+    return {name for name in names if name in known}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its source."""
+    sources = _sources()
+    known = set(sources)
+    graph = {}
+    for module, path in sources.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        graph[module] = {target for node in _runtime_nodes(tree)
+                         for target in _targets(node, module, is_package, known)} - {module}
+    return graph
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` (never executed)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING"):
+                stack += child.orelse
+            else:
+                stack.append(child)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for child in sorted(graph[node]):
+            if state.get(child) == 1:
+                return [*path[path.index(child):], child]
+            if child not in state and (cycle := visit(child)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_circles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_find_cycle_sees_lazy_imports(tmp_path):
+    """The checker itself: a circle closed by an import inside a function is found."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": set()}
+    assert find_cycle(graph) is None
+    tree = ast.parse("def f():\n    from pkg import a\n")
+    lazy = {t for node in ast.walk(tree) for t in _targets(node, "pkg.c", False,
+                                                             {"pkg.a", "pkg.c"})}
+    assert lazy == {"pkg.a"}
+    assert find_cycle({**graph, "c": lazy and {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_layering():
+    """models and energon_tasks never import each other, nor converters, nor the scripts;
+    contract (the neutral layer both sides share) imports nothing of the project."""
+    forbidden = {"models": ("energon_tasks", "converters", "train", "eval"),
+                 "energon_tasks": ("models", "converters", "train", "eval"),
+                 "contract": ("models", "energon_tasks", "converters", "train", "eval")}
+    problems = [f"{module} imports {target}"
+                for module, targets in import_graph().items()
+                for target in targets
+                if target.split(".")[0] in forbidden.get(module.split(".")[0], ())]
+    assert not problems, "; ".join(problems)
