@@ -44,8 +44,9 @@ Patches ``activate()`` applies (on CPU only; with CUDA every one of them is mega
 - ``tensor_parallel.random``: ``CudaRNGStatesTracker`` is a subclass that forks the CPU generator
   (megatron's forks the CUDA one, ``model_parallel_cuda_manual_seed`` builds it), and
   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (activation recomputation) do nothing.
-- ``ssm/mamba_block.TENorm`` (the hybrid stack's final norm, built with TE whatever the spec
-  says) is megatron's ``WrappedTorchNorm`` when TransformerEngine is absent (same parameter name).
+- ``ssm/mamba_block.TENorm`` (>= 0.19 also ``models/hybrid/hybrid_block.TENorm``): the hybrid
+  stack's final norm, built with TE whatever the spec says, is megatron's ``WrappedTorchNorm``
+  when TransformerEngine is absent (same parameter name).
 - ``moe_utils.te_general_gemm`` is bound to None when its failed TE import left it unbound
   (NameError in 0.16.1): megatron's own "no TE" value, the plain torch GEMM.
 - ``ssm/mamba_mixer``: the mamba_ssm kernels (scan, gated norm) are the plain-torch versions of
@@ -340,8 +341,14 @@ def _use_local_mamba_final_norm() -> None:
     from megatron.core.ssm import mamba_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if not getattr(te_ext, "HAVE_TE", False):
-        mamba_block.TENorm = WrappedTorchNorm
+    if getattr(te_ext, "HAVE_TE", False):
+        return
+    mamba_block.TENorm = WrappedTorchNorm
+    try:  # >= 0.19: the stack lives in models/hybrid (mamba_block re-exports it)
+        from megatron.core.models.hybrid import hybrid_block
+    except ImportError:
+        return
+    hybrid_block.TENorm = WrappedTorchNorm
 
 
 def _use_torch_mamba_kernels() -> None:
