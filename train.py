@@ -8,8 +8,9 @@ A recipe, top to bottom:
     torchrun --nproc-per-node 2 train.py CONFIG parallel.cp=2 ...
     torchrun --nproc-per-node 2 train.py CONFIG parallel.pp=2 task_encoder.fixed_length=true ...
 
-Blocks: config -> checks -> run folder -> distributed setup -> data -> model -> optimizer ->
-resume -> loop (-> validation, checkpoints, stop on SIGINT / SIGTERM) -> teardown. Reusable parts
+Steps (``train()``, one function each): check_run -> start_run (run folder, distributed setup)
+-> build_data -> build_model_and_optimizer -> restore -> announce -> train_loop (next_batches,
+optimizer_step, validation_loss, checkpoint_or_stop on SIGINT / SIGTERM) -> teardown. Reusable parts
 live in models/training.py (schedule, metrics, checkpoints), models/run_state.py (safe state
 files, completion, retention, the run guard, stop signals) and models/run_config.py (the config).
 Every input problem (config, data, layout, checkpoint, an ``out`` that holds a run) is one line on
@@ -226,15 +227,41 @@ def main(argv=None) -> int:
 
 def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
           overwrite: bool) -> int:
+    """The recipe: each step below is one function of this file, in this order."""
     from models.console import KnownWarnings
 
     cfg = load_run_config(config, overrides, task_encoder_config=TaskEncoderConfig)
     quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_run(cfg, world)
+    run = start_run(cfg, world, resume_from, overwrite)
+    tokenizer, encoder, loaders = build_data(cfg, run)
+    model, optimizer = build_model_and_optimizer(cfg, run, tokenizer)
+    start = restore(run, model, optimizer, loaders)
+    announce(cfg, run, model, start)
+    train_loop(cfg, run, encoder, loaders, model, optimizer, start)
+    teardown(run, quiet)
+    return 0
+
+
+class Run:
+    """What the recipe's steps share: the run folder, the parallel layout, the checkpoint to
+    resume (or None), the stop signal and the model files an export ships."""
+
+    def __init__(self, cfg, layout, resume, stop):
+        self.out, self.ckpt_dir = Path(cfg.out), cfg.checkpoint_dir
+        self.layout, self.resume, self.stop = layout, resume, stop
+        self.is_logger = layout.rank == 0
+        self.model_files = None
+        self.logger = None
+
+
+def check_run(cfg, world: int) -> None:
+    """Every input problem of the config, the layout and the data, before anything is built."""
     feeds = TASK_ENCODER_MODELS[cfg.model.family]
     if cfg.task_encoder.geometry.name not in feeds:
         raise ConfigError(f"task_encoder.model {cfg.task_encoder.model!r} does not feed "
                           f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     p, te_cfg = cfg.parallel, cfg.task_encoder
     if cfg.model.family == "nemotron_omni" and cfg.model.lm.num_layers % p.pp:
         raise UsageError(f"parallel.pp {p.pp} does not divide the {cfg.model.lm.num_layers} layers "
@@ -257,34 +284,38 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     check_data_path(cfg.data.path)
     if cfg.train.eval_interval:
         check_split(cfg.data.path, cfg.data.val_split_part, "train.eval_interval")
-    out = Path(cfg.out)
 
-    # --- run folder: continue it, start it again, or refuse ------------------------------------
+
+def start_run(cfg, world: int, resume_from: str | None, overwrite: bool) -> Run:
+    """The run folder (continue it, start it again, or refuse), then the distributed setup."""
     from models import run_state as R
     from models import training as T
 
-    ckpt_dir = cfg.checkpoint_dir
+    p, out, ckpt_dir = cfg.parallel, Path(cfg.out), cfg.checkpoint_dir
     resume_from, clear = R.plan_start(out, ckpt_dir, resume_from, overwrite, cfg.train.auto_resume)
     resume = T.read_train_state(resume_from, world // (p.tp * p.pp * p.cp)) if resume_from else None
-
-    # --- distributed setup ---------------------------------------------------------------------
     layout = T.init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
-    stop = R.StopSignal()
-    is_logger = layout.rank == 0
-    if is_logger:
+    run = Run(cfg, layout, resume, R.StopSignal())
+    if run.is_logger:
         R.prepare_run_folder(out, ckpt_dir, clear, resume)
         (out / "config.yaml").write_text(dump_yaml(cfg))
         print(f"[train] resolved config: {out / 'config.yaml'}", flush=True)
     torch.distributed.barrier()
+    return run
 
-    # --- data ----------------------------------------------------------------------------------
+
+def build_data(cfg, run: Run):
+    """Tokenizer, task encoder (its special tokens written into the model config) and one train
+    loader per virtual DP rank; the first batch is probed before the model is built."""
     from energon_tasks import task_encoder_for
     from energon_tasks.loader import get_train_loader, worker_config
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
+    from models import training as T
 
+    te_cfg, layout = cfg.task_encoder, run.layout
     tokenizer_name = te_cfg.tokenizer_name
     if te_cfg.tokenizer == "test":  # the small local BPE of the tests and the CPU demo
-        tokenizer_name = str(out / "tokenizer")
+        tokenizer_name = str(run.out / "tokenizer")
         if layout.rank == 0:
             build_test_tokenizer(tokenizer_name)
         torch.distributed.barrier()
@@ -313,30 +344,29 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
         max_samples_per_sequence=cfg.data.max_samples_per_sequence,
         seed_offset=cfg.data.seed_offset, split_part=cfg.data.split_part) for v in range(virtual)]
     for loader in loaders:
-        stop.protect_workers(loader)
+        run.stop.protect_workers(loader)
+    return tokenizer, encoder, loaders
 
-    # --- model ---------------------------------------------------------------------------------
+
+def build_model_and_optimizer(cfg, run: Run, tokenizer):
+    """The model (from ``model.hf``, ``train.init_checkpoint`` or random init), bf16 and DDP
+    wrappers, megatron's optimizer (state sharded over DP with ``train.distributed_optimizer``)."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto"
-                                             and cpu.bf16_by_default())
     from models.checkpoint import model_record
     from models.hf_source import resolve
 
-    init = cfg.train.init_checkpoint
-    if cfg.hf and resume is None:
-        init = import_hf_weights(cfg, is_logger)
+    t = cfg.train
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and cpu.bf16_by_default())
+    init = t.init_checkpoint
+    if cfg.hf and run.resume is None:
+        init = import_hf_weights(cfg, run.is_logger)
     hf_folder = resolve(cfg.hf, weights=False) if cfg.hf else None  # the model's own files
-    model_files = model_record(hf_folder, tokenizer) if is_logger else None  # for export
-    model = build_model(cfg, layout)
-    if init and resume is None:
+    run.model_files = model_record(hf_folder, tokenizer) if run.is_logger else None  # for export
+    model = build_model(cfg, run.layout)
+    if init and run.resume is None:
         state = dist_checkpointing.load(model.sharded_state_dict(), init)
         model.load_state_dict(state, strict=False)
     if bf16:
@@ -344,82 +374,78 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
         model.config.bf16 = True
         model.config.pipeline_dtype = torch.bfloat16  # the activations sent between PP stages
         model = Float16Module(model.config, model)
-    sharded_optimizer = cfg.train.distributed_optimizer
+    sharded = t.distributed_optimizer
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=sharded_optimizer,
+                                               use_distributed_optimizer=sharded,
                                                bucket_size=None)
     model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    n_params = sum(q.numel() for q in model.parameters())
-
-    # --- optimizer -----------------------------------------------------------------------------
-    t = cfg.train
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
-        params_dtype=torch.float32, use_distributed_optimizer=sharded_optimizer,
+        params_dtype=torch.float32, use_distributed_optimizer=sharded,
         clip_grad=t.clip_grad), [model])
+    return model, optimizer
 
-    # --- resume --------------------------------------------------------------------------------
-    start = 0
-    if resume is not None:
-        from energon_tasks.loader_state import LoaderStateError, from_plain
 
-        plain, rng = R.read_rank_state(Path(resume["dir"]), layout)
-        if len(plain) != virtual:
-            raise UsageError(f"checkpoint {resume['dir']} holds {len(plain)} loader states per "
-                             f"rank, data.virtual_dp is {virtual}")
-        try:
-            states = [from_plain(state) for state in plain]
-        except LoaderStateError as error:
-            raise UsageError(f"checkpoint {resume['dir']}: loader state refused ({error})"
-                             ) from None
-        T.load_checkpoint(resume, model=model.module, optimizer=optimizer, rng=rng)
-        for loader, state in zip(loaders, states, strict=True):
-            loader.restore_state_rank(state)
-        start = resume["step"]
-    if is_logger:
-        print(f"[train] {n_params / 1e6:.2f} M params on rank 0; world {layout.world} = "
-              f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
-              f"{f' (ep {p.ep})' if p.ep > 1 else ''}; optimizer state "
-              f"{f'sharded over dp {layout.dp}' if sharded_optimizer else 'replicated'}; "
-              f"recompute {cfg.model.recompute}; packing {'THD' if te_cfg.packing else 'off'}; "
-              f"steps {start}..{t.steps}", flush=True)
+def restore(run: Run, model, optimizer, loaders) -> int:
+    """With a checkpoint to resume: model, optimizer, RNG and loader states. Returns the step
+    the loop starts at."""
+    if run.resume is None:
+        return 0
+    from energon_tasks.loader_state import LoaderStateError, from_plain
+    from models import run_state as R
+    from models import training as T
 
-    # --- loop ----------------------------------------------------------------------------------
-    logger = T.MetricsLogger(out, enabled=is_logger, tensorboard=cfg.log.tensorboard,
-                             wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
-                             config=to_dict(cfg), start_step=start, total_steps=t.steps)
+    resume = run.resume
+    plain, rng = R.read_rank_state(Path(resume["dir"]), run.layout)
+    if len(plain) != len(loaders):
+        raise UsageError(f"checkpoint {resume['dir']} holds {len(plain)} loader states per "
+                         f"rank, data.virtual_dp is {len(loaders)}")
+    try:
+        states = [from_plain(state) for state in plain]
+    except LoaderStateError as error:
+        raise UsageError(f"checkpoint {resume['dir']}: loader state refused ({error})") from None
+    T.load_checkpoint(resume, model=model.module, optimizer=optimizer, rng=rng)
+    for loader, state in zip(loaders, states, strict=True):
+        loader.restore_state_rank(state)
+    return resume["step"]
+
+
+def announce(cfg, run: Run, model, start: int) -> None:
+    """The start line: size, layout, optimizer sharding, EP, recompute, packing, steps."""
+    if not run.is_logger:
+        return
+    layout, p = run.layout, cfg.parallel
+    n_params = sum(q.numel() for q in model.parameters())
+    print(f"[train] {n_params / 1e6:.2f} M params on rank 0; world {layout.world} = "
+          f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
+          f"{f' (ep {p.ep})' if p.ep > 1 else ''}; optimizer state "
+          f"{f'sharded over dp {layout.dp}' if cfg.train.distributed_optimizer else 'replicated'}; "
+          f"recompute {cfg.model.recompute}; "
+          f"packing {'THD' if cfg.task_encoder.packing else 'off'}; "
+          f"steps {start}..{cfg.train.steps}", flush=True)
+
+
+def train_loop(cfg, run: Run, encoder, loaders, model, optimizer, start: int) -> None:
+    """Steps ``start``..``train.steps``: one optimizer step each, metrics every
+    ``log.interval``, validation every ``train.eval_interval``, checkpoints every
+    ``checkpoint.interval`` and on a stop asked by SIGINT / SIGTERM (on any rank)."""
+    from models import training as T
+
+    t, layout = cfg.train, run.layout
+    run.logger = T.MetricsLogger(run.out, enabled=run.is_logger, tensorboard=cfg.log.tensorboard,
+                                 wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
+                                 config=to_dict(cfg), start_step=start, total_steps=t.steps)
     iterators = [iter(loader) for loader in loaders]
-    scale = layout.dp * layout.cp  # DDP averages over DP x CP: undo it, we divide by tokens
     meter = T.StepMeter()
     for step in range(start, t.steps):
         step_start = time.perf_counter()
-        batches, wait = [], 0.0
-        for _ in range(t.grad_accum):
-            for it in iterators:
-                tick = time.perf_counter()
-                batches.append(next(it))
-                wait += time.perf_counter() - tick
+        batches, wait = next_batches(iterators, t.grad_accum)
         total_tokens = T.step_token_total(sum(T.loss_tokens(b) for b in batches))
         lr = T.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                      total_steps=t.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        model.train()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        if layout.pp > 1:  # megatron's 1F1B schedule; the loss sum lives on the last stage
-            loss_sum = pipeline_step(model, batches, layout, cfg.data.blank_media,
-                                     scale / max(total_tokens, 1))
-        else:
-            loss_sum = torch.zeros(1, dtype=torch.float64)
-            for batch in batches:
-                token_loss = forward_step(model, batch, layout, cfg.data.blank_media).float().sum()
-                (token_loss * scale / max(total_tokens, 1)).backward()
-                loss_sum += token_loss.detach().double().cpu()
-        finalize_model_grads([model])
-        _ok, grad_norm, _zeros = optimizer.step()  # clips to train.clip_grad first
-        reduce_loss(loss_sum, layout)
+        loss_sum, grad_norm = optimizer_step(cfg, layout, model, optimizer, batches, lr,
+                                             total_tokens)
         meter.time += time.perf_counter() - step_start
         meter.wait += wait
         meter.steps += 1
@@ -427,43 +453,92 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
             meter.add_batch(batch, cfg.model)
         done = step + 1
         if done % cfg.log.interval == 0 or done == t.steps:
-            record = {"step": done, "loss": float(loss_sum) / max(total_tokens, 1), "lr": lr,
-                      "grad_norm": float(grad_norm or 0.0), "loss_tokens": total_tokens,
-                      **meter.summary(layout)}
-            logger.log(record)
+            run.logger.log({"step": done, "loss": float(loss_sum) / max(total_tokens, 1),
+                            "lr": lr, "grad_norm": float(grad_norm or 0.0),
+                            "loss_tokens": total_tokens, **meter.summary(layout)})
             meter.reset()
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
             tick = time.perf_counter()
             val_loss, val_tokens, val_batches = validation_loss(model, cfg, encoder, layout)
-            logger.log_validation(done, val_loss, val_tokens, val_batches,
-                                  time.perf_counter() - tick)
-
-        # --- checkpoint (and a stop asked by SIGINT / SIGTERM on any rank) -------------------
-        every, stop_signal = cfg.checkpoint.interval, stop.agreed()
-        if ((every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final)
-                or stop_signal):
-            from energon_tasks.loader_state import to_plain
-
-            step_dir = T.save_checkpoint(
-                ckpt_dir, done, model=model.module, optimizer=optimizer,
-                loader_states=[to_plain(loader.save_state_rank()) for loader in loaders],
-                layout=layout, config_yaml=dump_yaml(cfg), keep_last=t.keep_checkpoints,
-                model_files=model_files,
-                train_state={"scheduler": {"step": done, "lr": lr}, "params": n_params})
-        if stop_signal and done < t.steps:
-            if is_logger:
-                print(f"[train] stopped by {signal.Signals(stop_signal).name} after step "
-                      f"{done}/{t.steps}: checkpoint {step_dir} (continue with --resume or "
-                      "train.auto_resume=true)", flush=True)
+            run.logger.log_validation(done, val_loss, val_tokens, val_batches,
+                                      time.perf_counter() - tick)
+        if checkpoint_or_stop(cfg, run, model, optimizer, loaders, done, lr):
             break
 
-    # --- teardown ------------------------------------------------------------------------------
-    logger.close()
-    if is_logger and quiet.summary("log.all_warnings=true"):
+
+def next_batches(iterators, grad_accum: int) -> tuple[list, float]:
+    """The step's micro-batches (grad_accum from each virtual DP reader) and the seconds spent
+    waiting for them."""
+    batches, wait = [], 0.0
+    for _ in range(grad_accum):
+        for it in iterators:
+            tick = time.perf_counter()
+            batches.append(next(it))
+            wait += time.perf_counter() - tick
+    return batches, wait
+
+
+def optimizer_step(cfg, layout, model, optimizer, batches, lr: float, total_tokens: int):
+    """Forward and backward over the step's micro-batches (1F1B schedule under PP), then the
+    optimizer step (clipped to ``train.clip_grad``). Returns the step's loss sum (over every
+    rank) and the grad norm."""
+    from megatron.core.distributed import finalize_model_grads
+
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    scale = layout.dp * layout.cp  # DDP averages over DP x CP: undo it, we divide by tokens
+    model.train()
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    if layout.pp > 1:  # megatron's 1F1B schedule; the loss sum lives on the last stage
+        loss_sum = pipeline_step(model, batches, layout, cfg.data.blank_media,
+                                 scale / max(total_tokens, 1))
+    else:
+        loss_sum = torch.zeros(1, dtype=torch.float64)
+        for batch in batches:
+            token_loss = forward_step(model, batch, layout, cfg.data.blank_media).float().sum()
+            (token_loss * scale / max(total_tokens, 1)).backward()
+            loss_sum += token_loss.detach().double().cpu()
+    finalize_model_grads([model])
+    _ok, grad_norm, _zeros = optimizer.step()  # clips to train.clip_grad first
+    reduce_loss(loss_sum, layout)
+    return loss_sum, grad_norm
+
+
+def checkpoint_or_stop(cfg, run: Run, model, optimizer, loaders, done: int, lr: float) -> bool:
+    """Saves a checkpoint when one is due or a stop was asked; True when the loop must stop."""
+    from energon_tasks.loader_state import to_plain
+    from models import training as T
+
+    t, every, stop_signal = cfg.train, cfg.checkpoint.interval, run.stop.agreed()
+    if not ((every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final)
+            or stop_signal):
+        return False
+    n_params = sum(q.numel() for q in model.parameters())
+    step_dir = T.save_checkpoint(
+        run.ckpt_dir, done, model=model.module, optimizer=optimizer,
+        loader_states=[to_plain(loader.save_state_rank()) for loader in loaders],
+        layout=run.layout, config_yaml=dump_yaml(cfg), keep_last=t.keep_checkpoints,
+        model_files=run.model_files,
+        train_state={"scheduler": {"step": done, "lr": lr}, "params": n_params})
+    if not (stop_signal and done < t.steps):
+        return False
+    if run.is_logger:
+        print(f"[train] stopped by {signal.Signals(stop_signal).name} after step "
+              f"{done}/{t.steps}: checkpoint {step_dir} (continue with --resume or "
+              "train.auto_resume=true)", flush=True)
+    return True
+
+
+def teardown(run: Run, quiet) -> None:
+    from megatron.core import parallel_state as ps
+
+    if run.logger is not None:
+        run.logger.close()
+    if run.is_logger and quiet.summary("log.all_warnings=true"):
         print(f"[train] {quiet.summary('log.all_warnings=true')}", flush=True)
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns a Manager process
