@@ -68,53 +68,20 @@ def import_hf_weights(cfg, is_logger: bool) -> str:
     return str(folder)
 
 
-def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
-    """megatron's CP split: rank r keeps chunks r and 2*cp-1-r of 2*cp along ``dim``."""
-    chunks = t.chunk(2 * cp, dim)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim)
-
-
-def forward_step(model, batch, layout, blank_media: bool):
-    """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch`` (PP: a stage before
-    the last returns its output hidden states (L, B, H), or (B*L, 1, H) for a packed batch,
-    which megatron's schedule sends on)."""
-    from models.multimodal import shift_labels
-
-    unwrapped = model.module
-    while not hasattr(unwrapped, "embed"):  # DDP -> (Float16Module ->) QwenVL / NemotronOmni
-        unwrapped = unwrapped.module
-    device = next(unwrapped.parameters()).device
+def forward_step(model, batch, blank_media: bool):
+    """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch`` (the model runs its
+    share); under PP a stage before the last returns its output hidden states (L, B, H), or
+    (B*L, 1, H) for a packed batch, which megatron's schedule sends on."""
+    device = next(model.parameters()).device
     fields = {k: getattr(batch, k).to(device) for k in (
         "input_ids", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw",
         "pixel_values_videos", "video_grid_thw", "visual_kinds")}
     if blank_media:  # the vision-signal control: every pixel row at the normalised mean
         fields["pixel_values"] = torch.zeros_like(fields["pixel_values"])
         fields["pixel_values_videos"] = torch.zeros_like(fields["pixel_values_videos"])
-    if layout.cp == 1:
-        out = model(**fields, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
-                    sample_keys=batch.__key__)
-        return out[0] if isinstance(out, tuple) else out  # (per-token loss, mask) | hidden
-    # CP: embed the whole sequence (vision DP over CP inside), then each rank runs its zig-zag
-    # share of the LM; M-RoPE positions stay whole (megatron slices the rotary table per rank).
-    emb, deepstack = unwrapped.embed(fields["input_ids"], fields["pixel_values"],
-                                     fields["image_grid_thw"], fields["pixel_values_videos"],
-                                     fields["video_grid_thw"], batch.__key__,
-                                     fields["visual_kinds"])
-    target, shifted = shift_labels(fields["labels"], fields["loss_mask"])  # as the models do
-    split = lambda t, d: zigzag(t, d, layout.cp, layout.cp_rank)  # noqa: E731
-    if deepstack is not None:  # Qwen3-VL: this rank's visual tokens and their DeepStack rows
-        visual, features = deepstack  # (B, L) mask; rows in its row-major order
-        ordinal = visual.flatten().cumsum(0).view_as(visual) - 1
-        local = split(visual, 1)
-        rows = split(ordinal, 1)[local]
-        unwrapped._deepstack = (local, [f[rows] for f in features])
-    try:
-        out = unwrapped.language_model(input_ids=None, position_ids=fields["position_ids"],
-                                       attention_mask=None, decoder_input=split(emb, 0),
-                                       labels=split(target, 1))
-    finally:
-        unwrapped._deepstack = None
-    return out * split(shifted, 1)
+    out = model(**fields, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
+                sample_keys=batch.__key__)
+    return out[0] if isinstance(out, tuple) else out  # (per-token loss, mask) | hidden
 
 
 def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float,
@@ -140,7 +107,7 @@ def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float,
         return token_loss * (loss_scale * len(batches) / layout.cp), {}  # schedule: * cp / n
 
     def step(data_iterator, module):
-        return forward_step(module, next(data_iterator), layout, blank_media), loss_func
+        return forward_step(module, next(data_iterator), blank_media), loss_func
 
     # the stages exchange (L, B, H) hidden states; packed batches run as one THD row of B*L
     rows, length = (1, shape[0] * shape[1]) if batches[0].cu_seqlens is not None else shape
@@ -198,7 +165,7 @@ def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
         else:
             loss_sum = torch.zeros(1, dtype=torch.float64)
             for batch in batches:
-                loss_sum += forward_step(model, batch, layout, cfg.data.blank_media).double().sum()
+                loss_sum += forward_step(model, batch, cfg.data.blank_media).double().sum()
     set_rng_state(saved)
     tokens = T.step_token_total(sum(T.loss_tokens(b) for b in batches))
     return float(reduce_loss(loss_sum, layout)) / max(tokens, 1), tokens, int(shortest)
@@ -496,7 +463,7 @@ def optimizer_step(cfg, layout, model, optimizer, batches, lr: float, total_toke
     else:
         loss_sum = torch.zeros(1, dtype=torch.float64)
         for batch in batches:
-            token_loss = forward_step(model, batch, layout, cfg.data.blank_media).float().sum()
+            token_loss = forward_step(model, batch, cfg.data.blank_media).float().sum()
             (token_loss * scale / max(total_tokens, 1)).backward()
             loss_sum += token_loss.detach().double().cpu()
     finalize_model_grads([model])

@@ -231,12 +231,9 @@ def _generate(qwen, lm, prompts: list[Prompt], lengths: list[int], eos_id, max_n
                                 visual_kinds=media("visual_kinds"))
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (B, 1, L, L), True = hidden
-    qwen._deepstack = deepstack
-    try:
+    with qwen.deepstack_features(deepstack):
         logits = lm(input_ids=None, position_ids=pos[:, :, :width], attention_mask=mask,
                     decoder_input=emb, runtime_gather_output=True, **kwarg)
-    finally:
-        qwen._deepstack = None
     context.sequence_len_offset += width
     forwards = 1
     prefill_seconds = time.perf_counter() - start

@@ -14,6 +14,8 @@ tied-embedding accessors).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
@@ -222,23 +224,41 @@ class PipelineStagesMixin:
     def shared_embedding_or_output_weight(self):
         return self.language_model.shared_embedding_or_output_weight()
 
+    @contextlib.contextmanager
+    def deepstack_features(self, state):
+        """While the LM runs: the DeepStack features its first layers add (Qwen3-VL), ``state`` =
+        (visual-token mask (B, L), one (n, H) tensor per level in the mask's row-major order),
+        or None. Models without DeepStack never read it."""
+        self._deepstack = state
+        try:
+            yield
+        finally:
+            self._deepstack = None
+
     def run_language_model(self, decoder_input, position_ids, labels, loss_mask, shape,
-                           cu_seqlens=None, max_seqlen=None):
+                           cu_seqlens=None, max_seqlen=None, deepstack=None):
         """The LM of this stage on ``decoder_input`` (L, B, H); None on later stages (megatron's
         ``set_input_tensor`` gave the previous stage's output) -> logits (B, L, V/TP) without
         ``labels``, (per-token loss (B, L) * shifted mask, shifted mask) with them on the last
-        stage, this stage's output hidden states on the others.
+        stage, this stage's output hidden states on the others. ``deepstack``: see
+        :meth:`deepstack_features`.
 
         ``shape`` is the batch's (B, L). A packed batch (``cu_seqlens``) runs as megatron's THD
         format: the B rows are flattened into one sequence of B*L tokens (hidden states
         (B*L, 1, H), also between pipeline stages) whose segments attend only within themselves
         (TE's varlen attention on GPU, ``models.segment_attention`` in the local spec; Mamba
         layers restart their state per segment); the outputs are returned in (B, L) again.
+        Under context parallelism (CP > 1) this rank runs its zig-zag share of the sequence
+        (:meth:`run_context_parallel_share`).
         """
         batch, length = shape
         target, params = None, None
         if labels is not None:
             target, loss_mask = shift_labels(labels, loss_mask)  # per row, before any flattening
+        cp_size, cp_rank = context_parallel_share()
+        if cp_size > 1:
+            return self.run_context_parallel_share(decoder_input, position_ids, target, loss_mask,
+                                                   deepstack, cp_size, cp_rank)
         if cu_seqlens is not None:
             device = next(self.parameters()).device
             params = packed_sequence_params(cu_seqlens, max_seqlen, device)
@@ -248,9 +268,12 @@ class PipelineStagesMixin:
                 position_ids = position_ids.reshape(position_ids.shape[0], 1, batch * length)
             if target is not None:
                 target = target.reshape(1, batch * length)
-        out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=None,
-                                  decoder_input=decoder_input, labels=target,
-                                  packed_seq_params=params)
+            if deepstack is not None:  # its mask follows the tokens into the one THD row
+                deepstack = (deepstack[0].reshape(1, -1), deepstack[1])
+        with self.deepstack_features(deepstack):
+            out = self.language_model(input_ids=None, position_ids=position_ids,
+                                      attention_mask=None, decoder_input=decoder_input,
+                                      labels=target, packed_seq_params=params)
         if not self.post_process:
             return out
         if params is not None:
@@ -258,3 +281,41 @@ class PipelineStagesMixin:
         if target is None:
             return out
         return out * loss_mask, loss_mask
+
+    def run_context_parallel_share(self, decoder_input, position_ids, target, loss_mask,
+                                   deepstack, cp_size: int, cp_rank: int):
+        """CP > 1: the whole sequence was embedded (vision DP over CP inside), this rank runs its
+        zig-zag share of the LM (:func:`zigzag`) with its visual tokens' DeepStack rows; M-RoPE
+        positions stay whole (megatron slices the rotary table per rank). -> (per-token loss
+        (B, L/CP) * shifted mask, shifted mask) of this rank's share with ``target``, logits of
+        the share without. Not with packing or PP (train.py refuses both)."""
+        def split(t, dim):
+            return zigzag(t, dim, cp_size, cp_rank)
+
+        if deepstack is not None:  # this rank's visual tokens and their rows of the features
+            visual, features = deepstack
+            ordinal = visual.flatten().cumsum(0).view_as(visual) - 1
+            local = split(visual, 1)
+            deepstack = (local, [f[split(ordinal, 1)[local]] for f in features])
+        with self.deepstack_features(deepstack):
+            out = self.language_model(input_ids=None, position_ids=position_ids,
+                                      attention_mask=None, decoder_input=split(decoder_input, 0),
+                                      labels=None if target is None else split(target, 1))
+        if target is None:
+            return out
+        mask = split(loss_mask, 1)
+        return out * mask, mask
+
+
+def context_parallel_share() -> tuple[int, int]:
+    """(CP size, this rank's CP rank); (1, 0) before megatron's parallel state exists."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0
+    return (parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_context_parallel_rank())
+
+
+def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """megatron's CP split: rank r keeps chunks r and 2*cp-1-r of 2*cp along ``dim``."""
+    chunks = t.chunk(2 * cp, dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim)

@@ -202,11 +202,5 @@ class QwenVL(PipelineStagesMixin, MegatronModule):
             decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw,
                                                   pixel_values_videos, video_grid_thw, sample_keys,
                                                   visual_kinds)
-        if deepstack is not None and cu_seqlens is not None:  # THD: one row of B*L tokens
-            deepstack = (deepstack[0].reshape(1, -1), deepstack[1])
-        self._deepstack = deepstack
-        try:
-            return self.run_language_model(decoder_input, position_ids, labels, loss_mask,
-                                           (batch, length), cu_seqlens, max_seqlen)
-        finally:
-            self._deepstack = None
+        return self.run_language_model(decoder_input, position_ids, labels, loss_mask,
+                                       (batch, length), cu_seqlens, max_seqlen, deepstack)
