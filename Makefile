@@ -72,7 +72,7 @@ demo: $(STAMP)
 	rm -rf $(DEMO)/runs $(DEMO)/eval
 	$(call demo_family,qwen-vl)
 	$(call demo_family,nemotron-omni)
-	$(PY) -m models.report $(DEMO)/report $(DEMO_RUNS) $(DEMO_CHECKS) --chance 0.167
+	$(PY) -m recipes.report $(DEMO)/report $(DEMO_RUNS) $(DEMO_CHECKS) --chance 0.167
 
 bench: $(STAMP)
 	$(PY) bench/bench_converters.py --out bench_out

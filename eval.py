@@ -5,7 +5,7 @@
 
 The checkpoint is either a train.py checkpoint (a run folder, its ``checkpoints`` folder (the
 newest complete step) or one ``step_N`` folder; loaded at this process's layout, TP=1), whose
-stored run config (models/run_config.py) decides what the model sees, exactly as in training:
+stored run config (recipes/run_config.py) decides what the model sees, exactly as in training:
 its ``task_encoder`` section (every budget knob) and ``data.path``; or an imported Hugging Face
 checkpoint (``python -m models.convert hf-to-mcore``: a baseline before fine-tuning), which needs
 a run config (CONFIG). A CONFIG given with a train.py checkpoint only refines the stored one, and
@@ -38,7 +38,7 @@ import click
 import yaml
 
 from contract.families import TASK_ENCODER_MODELS
-from models.scores import (
+from recipes.scores import (
     anls_one,
     answer_letter,
     exact_match,
@@ -86,7 +86,7 @@ def score_answer(dataset: str, question: str, prediction: str, references: list[
 
     InfoVQA: ANLS. A question listing options whose reference names one of them ("E. training.",
     "E", the option's text): option accuracy, the letter read from the answer by lmms-eval
-    Video-MME's rule (models.scores.extract_option_letter). Everything else: exact and relaxed
+    Video-MME's rule (recipes.scores.extract_option_letter). Everything else: exact and relaxed
     match.
     """
     if dataset == "infovqa":
@@ -356,8 +356,8 @@ def format_table(result: dict) -> str:
 def run(args: Args) -> dict:
     from energon_tasks.config import TaskEncoderConfig
     from models.console import KnownWarnings, Progress
-    from models.run_config import load_run_config
-    from models.training import check_data_path, check_split
+    from recipes.run_config import load_run_config
+    from recipes.training import check_data_path, check_split
 
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be >= 1, got {args.limit}")
@@ -503,8 +503,8 @@ def cli(args: tuple[str, ...], ckpt: str | None, **options) -> None:
 
 def main(argv=None) -> int:
     from models.cli import run_click
-    from models.run_config import ConfigError
-    from models.training import UsageError
+    from recipes.run_config import ConfigError
+    from recipes.training import UsageError
 
     return run_click(cli, "eval.py", argv, (EvalError, ConfigError, UsageError))
 

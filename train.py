@@ -11,8 +11,8 @@ A recipe, top to bottom:
 Steps (``train()``, one function each): check_run -> start_run (run folder, distributed setup)
 -> build_data -> build_model_and_optimizer -> restore -> announce -> train_loop (next_batches,
 optimizer_step, validation_loss, checkpoint_or_stop on SIGINT / SIGTERM) -> teardown. Reusable parts
-live in models/training.py (schedule, metrics, checkpoints), models/run_state.py (safe state
-files, completion, retention, the run guard, stop signals) and models/run_config.py (the config).
+live in recipes/training.py (schedule, metrics, checkpoints), models/run_state.py (safe state
+files, completion, retention, the run guard, stop signals) and recipes/run_config.py (the config).
 Every input problem (config, data, layout, checkpoint, an ``out`` that holds a run) is one line on
 stderr and exit code 2, before the model is built. SIGINT / SIGTERM save a checkpoint after the
 current step and exit 0.
@@ -34,8 +34,8 @@ from contract.families import TASK_ENCODER_MODELS
 from energon_tasks.config import TaskEncoderConfig
 from models import cpu
 from models.cli import run_click
-from models.run_config import ConfigError, dump_yaml, load_run_config, to_dict
-from models.training import UsageError, check_data_path, check_layout, check_split
+from recipes.run_config import ConfigError, dump_yaml, load_run_config, to_dict
+from recipes.training import UsageError, check_data_path, check_layout, check_split
 
 
 # --- adapter: the model and one forward over a batch ------------------------------------------
@@ -141,8 +141,8 @@ def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
     from megatron.core import parallel_state as ps
 
     from energon_tasks.loader import get_val_loader
-    from models import training as T
     from models.run_state import rng_state, set_rng_state
+    from recipes import training as T
 
     virtual, count = cfg.data.virtual_dp, cfg.train.eval_batches
     batches = [list(itertools.islice(get_val_loader(
@@ -256,7 +256,7 @@ def check_run(cfg, world: int) -> None:
 def start_run(cfg, world: int, resume_from: str | None, overwrite: bool) -> Run:
     """The run folder (continue it, start it again, or refuse), then the distributed setup."""
     from models import run_state as R
-    from models import training as T
+    from recipes import training as T
 
     p, out, ckpt_dir = cfg.parallel, Path(cfg.out), cfg.checkpoint_dir
     resume_from, clear = R.plan_start(out, ckpt_dir, resume_from, overwrite, cfg.train.auto_resume)
@@ -277,7 +277,7 @@ def build_data(cfg, run: Run):
     from energon_tasks import task_encoder_for
     from energon_tasks.loader import get_train_loader, worker_config
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
-    from models import training as T
+    from recipes import training as T
 
     te_cfg, layout = cfg.task_encoder, run.layout
     tokenizer_name = te_cfg.tokenizer_name
@@ -361,7 +361,7 @@ def restore(run: Run, model, optimizer, loaders) -> int:
         return 0
     from energon_tasks.loader_state import LoaderStateError, from_plain
     from models import run_state as R
-    from models import training as T
+    from recipes import training as T
 
     resume = run.resume
     plain, rng = R.read_rank_state(Path(resume["dir"]), run.layout)
@@ -397,7 +397,7 @@ def train_loop(cfg, run: Run, encoder, loaders, model, optimizer, start: int) ->
     """Steps ``start``..``train.steps``: one optimizer step each, metrics every
     ``log.interval``, validation every ``train.eval_interval``, checkpoints every
     ``checkpoint.interval`` and on a stop asked by SIGINT / SIGTERM (on any rank)."""
-    from models import training as T
+    from recipes import training as T
 
     t, layout = cfg.train, run.layout
     run.logger = T.MetricsLogger(run.out, enabled=run.is_logger, tensorboard=cfg.log.tensorboard,
@@ -475,7 +475,7 @@ def optimizer_step(cfg, layout, model, optimizer, batches, lr: float, total_toke
 def checkpoint_or_stop(cfg, run: Run, model, optimizer, loaders, done: int, lr: float) -> bool:
     """Saves a checkpoint when one is due or a stop was asked; True when the loop must stop."""
     from energon_tasks.loader_state import to_plain
-    from models import training as T
+    from recipes import training as T
 
     t, every, stop_signal = cfg.train, cfg.checkpoint.interval, run.stop.agreed()
     if not ((every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final)

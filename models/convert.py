@@ -314,8 +314,8 @@ def verify_command(hf: Path, mcore: Path, tp: int, pp: int, **console) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The command line; bad input is one line on stderr and ``SystemExit(2)``."""
+    from contract.errors import UsageError  # e.g. a checkpoint whose .metadata is refused
     from models.cli import run_click
-    from models.training import UsageError  # e.g. a checkpoint whose .metadata is refused
 
     code = run_click(cli, "python -m models.convert", argv,
                      (ValueError, FileNotFoundError, UsageError))

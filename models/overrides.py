@@ -1,7 +1,7 @@
 """The one command-line override syntax of the project's YAML configs: dotted ``key=value``.
 
 This module owns how a value typed on a command line is read (``parse_value``) and set into a
-nested config mapping (``apply_override``); the run config (``models.run_config``) and the model
+nested config mapping (``apply_override``); the run config (``recipes.run_config``) and the model
 configs' ``load_yaml`` use it.
 """
 

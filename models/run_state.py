@@ -43,8 +43,8 @@ import torch.distributed as dist
 from contract.errors import UsageError
 from models import cpu
 
-if TYPE_CHECKING:  # an annotation only: models.training imports this module
-    from models.training import Layout
+if TYPE_CHECKING:  # an annotation only: recipes.training imports this module
+    from recipes.training import Layout
 
 #: Written last into a step folder: the checkpoint is complete.
 COMPLETE = "COMPLETE"

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv):
     from energon_tasks.config import TaskEncoderConfig
     from models.checkpoint import build_model, init_parallel, save_checkpoint
-    from models.run_config import load_run_config
+    from recipes.run_config import load_run_config
 
     config, out, overrides = argv[0], Path(argv[1]), argv[2:]
     cfg = load_run_config(config, overrides, task_encoder_config=TaskEncoderConfig)

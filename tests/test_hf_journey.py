@@ -135,7 +135,7 @@ def test_checkpoint_saved_at_tp2_exports(tmp_path, mantis_out):
 def test_unreachable_hub_is_one_line():
     """A hub id goes through huggingface_hub; offline it is one line naming the id."""
     from energon_tasks.config import TaskEncoderConfig
-    from models.run_config import ConfigError, load_run_config
+    from recipes.run_config import ConfigError, load_run_config
 
     with pytest.raises(ConfigError) as info:
         load_run_config(MANTIS_CFG, ["model.hf=nobody-here/NoSuch-VL-1B"],

@@ -315,13 +315,14 @@ def test_custom_mantis_configs_get_homeless_pitfalls(tmp_path, cache):
 
 
 def test_the_product_never_imports_the_scaffolding():
-    """converters, energon_tasks, models, train.py and eval.py import neither `lookalikes` nor
+    """contract, converters, energon_tasks, models, recipes, train.py and eval.py import neither
+    `lookalikes` nor
     `tests` (read from their source: an import inside a function counts too)."""
     import ast
 
     repo = Path(__file__).resolve().parents[1]
-    product = [*repo.glob("converters/**/*.py"), *repo.glob("energon_tasks/**/*.py"),
-               *repo.glob("models/**/*.py"), repo / "train.py", repo / "eval.py"]
+    product = [path for room in ("contract", "converters", "energon_tasks", "models", "recipes")
+               for path in repo.glob(f"{room}/**/*.py")] + [repo / "train.py", repo / "eval.py"]
     offenders = []
     for path in product:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

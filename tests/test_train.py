@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from energon_tasks.config import TaskEncoderConfig
-from models.run_config import ConfigError, load_run_config, to_dict
-from models.training import lr_at
+from recipes.run_config import ConfigError, load_run_config, to_dict
+from recipes.training import lr_at
 
 REPO = Path(__file__).resolve().parents[1]
 MANTIS_CFG = REPO / "configs" / "train_qwen_vl_mantis.yaml"
@@ -381,7 +381,7 @@ def test_vision_signal(family, tmp_path):
     higher answer loss and a clearly lower eval accuracy (near chance): the visual tokens reach
     the right positions (a falling loss alone does not show that). Both runs go side by side."""
     from lookalikes.demo import build_vision_check
-    from models.report import ACCURACY_MARGIN, read_metrics, vision_signal
+    from recipes.report import ACCURACY_MARGIN, read_metrics, vision_signal
 
     data = build_vision_check(tmp_path)
     cfg = str(REPO / "configs" / f"train_{family}_vision_check.yaml")

@@ -1,4 +1,4 @@
-"""Scores on tables worked out by hand from the reference definitions (models/scores.py).
+"""Scores on tables worked out by hand from the reference definitions (recipes/scores.py).
 
 ANLS (lmms-eval's InfoVQA task): the prediction is stripped; per reference
     NL = lev(norm(ref), norm(pred)) / L,  L = max(len(ref.upper()), len(pred.upper()))
@@ -17,7 +17,7 @@ from fractions import Fraction
 
 import pytest
 
-from models.scores import (
+from recipes.scores import (
     anls,
     anls_one,
     answer_letter,

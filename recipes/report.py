@@ -1,6 +1,6 @@
 """Training report: loss curves (PNG) and a short markdown summary of runs' metrics.jsonl.
 
-`python -m models.report OUT RUN [RUN ...] [--pair WITH:BLANKED]` reads each run folder's
+`python -m recipes.report OUT RUN [RUN ...] [--pair WITH:BLANKED]` reads each run folder's
 `metrics.jsonl` (written by train.py; each step counted once, the last record of a step wins),
 plots every loss curve (and validation loss, dashed) into `OUT/loss_curves.png`, writes
 `OUT/report.md` (first/last loss, last val_loss, median step time, throughput) and prints the
