@@ -226,14 +226,11 @@ def _generate(qwen, lm, prompts: list[Prompt], lengths: list[int], eos_id, max_n
     kwarg = {_context_kwarg(lm): context}
 
     # ---- prefill: all prompt tokens, vision encoded once
-    emb, deepstack = qwen.embed(ids, media("pixel_values"), media("image_grid_thw"),
-                                media("pixel_values_videos"), media("video_grid_thw"),
-                                visual_kinds=media("visual_kinds"))
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (B, 1, L, L), True = hidden
-    with qwen.deepstack_features(deepstack):
-        logits = lm(input_ids=None, position_ids=pos[:, :, :width], attention_mask=mask,
-                    decoder_input=emb, runtime_gather_output=True, **kwarg)
+    logits = qwen.prefill(ids, pos[:, :, :width], mask, media("pixel_values"),
+                          media("image_grid_thw"), media("pixel_values_videos"),
+                          media("video_grid_thw"), media("visual_kinds"), **kwarg)
     context.sequence_len_offset += width
     forwards = 1
     prefill_seconds = time.perf_counter() - start

@@ -235,6 +235,20 @@ class PipelineStagesMixin:
         finally:
             self._deepstack = None
 
+    def prefill(self, input_ids, position_ids, attention_mask, pixel_values=None,
+                image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
+                visual_kinds=None, **inference_kwargs):
+        """Generation's first forward: the whole prompt embedded (each image / video encoded
+        once, DeepStack features added) and run through the LM with megatron's inference
+        context (``inference_kwargs``) -> logits (B, L, V) gathered over TP. One pipeline stage,
+        no CP (models/generate.py)."""
+        emb, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                    video_grid_thw, visual_kinds=visual_kinds)
+        with self.deepstack_features(deepstack):
+            return self.language_model(input_ids=None, position_ids=position_ids,
+                                       attention_mask=attention_mask, decoder_input=emb,
+                                       runtime_gather_output=True, **inference_kwargs)
+
     def run_language_model(self, decoder_input, position_ids, labels, loss_mask, shape,
                            cu_seqlens=None, max_seqlen=None, deepstack=None):
         """The LM of this stage on ``decoder_input`` (L, B, H); None on later stages (megatron's
