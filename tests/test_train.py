@@ -283,20 +283,6 @@ def test_resume_continues_exactly(mantis_reference, mantis_out, tmp_path):
     assert losses(out) == losses(mantis_reference)[2:]  # bit-exact on CPU
 
 
-@pytest.mark.slow
-def test_nemotron_resume_continues_exactly(mantis_out, tmp_path):
-    """The Nemotron-Omni model (MambaModel LM with Mamba layers, "M*M-"; RADIO tower)
-    checkpoints and resumes exactly."""
-    args = [str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=4",
-            *FAST]
-    ok(train(*args, f"out={tmp_path / 'ref'}", "checkpoint.interval=2"))
-    step = tmp_path / "ref" / "checkpoints" / "step_000002"
-    ok(train(*args, f"out={tmp_path / 'resumed'}", "--resume", str(step)))
-    reference = losses(tmp_path / "ref")
-    assert reference[-1] < reference[0]
-    assert losses(tmp_path / "resumed") == reference[2:]
-
-
 def test_task_encoder_of_another_family_exits_2(mantis_out, tmp_path):
     line = error_line(train(str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
                             f"out={tmp_path}", "task_encoder.model=qwen2.5-vl",
@@ -483,7 +469,8 @@ def test_pp2_equals_pp1_and_resumes_exactly(mantis_out, tmp_path):
 def test_nemotron_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path):
     """Nemotron-Omni with MoE layers ("*E-E", 8 experts): expert parallel EP=2 (4 experts per
     rank) over the 2 DP ranks gives the EP=1 losses from the same initial weights (a checkpoint
-    written at EP=1, resharded on load), and an EP=2 checkpoint resumes exactly."""
+    written at EP=1, resharded on load), and an EP=2 checkpoint resumes exactly (also the
+    Nemotron-Omni family's resume test: RADIO tower + MambaModel LM)."""
     moe = "model.lm.pattern='*E-E'"
     init = tmp_path / "init"
     subprocess.run([sys.executable, "tests/init_checkpoint.py", str(NEMOTRON_MANTIS_CFG),
