@@ -205,7 +205,7 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     tokenizer, encoder, loaders = build_data(cfg, run)
     model, optimizer = build_model_and_optimizer(cfg, run, tokenizer)
     start = restore(run, model, optimizer, loaders)
-    announce(cfg, run, model, start)
+    announce(cfg, run, start)
     train_loop(cfg, run, encoder, loaders, model, optimizer, start)
     teardown(run, quiet)
     return 0
@@ -220,6 +220,7 @@ class Run:
         self.layout, self.resume, self.stop = layout, resume, stop
         self.is_logger = layout.rank == 0
         self.model_files = None
+        self.n_params = 0
         self.logger = None
 
 
@@ -346,6 +347,7 @@ def build_model_and_optimizer(cfg, run: Run, tokenizer):
                                                use_distributed_optimizer=sharded,
                                                bucket_size=None)
     model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    run.n_params = sum(q.numel() for q in model.parameters())
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
@@ -378,13 +380,12 @@ def restore(run: Run, model, optimizer, loaders) -> int:
     return resume["step"]
 
 
-def announce(cfg, run: Run, model, start: int) -> None:
+def announce(cfg, run: Run, start: int) -> None:
     """The start line: size, layout, optimizer sharding, EP, recompute, packing, steps."""
     if not run.is_logger:
         return
     layout, p = run.layout, cfg.parallel
-    n_params = sum(q.numel() for q in model.parameters())
-    print(f"[train] {n_params / 1e6:.2f} M params on rank 0; world {layout.world} = "
+    print(f"[train] {run.n_params / 1e6:.2f} M params on rank 0; world {layout.world} = "
           f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
           f"{f' (ep {p.ep})' if p.ep > 1 else ''}; optimizer state "
           f"{f'sharded over dp {layout.dp}' if cfg.train.distributed_optimizer else 'replicated'}; "
@@ -481,13 +482,12 @@ def checkpoint_or_stop(cfg, run: Run, model, optimizer, loaders, done: int, lr: 
     if not ((every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final)
             or stop_signal):
         return False
-    n_params = sum(q.numel() for q in model.parameters())
     step_dir = T.save_checkpoint(
         run.ckpt_dir, done, model=model.module, optimizer=optimizer,
         loader_states=[to_plain(loader.save_state_rank()) for loader in loaders],
         layout=run.layout, config_yaml=dump_yaml(cfg), keep_last=t.keep_checkpoints,
         model_files=run.model_files,
-        train_state={"scheduler": {"step": done, "lr": lr}, "params": n_params})
+        train_state={"scheduler": {"step": done, "lr": lr}, "params": run.n_params})
     if not (stop_signal and done < t.steps):
         return False
     if run.is_logger:
