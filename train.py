@@ -30,10 +30,10 @@ from pathlib import Path
 import click
 import torch
 
+from contract.batch import VLMBatch
+from contract.cli import run_click
 from contract.families import TASK_ENCODER_MODELS
-from energon_tasks.config import TaskEncoderConfig
 from models import cpu
-from models.cli import run_click
 from recipes.run_config import ConfigError, dump_yaml, load_run_config, to_dict
 from recipes.training import UsageError, check_data_path, check_layout, check_split
 
@@ -68,14 +68,12 @@ def import_hf_weights(cfg, is_logger: bool) -> str:
     return str(folder)
 
 
-def forward_step(model, batch, blank_media: bool):
+def forward_step(model, batch: VLMBatch, blank_media: bool):
     """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch`` (the model runs its
     share); under PP a stage before the last returns its output hidden states (L, B, H), or
     (B*L, 1, H) for a packed batch, which megatron's schedule sends on."""
     device = next(model.parameters()).device
-    fields = {k: getattr(batch, k).to(device) for k in (
-        "input_ids", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw",
-        "pixel_values_videos", "video_grid_thw", "visual_kinds")}
+    fields = batch.model_inputs(device)
     if blank_media:  # the vision-signal control: every pixel row at the normalised mean
         fields["pixel_values"] = torch.zeros_like(fields["pixel_values"])
         fields["pixel_values_videos"] = torch.zeros_like(fields["pixel_values_videos"])
@@ -195,9 +193,9 @@ def main(argv=None) -> int:
 def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
           overwrite: bool) -> int:
     """The recipe: each step below is one function of this file, in this order."""
-    from models.console import KnownWarnings
+    from contract.console import KnownWarnings
 
-    cfg = load_run_config(config, overrides, task_encoder_config=TaskEncoderConfig)
+    cfg = load_run_config(config, overrides)
     quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_run(cfg, world)
@@ -248,7 +246,7 @@ def check_run(cfg, world: int) -> None:
         if cpu.ep_needs_fixed_length() and not te_cfg.fixed_length:
             raise UsageError("parallel.ep > 1 on CPU needs task_encoder.fixed_length=true (the "
                              "CPU MoE dispatcher, allgather, needs equal token counts per rank)")
-    check_layout(world, p.tp, p.pp, p.cp, te_cfg.seq_length, te_cfg.fixed_length, p.ep)
+    check_layout(world, p.tp, p.pp, p.cp, te_cfg.fixed_length, p.ep)
     check_data_path(cfg.data.path)
     if cfg.train.eval_interval:
         check_split(cfg.data.path, cfg.data.val_split_part, "train.eval_interval")
@@ -277,20 +275,11 @@ def build_data(cfg, run: Run):
     loader per virtual DP rank; the first batch is probed before the model is built."""
     from energon_tasks import task_encoder_for
     from energon_tasks.loader import get_train_loader, worker_config
-    from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
     from recipes import training as T
 
     te_cfg, layout = cfg.task_encoder, run.layout
-    tokenizer_name = te_cfg.tokenizer_name
-    if te_cfg.tokenizer == "test":  # the small local BPE of the tests and the CPU demo
-        tokenizer_name = str(run.out / "tokenizer")
-        if layout.rank == 0:
-            build_test_tokenizer(tokenizer_name)
-        torch.distributed.barrier()
-    try:
-        tokenizer = load_tokenizer(tokenizer_name, te_cfg.model)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    tokenizer = T.load_run_tokenizer(te_cfg, run.out, builds=layout.rank == 0,
+                                     wait=torch.distributed.barrier)
     T.probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer),
                         worker_config())
     encoder = task_encoder_for(te_cfg, tokenizer)

@@ -34,10 +34,11 @@ import numpy as np
 import torch
 from megatron.energon import Cooker, DefaultTaskEncoder, SkipSample, stateless
 
+from contract.batch import EncodedSample, VLMBatch
 from contract.constants import IGNORE_INDEX, VISUAL_KINDS
 from contract.errors import MediaError
 from energon_tasks import budget
-from energon_tasks.batch import EncodedSample, QwenVLBatch, collate, pack_samples
+from energon_tasks.collate import collate, pack_samples
 from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.decode import decode_image, decode_video_frames
 from energon_tasks.energon_dataset import (
@@ -346,7 +347,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         return pack_samples(samples)
 
     @stateless
-    def batch(self, samples: list[EncodedSample]) -> QwenVLBatch:
+    def batch(self, samples: list[EncodedSample]) -> VLMBatch:
         """Pad rows (to the length multiple, or seq_length with fixed_length); add counters."""
         self._count(drain_skips())  # samples the dataset could not load (energon_dataset)
         counters = dict(self._pending)
@@ -360,7 +361,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         return result
 
     @stateless
-    def encode_batch(self, batch: QwenVLBatch) -> QwenVLBatch:
+    def encode_batch(self, batch: VLMBatch) -> VLMBatch:
         """Identity: the batch is final."""
         return batch
 

@@ -252,7 +252,7 @@ def _run(command: str, args: list[str], ranks: int, work, progress_every: float,
     """``work()`` in this process, or this command again under torch.distributed.run with
     ``ranks`` processes; rank 0 reports a heartbeat and the end on stderr (an error stays the
     one line ``main`` prints)."""
-    from models.console import KnownWarnings, Progress, format_duration
+    from contract.console import KnownWarnings, Progress, format_duration
 
     if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
@@ -314,8 +314,8 @@ def verify_command(hf: Path, mcore: Path, tp: int, pp: int, **console) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The command line; bad input is one line on stderr and ``SystemExit(2)``."""
+    from contract.cli import run_click
     from contract.errors import UsageError  # e.g. a checkpoint whose .metadata is refused
-    from models.cli import run_click
 
     code = run_click(cli, "python -m models.convert", argv,
                      (ValueError, FileNotFoundError, UsageError))

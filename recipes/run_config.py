@@ -24,6 +24,7 @@ import yaml
 
 from contract.errors import ConfigError  # the message lists every problem, separated by '; '
 from contract.families import TASK_ENCODER_MODELS, profile_name
+from energon_tasks.config import TaskEncoderConfig
 from models.families import config_from_dict
 from models.nemotron_omni_config import NemotronOmniModelConfig
 from models.overrides import apply_override
@@ -114,7 +115,7 @@ class RunConfig:
 
     out: str = "runs/train"  #: output folder (metrics.jsonl, TensorBoard, checkpoints)
     model: QwenVLModelConfig | NemotronOmniModelConfig  #: class chosen by ``model.family``
-    task_encoder: Any  #: the data side's config (energon_tasks.config.TaskEncoderConfig)
+    task_encoder: TaskEncoderConfig  #: the data side's config (budget knobs, tokenizer)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -246,7 +247,8 @@ def _profile_or_none(name: Any) -> str | None:
         return None
 
 
-def _check_hf_geometry(source: str, geometry: dict, task_encoder: Any) -> list[str]:
+def _check_hf_geometry(source: str, geometry: dict,
+                       task_encoder: TaskEncoderConfig) -> list[str]:
     """The task encoder's patch / merge sizes must be those of the HF model's processors."""
     ours = task_encoder.geometry
     return [f"model.hf {source}: its processor's {name} is {value}, task_encoder.model "
@@ -254,27 +256,25 @@ def _check_hf_geometry(source: str, geometry: dict, task_encoder: Any) -> list[s
             for name, value in geometry.items() if getattr(ours, name) != value]
 
 
-def _task_encoder_section(raw: Any, cp: int, errors: list[str], config_cls: type) -> Any:
+def _task_encoder_section(raw: Any, cp: int, errors: list[str]) -> TaskEncoderConfig | None:
     raw = dict(raw or {})
     if raw.setdefault("context_parallel_size", cp) != cp:
         errors.append(f"task_encoder.context_parallel_size ({raw['context_parallel_size']}) "
                       f"differs from parallel.cp ({cp}); leave it unset")
         return None
     try:
-        return config_cls.from_dict(raw)
+        return TaskEncoderConfig.from_dict(raw)
     except ConfigError as error:
         errors += [f"task_encoder.{problem}" for problem in error.problems]
         return None
 
 
 # ------------------------------------------------------------------ public API
-def from_dict(raw: dict, *, task_encoder_config: type,
-              command_line: set[str] | frozenset[str] = frozenset()) -> RunConfig:
+def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset()) -> RunConfig:
     """Build and validate a RunConfig from the nested YAML layout.
 
-    ``task_encoder_config`` is the data side's config class (``TaskEncoderConfig``), passed in
-    by train.py / eval.py so that models/ never imports energon_tasks. ``command_line``: the
-    dotted keys given as overrides (they win over what ``model.hf`` sets).
+    ``command_line``: the dotted keys given as overrides (they win over what ``model.hf``
+    sets).
 
     Raises:
         ConfigError: every unknown key, wrong type or invalid setting, in one message.
@@ -289,8 +289,7 @@ def from_dict(raw: dict, *, task_encoder_config: type,
     sections = {name: build_section(cls, raw.get(name), name, errors)
                 for name, cls in SECTIONS.items()}
     model = None if hf_failed else _model_section(raw.get("model"), errors)
-    task_encoder = _task_encoder_section(raw.get("task_encoder"), sections["parallel"].cp, errors,
-                                         task_encoder_config)
+    task_encoder = _task_encoder_section(raw.get("task_encoder"), sections["parallel"].cp, errors)
     errors += _check_values(sections)
     if hf is not None and task_encoder is not None:
         errors += _check_hf_geometry(*hf, task_encoder)
@@ -330,7 +329,7 @@ def _merged(base: dict, top: dict) -> dict:
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
-                    task_encoder_config: type, stored: dict | None = None) -> RunConfig:
+                    stored: dict | None = None) -> RunConfig:
     """Read ``path`` (YAML), apply dotted ``key=value`` overrides, build and validate.
 
     ``stored``: the run config saved with a checkpoint (eval.py). It is the base: the file, when
@@ -369,7 +368,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
             errors.append(str(error))
     if errors:
         raise ConfigError("; ".join(errors))
-    return from_dict(raw, task_encoder_config=task_encoder_config, command_line=keys)
+    return from_dict(raw, command_line=keys)
 
 
 def to_dict(config: RunConfig) -> dict:

@@ -17,6 +17,9 @@
   text of one option).
 - `exact_match` and `relaxed_match`: Mantis subsets; relaxed is ChartQA's relaxed accuracy (a
   numeric answer within 5 % of the reference counts as correct, otherwise exact match).
+- `parse_options`, `score_answer`, `aggregate`: how eval.py scores one generated answer (the
+  metric follows the dataset and the question's form) and averages the scores per subset, per
+  dataset and overall.
 Pure functions, no model or data dependencies.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections import defaultdict
 
 ANLS_THRESHOLD = 0.5
 RELAXED_TOLERANCE = 0.05
@@ -150,3 +154,72 @@ def relaxed_match(prediction: str, references: list[str],
         elif _clean(prediction) == _clean(reference):
             return 1.0
     return 0.0
+
+
+# ------------------------------------------------------------------ eval.py's scoring
+_OPTION_LINE = re.compile(r"\s*\(?([A-Z])[.)]\s+(.+?)\s*$")
+
+
+def parse_options(question: str) -> dict[str, str] | None:
+    """The options a multiple-choice question lists, {letter: text}, or None.
+
+    LLaVA-Video's form: an "Options:" line, then one "A. text" line per option (up to E), then the
+    instruction ("Please provide your answer by stating the letter followed by the full
+    option."): the option lines right after the last "Options:" line are read. Without that line,
+    option lines ("A. text", "(B) text", "C) text") anywhere in the question. None when there are
+    fewer than two or the letters are not A, B, C, ... in order.
+    """
+    lines = question.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.strip().lower() == "options:"]
+    if headers:
+        matches = []
+        for line in lines[headers[-1] + 1:]:
+            if not (match := _OPTION_LINE.match(line)):
+                break
+            matches.append(match)
+    else:
+        matches = [m for m in map(_OPTION_LINE.match, lines) if m]
+    letters = [m.group(1) for m in matches]
+    if len(letters) < 2 or letters != [chr(ord("A") + i) for i in range(len(letters))]:
+        return None
+    return {m.group(1): m.group(2) for m in matches}
+
+
+def score_answer(dataset: str, question: str, prediction: str, references: list[str]
+                 ) -> tuple[str, dict[str, float]]:
+    """(primary metric name, {metric: value}) of one generated answer.
+
+    InfoVQA: ANLS. A question listing options whose reference names one of them ("E. training.",
+    "E", the option's text): option accuracy, the letter read from the answer by lmms-eval
+    Video-MME's rule (``extract_option_letter``). Everything else: exact and relaxed
+    match.
+    """
+    if dataset == "infovqa":
+        return "anls", {"anls": anls_one(prediction, references)}
+    options = parse_options(question)
+    letter = answer_letter(references[0], options) if options else None
+    if letter is not None:
+        chosen = extract_option_letter(prediction, option_letters(options))
+        return "option_acc", {"option_acc": float(chosen == letter)}
+    return "exact", {"exact": exact_match(prediction, references),
+                     "relaxed": relaxed_match(prediction, references)}
+
+
+def aggregate(records: list[dict]) -> dict:
+    """Mean of every metric and of the primary score, per subset, per dataset and overall."""
+    groups: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        for name in (r["subset"], r["dataset"], "overall"):
+            groups[name]["score"].append(r["score"])
+            for metric, value in r["scores"].items():
+                groups[name][metric].append(value)
+
+    def summary(values: dict[str, list]) -> dict:
+        return {"n": len(values["score"]),
+                **{k: sum(v) / len(v) for k, v in sorted(values.items())}}
+
+    datasets = sorted({r["dataset"] for r in records})
+    subsets = sorted({r["subset"] for r in records})
+    return {"overall": summary(groups["overall"]),
+            "datasets": {d: summary(groups[d]) for d in datasets},
+            "subsets": {s: summary(groups[s]) for s in subsets}}

@@ -5,9 +5,9 @@ Stages, in the order train.py uses them:
 
 1. ``check_layout`` / ``init_distributed``: world size vs TP x PP x CP (x EP), gloo (CPU) or
    nccl (GPU), megatron ``parallel_state``, seeded RNG tracker (``models.checkpoint``).
-2. ``check_data_path`` / ``check_split`` / ``probe_first_batch``: a missing or empty dataset, a
-   missing split, or one whose samples the budget all skips, is a ``UsageError`` before the
-   model is built.
+2. ``load_run_tokenizer`` / ``check_data_path`` / ``check_split`` / ``probe_first_batch``: an
+   unloadable tokenizer, a missing or empty dataset, a missing split, or one whose samples the
+   budget all skips, is a ``UsageError`` before the model is built.
 3. ``lr_at``: linear warmup then cosine decay (the scheduler state is the step).
 4. ``loss_tokens`` / ``step_token_total``: per-token loss normalised over micro-batches, DP and CP.
 5. ``StepMeter`` / ``MetricsLogger``: throughput, FLOPs (``models.flops.batch_flops``), peak
@@ -29,14 +29,23 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from contract.batch import VLMBatch
+from contract.constants import IGNORE_INDEX
 from contract.errors import UsageError
 from models.checkpoint import init_process_group, seed_model_parallel, write_files
 from models.cpu import peak_memory_gb
 from models.flops import batch_flops
+
+if TYPE_CHECKING:
+    from megatron.energon import WorkerConfig
+
+    from energon_tasks.config import TaskEncoderConfig
+    from energon_tasks.task_encoder import VLMTaskEncoder
 
 
 # ------------------------------------------------------------------ 1. layout
@@ -53,17 +62,15 @@ class Layout:
     first_in_replica: bool  #: tp, pp, cp rank 0: writes this replica's loader state
 
 
-def check_layout(world: int, tp: int, pp: int, cp: int, seq_length: int,
-                 fixed_length: bool, ep: int = 1) -> None:
-    """Raises UsageError (every problem) when the layout cannot be built."""
+def check_layout(world: int, tp: int, pp: int, cp: int, fixed_length: bool, ep: int = 1) -> None:
+    """Raises UsageError (every problem) when the layout cannot be built. (A sequence length
+    that 2 * CP does not divide is the run config's error: ``TaskEncoderConfig.validate``.)"""
     problems = []
     if world % (tp * pp * cp):
         problems.append(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
     if ep > 1 and world % (tp * pp * ep):
         problems.append(f"world size {world} is not divisible by tp*pp*ep = {tp}*{pp}*{ep} "
                         "(the expert-parallel ranks come from the data-parallel ones)")
-    if cp > 1 and seq_length % (2 * cp):
-        problems.append(f"task_encoder.seq_length {seq_length} is not divisible by 2*cp = {2 * cp}")
     if pp > 1 and not fixed_length:
         problems.append("parallel.pp > 1 needs task_encoder.fixed_length=true")
     if pp > 1 and cp > 1:
@@ -91,6 +98,30 @@ def init_distributed(tp: int, pp: int, cp: int, seed: int, ep: int = 1) -> Layou
 
 
 # ------------------------------------------------------------------ 2. data checks
+def load_run_tokenizer(te_cfg: TaskEncoderConfig, run_folder: Path, *, builds: bool = True,
+                       wait=lambda: None):
+    """The tokenizer of ``task_encoder.tokenizer`` (a hub id or folder; default: the model's).
+    ``tokenizer: test``, the small local BPE of the tests and the CPU demo, is built into
+    ``run_folder/tokenizer`` (by the process that ``builds``; every process calls ``wait`` before
+    reading it), so the run keeps the tokenizer it used.
+
+    Raises:
+        UsageError: the tokenizer cannot be loaded or lacks the family's special tokens.
+    """
+    from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
+
+    name = te_cfg.tokenizer_name
+    if te_cfg.tokenizer == "test":
+        name = str(run_folder / "tokenizer")
+        if builds:
+            build_test_tokenizer(name)
+        wait()
+    try:
+        return load_tokenizer(name, te_cfg.model)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def check_data_path(path: str) -> None:
     """Raises UsageError when ``data.path`` is unset, missing, or not an Energon dataset."""
     if not path:
@@ -149,7 +180,8 @@ def _blend_members(path: str, split_part: str) -> list[tuple[str, str]]:
     return [(path, split_part)]
 
 
-def probe_first_batch(path: str, split_part: str, task_encoder, worker_config) -> None:
+def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder,
+                      worker_config: WorkerConfig) -> None:
     """Read the dataset once (no repeat) until one batch comes out (with the data side's
     ``worker_config``, so damaged samples are skipped as in training).
 
@@ -191,9 +223,9 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 
 
 # ------------------------------------------------------------------ 4. loss normalisation
-def loss_tokens(batch) -> int:
+def loss_tokens(batch: VLMBatch) -> int:
     """Supervised tokens of a batch after the model's shift (what its loss mask counts)."""
-    shifted = batch.loss_mask[:, 1:] * (batch.labels[:, 1:] != -100)
+    shifted = batch.loss_mask[:, 1:] * (batch.labels[:, 1:] != IGNORE_INDEX)
     return int(shifted.sum())
 
 
@@ -220,7 +252,7 @@ class StepMeter:
         self.time = self.wait = 0.0
         self.steps = 0
 
-    def add_batch(self, batch, model_cfg) -> None:
+    def add_batch(self, batch: VLMBatch, model_cfg) -> None:
         self.stats["samples"] += sum(len(k.split(",")) for k in batch.__key__)
         self.stats["tokens"] += int(batch.attention_mask.sum())
         self.stats["loss_tokens"] += loss_tokens(batch)
@@ -299,7 +331,7 @@ class MetricsLogger:
                 print("[train] wandb not installed: skipped")
 
     def _timing(self, step: int) -> str:
-        from models.console import eta, format_duration
+        from contract.console import eta, format_duration
 
         elapsed = time.perf_counter() - self.started
         return (f"elapsed {format_duration(elapsed)} ETA "

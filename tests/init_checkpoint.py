@@ -12,12 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv):
-    from energon_tasks.config import TaskEncoderConfig
     from models.checkpoint import build_model, init_parallel, save_checkpoint
     from recipes.run_config import load_run_config
 
     config, out, overrides = argv[0], Path(argv[1]), argv[2:]
-    cfg = load_run_config(config, overrides, task_encoder_config=TaskEncoderConfig)
+    cfg = load_run_config(config, overrides)
     init_parallel(seed=cfg.train.seed)
     save_checkpoint(build_model(cfg.model, use_te=False), cfg.model, out)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from recipes.scores import aggregate, parse_options, score_answer
 from tests.conftest import REPO, run_cli
 from tests.tiny_hf import build_tiny_hf
 
@@ -223,14 +224,7 @@ REAL_MC = ("What is the man doing in the video?\nOptions:\nA. running.\nB. swimm
            "letter followed by the full option.")  # LLaVA-Video-178K's form (placeholder removed)
 
 
-def _eval_scoring():
-    sys.path.insert(0, str(REPO))
-    import eval as eval_module
-    return eval_module
-
-
 def test_parse_options_real_and_other_forms():
-    parse_options = _eval_scoring().parse_options
     assert parse_options(REAL_MC) == {"A": "running.", "B": "swimming.", "C": "cooking.",
                                       "D": "dancing.", "E": "training."}
     # only the block after "Options:" counts: lines above it that look like options do not
@@ -259,13 +253,11 @@ def test_parse_options_real_and_other_forms():
     ("training.", "F. flying.", "exact", 0.0),             # reference names no option: exact match
 ])
 def test_score_answer_multiple_choice(prediction, reference, metric, value):
-    got_metric, scores = _eval_scoring().score_answer("llava-video", REAL_MC, prediction,
-                                                       [reference])
+    got_metric, scores = score_answer("llava-video", REAL_MC, prediction, [reference])
     assert (got_metric, scores[metric]) == (metric, value)
 
 
 def test_score_answer_routes_metrics():
-    score_answer, aggregate = _eval_scoring().score_answer, _eval_scoring().aggregate
     question = "Which way?\nA. up\nB. down\nC. left\nAnswer with the option's letter."
     assert score_answer("llava-video", question, "The answer is (B)", ["B"]) == (
         "option_acc", {"option_acc": 1.0})

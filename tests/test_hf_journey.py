@@ -134,12 +134,10 @@ def test_checkpoint_saved_at_tp2_exports(tmp_path, mantis_out):
 
 def test_unreachable_hub_is_one_line():
     """A hub id goes through huggingface_hub; offline it is one line naming the id."""
-    from energon_tasks.config import TaskEncoderConfig
     from recipes.run_config import ConfigError, load_run_config
 
     with pytest.raises(ConfigError) as info:
-        load_run_config(MANTIS_CFG, ["model.hf=nobody-here/NoSuch-VL-1B"],
-                        task_encoder_config=TaskEncoderConfig)
+        load_run_config(MANTIS_CFG, ["model.hf=nobody-here/NoSuch-VL-1B"])
     message = str(info.value)
     assert "\n" not in message and "model.hf nobody-here/NoSuch-VL-1B" in message, message
 

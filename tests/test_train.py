@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from energon_tasks.config import TaskEncoderConfig
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.training import lr_at
 
@@ -30,7 +29,7 @@ FAST = ["data.num_workers=0", "log.tensorboard=false", "checkpoint.save_final=fa
 
 def run_config(path, overrides=()):
     """The run config with the task encoder's config class, as train.py loads it."""
-    return load_run_config(path, overrides, task_encoder_config=TaskEncoderConfig)
+    return load_run_config(path, overrides)
 
 
 def train(*args: str, nproc: int = 1, env: dict | None = None, timeout: int = 300):

@@ -74,8 +74,8 @@ def test_energon_lint_names_the_damaged_samples(damaged):
 
 def test_eval_reads_past_damaged_samples(damaged, tokenizer, caplog):
     """eval.py reads its samples with the loaders' worker config: the same two skips, no stop."""
-    import eval as evaluation
     from energon_tasks.config import TaskEncoderConfig
+    from recipes import evaluation
 
     out, flipped, _ = damaged
     with caplog.at_level(logging.WARNING, logger="energon_tasks.skips"):

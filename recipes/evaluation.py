@@ -1,0 +1,285 @@
+"""eval.py's pieces: the val questions of a conversation, the checkpoint it reads, the model.
+
+This module owns, in the order eval.py uses them:
+
+- ``find_checkpoint``: what a ``--ckpt`` is (a train.py run / checkpoints / step folder, or an
+  ``hf-to-mcore`` import), read from its self-description only (its one pickle checked first);
+- ``check_compatible``: the checkpoint's family, patch geometry and token ids against the task
+  encoder's, so a model and a tokenizer that do not belong together fail before generating;
+- ``load_model``: the model of the checkpoint at this process's layout (TP=1), every weight loaded;
+- ``read_samples``: cooked val samples in the loader's fixed order (the loaders' worker config, so
+  damaged samples are skipped as in training);
+- ``encode_prompts``: one prompt encoding per assistant turn through the task encoder's own steps
+  (``tokenize_turns`` -> ``plan_sample`` -> ``decode_media`` -> ``assemble``), budget counters as
+  in training;
+- ``answer_questions``: batched greedy generation (models/generate.py) and scoring
+  (``recipes.scores.score_answer``) of every question, one record each.
+
+Raises ``contract.errors.UsageError`` (one line; eval.py exits 2) for every bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from contract.errors import UsageError
+from contract.families import TASK_ENCODER_MODELS
+
+
+# ------------------------------------------------------------------ prompts
+@dataclass(slots=True)
+class Item:
+    """One question: its prompt encoding and what it is scored against."""
+
+    key: str
+    dataset: str
+    subset: str
+    question: str
+    references: list[str]
+    prompt: object  # models.generate.Prompt
+    media: str
+
+
+def subset_of(conversation) -> str:
+    parts = [conversation.dataset, conversation.source.config]
+    if conversation.dataset == "llava-video":
+        parts.append(conversation.source.split)  # caption / open_ended / multi_choice
+    return "/".join(parts)
+
+
+def encode_prompts(encoder, sample, counters: Counter, turns_mode: str = "all",
+                   blank_media: bool = False) -> list[Item]:
+    """Prompt-only encodings of a cooked val sample: one per assistant turn (or the first).
+
+    Uses the task encoder's public steps; budget counters go to ``counters`` as in training
+    (one plan per prompt), plus ``skipped_prompt_cut`` when the budget would cut the question.
+    """
+    import torch
+
+    from contract.errors import MediaError
+    from energon_tasks.sample_format import PLACEHOLDER_RE, Turn
+    from models.generate import Prompt
+
+    conv = sample.conversation
+    targets = [i for i, t in enumerate(conv.conversation) if t.role == "assistant"]
+    if turns_mode == "first":
+        targets = targets[:1]
+    items = []
+    base = {name: getattr(sample, name)
+            for name in ("__key__", "__restore_key__", "__subflavors__", "__sources__")}
+    for number, index in enumerate(targets):
+        prefix = conv.conversation[:index]
+        n_media = sum(len(PLACEHOLDER_RE.findall(t.content)) for t in prefix)
+        prompt_sample = dataclasses.replace(
+            conv, conversation=[*prefix, Turn(role="assistant", content="")],
+            media=conv.media[:n_media])
+        key = sample.__key__ if len(targets) == 1 else f"{sample.__key__}#{number}"
+        turns = encoder.tokenize_turns(prompt_sample)
+        turns[-1].footer, turns[-1].supervised = [], False  # ends with "<|im_start|>assistant\n"
+        plan = encoder.plan_sample(prompt_sample, key, turns)
+        if not plan.skip and plan.kept_turns < len(turns):
+            counters.update({"samples": 1, "skipped_prompt_cut": 1})
+            continue
+        counters.update(plan.counters())
+        if plan.skip:
+            continue
+        try:
+            pixels = encoder.decode_media(plan, prompt_sample, sample.media_bytes)
+        except MediaError as error:
+            counters.update({"kept": -1, f"skipped_{error.reason}": 1})
+            continue
+        enc = encoder.assemble(prompt_sample, plan, turns, pixels, dict(base))
+        if blank_media:
+            enc.pixel_values = torch.zeros_like(enc.pixel_values)
+            enc.pixel_values_videos = torch.zeros_like(enc.pixel_values_videos)
+        target = conv.conversation[index]
+        kinds = Counter(m.kind for m in prompt_sample.media)
+        items.append(Item(
+            key=key, dataset=conv.dataset, subset=subset_of(conv),
+            question=PLACEHOLDER_RE.sub("", prefix[-1].content if prefix else "").strip(),
+            references=list(target.answers or [target.content]),
+            prompt=Prompt(enc.input_ids, enc.position_ids, enc.pixel_values, enc.image_grid_thw,
+                          enc.pixel_values_videos, enc.video_grid_thw, enc.visual_kinds),
+            media=", ".join(f"{n} {k}{'s' * (n > 1)}" for k, n in sorted(kinds.items()))))
+    return items
+
+
+# ------------------------------------------------------------------ data
+def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | None):
+    """Cooked val samples (ConversationSample) in the loader's fixed order, up to ``limit``."""
+    from megatron.energon import get_loader, get_val_dataset, stateless
+
+    from energon_tasks.loader import worker_config
+    from energon_tasks.task_encoder import VLMTaskEncoder
+
+    class _Reader(VLMTaskEncoder):  # cook only: encoded in this process
+        @stateless
+        def encode_sample(self, sample):
+            return sample
+
+        def batch(self, samples):
+            return samples
+
+        def encode_batch(self, batch):
+            return batch
+
+    dataset = get_val_dataset(path, split_part=split, batch_size=1,
+                              worker_config=worker_config(),
+                              task_encoder=_Reader(encoder_config, tokenizer))
+    count = 0
+    for batch in get_loader(dataset):
+        for sample in batch:
+            if limit is not None and count >= limit:
+                return
+            count += 1
+            yield sample
+
+
+# ------------------------------------------------------------------ checkpoint
+@dataclass(slots=True)
+class Checkpoint:
+    """What eval.py reads of a checkpoint before building anything."""
+
+    model: object  #: the model config (QwenVLModelConfig | NemotronOmniModelConfig)
+    weights: Path  #: the megatron dist checkpoint folder
+    kind: str  #: "train.py step_N" or "hf-import"
+    folder: Path  #: the step folder, or the import folder
+    run_config: dict | None  #: the run config stored by train.py (None for an import)
+
+
+def find_checkpoint(ckpt: str) -> Checkpoint:
+    """A train.py or an HF-import checkpoint, from its self-description only (nothing is
+    built, its one pickle is checked), so a wrong checkpoint fails fast."""
+    from models.checkpoint import MODEL_JSON, read_model_config
+    from models.families import config_from_dict
+    from models.run_state import check_dist_metadata, resolve_checkpoint
+
+    path = Path(ckpt)
+    if not path.exists():
+        raise UsageError(f"checkpoint {ckpt} does not exist")
+    try:
+        if (path / MODEL_JSON).is_file():  # models/convert.py hf-to-mcore
+            found = Checkpoint(read_model_config(path), path, "hf-import", path, None)
+        else:
+            step = resolve_checkpoint(path)
+            config = step / "config.yaml"
+            if not (step / "model_optim" / "metadata.json").is_file() or not config.is_file():
+                raise UsageError(f"{ckpt} is not a checkpoint (neither {MODEL_JSON} nor a "
+                                "train.py step folder with model_optim/ and config.yaml)")
+            raw = yaml.safe_load(config.read_text()) or {}
+            found = Checkpoint(config_from_dict(raw.get("model") or {}), step / "model_optim",
+                               f"train.py {step.name}", step, raw)
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as error:
+        raise UsageError(f"checkpoint {ckpt} is unreadable: {error}") from None
+    check_dist_metadata(found.weights)
+    return found
+
+
+def load_model(cfg, weights: Path, ckpt: str):
+    """Build the model of ``cfg`` at this process's layout (TP=1) and load ``weights``."""
+    from megatron.core import dist_checkpointing
+
+    from models.checkpoint import build_model
+
+    model = build_model(cfg, use_te=False)
+    try:
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(weights))
+        model.load_state_dict(state, strict=False)
+    except Exception as error:  # noqa: BLE001 - any load failure is a bad --ckpt for the user
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UsageError(f"checkpoint {ckpt} does not load into its {cfg.family} model: "
+                        f"{type(error).__name__}: {first[:300]}") from None
+    missing = [k for k in model.state_dict() if not k.endswith("_extra_state") and k not in state]
+    if missing:
+        raise UsageError(f"checkpoint {ckpt} lacks {missing[0]!r}")
+    return model.eval()
+
+
+def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
+    """The checkpoint's family, patch geometry and token ids must match the task encoder's."""
+    want = TASK_ENCODER_MODELS.get(cfg.family, (cfg.family,))
+    geometry = encoder.geometry
+    if geometry.name not in want:
+        raise UsageError(f"checkpoint is a {cfg.family} model, the config's task encoder is "
+                        f"{te_model!r} (set task_encoder.model={want[0]})")
+    v = cfg.vision
+    temporal = (v.video_temporal_patch_size if cfg.family == "nemotron_omni"
+                else v.temporal_patch_size)
+    for name, ours, theirs in (("patch_size", v.patch_size, geometry.patch_size),
+                               ("merge_size", cfg.merge_size, geometry.merge_size),
+                               ("temporal_patch_size", temporal, geometry.temporal_patch_size)):
+        if ours != theirs:
+            raise UsageError(f"checkpoint vision {name} is {ours}, the task encoder's "
+                            f"{geometry.name} geometry uses {theirs}")
+    ids = {"image_token_id": encoder.image_pad, "video_token_id": encoder.video_pad,
+           "vision_start_token_id": encoder.vision_start,
+           "vision_end_token_id": encoder.vision_end}
+    for name, token in ids.items():
+        if getattr(cfg, name) != token:
+            raise UsageError(f"checkpoint {name} is {getattr(cfg, name)}, the tokenizer's is "
+                            f"{token}: checkpoint and tokenizer do not belong together")
+    if len(tokenizer) > cfg.lm.vocab_size:
+        raise UsageError(f"tokenizer has {len(tokenizer)} tokens, the checkpoint's vocabulary "
+                        f"{cfg.lm.vocab_size}")
+
+
+# ------------------------------------------------------------------ answers
+@dataclass(slots=True)
+class Answers:
+    """Every scored answer of an eval run and what generating them took."""
+
+    stats: object  #: models.generate.GenerationStats
+    records: list[dict] = dataclasses.field(default_factory=list)  #: one per question
+    counters: Counter = dataclasses.field(default_factory=Counter)  #: budget counters
+    conversations: int = 0  #: val conversations read
+    seconds: float = 0.0  #: wall time of reading, encoding, generating and scoring
+
+    def budget(self) -> dict[str, int]:
+        """The non-zero budget counters, sorted by name."""
+        return {k: v for k, v in sorted(self.counters.items()) if v}
+
+
+def answer_questions(model, encoder, tokenizer, samples, *, batch_size: int, max_new_tokens: int,
+                     turns: str, blank_media: bool, progress, limit: int | None) -> Answers:
+    """Greedy answers to every question of ``samples`` (``batch_size`` prompts per generate
+    call, in reading order), each scored against its references."""
+    import time
+
+    from models.generate import GenerationStats, greedy_generate
+    from recipes.scores import score_answer
+
+    answers = Answers(stats=GenerationStats())
+
+    def generate(items: list[Item]) -> None:
+        outputs = greedy_generate(model, [i.prompt for i in items], eos_id=encoder.im_end,
+                                  max_new_tokens=max_new_tokens, pad_id=encoder.pad_id,
+                                  stats=answers.stats)
+        for item, tokens in zip(items, outputs):
+            text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            metric, scores = score_answer(item.dataset, item.question, text, item.references)
+            answers.records.append({
+                "key": item.key, "dataset": item.dataset, "subset": item.subset,
+                "prompt": {"question": item.question[:300], "media": item.media,
+                           "tokens": int(item.prompt.input_ids.numel())},
+                "prediction": text, "references": item.references, "metric": metric,
+                "score": scores[metric], "scores": scores, "generated_tokens": len(tokens)})
+
+    start = time.perf_counter()
+    pending: list[Item] = []
+    for sample in samples:
+        answers.conversations += 1
+        progress.update(answers.conversations, limit, "conversations",
+                        f" ({len(answers.records)} questions answered)")
+        pending += encode_prompts(encoder, sample, answers.counters, turns, blank_media)
+        while len(pending) >= batch_size:
+            generate(pending[:batch_size])
+            pending = pending[batch_size:]
+    if pending:
+        generate(pending)
+    answers.seconds = time.perf_counter() - start
+    return answers
