@@ -81,9 +81,9 @@ def check_args(args: Args) -> None:
 def load_config(args: Args):
     """The checkpoint and the run config that decides what its model sees (the stored one, refined
     by CONFIG and the overrides); its data and split must exist."""
+    from recipes.data import check_data_path, check_split
     from recipes.evaluation import find_checkpoint
     from recipes.run_config import load_run_config
-    from recipes.training import check_data_path, check_split
 
     found = find_checkpoint(args.ckpt)
     if found.run_config is None and args.config is None:
@@ -100,8 +100,8 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     then the model with the checkpoint's weights."""
     from energon_tasks import task_encoder_for
     from models.checkpoint import init_parallel
+    from recipes.data import load_run_tokenizer
     from recipes.evaluation import check_compatible, load_model
-    from recipes.training import load_run_tokenizer
 
     te_cfg = cfg.task_encoder
     tokenizer = load_run_tokenizer(te_cfg, out)

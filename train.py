@@ -10,9 +10,11 @@ A recipe, top to bottom:
 
 Steps (``train()``, one function each): check_run -> start_run (run folder, distributed setup)
 -> build_data -> build_model_and_optimizer -> restore -> announce -> train_loop (next_batches,
-optimizer_step, validation_loss, checkpoint_or_stop on SIGINT / SIGTERM) -> teardown. Reusable parts
-live in recipes/training.py (schedule, metrics, checkpoints), models/run_state.py (safe state
-files, completion, retention, the run guard, stop signals) and recipes/run_config.py (the config).
+optimizer_step, validation_loss, checkpoint_or_stop on SIGINT / SIGTERM) -> teardown. The pieces
+live in recipes/: run_config.py (the config), layout.py (TP x PP x CP x EP x DP), data.py
+(tokenizer and data checks), schedule.py (LR, loss normalisation), metrics.py, checkpointing.py
+(the training checkpoint, safe state files, retention) and run_folder.py (the run guard, stop
+signals).
 Every input problem (config, data, layout, checkpoint, an ``out`` that holds a run) is one line on
 stderr and exit code 2, before the model is built. SIGINT / SIGTERM save a checkpoint after the
 current step and exit 0.
@@ -32,10 +34,23 @@ import torch
 
 from contract.batch import VLMBatch
 from contract.cli import run_click
+from contract.errors import UsageError
 from contract.families import TASK_ENCODER_MODELS
 from models import cpu
+from recipes.checkpointing import (
+    load_checkpoint,
+    read_rank_state,
+    read_train_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from recipes.data import check_data_path, check_split, load_run_tokenizer, probe_first_batch
+from recipes.layout import check_layout, init_distributed
+from recipes.metrics import MetricsLogger, StepMeter
 from recipes.run_config import ConfigError, dump_yaml, load_run_config, to_dict
-from recipes.training import UsageError, check_data_path, check_layout, check_split
+from recipes.run_folder import StopSignal, plan_start, prepare_run_folder
+from recipes.schedule import loss_tokens, lr_at, step_token_total
 
 
 # --- adapter: the model and one forward over a batch ------------------------------------------
@@ -139,8 +154,6 @@ def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
     from megatron.core import parallel_state as ps
 
     from energon_tasks.loader import get_val_loader
-    from models.run_state import rng_state, set_rng_state
-    from recipes import training as T
 
     virtual, count = cfg.data.virtual_dp, cfg.train.eval_batches
     batches = [list(itertools.islice(get_val_loader(
@@ -165,7 +178,7 @@ def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
             for batch in batches:
                 loss_sum += forward_step(model, batch, cfg.data.blank_media).double().sum()
     set_rng_state(saved)
-    tokens = T.step_token_total(sum(T.loss_tokens(b) for b in batches))
+    tokens = step_token_total(sum(loss_tokens(b) for b in batches))
     return float(reduce_loss(loss_sum, layout)) / max(tokens, 1), tokens, int(shortest)
 
 
@@ -254,16 +267,14 @@ def check_run(cfg, world: int) -> None:
 
 def start_run(cfg, world: int, resume_from: str | None, overwrite: bool) -> Run:
     """The run folder (continue it, start it again, or refuse), then the distributed setup."""
-    from models import run_state as R
-    from recipes import training as T
 
     p, out, ckpt_dir = cfg.parallel, Path(cfg.out), cfg.checkpoint_dir
-    resume_from, clear = R.plan_start(out, ckpt_dir, resume_from, overwrite, cfg.train.auto_resume)
-    resume = T.read_train_state(resume_from, world // (p.tp * p.pp * p.cp)) if resume_from else None
-    layout = T.init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
-    run = Run(cfg, layout, resume, R.StopSignal())
+    resume_from, clear = plan_start(out, ckpt_dir, resume_from, overwrite, cfg.train.auto_resume)
+    resume = read_train_state(resume_from, world // (p.tp * p.pp * p.cp)) if resume_from else None
+    layout = init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
+    run = Run(cfg, layout, resume, StopSignal())
     if run.is_logger:
-        R.prepare_run_folder(out, ckpt_dir, clear, resume)
+        prepare_run_folder(out, ckpt_dir, clear, resume)
         (out / "config.yaml").write_text(dump_yaml(cfg))
         print(f"[train] resolved config: {out / 'config.yaml'}", flush=True)
     torch.distributed.barrier()
@@ -275,12 +286,11 @@ def build_data(cfg, run: Run):
     loader per virtual DP rank; the first batch is probed before the model is built."""
     from energon_tasks import task_encoder_for
     from energon_tasks.loader import get_train_loader, worker_config
-    from recipes import training as T
 
     te_cfg, layout = cfg.task_encoder, run.layout
-    tokenizer = T.load_run_tokenizer(te_cfg, run.out, builds=layout.rank == 0,
+    tokenizer = load_run_tokenizer(te_cfg, run.out, builds=layout.rank == 0,
                                      wait=torch.distributed.barrier)
-    T.probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer),
+    probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer),
                         worker_config())
     encoder = task_encoder_for(te_cfg, tokenizer)
     if len(tokenizer) > cfg.model.lm.vocab_size:
@@ -351,11 +361,9 @@ def restore(run: Run, model, optimizer, loaders) -> int:
     if run.resume is None:
         return 0
     from energon_tasks.loader_state import LoaderStateError, from_plain
-    from models import run_state as R
-    from recipes import training as T
 
     resume = run.resume
-    plain, rng = R.read_rank_state(Path(resume["dir"]), run.layout)
+    plain, rng = read_rank_state(Path(resume["dir"]), run.layout)
     if len(plain) != len(loaders):
         raise UsageError(f"checkpoint {resume['dir']} holds {len(plain)} loader states per "
                          f"rank, data.virtual_dp is {len(loaders)}")
@@ -363,7 +371,7 @@ def restore(run: Run, model, optimizer, loaders) -> int:
         states = [from_plain(state) for state in plain]
     except LoaderStateError as error:
         raise UsageError(f"checkpoint {resume['dir']}: loader state refused ({error})") from None
-    T.load_checkpoint(resume, model=model.module, optimizer=optimizer, rng=rng)
+    load_checkpoint(resume, model=model.module, optimizer=optimizer, rng=rng)
     for loader, state in zip(loaders, states, strict=True):
         loader.restore_state_rank(state)
     return resume["step"]
@@ -387,19 +395,18 @@ def train_loop(cfg, run: Run, encoder, loaders, model, optimizer, start: int) ->
     """Steps ``start``..``train.steps``: one optimizer step each, metrics every
     ``log.interval``, validation every ``train.eval_interval``, checkpoints every
     ``checkpoint.interval`` and on a stop asked by SIGINT / SIGTERM (on any rank)."""
-    from recipes import training as T
 
     t, layout = cfg.train, run.layout
-    run.logger = T.MetricsLogger(run.out, enabled=run.is_logger, tensorboard=cfg.log.tensorboard,
+    run.logger = MetricsLogger(run.out, enabled=run.is_logger, tensorboard=cfg.log.tensorboard,
                                  wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
                                  config=to_dict(cfg), start_step=start, total_steps=t.steps)
     iterators = [iter(loader) for loader in loaders]
-    meter = T.StepMeter()
+    meter = StepMeter()
     for step in range(start, t.steps):
         step_start = time.perf_counter()
         batches, wait = next_batches(iterators, t.grad_accum)
-        total_tokens = T.step_token_total(sum(T.loss_tokens(b) for b in batches))
-        lr = T.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+        total_tokens = step_token_total(sum(loss_tokens(b) for b in batches))
+        lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                      total_steps=t.steps)
         loss_sum, grad_norm = optimizer_step(cfg, layout, model, optimizer, batches, lr,
                                              total_tokens)
@@ -465,13 +472,12 @@ def optimizer_step(cfg, layout, model, optimizer, batches, lr: float, total_toke
 def checkpoint_or_stop(cfg, run: Run, model, optimizer, loaders, done: int, lr: float) -> bool:
     """Saves a checkpoint when one is due or a stop was asked; True when the loop must stop."""
     from energon_tasks.loader_state import to_plain
-    from recipes import training as T
 
     t, every, stop_signal = cfg.train, cfg.checkpoint.interval, run.stop.agreed()
     if not ((every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final)
             or stop_signal):
         return False
-    step_dir = T.save_checkpoint(
+    step_dir = save_checkpoint(
         run.ckpt_dir, done, model=model.module, optimizer=optimizer,
         loader_states=[to_plain(loader.save_state_rank()) for loader in loaders],
         layout=run.layout, config_yaml=dump_yaml(cfg), keep_last=t.keep_checkpoints,

@@ -192,15 +192,15 @@ def read_model_config(path: Path):
 
 def find_model_checkpoint(path: str | Path):
     """(model config, weights folder, ``hf/`` folder or None) of an import folder or a train.py
-    run / checkpoints / step folder (``models.run_state.resolve_checkpoint``). Reads only the
-    self-description.
+    run / checkpoints / step folder (``models.checkpoint_folders.resolve_checkpoint``). Reads
+    only the self-description.
 
     Raises:
         ValueError: neither kind, or an unreadable description (one line).
     """
     import yaml
 
-    from models.run_state import resolve_checkpoint
+    from models.checkpoint_folders import resolve_checkpoint
 
     path = Path(path)
     if (path / MODEL_JSON).is_file():
@@ -249,11 +249,12 @@ def model_record(hf_folder: Path | None, tokenizer=None) -> dict[str, bytes]:
 def load_checkpoint(path: Path, use_te: bool | None = None):
     """Build the model described by the checkpoint (an import folder or a train.py run / step
     folder, ``find_model_checkpoint``) at the current TP/PP and load its weights (its
-    ``.metadata``, torch's pickle, is checked by ``models.run_state.check_dist_metadata`` first:
-    a planted pickle is refused before megatron reads it)."""
+    ``.metadata``, torch's pickle, is checked first by
+    ``models.checkpoint_folders.check_dist_metadata``: a planted pickle is refused before
+    megatron reads it)."""
     from megatron.core import dist_checkpointing
 
-    from models.run_state import check_dist_metadata
+    from models.checkpoint_folders import check_dist_metadata
 
     cfg, weights, _files = find_model_checkpoint(path)
     check_dist_metadata(weights)

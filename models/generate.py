@@ -195,17 +195,12 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
         return _generate(qwen, lm, prompts, lengths, eos_id, max_new_tokens, pad_id, stats)
 
 
-def _generate(qwen, lm, prompts: list[Prompt], lengths: list[int], eos_id, max_new_tokens: int,
-              pad_id: int, stats: GenerationStats | None) -> list[list[int]]:
-    """``greedy_generate`` of one batch (left-padded to the longest prompt)."""
-    device = next(qwen.parameters()).device
-    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id)
-    start = time.perf_counter()
-    batch = len(prompts)
-    width = max(lengths)
+def _left_padded(prompts: list[Prompt], lengths: list[int], pad_id: int, max_new_tokens: int):
+    """(ids (B, W), positions (3, B, W + N), key-padding mask (B, W + N)) of a batch left-padded
+    to its longest prompt W, built once for the whole run: a generated token sits at
+    max(prompt positions) + 1 + step on all three M-RoPE axes; each step slices a prefix (views)."""
+    batch, width = len(prompts), max(lengths)
     total = width + max_new_tokens
-    # positions and key-padding mask of the whole run, built once: a generated token sits at
-    # max(prompt positions) + 1 + step on all three M-RoPE axes; each step slices a prefix (views)
     ids = torch.full((batch, width), pad_id, dtype=torch.long)
     pos = torch.zeros(3, batch, total, dtype=torch.long)
     valid = torch.ones(batch, total, dtype=torch.bool)
@@ -215,35 +210,20 @@ def _generate(qwen, lm, prompts: list[Prompt], lengths: list[int], eos_id, max_n
         valid[row, :width - n] = False
     next_pos = pos[:, :, :width].amax(dim=(0, 2)) + 1  # (B,) first generated position of each row
     pos[:, :, width:] = (next_pos[:, None] + torch.arange(max_new_tokens))[None]
-    padded = width != min(lengths)
+    return ids, pos, valid
 
-    def media(name):
-        value = _cat([getattr(p, name) for p in prompts])
-        return None if value is None else value.to(device)
 
-    ids, pos, valid = ids.to(device), pos.to(device), valid.to(device)
-    context = _make_context(batch, total)
-    kwarg = {_context_kwarg(lm): context}
-
-    # ---- prefill: all prompt tokens, vision encoded once
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (B, 1, L, L), True = hidden
-    logits = qwen.prefill(ids, pos[:, :, :width], mask, media("pixel_values"),
-                          media("image_grid_thw"), media("pixel_values_videos"),
-                          media("video_grid_thw"), media("visual_kinds"), **kwarg)
-    context.sequence_len_offset += width
-    forwards = 1
-    prefill_seconds = time.perf_counter() - start
-
-    # decode: one token per row per step. The key-padding mask (B, 1, 1, L so far) only matters
-    # with left padding; without it every cached token is attended to and no mask is passed.
-    hidden = ~valid[:, None, None, :] if padded else None
+def _decode(lm, logits, context, kwarg: dict, pos, hidden, width: int, eos: set[int],
+            max_new_tokens: int) -> tuple[list[list[int]], int]:
+    """(tokens per row, forwards) of the greedy decode after the prefill's ``logits`` (B, V):
+    one token per live row per step. ``hidden``: the key-padding mask (B, 1, 1, W + N), True =
+    hidden; None without left padding (every cached token is attended to, no mask is passed)."""
     if hasattr(context, "enable_decode_mode"):
         context.enable_decode_mode()
     fast = _fast_decoder(lm, pos, kwarg)
-    out: list[list[int]] = [[] for _ in range(batch)]
-    live = list(range(batch))  # rows that have not stopped yet
-    logits = logits[:, -1]  # (B, V)
+    out: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    live = list(range(logits.shape[0]))  # rows that have not stopped yet
+    forwards = 0
     for step in range(max_new_tokens):
         token = logits.argmax(-1)  # (B,)
         values = token.tolist()  # the one host sync per step
@@ -263,11 +243,41 @@ def _generate(qwen, lm, prompts: list[Prompt], lengths: list[int], eos_id, max_n
                         decoder_input=emb, runtime_gather_output=True, **kwarg)[:, -1]
         context.sequence_len_offset += 1
         forwards += 1
+    return out, forwards
+
+
+def _generate(qwen, lm, prompts: list[Prompt], lengths: list[int], eos_id, max_new_tokens: int,
+              pad_id: int, stats: GenerationStats | None) -> list[list[int]]:
+    """``greedy_generate`` of one batch (left-padded to the longest prompt): one prefill (all
+    prompt tokens, vision encoded once), then the decode."""
+    device = next(qwen.parameters()).device
+    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    start = time.perf_counter()
+    batch, width = len(prompts), max(lengths)
+    ids, pos, valid = (t.to(device) for t in _left_padded(prompts, lengths, pad_id,
+                                                           max_new_tokens))
+
+    def media(name):
+        value = _cat([getattr(p, name) for p in prompts])
+        return None if value is None else value.to(device)
+
+    context = _make_context(batch, width + max_new_tokens)
+    kwarg = {_context_kwarg(lm): context}
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (B, 1, L, L), True = hidden
+    logits = qwen.prefill(ids, pos[:, :, :width], mask, media("pixel_values"),
+                          media("image_grid_thw"), media("pixel_values_videos"),
+                          media("video_grid_thw"), media("visual_kinds"), **kwarg)
+    context.sequence_len_offset += width
+    prefill_seconds = time.perf_counter() - start
+    hidden = ~valid[:, None, None, :] if width != min(lengths) else None
+    out, forwards = _decode(lm, logits[:, -1], context, kwarg, pos, hidden, width, eos,
+                            max_new_tokens)
     if stats is not None:
         stats.prompts += batch
         stats.prompt_tokens += sum(lengths)
         stats.generated_tokens += sum(len(o) for o in out)
-        stats.forwards += forwards
+        stats.forwards += 1 + forwards
         stats.seconds += time.perf_counter() - start
         stats.prefill_seconds += prefill_seconds
     return out

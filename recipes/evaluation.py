@@ -156,8 +156,8 @@ def find_checkpoint(ckpt: str) -> Checkpoint:
     """A train.py or an HF-import checkpoint, from its self-description only (nothing is
     built, its one pickle is checked), so a wrong checkpoint fails fast."""
     from models.checkpoint import MODEL_JSON, read_model_config
+    from models.checkpoint_folders import check_dist_metadata, resolve_checkpoint
     from models.families import config_from_dict
-    from models.run_state import check_dist_metadata, resolve_checkpoint
 
     path = Path(ckpt)
     if not path.exists():

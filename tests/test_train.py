@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from recipes.run_config import ConfigError, load_run_config, to_dict
-from recipes.training import lr_at
+from recipes.schedule import lr_at
 
 REPO = Path(__file__).resolve().parents[1]
 MANTIS_CFG = REPO / "configs" / "train_qwen_vl_mantis.yaml"

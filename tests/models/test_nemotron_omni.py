@@ -347,8 +347,8 @@ def test_mamba_mixer_on_torch_kernels():
 
 
 def test_batch_flops_counts_layers_and_vision():
+    from models.flops import batch_flops
     from models.nemotron_omni_config import load_yaml
-    from recipes.training import batch_flops
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
     empty = torch.zeros(0, 3, dtype=torch.long)

@@ -1,0 +1,304 @@
+"""The training checkpoint: everything a run needs to continue exactly.
+
+This module owns what a step folder holds (its place among the others and its ``COMPLETE``
+marker: ``models.checkpoint_folders``): megatron dist_checkpointing of model + (distributed)
+optimizer (``save_checkpoint`` / ``load_checkpoint``, torch Adam's step counts restored),
+``train_state.json`` (step, scheduler, data-parallel size: ``read_train_state``), and the per-rank
+state files in safe formats only: the
+Energon loader state of each DP replica as JSON (``loader/dp_NNNNN.json``, plain data from
+``energon_tasks.loader_state``) and each rank's RNG state as plain tensors
+(``rng/rank_NNNNN.pt``, read back with ``torch.load(weights_only=True)``). ``check_rank_states``
+(every file, before any heavy work) and ``read_rank_state`` (this rank's) refuse anything else (a
+pickle where a state file should be, a folder of an older format) with one line. ``prune`` keeps
+the newest N complete step folders.
+
+Raises ``contract.errors.UsageError`` (one line; train.py exits 2) for every bad checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from contract.errors import UsageError
+from models import cpu
+from models.checkpoint import write_files
+from models.checkpoint_folders import (
+    COMPLETE,
+    check_dist_metadata,
+    mark_complete,
+    resolve_checkpoint,
+    step_folders,
+)
+from recipes.layout import Layout
+
+
+def loader_file(step_dir: Path, dp_rank: int) -> Path:
+    return step_dir / "loader" / f"dp_{dp_rank:05d}.json"
+
+
+def rng_file(step_dir: Path, rank: int) -> Path:
+    return step_dir / "rng" / f"rank_{rank:05d}.pt"
+
+
+def rng_state() -> dict:
+    """This process's python / numpy / torch (/ CUDA) / megatron tracker RNG state: dicts of
+    tensors, numbers and strings only (loadable with ``weights_only=True``)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    version, words, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": {"version": version, "state": torch.tensor(words, dtype=torch.int64),
+                       "gauss": gauss},
+            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                      "has_gauss": has_gauss, "cached_gaussian": cached},
+            "torch": torch.get_rng_state(),
+            "cuda": cpu.cuda_rng_state(),
+            "tracker": dict(get_cuda_rng_tracker().get_states())}
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    cpu.set_cuda_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def write_rank_state(step_dir: Path, layout: Layout, loader_states: list) -> None:
+    """This rank's RNG state, and (first rank of a replica) its readers' loader states."""
+    if layout.first_in_replica:
+        loader_file(step_dir, layout.dp_rank).write_text(json.dumps(loader_states))
+    torch.save(rng_state(), rng_file(step_dir, layout.rank))
+
+
+def _loader_states(path: Path, step_dir: Path) -> list:
+    try:
+        loader = json.loads(path.read_bytes())
+        if not isinstance(loader, list):
+            raise ValueError("not a list of loader states")
+    except (UnicodeDecodeError, ValueError) as error:
+        raise UsageError(f"checkpoint {step_dir}: {path.relative_to(step_dir)} is not a JSON "
+                         f"loader state ({type(error).__name__}): refused, nothing in a "
+                         "checkpoint is unpickled") from None
+    return loader
+
+
+def _rng_state(path: Path, step_dir: Path) -> dict:
+    try:
+        with warnings.catch_warnings():  # torch's note on a foreign pickle protocol: we refuse
+            warnings.simplefilter("ignore")
+            return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as error:
+        raise UsageError(f"checkpoint {step_dir}: {path.relative_to(step_dir)} is not a plain "
+                         f"tensor file ({type(error).__name__}): refused, nothing in a "
+                         "checkpoint is unpickled") from None
+
+
+def check_rank_states(step_dir: Path) -> None:
+    """Every loader and RNG state file of a step folder is of the safe formats (read, not used).
+
+    Raises:
+        UsageError: a file of another format (e.g. a pickle where a state file should be, or
+            the pickled ``.pt`` loader state of an earlier version), in one line.
+    """
+    for path in sorted((step_dir / "loader").glob("*")):
+        if path.suffix != ".json":
+            raise UsageError(f"checkpoint {step_dir}: {path.relative_to(step_dir)} is not a "
+                             "JSON loader state (a pickle of an earlier version?): refused, "
+                             "nothing in a checkpoint is unpickled")
+        _loader_states(path, step_dir)
+    for path in sorted((step_dir / "rng").glob("*")):
+        _rng_state(path, step_dir)
+
+
+def read_rank_state(step_dir: Path, layout: Layout) -> tuple[list, dict | None]:
+    """(loader states in their plain form, RNG state or None) of this rank.
+
+    Raises:
+        UsageError: a missing or foreign state file, in one line.
+    """
+    path = loader_file(step_dir, layout.dp_rank)
+    if not path.is_file():
+        raise UsageError(f"checkpoint {step_dir} has no {path.relative_to(step_dir)}")
+    rng = rng_file(step_dir, layout.rank)
+    return _loader_states(path, step_dir), _rng_state(rng, step_dir) if rng.is_file() else None
+
+
+def prune(ckpt_dir: Path, current: int, keep: int) -> None:
+    """Keep the newest ``keep`` complete step folders up to ``current`` (0: all); delete older
+    ones, half-written ones, and those after ``current`` (an abandoned continuation)."""
+    kept = 0
+    for step, path in reversed(step_folders(ckpt_dir)):
+        if step <= current and (path / COMPLETE).is_file() and (keep == 0 or kept < keep):
+            kept += 1
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+TRAIN_STATE = "train_state.json"
+
+
+def read_train_state(path: str | Path, dp: int) -> dict:
+    """Read and validate a checkpoint before any heavy work: train_state.json, completion,
+    the data-parallel size, and every state file (safe formats only).
+
+    Returns:
+        The train state with ``dir`` (the step folder) and ``step``.
+
+    Raises:
+        UsageError: missing, half-written or unreadable checkpoint, a foreign state file, or a
+            data-parallel size that differs.
+    """
+    step_dir = resolve_checkpoint(path)
+    try:
+        state = json.loads((step_dir / TRAIN_STATE).read_text())
+        step, saved_dp = int(state["step"]), int(state["layout"]["dp"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"checkpoint {path} is unreadable ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    if not (step_dir / "model_optim" / "metadata.json").is_file():
+        raise UsageError(f"checkpoint {step_dir} is unreadable (no model_optim/metadata.json)")
+    if not (step_dir / COMPLETE).is_file():
+        raise UsageError(f"checkpoint {step_dir} is incomplete (no {COMPLETE} marker: its save "
+                         "was interrupted); resume from an earlier one")
+    if saved_dp != dp:
+        raise UsageError(f"checkpoint {step_dir} was saved with data-parallel size {saved_dp}, "
+                         f"this run has {dp}: the Energon loader state cannot be "
+                         "redistributed (resume with the same DP size)")
+    check_dist_metadata(step_dir / "model_optim")
+    check_rank_states(step_dir)
+    state["dir"] = str(step_dir)
+    state["step"] = step
+    return state
+
+
+#: how the distributed optimizer's state is laid out in a checkpoint: reshardable over DP only
+#: (resume keeps TP / PP; megatron 0.16's default format uses flattened ranges that its own
+#: checkpoint validation refuses, and its fully reshardable one drops torch Adam's step)
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _torch_adams(optimizer):
+    """(megatron optimizer, its torch Adam) of each (chained) optimizer that steps with torch's
+    Adam / AdamW (neither TransformerEngine nor apex installed)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(getattr(opt, "optimizer", None), torch.optim.Adam):
+            yield opt, opt.optimizer
+
+
+def _prime_torch_adam_state(optimizer) -> None:
+    """Give a fresh torch Adam its (zero) per-parameter state before a checkpoint is loaded.
+
+    megatron's distributed optimizer reads the step count from every parameter's state while it
+    builds the sharded dict to load into; torch's Adam has none before its first step (TE's
+    FusedAdam keeps the step in its param groups). Loading overwrites these zeros.
+    """
+    for opt, adam in _torch_adams(optimizer):
+        if opt.init_state_fn is None or any(len(state) for state in adam.state.values()):
+            continue
+        opt.init_state_fn(adam, opt.config)
+        for group in adam.param_groups:
+            for param in group["params"]:
+                adam.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _restore_torch_adam_steps(optimizer, loaded: dict) -> None:
+    """Set torch Adam's per-parameter step counts to the ones the checkpoint saved.
+
+    megatron's distributed optimizer saves the step in its param groups and, on load, sets it
+    on every parameter's state, but then copies the parameter states (``dp_reshardable``), whose
+    ``step`` entry is the loading optimizer's own value (a non-persistent object): the primed 0.
+    Adam's bias correction would restart. The saved count is put back here.
+    """
+    subs = [loaded] if "optimizer" in loaded else [loaded[k] for k in sorted(loaded)]
+    for (_, adam), sub in zip(_torch_adams(optimizer), subs, strict=False):
+        steps = {g["step"] for g in sub.get("optimizer", {}).get("param_groups", [])
+                 if g.get("step") is not None}
+        if len(steps) != 1:
+            continue
+        step = float(steps.pop())
+        for state in adam.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step)
+
+
+def _sharded(model, optimizer, is_loading: bool) -> dict:
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                      metadata=OPTIMIZER_METADATA)}
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_states: list,
+                    layout: Layout, train_state: dict, config_yaml: str, keep_last: int = 2,
+                    model_files: dict[str, bytes] | None = None) -> Path:
+    """Write ``ckpt_dir/step_<N>/`` (collective: every rank calls it), mark it complete, update
+    ``latest`` and keep the newest ``keep_last`` complete step folders (0: all).
+
+    ``loader_states``: this rank's Energon loader states (one per virtual DP reader), in their
+    plain form (``energon_tasks.loader_state.to_plain``).
+    ``model_files``: what export needs besides weights (``models.checkpoint.model_record``).
+    """
+    from megatron.core import dist_checkpointing
+
+    step_dir = ckpt_dir / f"step_{step:06d}"
+    if layout.rank == 0:
+        if step_dir.exists():
+            shutil.rmtree(step_dir)
+        for sub in ("model_optim", "loader", "rng"):
+            (step_dir / sub).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False),
+                            str(step_dir / "model_optim"))
+    write_rank_state(step_dir, layout, loader_states)
+    dist.barrier()
+    if layout.rank == 0:
+        record = {**train_state, "step": step,
+                  "layout": {k: getattr(layout, k) for k in ("world", "tp", "pp", "cp", "dp")}}
+        (step_dir / TRAIN_STATE).write_text(json.dumps(record, indent=2))
+        (step_dir / "config.yaml").write_text(config_yaml)
+        write_files(step_dir, model_files or {})
+        mark_complete(step_dir, step)  # last: a folder without it is never resumed from
+        (ckpt_dir / "latest").write_text(step_dir.name + "\n")
+        prune(ckpt_dir, step, keep_last)
+    dist.barrier()
+    return step_dir
+
+
+def load_checkpoint(resume: dict, *, model, optimizer, rng: dict | None) -> None:
+    """Restore model + optimizer (+ this rank's RNG) in place; ``resume`` is
+    ``read_train_state``'s result (the loader states are train.py's to restore).
+
+    Raises:
+        UsageError: the dist checkpoint does not match the model (one line).
+    """
+    from megatron.core import dist_checkpointing
+
+    step_dir = Path(resume["dir"])
+    _prime_torch_adam_state(optimizer)
+    try:
+        state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True),
+                                        str(step_dir / "model_optim"))
+        model.load_state_dict(state["model"])
+        with torch.no_grad():  # the distributed optimizer copies into views of the parameters
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_torch_adam_steps(optimizer, state["optimizer"])
+        if rng is not None:
+            set_rng_state(rng)
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
+        raise UsageError(f"checkpoint {step_dir} cannot be loaded: {type(error).__name__}: "
+                         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                         ) from None

@@ -1,0 +1,134 @@
+"""What train.py and eval.py check of their inputs before a model is built.
+
+This module owns ``load_run_tokenizer`` (the run's tokenizer; ``tokenizer: test`` built into the
+run folder), ``check_data_path`` / ``check_split`` (a missing dataset, or split, of a dataset or a
+metadataset blend) and ``probe_first_batch`` (one batch comes out with the run's budget, or the
+skip reasons are counted in the message). Every problem is one ``UsageError`` line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from contract.errors import UsageError
+
+if TYPE_CHECKING:
+    from megatron.energon import WorkerConfig
+
+    from energon_tasks.config import TaskEncoderConfig
+    from energon_tasks.task_encoder import VLMTaskEncoder
+
+
+def load_run_tokenizer(te_cfg: TaskEncoderConfig, run_folder: Path, *, builds: bool = True,
+                       wait=lambda: None):
+    """The tokenizer of ``task_encoder.tokenizer`` (a hub id or folder; default: the model's).
+    ``tokenizer: test``, the small local BPE of the tests and the CPU demo, is built into
+    ``run_folder/tokenizer`` (by the process that ``builds``; every process calls ``wait`` before
+    reading it), so the run keeps the tokenizer it used.
+
+    Raises:
+        UsageError: the tokenizer cannot be loaded or lacks the family's special tokens.
+    """
+    from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
+
+    name = te_cfg.tokenizer_name
+    if te_cfg.tokenizer == "test":
+        name = str(run_folder / "tokenizer")
+        if builds:
+            build_test_tokenizer(name)
+        wait()
+    try:
+        return load_tokenizer(name, te_cfg.model)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def check_data_path(path: str) -> None:
+    """Raises UsageError when ``data.path`` is unset, missing, or not an Energon dataset."""
+    if not path:
+        raise UsageError("data.path is not set (give DATA=<dataset folder or metadataset.yaml>)")
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"data.path {path} does not exist")
+    if p.is_dir() and not (p / ".nv-meta" / "dataset.yaml").is_file():
+        if (p / "metadataset.yaml").is_file():
+            raise UsageError(f"data.path {path} is a converter output folder: "
+                             f"use {p / 'metadataset.yaml'}")
+        raise UsageError(f"data.path {path} is not an Energon dataset "
+                         "(no .nv-meta/dataset.yaml) or it is empty")
+
+
+def check_split(path: str, split: str, needed_by: str = "") -> None:
+    """The dataset folder / metadataset must declare the split part (before anything is built).
+
+    Raises:
+        UsageError: a missing or unreadable path, or no such split (the message lists those
+            there are, and names ``needed_by``: the setting that asks for the split).
+    """
+    import yaml
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"data path {path} does not exist")
+    try:
+        if p.is_file():
+            splits = (yaml.safe_load(p.read_text()) or {}).get("splits") or {}
+        else:
+            meta = p / ".nv-meta" / "split.yaml"
+            if not meta.is_file():
+                raise UsageError(f"{path} is not an Energon dataset (no .nv-meta/split.yaml)")
+            splits = (yaml.safe_load(meta.read_text()) or {}).get("split_parts") or {}
+    except (OSError, yaml.YAMLError, AttributeError) as error:
+        raise UsageError(f"data path {path} is unreadable ({error})") from None
+    if not splits.get(split):
+        have = ", ".join(sorted(k for k in splits if "/" not in k)) or "none"
+        hint = f" for {needed_by} (set it to 0 or name another split)" if needed_by else ""
+        raise UsageError(f"dataset {path} has no {split!r} split{hint} (splits: {have})")
+
+
+def _blend_members(path: str, split_part: str) -> list[tuple[str, str]]:
+    """(dataset, split part) of each member of a metadataset blend (weighted blends cannot be
+    read once without repeat); the path itself for a dataset folder or another layout."""
+    import yaml
+
+    p = Path(path)
+    if p.is_file():
+        try:
+            blend = yaml.safe_load(p.read_text())["splits"][split_part]["blend"]
+            return [(str(p.parent / m["path"]), m.get("split_part", split_part)) for m in blend]
+        except (KeyError, TypeError, yaml.YAMLError):
+            pass
+    return [(path, split_part)]
+
+
+def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder,
+                      worker_config: WorkerConfig) -> None:
+    """Read the dataset once (no repeat) until one batch comes out (with the data side's
+    ``worker_config``, so damaged samples are skipped as in training).
+
+    Raises:
+        UsageError: the dataset cannot be loaded, is empty, or the budget skips every sample
+            (the skip reasons are counted in the message).
+    """
+    from megatron.energon import get_loader, get_train_dataset
+
+    try:
+        for member, part in _blend_members(path, split_part):
+            dataset = get_train_dataset(member, split_part=part, worker_config=worker_config,
+                                        batch_size=1, shuffle_buffer_size=None,
+                                        max_samples_per_sequence=None, task_encoder=task_encoder,
+                                        repeat=False)
+            for _batch in get_loader(dataset):
+                return
+    except Exception as error:  # noqa: BLE001 - energon raises many kinds; report in one line
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UsageError(f"data.path {path}: cannot load split {split_part!r}: "
+                         f"{type(error).__name__}: {first}") from None
+    counters = task_encoder.counters()
+    skipped = {k: v for k, v in sorted(counters.items()) if k.startswith("skipped_")}
+    if not counters.get("samples"):
+        raise UsageError(f"data.path {path}: split {split_part!r} has no samples")
+    raise UsageError(f"data.path {path}: all {counters['samples']} samples are skipped by the "
+                     f"budget ({', '.join(f'{k}={v}' for k, v in skipped.items())}); raise "
+                     "task_encoder.seq_length / max_visual_tokens / max_num_images")

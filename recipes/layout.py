@@ -1,0 +1,64 @@
+"""The training run's process layout: TP x PP x CP (x EP) x DP over the world.
+
+This module owns ``Layout`` (this rank's place: its DP / CP rank, whether it writes its replica's
+loader state), ``check_layout`` (every reason a layout cannot be built, in one ``UsageError``)
+and ``init_distributed`` (gloo on CPU or nccl on GPU, megatron's ``parallel_state``, the seeded
+RNG tracker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from contract.errors import UsageError
+from models.checkpoint import init_process_group, seed_model_parallel
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    world: int
+    rank: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    dp_rank: int
+    cp_rank: int
+    first_in_replica: bool  #: tp, pp, cp rank 0: writes this replica's loader state
+
+
+def check_layout(world: int, tp: int, pp: int, cp: int, fixed_length: bool, ep: int = 1) -> None:
+    """Raises UsageError (every problem) when the layout cannot be built. (A sequence length
+    that 2 * CP does not divide is the run config's error: ``TaskEncoderConfig.validate``.)"""
+    problems = []
+    if world % (tp * pp * cp):
+        problems.append(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if ep > 1 and world % (tp * pp * ep):
+        problems.append(f"world size {world} is not divisible by tp*pp*ep = {tp}*{pp}*{ep} "
+                        "(the expert-parallel ranks come from the data-parallel ones)")
+    if pp > 1 and not fixed_length:
+        problems.append("parallel.pp > 1 needs task_encoder.fixed_length=true")
+    if pp > 1 and cp > 1:
+        problems.append("parallel.pp > 1 with parallel.cp > 1 is not supported yet")
+    if problems:
+        raise UsageError("impossible parallel layout: " + "; ".join(problems))
+
+
+def init_distributed(tp: int, pp: int, cp: int, seed: int, ep: int = 1) -> Layout:
+    """gloo/nccl process group (plain python = one process), parallel_state, RNG tracker."""
+    init_process_group()
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp, expert_model_parallel_size=ep)
+    seed_model_parallel(seed)
+    return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=tp, pp=pp, cp=cp,
+                  dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                  cp_rank=ps.get_context_parallel_rank(),
+                  first_in_replica=(ps.get_tensor_model_parallel_rank() == 0
+                                    and ps.get_pipeline_model_parallel_rank() == 0
+                                    and ps.get_context_parallel_rank() == 0))
