@@ -21,8 +21,6 @@ from contract.errors import UsageError
 
 #: Written last into a step folder: the checkpoint is complete.
 COMPLETE = "COMPLETE"
-
-
 STEP_GLOB = "step_*"
 
 

@@ -27,8 +27,6 @@ from models import cpu
 from models.checkpoint_folders import newest_complete, step_folders
 
 METRICS = "metrics.jsonl"
-
-
 TENSORBOARD = "tensorboard"
 
 
