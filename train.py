@@ -267,7 +267,6 @@ def check_run(cfg, world: int) -> None:
 
 def start_run(cfg, world: int, resume_from: str | None, overwrite: bool) -> Run:
     """The run folder (continue it, start it again, or refuse), then the distributed setup."""
-
     p, out, ckpt_dir = cfg.parallel, Path(cfg.out), cfg.checkpoint_dir
     resume_from, clear = plan_start(out, ckpt_dir, resume_from, overwrite, cfg.train.auto_resume)
     resume = read_train_state(resume_from, world // (p.tp * p.pp * p.cp)) if resume_from else None
@@ -285,13 +284,12 @@ def build_data(cfg, run: Run):
     """Tokenizer, task encoder (its special tokens written into the model config) and one train
     loader per virtual DP rank; the first batch is probed before the model is built."""
     from energon_tasks import task_encoder_for
-    from energon_tasks.loader import get_train_loader, worker_config
+    from energon_tasks.loader import get_train_loader
 
     te_cfg, layout = cfg.task_encoder, run.layout
     tokenizer = load_run_tokenizer(te_cfg, run.out, builds=layout.rank == 0,
-                                     wait=torch.distributed.barrier)
-    probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer),
-                        worker_config())
+                                   wait=torch.distributed.barrier)
+    probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer))
     encoder = task_encoder_for(te_cfg, tokenizer)
     if len(tokenizer) > cfg.model.lm.vocab_size:
         raise UsageError(f"tokenizer has {len(tokenizer)} tokens, model.lm.vocab_size is "
@@ -395,11 +393,10 @@ def train_loop(cfg, run: Run, encoder, loaders, model, optimizer, start: int) ->
     """Steps ``start``..``train.steps``: one optimizer step each, metrics every
     ``log.interval``, validation every ``train.eval_interval``, checkpoints every
     ``checkpoint.interval`` and on a stop asked by SIGINT / SIGTERM (on any rank)."""
-
     t, layout = cfg.train, run.layout
     run.logger = MetricsLogger(run.out, enabled=run.is_logger, tensorboard=cfg.log.tensorboard,
-                                 wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
-                                 config=to_dict(cfg), start_step=start, total_steps=t.steps)
+                               wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
+                               config=to_dict(cfg), start_step=start, total_steps=t.steps)
     iterators = [iter(loader) for loader in loaders]
     meter = StepMeter()
     for step in range(start, t.steps):
@@ -407,7 +404,7 @@ def train_loop(cfg, run: Run, encoder, loaders, model, optimizer, start: int) ->
         batches, wait = next_batches(iterators, t.grad_accum)
         total_tokens = step_token_total(sum(loss_tokens(b) for b in batches))
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
-                     total_steps=t.steps)
+                   total_steps=t.steps)
         loss_sum, grad_norm = optimizer_step(cfg, layout, model, optimizer, batches, lr,
                                              total_tokens)
         meter.time += time.perf_counter() - step_start

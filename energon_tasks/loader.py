@@ -1,11 +1,12 @@
 """Train / val loaders over an Energon dataset folder or a metadataset YAML.
 
-This module owns the wiring of ``get_train_dataset`` / ``get_val_dataset`` and
-``get_savable_loader`` with a ``WorkerConfig`` whose rank is the data-parallel rank (every
-context / tensor / pipeline-parallel rank of one replica must read the same samples), and the
-packing buffer taken from the task encoder's config. Samples the dataset cannot load (damaged
-members, checksum mismatches) are skipped with one logged line each and counted
-(``energon_tasks.energon_dataset.skip_handler``).
+This module owns every Energon dataset the project builds: the training loader, the val loader
+and the one-pass reader (eval.py's reader, train.py's first-batch probe), i.e. the wiring of
+``get_train_dataset`` / ``get_val_dataset`` and ``get_savable_loader`` / ``get_loader`` with a
+``WorkerConfig`` whose rank is the data-parallel rank (every context / tensor / pipeline-parallel
+rank of one replica must read the same samples), and the packing buffer taken from the task
+encoder's config. Samples the dataset cannot load (damaged members, checksum mismatches) are
+skipped with one logged line each and counted (``energon_tasks.energon_dataset.skip_handler``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from megatron.energon import (
     WorkerConfig,
+    get_loader,
     get_savable_loader,
     get_train_dataset,
     get_val_dataset,
@@ -106,3 +108,12 @@ def get_val_loader(
         task_encoder=task_encoder,
     )
     return get_savable_loader(dataset)
+
+
+def get_pass_loader(path: str | Path, *, task_encoder: VLMTaskEncoder, split_part: str,
+                    batch_size: int = 1):
+    """One pass over a split in this process, in the val loader's fixed order: no shuffle, no
+    repeat, no packing, not savable (eval.py's reader, train.py's first-batch probe)."""
+    dataset = get_val_dataset(str(path), split_part=split_part, worker_config=worker_config(),
+                              batch_size=batch_size, task_encoder=task_encoder)
+    return get_loader(dataset)

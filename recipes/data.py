@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 from contract.errors import UsageError
 
 if TYPE_CHECKING:
-    from megatron.energon import WorkerConfig
-
     from energon_tasks.config import TaskEncoderConfig
     from energon_tasks.task_encoder import VLMTaskEncoder
 
@@ -102,24 +100,19 @@ def _blend_members(path: str, split_part: str) -> list[tuple[str, str]]:
     return [(path, split_part)]
 
 
-def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder,
-                      worker_config: WorkerConfig) -> None:
-    """Read the dataset once (no repeat) until one batch comes out (with the data side's
-    ``worker_config``, so damaged samples are skipped as in training).
+def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder) -> None:
+    """Read the dataset once, member by member (no repeat, no shuffle), until one batch comes
+    out (the data side's one-pass reader: damaged samples are skipped as in training).
 
     Raises:
         UsageError: the dataset cannot be loaded, is empty, or the budget skips every sample
             (the skip reasons are counted in the message).
     """
-    from megatron.energon import get_loader, get_train_dataset
+    from energon_tasks.loader import get_pass_loader
 
     try:
         for member, part in _blend_members(path, split_part):
-            dataset = get_train_dataset(member, split_part=part, worker_config=worker_config,
-                                        batch_size=1, shuffle_buffer_size=None,
-                                        max_samples_per_sequence=None, task_encoder=task_encoder,
-                                        repeat=False)
-            for _batch in get_loader(dataset):
+            for _batch in get_pass_loader(member, task_encoder=task_encoder, split_part=part):
                 return
     except Exception as error:  # noqa: BLE001 - energon raises many kinds; report in one line
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""

@@ -29,6 +29,7 @@ import yaml
 
 from contract.errors import UsageError
 from contract.families import TASK_ENCODER_MODELS
+from models.generate import GenerationStats
 
 
 # ------------------------------------------------------------------ prompts
@@ -112,9 +113,9 @@ def encode_prompts(encoder, sample, counters: Counter, turns_mode: str = "all",
 # ------------------------------------------------------------------ data
 def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | None):
     """Cooked val samples (ConversationSample) in the loader's fixed order, up to ``limit``."""
-    from megatron.energon import get_loader, get_val_dataset, stateless
+    from megatron.energon import stateless
 
-    from energon_tasks.loader import worker_config
+    from energon_tasks.loader import get_pass_loader
     from energon_tasks.task_encoder import VLMTaskEncoder
 
     class _Reader(VLMTaskEncoder):  # cook only: encoded in this process
@@ -128,11 +129,9 @@ def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | 
         def encode_batch(self, batch):
             return batch
 
-    dataset = get_val_dataset(path, split_part=split, batch_size=1,
-                              worker_config=worker_config(),
-                              task_encoder=_Reader(encoder_config, tokenizer))
     count = 0
-    for batch in get_loader(dataset):
+    for batch in get_pass_loader(path, task_encoder=_Reader(encoder_config, tokenizer),
+                                 split_part=split):
         for sample in batch:
             if limit is not None and count >= limit:
                 return
@@ -170,7 +169,7 @@ def find_checkpoint(ckpt: str) -> Checkpoint:
             config = step / "config.yaml"
             if not (step / "model_optim" / "metadata.json").is_file() or not config.is_file():
                 raise UsageError(f"{ckpt} is not a checkpoint (neither {MODEL_JSON} nor a "
-                                "train.py step folder with model_optim/ and config.yaml)")
+                                 "train.py step folder with model_optim/ and config.yaml)")
             raw = yaml.safe_load(config.read_text()) or {}
             found = Checkpoint(config_from_dict(raw.get("model") or {}), step / "model_optim",
                                f"train.py {step.name}", step, raw)
@@ -193,7 +192,7 @@ def load_model(cfg, weights: Path, ckpt: str):
     except Exception as error:  # noqa: BLE001 - any load failure is a bad --ckpt for the user
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise UsageError(f"checkpoint {ckpt} does not load into its {cfg.family} model: "
-                        f"{type(error).__name__}: {first[:300]}") from None
+                         f"{type(error).__name__}: {first[:300]}") from None
     missing = [k for k in model.state_dict() if not k.endswith("_extra_state") and k not in state]
     if missing:
         raise UsageError(f"checkpoint {ckpt} lacks {missing[0]!r}")
@@ -206,7 +205,7 @@ def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
     geometry = encoder.geometry
     if geometry.name not in want:
         raise UsageError(f"checkpoint is a {cfg.family} model, the config's task encoder is "
-                        f"{te_model!r} (set task_encoder.model={want[0]})")
+                         f"{te_model!r} (set task_encoder.model={want[0]})")
     v = cfg.vision
     temporal = (v.video_temporal_patch_size if cfg.family == "nemotron_omni"
                 else v.temporal_patch_size)
@@ -215,17 +214,17 @@ def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
                                ("temporal_patch_size", temporal, geometry.temporal_patch_size)):
         if ours != theirs:
             raise UsageError(f"checkpoint vision {name} is {ours}, the task encoder's "
-                            f"{geometry.name} geometry uses {theirs}")
+                             f"{geometry.name} geometry uses {theirs}")
     ids = {"image_token_id": encoder.image_pad, "video_token_id": encoder.video_pad,
            "vision_start_token_id": encoder.vision_start,
            "vision_end_token_id": encoder.vision_end}
     for name, token in ids.items():
         if getattr(cfg, name) != token:
             raise UsageError(f"checkpoint {name} is {getattr(cfg, name)}, the tokenizer's is "
-                            f"{token}: checkpoint and tokenizer do not belong together")
+                             f"{token}: checkpoint and tokenizer do not belong together")
     if len(tokenizer) > cfg.lm.vocab_size:
         raise UsageError(f"tokenizer has {len(tokenizer)} tokens, the checkpoint's vocabulary "
-                        f"{cfg.lm.vocab_size}")
+                         f"{cfg.lm.vocab_size}")
 
 
 # ------------------------------------------------------------------ answers
@@ -233,7 +232,7 @@ def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
 class Answers:
     """Every scored answer of an eval run and what generating them took."""
 
-    stats: object  #: models.generate.GenerationStats
+    stats: GenerationStats = dataclasses.field(default_factory=GenerationStats)
     records: list[dict] = dataclasses.field(default_factory=list)  #: one per question
     counters: Counter = dataclasses.field(default_factory=Counter)  #: budget counters
     conversations: int = 0  #: val conversations read
@@ -250,10 +249,10 @@ def answer_questions(model, encoder, tokenizer, samples, *, batch_size: int, max
     call, in reading order), each scored against its references."""
     import time
 
-    from models.generate import GenerationStats, greedy_generate
+    from models.generate import greedy_generate
     from recipes.scores import score_answer
 
-    answers = Answers(stats=GenerationStats())
+    answers = Answers()
 
     def generate(items: list[Item]) -> None:
         outputs = greedy_generate(model, [i.prompt for i in items], eos_id=encoder.im_end,
