@@ -238,7 +238,7 @@ class Run:
 def check_run(cfg, world: int) -> None:
     """Every input problem of the config, the layout and the data, before anything is built."""
     feeds = TASK_ENCODER_MODELS[cfg.model.family]
-    if cfg.task_encoder.geometry.name not in feeds:
+    if cfg.task_encoder.model not in feeds:
         raise ConfigError(f"task_encoder.model {cfg.task_encoder.model!r} does not feed "
                           f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
     p, te_cfg = cfg.parallel, cfg.task_encoder

@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from energon_tasks.nemotron_geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED  # noqa: E402
+from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED  # noqa: E402
 from energon_tasks.profiles import get_geometry  # noqa: E402
 
 #: RADIO prepends class + register tokens to every segment (transformers RadioConfig defaults:

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from energon_tasks.nemotron_geometry import NEMOTRON_OMNI  # noqa: E402
+from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI  # noqa: E402
 from energon_tasks.profiles import get_geometry  # noqa: E402
 from models.vision_dp import CostModel, count_split, plan_shares  # noqa: E402
 

@@ -94,7 +94,7 @@ def vision_part(smoke: bool, repeats: int) -> list[dict]:
         cfg = config_module(family).load_yaml(REPO / (tiny if smoke else real))
         geometry = TaskEncoderConfig(model={"qwen2.5-vl-7b": "qwen2.5-vl",
                                             "qwen3-vl-8b": "qwen3-vl"}.get(name, "nemotron-omni"),
-                                     max_pixels=None).geometry
+                                     max_pixels=None).resolve().geometry
         sizes = [(h // 8, w // 8) for h, w in IMAGES] if smoke else IMAGES
         grids = [list(geometry.image_grid(h, w).grid_thw) for h, w in sizes]
         if family == "nemotron_omni":

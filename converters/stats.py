@@ -28,11 +28,11 @@ def default_budget(model: str) -> dict:
     video pixel limits (null knobs filled from the geometry), video fps, frame cap."""
     from energon_tasks.config import TaskEncoderConfig
 
-    config = TaskEncoderConfig(model=model)
-    (low, high), (video_low, video_high) = config.image_pixels(), config.video_pixels()
-    return {"min_pixels": low, "max_pixels": high, "video_min_pixels": video_low,
-            "video_max_pixels": video_high, "video_fps": config.video_fps,
-            "max_num_frames": config.max_num_frames}
+    budget = TaskEncoderConfig(model=model).resolve()
+    return {"min_pixels": budget.min_pixels, "max_pixels": budget.max_pixels,
+            "video_min_pixels": budget.video_min_pixels,
+            "video_max_pixels": budget.video_max_pixels, "video_fps": budget.video_fps,
+            "max_num_frames": budget.max_num_frames}
 
 
 def visual_tokens(model: str, record: dict, budget: dict | None = None) -> int | None:

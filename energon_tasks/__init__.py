@@ -2,7 +2,7 @@
 
 ``energon_tasks.task_encoder_for(config, tokenizer=None)`` returns the encoder of
 ``config.model`` (defined in ``energon_tasks.task_encoder``; imported on first use so that importing
-a light submodule such as ``energon_tasks.geometry`` does not import Energon).
+a light submodule such as ``energon_tasks.families.qwen_vl.geometry`` does not import Energon).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ import sys
 
 import click
 
-from energon_tasks.geometry import ImageGrid, QwenVLGeometry
+from energon_tasks.families import Geometry
+from energon_tasks.image_grid import ImageGrid
 from energon_tasks.profiles import get_geometry
 
 
@@ -46,14 +47,14 @@ def cli() -> None:
     """Tools of the Energon task encoders (VLM SFT)."""
 
 
-def _image_entry(geometry: QwenVLGeometry, size: tuple[int, int], options: dict) -> dict:
+def _image_entry(geometry: Geometry, size: tuple[int, int], options: dict) -> dict:
     grid = geometry.image_grid(
         *size, min_pixels=options["min_pixels"], max_pixels=options["max_pixels"]
     )
     return {"kind": "image", "input": list(size), **_grid_fields(grid)}
 
 
-def _video_entry(geometry: QwenVLGeometry, size: tuple[int, int, int], options: dict) -> dict:
+def _video_entry(geometry: Geometry, size: tuple[int, int, int], options: dict) -> dict:
     frames, height, width = size
     if options["source_fps"] is not None:
         frames = len(

@@ -1,8 +1,9 @@
 """The budget planner: what of a sample is kept, at which size, decided from metadata only.
 
 This module owns the budget policy of issue 3 as one pure function, ``plan``, for every model
-family: ``config.geometry`` is a ``QwenVLGeometry`` or a ``NemotronOmniGeometry`` (both have
-``image_grid`` / ``video_grid`` / ``video_frame_indices``), and an image span is always its
+family: it reads the resolved ``energon_tasks.families.Budget`` (``TaskEncoderConfig.resolve``),
+whose geometry has the planner's interface (``image_grid`` / ``video_grid`` /
+``video_frame_indices``, ``energon_tasks.families.Geometry``), and an image span is always its
 context tokens plus two markers (``<|vision_start|>``/``<|vision_end|>`` or ``<img>``/``</img>``).
 It reads the sample's JSON metadata (image sizes, video frame counts / fps) and the text token
 count of each turn, and never touches a pixel, so a skipped sample costs no decoding and
@@ -32,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from energon_tasks.config import TaskEncoderConfig
-from energon_tasks.geometry import ImageGrid
+from energon_tasks.families import Budget
+from energon_tasks.image_grid import ImageGrid
 from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
 
 #: Why a sample can be skipped by the planner (decode-time reasons live in energon_tasks.decode).
@@ -90,9 +91,8 @@ def _media_turns(sample: CanonicalSample) -> list[int]:
             for _ in PLACEHOLDER_RE.findall(turn.content)]
 
 
-def _image_grids(sample, config, indices, cap) -> dict[int, ImageGrid]:
-    low, high = config.image_pixels()
-    geometry = config.geometry
+def _image_grids(sample, budget, indices, cap) -> dict[int, ImageGrid]:
+    low, high, geometry = budget.min_pixels, budget.max_pixels, budget.geometry
     return {
         i: geometry.image_grid(sample.media[i].height, sample.media[i].width,
                                min_pixels=low, max_pixels=min(high, cap))
@@ -100,7 +100,7 @@ def _image_grids(sample, config, indices, cap) -> dict[int, ImageGrid]:
     }
 
 
-def _best_cap(sample, config, images, limit: int) -> dict[int, ImageGrid] | None:
+def _best_cap(sample, budget, images, limit: int) -> dict[int, ImageGrid] | None:
     """Grids at the largest shared pixel cap whose image tokens fit ``limit`` (None: none does).
 
     The caps searched are ``min_pixels`` and the multiples of the geometry's ``pixel_cap_step``
@@ -110,11 +110,11 @@ def _best_cap(sample, config, images, limit: int) -> dict[int, ImageGrid] | None
     (docs/nemotron.md); the result still fits, since ``min_pixels`` fits and only caps that fit
     are kept: at worst a slightly larger fitting cap is missed.
     """
-    low, high = config.image_pixels()
-    step = config.geometry.pixel_cap_step
+    low, high = budget.min_pixels, budget.max_pixels
+    step = budget.geometry.pixel_cap_step
 
     def tokens(cap: int) -> int:
-        return sum(g.visual_tokens for g in _image_grids(sample, config, images, cap).values())
+        return sum(g.visual_tokens for g in _image_grids(sample, budget, images, cap).values())
 
     if tokens(low) > limit:
         return None
@@ -125,12 +125,12 @@ def _best_cap(sample, config, images, limit: int) -> dict[int, ImageGrid] | None
             best, lo = mid * step, mid + 1
         else:
             hi = mid - 1
-    return _image_grids(sample, config, images, best)
+    return _image_grids(sample, budget, images, best)
 
 
-def _videos(sample, config, video_extra) -> tuple[dict, dict[int, str]]:
+def _videos(sample, budget, video_extra) -> tuple[dict, dict[int, str]]:
     """Frame picks + grid + span tokens of each video, and the metadata errors by media index."""
-    geometry, (low, high) = config.geometry, config.video_pixels()
+    geometry, low, high = budget.geometry, budget.video_min_pixels, budget.video_max_pixels
     plans, bad = {}, {}
     for i, media in enumerate(sample.media):
         try:
@@ -139,7 +139,7 @@ def _videos(sample, config, video_extra) -> tuple[dict, dict[int, str]]:
                 continue
             frames = geometry.video_frame_indices(
                 media.frames or 0, media.fps or 0.0,
-                video_fps=config.video_fps, max_num_frames=config.max_num_frames)
+                video_fps=budget.video_fps, max_num_frames=budget.max_num_frames)
             grid = geometry.video_grid(len(frames), media.height, media.width,
                                        min_pixels=low, max_pixels=high)
         except (ValueError, TypeError) as error:
@@ -154,7 +154,7 @@ def plan(
     sample: CanonicalSample,
     *,
     key: str,
-    config: TaskEncoderConfig,
+    budget: Budget,
     turn_text_tokens: Sequence[int],
     video_extra_tokens: VideoExtraTokens | None = None,
 ) -> Plan:
@@ -163,7 +163,7 @@ def plan(
     Args:
         sample: the parsed ``K.json``.
         key: the sample key (named in details).
-        config: budget knobs and the model.
+        budget: the resolved budget (``TaskEncoderConfig.resolve``).
         turn_text_tokens: tokens of each turn outside its visual spans (template tokens included).
         video_extra_tokens: tokens of a video span besides its pads (default 2: the markers).
 
@@ -180,15 +180,15 @@ def plan(
     if not cuts:
         return Plan(key=key, skip="no_assistant_turn", detail=f"sample {key}: no assistant turn")
     media_turn = _media_turns(sample)
-    videos, bad = _videos(sample, config, video_extra_tokens)
-    unconstrained = _image_grids(sample, config, [i for i, m in enumerate(sample.media)
+    videos, bad = _videos(sample, budget, video_extra_tokens)
+    unconstrained = _image_grids(sample, budget, [i for i, m in enumerate(sample.media)
                                                   if m.kind == "image" and i not in bad], 1 << 62)
     reason = detail = ""
     for shrink_for_length in (False, True):
         for kept in cuts:
             indices = [i for i, t in enumerate(media_turn) if t < kept]
             text = sum(turn_text_tokens[:kept])
-            result = _fit(sample, config, indices, videos, bad, text, shrink_for_length)
+            result = _fit(sample, budget, indices, videos, bad, text, shrink_for_length)
             if isinstance(result, tuple):
                 reason, detail = result
                 continue
@@ -196,26 +196,26 @@ def plan(
     return Plan(key=key, skip=reason, detail=f"sample {key}: {detail}")
 
 
-def _fit(sample, config, indices, videos, bad, text, shrink_for_length):
+def _fit(sample, budget, indices, videos, bad, text, shrink_for_length):
     """Image grids of a prefix, or (reason, detail) when it cannot fit."""
     if broken := [bad[i] for i in indices if i in bad]:
         return "bad_media_metadata", "; ".join(broken)
     images = [i for i in indices if sample.media[i].kind == "image"]
-    if len(images) > config.max_num_images:
-        return "too_many_images", f"{len(images)} images > max_num_images {config.max_num_images}"
+    if len(images) > budget.max_num_images:
+        return "too_many_images", f"{len(images)} images > max_num_images {budget.max_num_images}"
     video_pads = sum(videos[i][1].visual_tokens for i in indices if i in videos)
     video_span = sum(videos[i][2] for i in indices if i in videos)
-    grids = _best_cap(sample, config, images, config.max_visual_tokens - video_pads)
+    grids = _best_cap(sample, budget, images, budget.max_visual_tokens - video_pads)
     if grids is None:
         return "too_many_visual_tokens", (
-            f"visual tokens above max_visual_tokens {config.max_visual_tokens} even at min_pixels")
-    room = config.seq_length - text - video_span - 2 * len(images)
+            f"visual tokens above max_visual_tokens {budget.max_visual_tokens} even at min_pixels")
+    room = budget.seq_length - text - video_span - 2 * len(images)
     if shrink_for_length and room < sum(g.visual_tokens for g in grids.values()):
-        grids = _best_cap(sample, config, images, min(room, config.max_visual_tokens - video_pads))
+        grids = _best_cap(sample, budget, images, min(room, budget.max_visual_tokens - video_pads))
     used = sum(g.visual_tokens for g in grids.values()) if grids is not None else None
     if used is None or used > room:
         shown = text + video_span + 2 * len(images) + (used or 0)
-        return "too_long", f"{shown} tokens > seq_length {config.seq_length}"
+        return "too_long", f"{shown} tokens > seq_length {budget.seq_length}"
     return grids
 
 

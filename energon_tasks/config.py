@@ -1,40 +1,41 @@
-"""Settings of the task encoders (Qwen-VL and Nemotron-Omni): one dataclass, validated as a whole.
+"""Settings of the task encoders: the knobs, validated as a whole, and nothing else.
 
 This module owns every knob of the loader side (pixel limits, media caps, the visual-token and
 sequence budgets, padding, context parallel divisibility, packing, the decompression-bomb cap, how
-images are decoded (``image_decode``), the model / tokenizer names, and the two Nemotron-Omni
-knobs ``max_num_tiles`` / ``video_maintain_aspect_ratio``) and the rules they must satisfy
-together. ``train.py`` loads YAML plus ``key=value`` overrides into
-``TaskEncoderConfig.from_dict``; unknown keys are an error.
+images are decoded (``image_decode``), the model / tokenizer names, and the knobs only some
+profiles read, such as Nemotron-Omni's ``max_num_tiles`` / ``video_maintain_aspect_ratio`` /
+``video_target_num_patches``) and the rules they must satisfy together. ``train.py`` loads YAML
+plus ``key=value`` overrides into ``TaskEncoderConfig.from_dict``; unknown keys are an error.
 
-Models (``model``, a profile of ``energon_tasks.profiles``): "qwen2_5_vl", "qwen3_vl"
-(``QwenVLGeometry``) and "nemotron_omni" (dynamic-resolution images), "nemotron_omni_tiled"
-(512x512 tiles + thumbnail) (``NemotronOmniGeometry``); the aliases of ``contract.families``
-("qwen2.5-vl", "nemotron-omni-tiled", ...) are read as these names. The Nemotron knobs are an
-error on a model they do not apply to (``max_num_tiles``: only "nemotron_omni_tiled";
-``video_maintain_aspect_ratio``: both Nemotron profiles), and so are ``video_min_pixels`` /
-``video_max_pixels`` on Nemotron (its frame size is fixed by ``video_target_num_patches``).
+Models (``model``, a profile of ``energon_tasks.profiles``): "qwen2_5_vl", "qwen3_vl",
+"nemotron_omni" (dynamic-resolution images), "nemotron_omni_tiled" (512x512 tiles + thumbnail);
+the aliases of ``contract.families`` ("qwen2.5-vl", "nemotron-omni-tiled", ...) are read as these
+names. A knob only some profiles read is an error on the others, and so is a knob a profile
+ignores (``Profile.knobs`` / ``Profile.ignored``: e.g. ``video_min_pixels`` on Nemotron-Omni,
+whose frame size is fixed by ``video_target_num_patches``).
 
-Defaults: the fields' defaults below are the run's (one source: the converters' token estimates
-read them too); ``None`` means the model processor's own value, held by the geometry.
-On ``nemotron_omni_tiled`` the image cap is in tiles: ``max_num_tiles`` (default 12), further capped
-by ``max_pixels // 512**2`` (at least 1; ``tile_cap``). When ``max_pixels`` lowers the tile cap,
-building the config logs that once, in one line.
+Resolution is the profile's, done once: ``TaskEncoderConfig.resolve()`` gives the frozen
+``energon_tasks.families.Budget`` (defaults filled from the geometry, the profile's knobs applied
+to it) that the planner and the encoder read. Defaults: the fields' defaults below are the run's
+(one source: the converters' token estimates read them too); ``None`` means the model
+processor's own value, held by the geometry. When a profile reads a knob differently from its
+name (``nemotron_omni_tiled`` reads ``max_pixels`` as a tile cap, ``max_pixels // 512**2``),
+building the config says so once, in one line (``Geometry.image_cap_notice``).
 """
+
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from contract.errors import ConfigError
-from contract.families import NEMOTRON_OMNI, profile_name
-from energon_tasks.geometry import QwenVLGeometry
-from energon_tasks.profiles import Profile, get_profile
+from contract.families import profile_name
+from energon_tasks.families import Budget, Profile
+from energon_tasks.profiles import PROFILES, get_profile
 
 #: ``image_decode`` values: "exact" = the model's transformers processor's pixel values (whole
 #: image decoded, the processor's resize); "fast" = JPEG decoded at a reduced DCT scale when the
@@ -84,64 +85,15 @@ class TaskEncoderConfig:
         except ValueError:
             pass  # validate() reports it with the other problems
         self.validate()
-        cap = self.tile_cap
-        if cap is not None and cap < self.geometry.max_num_tiles:
-            _notice_tile_cap(self.model, self.max_pixels, cap, self.geometry.max_num_tiles)
+        notice = self.resolve().geometry.image_cap_notice(self.max_pixels)
+        if notice:
+            _notice_once(notice)
 
-    @property
-    def profile(self) -> Profile:
-        """The model's profile (geometry, hooks, default tokenizer, family)."""
-        return get_profile(self.model)
-
-    @property
-    def family(self) -> str:
-        """The model family the batches feed (``contract.families``), e.g. "nemotron_omni"."""
-        return self.profile.family
-
-    @property
-    def geometry(self) -> QwenVLGeometry:
-        """The model's geometry with the Nemotron knobs applied (``QwenVLGeometry`` or
-        ``NemotronOmniGeometry``; both have the planner's interface)."""
-        return _geometry(self.model, self.max_num_tiles, self.video_maintain_aspect_ratio,
-                         self.video_target_num_patches)
-
-    @property
-    def tokenizer_name(self) -> str:
-        """``tokenizer`` or the model's default hub id."""
-        return self.tokenizer or self.profile.default_tokenizer
-
-    @property
-    def tile_cap(self) -> int | None:
-        """Tiled images only: the tile cap ``max_pixels`` leaves, max(min_num_tiles,
-        min(max_num_tiles, max_pixels // tile_size**2)) (the geometry's ``image_grid`` rule);
-        None on other models or with ``max_pixels: null``."""
-        geometry = self.geometry
-        if getattr(geometry, "image_mode", None) != "tiled" or self.max_pixels is None:
-            return None
-        return max(geometry.min_num_tiles,
-                   min(geometry.max_num_tiles, self.max_pixels // geometry.tile_size**2))
-
-    def image_pixels(self) -> tuple[int, int]:
-        """(min_pixels, max_pixels) of images, defaults filled from the geometry."""
-        geometry = self.geometry
-        low = geometry.default_min_pixels if self.min_pixels is None else self.min_pixels
-        high = geometry.default_max_pixels if self.max_pixels is None else self.max_pixels
-        return low, high
-
-    def video_pixels(self) -> tuple[int, int]:
-        """(video_min_pixels, video_max_pixels), defaults filled from the geometry."""
-        geometry = self.geometry
-        low = self.video_min_pixels
-        high = self.video_max_pixels
-        return (
-            geometry.default_video_min_pixels if low is None else low,
-            geometry.default_video_max_pixels if high is None else high,
-        )
-
-    def length_multiple(self) -> int:
-        """Every batch length is a multiple of this: lcm(pad_to_multiple_of, 2 * CP if CP > 1)."""
-        cp = 2 * self.context_parallel_size if self.context_parallel_size > 1 else 1
-        return math.lcm(self.pad_to_multiple_of, cp)
+    def resolve(self) -> Budget:
+        """These knobs as the frozen budget the planner and the encoder read: defaults filled
+        from the profile's geometry, the profile's own knobs applied to it
+        (``energon_tasks.families.Profile.resolve``)."""
+        return get_profile(self.model).resolve(self)
 
     def validate(self) -> None:
         """Check all settings together.
@@ -155,7 +107,7 @@ class TaskEncoderConfig:
         except ValueError as error:
             problems.append(f"model: {error}")
         else:
-            problems += self._family_problems(profile)
+            problems += self._knob_problems(profile)
         positive = [
             "video_fps", "max_num_frames", "max_num_images", "max_visual_tokens", "seq_length",
             "pad_to_multiple_of", "context_parallel_size", "packing_buffer_size",
@@ -174,47 +126,26 @@ class TaskEncoderConfig:
         if self.image_decode not in IMAGE_DECODES:
             problems.append(f"image_decode: must be one of {', '.join(IMAGE_DECODES)}, got "
                             f"{self.image_decode!r}")
-        if not problems and self.seq_length % self.length_multiple():
+        multiple = None if problems else self.resolve().length_multiple
+        if multiple and self.seq_length % multiple:
             problems.append(
-                f"seq_length ({self.seq_length}) must be a multiple of {self.length_multiple()} "
+                f"seq_length ({self.seq_length}) must be a multiple of {multiple} "
                 "(pad_to_multiple_of and 2 * context_parallel_size)"
             )
         if problems:
             raise ConfigError("invalid task encoder config:\n  " + "\n  ".join(problems),
                               problems)
 
-    def _family_problems(self, profile: Profile) -> list[str]:
-        """Knobs set on a model they do not apply to, and bad Nemotron knob values."""
+    def _knob_problems(self, profile: Profile) -> list[str]:
+        """Profile-only knobs set on a profile that does not read them, and the profile's own
+        checks (its knobs' values, the knobs it ignores)."""
         problems = []
-        nemotron = profile.family == NEMOTRON_OMNI
-        tiled = nemotron and profile.geometry.image_mode == "tiled"
-        tiles = self.max_num_tiles
-        if tiles is not None and not tiled:
-            problems.append(f"max_num_tiles: only applies to nemotron_omni_tiled, not {self.model}")
-        elif tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool)
-                                    or tiles < 1):
-            problems.append(f"max_num_tiles: must be a positive integer or null, got {tiles!r}")
-        keep = self.video_maintain_aspect_ratio
-        if keep is not None and not nemotron:
-            problems.append(f"video_maintain_aspect_ratio: only applies to nemotron_omni models, "
-                            f"not {self.model}")
-        elif keep is not None and not isinstance(keep, bool):
-            problems.append(f"video_maintain_aspect_ratio: must be true, false or null, got "
-                            f"{keep!r}")
-        target = self.video_target_num_patches
-        if target is not None and not nemotron:
-            problems.append(f"video_target_num_patches: only applies to nemotron_omni models, "
-                            f"not {self.model}")
-        elif target is not None and (not isinstance(target, int) or isinstance(target, bool)
-                                     or target < 4):
-            problems.append(f"video_target_num_patches: must be an integer >= 4 or null, got "
-                            f"{target!r}")
-        if nemotron:
-            for name in ("video_min_pixels", "video_max_pixels"):
-                if getattr(self, name) is not None:
-                    problems.append(f"{name}: not used by {self.model} (video frames are sized by "
-                                    "video_target_num_patches); leave it null")
-        return problems
+        for name in sorted({name for other in PROFILES.values() for name in other.knobs}):
+            if getattr(self, name) is not None and name not in profile.knobs:
+                readers = [other.name for other in PROFILES.values() if name in other.knobs]
+                problems.append(f"{name}: only applies to {', '.join(readers)}, not "
+                                f"{self.model}")
+        return problems + profile.knob_problems(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TaskEncoderConfig":
@@ -247,24 +178,10 @@ class TaskEncoderConfig:
         return dataclasses.asdict(self)
 
 
-@functools.lru_cache(maxsize=32)
-def _geometry(model: str, max_num_tiles: int | None, keep_aspect: bool | None,
-              video_target: int | None):
-    """The profile's geometry with the Nemotron knobs that are set (cached: the planner asks for
-    it many times per sample)."""
-    geometry = get_profile(model).geometry
-    changes = {"max_num_tiles": max_num_tiles, "video_maintain_aspect_ratio": keep_aspect,
-               "video_target_num_patches": video_target}
-    changes = {name: value for name, value in changes.items() if value is not None}
-    return dataclasses.replace(geometry, **changes) if changes else geometry
-
-
 @functools.lru_cache(maxsize=None)
-def _notice_tile_cap(model: str, max_pixels: int, cap: int, max_num_tiles: int) -> None:
-    """Say once per setting that ``max_pixels`` caps the tiles (the rule of ``tile_cap``)."""
-    log.warning("task_encoder: %s reads max_pixels %d as a cap of %d tile(s) per image (below "
-                "max_num_tiles %d); set max_pixels: null to use max_num_tiles", model, max_pixels,
-                cap, max_num_tiles)
+def _notice_once(notice: str) -> None:
+    """Say once per setting what a profile reads a knob as (``Geometry.image_cap_notice``)."""
+    log.warning("task_encoder: %s", notice)
 
 
 def _coerce(value: Any, type_name: str) -> Any:

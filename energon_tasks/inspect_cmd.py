@@ -160,7 +160,7 @@ def make_encoder(model: str | None, tokenizer: str | None, knobs: dict,
                  if v is not None}}
     try:
         settings = TaskEncoderConfig.from_dict(values)
-        loaded = load_tokenizer(settings.tokenizer_name, settings.model, hint=TOKENIZER_HINT)
+        loaded = load_tokenizer(settings.resolve().tokenizer, settings.model, hint=TOKENIZER_HINT)
         return task_encoder_for(settings, loaded)
     except ValueError as error:  # config problems, or a tokenizer that cannot be loaded
         raise click.ClickException(str(error)) from None

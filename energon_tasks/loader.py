@@ -36,8 +36,8 @@ def worker_config(dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0,
 
 
 def _packing(task_encoder: VLMTaskEncoder) -> int | None:
-    config = task_encoder.config
-    return config.packing_buffer_size if config.packing else None
+    budget = task_encoder.budget
+    return budget.packing_buffer_size if budget.packing else None
 
 
 def get_train_loader(

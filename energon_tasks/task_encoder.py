@@ -47,7 +47,7 @@ from energon_tasks.energon_dataset import (
     drain_skips,
     record_skip,
 )
-from energon_tasks.geometry import ImageGrid
+from energon_tasks.image_grid import ImageGrid
 from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
 
 
@@ -87,7 +87,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
     Args:
         config: every knob (``TaskEncoderConfig``).
         tokenizer: a transformers tokenizer with the profile's special tokens; loaded from
-            ``config.tokenizer_name`` when None.
+            ``config.resolve().tokenizer`` when None.
     """
 
     decoder = None  # raw bytes: media are decoded in encode_sample, at their planned size
@@ -95,12 +95,13 @@ class VLMTaskEncoder(DefaultTaskEncoder):
 
     def __init__(self, config: TaskEncoderConfig, tokenizer=None) -> None:
         super().__init__()
+        self.config, self.budget = config, config.resolve()
         if tokenizer is None:
             from energon_tasks.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(config.tokenizer_name, config.model)
-        self.config, self.tokenizer, self.geometry = config, tokenizer, config.geometry
-        self.hooks = config.profile.hooks(self)
+            tokenizer = load_tokenizer(self.budget.tokenizer, config.model)
+        self.tokenizer, self.geometry = tokenizer, self.budget.geometry
+        self.hooks = self.budget.profile.hooks(self)
         for name, token in self.hooks.SPECIAL_TOKENS.items():
             setattr(self, name, tokenizer.convert_tokens_to_ids(token))
         pad = tokenizer.pad_token_id
@@ -143,14 +144,14 @@ class VLMTaskEncoder(DefaultTaskEncoder):
     ) -> budget.Plan:
         """The budget plan of a sample from its metadata and text tokens (nothing decoded)."""
         turns = self.tokenize_turns(sample) if turns is None else turns
-        return budget.plan(sample, key=key, config=self.config,
+        return budget.plan(sample, key=key, budget=self.budget,
                            turn_text_tokens=[t.count() for t in turns],
                            video_extra_tokens=self._video_extra)
 
     def image_decode_options(self) -> dict:
         """``decode_image``'s ``draft`` / ``resize`` for ``config.image_decode``: exact = the
         whole image, the processor's resize (``geometry.image_resize``); fast = JPEG draft, PIL."""
-        if self.config.image_decode == "exact":
+        if self.budget.image_decode == "exact":
             return {"draft": False, "resize": self.geometry.image_resize}
         return {"draft": True, "resize": "pil"}
 
@@ -171,7 +172,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
             if media.part not in media_bytes:
                 raise MediaError("missing_media", f"{name}: member not in the shard")
             size = (item.grid.resized_height, item.grid.resized_width)
-            cap = self.config.max_source_pixels
+            cap = self.budget.max_source_pixels
             if item.kind == "image":
                 image = decode_image(media_bytes[media.part], size=size, max_source_pixels=cap,
                                      name=name, **self.image_decode_options())
@@ -294,7 +295,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         count of best-fit decreasing works, best-fit decreasing itself is used. Rows come out
         longest first, so consecutive rows (one batch) have similar lengths.
         """
-        capacity = self.config.seq_length
+        capacity = self.budget.seq_length
         tokens = [len(s.input_ids) for s in samples]
         patches = [len(s.pixel_values) + len(s.pixel_values_videos) for s in samples]
 
@@ -353,9 +354,9 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         counters = dict(self._pending)
         self._pending.clear()
         result = collate(
-            samples, pad_id=self.pad_id, multiple=self.config.length_multiple(),
-            fixed_length=self.config.seq_length if self.config.fixed_length else None,
-            packed=self.config.packing, budget_counters=counters)
+            samples, pad_id=self.pad_id, multiple=self.budget.length_multiple,
+            fixed_length=self.budget.seq_length if self.budget.fixed_length else None,
+            packed=self.budget.packing, budget_counters=counters)
         real = int(result.attention_mask.sum())
         result.budget_counters.update(tokens_real=real, tokens_total=result.input_ids.numel())
         return result
@@ -373,7 +374,7 @@ def task_encoder_for(config: TaskEncoderConfig, tokenizer=None) -> VLMTaskEncode
 
     Args:
         config: the task encoder settings.
-        tokenizer: a loaded tokenizer; None loads ``config.tokenizer_name`` (special tokens of the
-            model's profile checked by ``energon_tasks.tokenizer.load_tokenizer``).
+        tokenizer: a loaded tokenizer; None loads ``config.resolve().tokenizer`` (special tokens
+            of the model's profile checked by ``energon_tasks.tokenizer.load_tokenizer``).
     """
     return VLMTaskEncoder(config, tokenizer=tokenizer)

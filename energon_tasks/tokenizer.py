@@ -22,9 +22,8 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from energon_tasks.nemotron_omni import NEMOTRON_OMNI_SPECIAL_TOKENS
-from energon_tasks.profiles import get_profile
-from energon_tasks.qwen_vl import QWEN_SPECIAL_TOKENS
+from contract.families import QWEN2_5_VL
+from energon_tasks.profiles import PROFILES, get_profile
 
 _TRAINING_TEXT = [
     "user\nassistant\nsystem\nYou are a helpful assistant.",
@@ -69,7 +68,8 @@ def load_tokenizer(name_or_path: str, model: str | None = None, *, hint: str = L
         name_or_path: hub id (e.g. ``Qwen/Qwen2.5-VL-7B-Instruct``), a local folder, or ``test``
             (the test tokenizer, built in a temporary folder).
         model: the ``TaskEncoderConfig.model`` whose profile's special tokens are checked (its
-            hooks' ``REQUIRED_TOKENS``); None checks the Qwen ones.
+            hooks' ``REQUIRED_TOKENS``); None checks those of ``qwen2_5_vl`` (the config's
+            default model).
         hint: what the caller's user should pass instead of an unreachable hub id.
 
     Raises:
@@ -79,7 +79,7 @@ def load_tokenizer(name_or_path: str, model: str | None = None, *, hint: str = L
     """
     from transformers import AutoTokenizer
 
-    required = get_profile(model).hooks.REQUIRED_TOKENS if model else QWEN_SPECIAL_TOKENS
+    required = get_profile(model or QWEN2_5_VL).hooks.REQUIRED_TOKENS
     if name_or_path == TEST_TOKENIZER:
         with tempfile.TemporaryDirectory() as folder:
             return load_tokenizer(str(build_test_tokenizer(folder)), model)
@@ -114,12 +114,13 @@ def _from_cache_or_hub(hub_id: str):
 
 
 def build_test_tokenizer(directory: str | Path, *, vocab_size: int = 600) -> Path:
-    """Train a small byte-level BPE with the Qwen and Nemotron-Omni special tokens; save it for
+    """Train a small byte-level BPE with every profile's special tokens; save it for
     AutoTokenizer.
 
-    The Qwen tokens are the trainer's (ids 0-6, so Qwen tokenization is the same as before the
-    Nemotron tokens existed); the Nemotron-only ones are appended after training (ids after the
-    merges: 418, 419, 420 for ``<img>``, ``</img>``, ``<image>`` with the default training text).
+    The first profile's tokens (Qwen's) are the trainer's (ids 0-6, so Qwen tokenization is the
+    same as before other families existed); the other profiles' tokens are appended after
+    training, in registry order (Nemotron-Omni's: ids 418, 419, 420 for ``<img>``, ``</img>``,
+    ``<image>`` with the default training text).
 
     Args:
         directory: output folder (created; files overwritten).
@@ -136,20 +137,21 @@ def build_test_tokenizer(directory: str | Path, *, vocab_size: int = 600) -> Pat
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
+    first, *others = [profile.hooks.REQUIRED_TOKENS for profile in PROFILES.values()]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(QWEN_SPECIAL_TOKENS),
+        special_tokens=list(first),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_TRAINING_TEXT * 4, trainer=trainer)
-    extra = [t for t in NEMOTRON_OMNI_SPECIAL_TOKENS if t not in QWEN_SPECIAL_TOKENS]
+    extra = [t for t in dict.fromkeys(t for tokens in others for t in tokens) if t not in first]
     tokenizer.add_special_tokens(extra)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=[*QWEN_SPECIAL_TOKENS[1:], *extra],
+        additional_special_tokens=[*first[1:], *extra],
     )
     wrapped.save_pretrained(str(directory))
     return directory

@@ -4,7 +4,7 @@ arguments of transformers' forward of each family.
 
 Qwen-VL (``make_inputs``): one image; 3 images of different sizes interleaved with text; a video;
 3-D M-RoPE positions from ``mrope_positions`` (models may not import the data side's
-``energon_tasks.mrope``; this one covers the step-1 temporal positions these inputs need).
+``energon_tasks.families.qwen_vl.mrope``; this one covers the step-1 temporal positions these inputs need).
 
 Nemotron-Omni (``nemotron_inputs``): ours are image patch rows (sum t*h*w, C*P*P) +
 ``image_grid_thw`` (t = tiles, each its own segment); video tubelet rows (sum pairs*h*w,

@@ -30,7 +30,7 @@ def load_run_tokenizer(te_cfg: TaskEncoderConfig, run_folder: Path, *, builds: b
     """
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
 
-    name = te_cfg.tokenizer_name
+    name = te_cfg.resolve().tokenizer
     if te_cfg.tokenizer == "test":
         name = str(run_folder / "tokenizer")
         if builds:

@@ -250,7 +250,7 @@ def _profile_or_none(name: Any) -> str | None:
 def _check_hf_geometry(source: str, geometry: dict,
                        task_encoder: TaskEncoderConfig) -> list[str]:
     """The task encoder's patch / merge sizes must be those of the HF model's processors."""
-    ours = task_encoder.geometry
+    ours = task_encoder.resolve().geometry
     return [f"model.hf {source}: its processor's {name} is {value}, task_encoder.model "
             f"{task_encoder.model!r} uses {getattr(ours, name)}"
             for name, value in geometry.items() if getattr(ours, name) != value]

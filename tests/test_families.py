@@ -36,24 +36,27 @@ def test_tile_cap_from_max_pixels_is_explicit(caplog):
     with caplog.at_level(logging.WARNING, logger="energon_tasks.config"):
         config = TaskEncoderConfig(model="nemotron-omni-tiled", max_pixels=3 * 512**2 + 5)
         TaskEncoderConfig(model="nemotron_omni_tiled", max_pixels=3 * 512**2 + 5)
-    assert config.tile_cap == 3
-    geometry = config.geometry  # a 1:4 image: 3 tiles + thumbnail under the cap, 4 + 1 without
+    geometry = config.resolve().geometry
+    assert geometry.tile_cap(config.max_pixels) == 3
+    # a 1:4 image: 3 tiles + thumbnail under the cap, 4 + 1 without
     assert geometry.image_grid(512, 2048, max_pixels=config.max_pixels).grid_thw[0] == 4
     assert geometry.image_grid(512, 2048).grid_thw[0] == 5
     notices = [r.getMessage() for r in caplog.records if "tile" in r.getMessage()]
     assert notices == ["task_encoder: nemotron_omni_tiled reads max_pixels 786437 as a cap of 3 "
                        "tile(s) per image (below max_num_tiles 12); set max_pixels: null to use "
                        "max_num_tiles"]
-    assert TaskEncoderConfig(model="nemotron_omni_tiled", max_pixels=None).tile_cap is None
-    assert TaskEncoderConfig(model="nemotron_omni").tile_cap is None
+    assert geometry.tile_cap(None) is None
+    assert TaskEncoderConfig(model="nemotron_omni").resolve().geometry.tile_cap(3 * 512**2) is None
 
 
 def test_stats_estimates_use_the_loaders_defaults():
     for model in ("qwen2_5_vl", "qwen3_vl"):
-        config = TaskEncoderConfig(model=model)
+        config = TaskEncoderConfig(model=model).resolve()
         budget = default_budget(model)
-        assert (budget["min_pixels"], budget["max_pixels"]) == config.image_pixels()
-        assert (budget["video_min_pixels"], budget["video_max_pixels"]) == config.video_pixels()
+        assert (budget["min_pixels"], budget["max_pixels"]) == (config.min_pixels,
+                                                                config.max_pixels)
+        assert (budget["video_min_pixels"], budget["video_max_pixels"]) == (
+            config.video_min_pixels, config.video_max_pixels)
         assert (budget["video_fps"], budget["max_num_frames"]) == (config.video_fps,
                                                                     config.max_num_frames)
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from energon_tasks.budget import plan
 from energon_tasks.config import ConfigError, TaskEncoderConfig
-from energon_tasks.geometry import QWEN2_5_VL
+from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL
 from tests.energon_tasks.conftest import conversation, image_media, video_media
 
 F2 = 28 * 28  # Qwen2.5-VL: one visual token per 28x28 pixels
@@ -17,7 +17,7 @@ F2 = 28 * 28  # Qwen2.5-VL: one visual token per 28x28 pixels
 def run(turns, media, tokens=None, **knobs):
     config = TaskEncoderConfig(**{"min_pixels": 4 * F2, **knobs})
     sample = conversation(turns, media)
-    return plan(sample, key="k", config=config, turn_text_tokens=tokens or [10] * len(turns))
+    return plan(sample, key="k", budget=config.resolve(), turn_text_tokens=tokens or [10] * len(turns))
 
 
 def test_fits_without_action():
@@ -103,7 +103,7 @@ def test_config_reports_every_problem_and_rejects_unknown_keys():
     config = TaskEncoderConfig.from_dict({"seq_length": "1024", "packing": "true",
                                           "min_pixels": "null", "context_parallel_size": "2"})
     assert config.seq_length == 1024 and config.packing and config.min_pixels is None
-    assert config.length_multiple() == 8
+    assert config.resolve().length_multiple == 8
     with pytest.raises(ConfigError, match="multiple of 24"):
         TaskEncoderConfig(seq_length=1000, pad_to_multiple_of=8, context_parallel_size=3)
 

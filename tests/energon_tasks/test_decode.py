@@ -16,8 +16,8 @@ from transformers.image_transforms import convert_to_rgb
 from energon_tasks import task_encoder_for
 from energon_tasks.config import ConfigError, TaskEncoderConfig
 from energon_tasks.decode import MediaError, decode_image, decode_video_frames
-from energon_tasks.geometry import QWEN2_5_VL, QWEN3_VL
-from energon_tasks.nemotron_geometry import NEMOTRON_OMNI
+from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI
+from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL
 from energon_tasks.sample_format import Media
 from energon_tasks.task_encoder import cook_conversation
 from tests.energon_tasks.conftest import (
@@ -258,7 +258,7 @@ def test_task_encoder_image_decode_option(tokenizer, model, one_torch_thread):
         encoded = task_encoder_for(config, tokenizer=tokenizer).encode_sample(sample)
         rows[mode] = encoded.pixel_values.numpy()
         grid = encoded.image_grid_thw[0].tolist()
-    geometry = TaskEncoderConfig(model=model).geometry
+    geometry = TaskEncoderConfig(model=model).resolve().geometry
     if geometry is NEMOTRON_OMNI:
         expected = nemotron_reference(data, grid[1] * 16, grid[2] * 16)
     else:

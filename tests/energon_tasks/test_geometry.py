@@ -1,4 +1,4 @@
-"""energon_tasks.geometry (+ mrope, CLI) against the transformers processors and models it mirrors.
+"""The Qwen-VL geometry (+ mrope, CLI) against the transformers processors and models it mirrors.
 
 Every expected value comes from transformers (installed here, run locally, nothing downloaded) or
 from a hand-worked example written out in the test.
@@ -23,7 +23,7 @@ import transformers.models.qwen3_vl.video_processing_qwen3_vl as hf_video3
 from PIL import Image
 from transformers.video_utils import VideoMetadata
 
-from energon_tasks.geometry import (
+from energon_tasks.families.qwen_vl.geometry import (
     QWEN2_5_VL,
     QWEN3_VL,
     mrope_position_ids,
@@ -545,7 +545,7 @@ def _class_attributes(path: Path, name: str) -> dict:
 def test_model_configs_carry_the_geometry_patch_merge_and_temporal_sizes():
     """Each model config in configs/, as transformers reads its export, has the patch, merge and
     temporal sizes (and, Nemotron-Omni, the normalisation) of its family's geometry."""
-    from energon_tasks.nemotron_geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
+    from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
 
     configs = _model_configs()
     assert {"qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_2b", "qwen3_vl_4b", "qwen3_vl_8b",
@@ -606,7 +606,7 @@ def test_nemotron_geometry_constants_are_the_processors():
         NemotronH_Omni_Reasoning_V3VideoProcessor as VideoProcessor,
     )
 
-    from energon_tasks.nemotron_geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
+    from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
 
     source = (Path(transformers.__file__).parent / "models" / "nemotron_h_omni"
               / "image_processing_nemotron_h_omni.py")

@@ -1,4 +1,4 @@
-"""energon_tasks.nemotron_geometry against transformers' Nemotron-Omni processors / model (installed
+"""energon_tasks.families.nemotron_omni.geometry against transformers' Nemotron-Omni processors / model (installed
 here, nothing downloaded), InternVL's tiling rule, direct formulas, and the worked examples of
 docs/nemotron.md.
 
@@ -19,14 +19,14 @@ import pytest
 import torch
 import transformers
 
-from energon_tasks.geometry import ImageGrid
-from energon_tasks.nemotron_geometry import (
+from energon_tasks.families.nemotron_omni.geometry import (
     NEMOTRON_OMNI,
     NEMOTRON_OMNI_TILED,
     NemotronOmniGeometry,
     closest_aspect_ratio,
     pixel_shuffle,
 )
+from energon_tasks.image_grid import ImageGrid
 
 HF_DIR = Path(transformers.__file__).parent / "models" / "nemotron_h_omni"
 G, T = NEMOTRON_OMNI, NEMOTRON_OMNI_TILED

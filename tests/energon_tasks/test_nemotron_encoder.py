@@ -23,10 +23,10 @@ from contract.constants import IGNORE_INDEX, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, 
 from energon_tasks import budget, task_encoder, task_encoder_for
 from energon_tasks.config import ConfigError, TaskEncoderConfig
 from energon_tasks.decode import decode_image
-from energon_tasks.nemotron_geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
-from energon_tasks.nemotron_omni import NemotronOmniHooks
+from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
+from energon_tasks.families.nemotron_omni.hooks import NemotronOmniHooks
+from energon_tasks.families.qwen_vl.hooks import QwenVLHooks
 from energon_tasks.profiles import PROFILES
-from energon_tasks.qwen_vl import QwenVLHooks
 from energon_tasks.sample_format import CanonicalSample
 from energon_tasks.task_encoder import VLMTaskEncoder, cook_conversation
 from tests.conftest import read_samples
@@ -117,7 +117,7 @@ def test_real_shards_spans_pixels_and_grids(request, make_nemotron, model, fixtu
     out = request.getfixturevalue(fixture)
     encoder = make_nemotron(model=model, max_pixels=2048 * 256, max_num_frames=8,
                             seq_length=32768, max_visual_tokens=32768, max_num_images=16)
-    geo, low, high = encoder.geometry, *encoder.config.image_pixels()
+    geo, low, high = encoder.geometry, encoder.budget.min_pixels, encoder.budget.max_pixels
     seen = set()
     for sample in shard_samples(out, 3):
         conv = sample.conversation
@@ -237,7 +237,7 @@ def test_best_cap_always_fits(tokenizer, model):
             chunk = sizes[first:first + 3]
             media = [image_media(i, h, w) for i, (h, w) in enumerate(chunk)]
             sample = conversation([("user", "<image>" * len(chunk)), ("assistant", "x")], media)
-            plan = budget.plan(sample, key="c", config=config, turn_text_tokens=[5, 3])
+            plan = budget.plan(sample, key="c", budget=config.resolve(), turn_text_tokens=[5, 3])
             if plan.skip:
                 assert plan.skip == "too_many_visual_tokens"
                 continue
@@ -359,12 +359,12 @@ def test_visual_kinds_mixed_sample_batch_and_packing(tokenizer, model, video_out
 
 # ------------------------------------------------------------------------------- config / wiring
 def test_config_knobs_tokenizer_and_encoder_choice(tokenizer, tokenizer_dir, tmp_path):
-    assert TaskEncoderConfig(model="nemotron-omni").geometry is NEMOTRON_OMNI
-    assert TaskEncoderConfig(model="nemotron_omni_tiled").geometry is NEMOTRON_OMNI_TILED
+    assert TaskEncoderConfig(model="nemotron-omni").resolve().geometry is NEMOTRON_OMNI
+    assert TaskEncoderConfig(model="nemotron_omni_tiled").resolve().geometry is NEMOTRON_OMNI_TILED
     tiled = TaskEncoderConfig.from_dict({"model": "nemotron-omni-tiled", "max_num_tiles": "4",
-                                         "video_maintain_aspect_ratio": "false"})
+                                         "video_maintain_aspect_ratio": "false"}).resolve()
     assert tiled.geometry.max_num_tiles == 4 and not tiled.geometry.video_maintain_aspect_ratio
-    assert tiled.geometry.image_mode == "tiled" and tiled.family == "nemotron_omni"
+    assert tiled.geometry.image_mode == "tiled" and tiled.profile.family == "nemotron_omni"
     for bad in ({"model": "qwen2.5-vl", "max_num_tiles": 4},
                 {"model": "nemotron-omni", "max_num_tiles": 4},
                 {"model": "qwen3-vl", "video_maintain_aspect_ratio": False},
@@ -372,7 +372,7 @@ def test_config_knobs_tokenizer_and_encoder_choice(tokenizer, tokenizer_dir, tmp
                 {"model": "nemotron-omni", "video_max_pixels": 100}):
         with pytest.raises(ConfigError):
             TaskEncoderConfig(**bad)
-    assert TaskEncoderConfig(model="nemotron-omni").tokenizer_name == PROFILES[
+    assert TaskEncoderConfig(model="nemotron-omni").resolve().tokenizer == PROFILES[
         "nemotron_omni"].default_tokenizer == "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16"
     qwen = task_encoder_for(TaskEncoderConfig(), tokenizer)
     assert type(qwen) is VLMTaskEncoder and type(qwen.hooks) is QwenVLHooks
@@ -388,7 +388,8 @@ def test_config_knobs_tokenizer_and_encoder_choice(tokenizer, tokenizer_dir, tmp
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from energon_tasks.tokenizer import QWEN_SPECIAL_TOKENS, load_tokenizer
+    from energon_tasks.families.qwen_vl.hooks import QWEN_SPECIAL_TOKENS
+    from energon_tasks.tokenizer import load_tokenizer
 
     bare = Tokenizer(models.BPE())
     bare.pre_tokenizer = pre_tokenizers.ByteLevel()

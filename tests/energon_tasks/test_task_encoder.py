@@ -14,7 +14,7 @@ from PIL import Image
 
 from contract.constants import IGNORE_INDEX
 from energon_tasks import task_encoder
-from energon_tasks.geometry import QWEN2_5_VL
+from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL
 from energon_tasks.task_encoder import cook_conversation
 from tests.energon_tasks.conftest import (
     conversation,
@@ -71,7 +71,7 @@ def test_pixel_values_equal_hf_processor(make_encoder):
     out = encoder.encode_sample(image_sample("k", [("user", "<image>"), ("assistant", "x")],
                                              [(300, 45)]))
     image = Image.open(io.BytesIO(image_bytes(300, 45, seed=0)))
-    low, high = encoder.config.image_pixels()
+    low, high = encoder.budget.min_pixels, encoder.budget.max_pixels
     expected = hf_image_processor(QWEN2_5_VL, low, high)(images=[image], return_tensors="np")
     assert out.image_grid_thw.tolist() == expected["image_grid_thw"].tolist()
     np.testing.assert_allclose(out.pixel_values.numpy(), expected["pixel_values"], atol=1e-5)

@@ -10,7 +10,7 @@ computes each one exactly as the Hugging Face transformers (5.x) processors and 
   (``qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor.resize``);
 - frame picks, grids, token counts and the ``pixel_values`` row layout (``patchify``);
 - 3-D M-RoPE position ids (``mrope_position_ids``, the models' ``get_rope_index``; it lives in
-  ``energon_tasks.mrope`` and is re-exported here).
+  ``energon_tasks.families.qwen_vl.mrope`` and is re-exported here).
 
 The geometry of a model by name is ``energon_tasks.profiles.get_geometry`` (the profile registry).
 
@@ -27,10 +27,10 @@ from typing import Literal
 import numpy as np
 
 from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from energon_tasks.mrope import mrope_position_ids
+from energon_tasks.families.qwen_vl.mrope import mrope_position_ids
+from energon_tasks.image_grid import ImageGrid, check_aspect
 
 __all__ = [
-    "ImageGrid",
     "QWEN2_5_VL",
     "QWEN3_VL",
     "QwenVLGeometry",
@@ -39,16 +39,7 @@ __all__ = [
     "smart_resize_clip",
 ]
 
-MAX_ASPECT_RATIO = 200
 RESCALE_FACTOR = 1 / 255
-
-
-def _check_aspect(height: int, width: int) -> None:
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        ratio = max(height, width) / min(height, width)
-        raise ValueError(
-            f"size {height}x{width} (HxW) has aspect ratio {ratio:.1f}, above {MAX_ASPECT_RATIO}"
-        )
 
 
 def _fit(frames, t_bar, height, width, factor, min_pixels, max_pixels) -> tuple[int, int]:
@@ -77,7 +68,7 @@ def smart_resize(
     """
     if height < 1 or width < 1 or min_pixels < 1:
         raise ValueError(f"size {height}x{width} (HxW), min_pixels {min_pixels}: need >= 1")
-    _check_aspect(height, width)
+    check_aspect(height, width)
     return _fit(1, 1, height, width, factor, min_pixels, max_pixels)
 
 
@@ -106,19 +97,9 @@ def smart_resize_clip(
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    _check_aspect(height, width)
+    check_aspect(height, width)
     t_bar = round(num_frames / temporal_factor) * temporal_factor
     return _fit(num_frames, t_bar, height, width, factor, min_pixels, max_pixels)
-
-
-@dataclass(frozen=True, slots=True)
-class ImageGrid:
-    """Resize target and patch grid of one image or video."""
-
-    resized_height: int  #: pixels, a multiple of the model factor
-    resized_width: int  #: pixels, a multiple of the model factor
-    grid_thw: tuple[int, int, int]  #: (temporal, height, width) in patches, before the merge
-    visual_tokens: int  #: LLM tokens after the spatial merge: t*h*w / merge_size**2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,6 +141,10 @@ class QwenVLGeometry:
         """Granularity of ``max_pixels`` for the budget planner: 1 (``smart_resize`` reads any
         area), see ``energon_tasks.budget._best_cap``."""
         return 1
+
+    def image_cap_notice(self, max_pixels: int | None) -> str | None:
+        """None: ``max_pixels`` is an area cap, read as written."""
+        return None
 
     def _grid(self, num_frames: int, height: int, width: int) -> ImageGrid:
         grid_t = -(-num_frames // self.temporal_patch_size)  # patchify pads with the last frame

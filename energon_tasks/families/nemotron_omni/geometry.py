@@ -1,7 +1,8 @@
 """Nemotron-Omni model geometry: resize sizes, tile grids, token counts, frame picks, timestamps.
 
-The Nemotron-Omni counterpart of ``energon_tasks.geometry.QwenVLGeometry`` (same method names and
-``ImageGrid`` results, so the budget planner can take either). Three input paths:
+The Nemotron-Omni counterpart of the Qwen-VL package's ``QwenVLGeometry`` (the same
+``energon_tasks.families.Geometry`` interface and ``ImageGrid`` results, so the budget planner can
+take either). Three input paths:
 
 - ``dynamic`` images (the default): native aspect ratio, patch 16, 2x2 pixel shuffle. The patch
   grid is exactly transformers' ``nemotron_h_omni.image_processing_nemotron_h_omni.
@@ -32,7 +33,7 @@ from typing import Literal
 import numpy as np
 
 from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from energon_tasks.geometry import MAX_ASPECT_RATIO, ImageGrid
+from energon_tasks.image_grid import MAX_ASPECT_RATIO, ImageGrid
 
 __all__ = [
     "NEMOTRON_OMNI",
@@ -280,10 +281,26 @@ class NemotronOmniGeometry:
         """
         if self.image_mode == "dynamic":
             return self.dynamic_grid(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
-        cap = self.max_num_tiles
-        if max_pixels is not None:
-            cap = max(self.min_num_tiles, min(cap, max_pixels // self.tile_size**2))
+        cap = self.max_num_tiles if max_pixels is None else self.tile_cap(max_pixels)
         return self.tiled_grid(height, width, max_num_tiles=cap).as_image_grid()
+
+    def tile_cap(self, max_pixels: int | None) -> int | None:
+        """Tiled images: the tile cap ``max_pixels`` leaves, max(min_num_tiles,
+        min(max_num_tiles, max_pixels // tile_size**2)); None on dynamic images or without a
+        pixel cap."""
+        if self.image_mode != "tiled" or max_pixels is None:
+            return None
+        return max(self.min_num_tiles, min(self.max_num_tiles, max_pixels // self.tile_size**2))
+
+    def image_cap_notice(self, max_pixels: int | None) -> str | None:
+        """What a user should be told when ``max_pixels`` caps the tiles below
+        ``max_num_tiles`` (None when it does not)."""
+        cap = self.tile_cap(max_pixels)
+        if cap is None or cap >= self.max_num_tiles:
+            return None
+        return (f"{self.name} reads max_pixels {max_pixels} as a cap of {cap} tile(s) per image "
+                f"(below max_num_tiles {self.max_num_tiles}); set max_pixels: null to use "
+                "max_num_tiles")
 
     # ----------------------------------------------------------------------------- video
     def video_frame_indices(self, total_frames: int, source_fps: float, *,

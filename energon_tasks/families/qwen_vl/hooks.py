@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from energon_tasks.geometry import mrope_position_ids
+from energon_tasks.families.qwen_vl.geometry import mrope_position_ids
 from energon_tasks.sample_format import Media
 
 #: Qwen2.5-VL vision_config.tokens_per_second: M-RoPE time units per second of video.

@@ -2,8 +2,8 @@
 
 ``NemotronOmniHooks`` is what ``energon_tasks.task_encoder.VLMTaskEncoder`` asks for every step
 that depends on the model (``energon_tasks.profiles`` names it for ``nemotron_omni`` and
-``nemotron_omni_tiled``); cooking, the budget plan (``energon_tasks.budget``, driven by
-``energon_tasks.nemotron_geometry``), decoding, labels, packing and batching are the encoder's own.
+``nemotron_omni_tiled``); cooking, the budget plan (``energon_tasks.budget``, driven by this
+package's ``geometry``), decoding, labels, packing and batching are the encoder's own.
 What differs from Qwen-VL, each checked against transformers' ``nemotron_h_omni`` processors /
 model:
 
@@ -112,7 +112,7 @@ class NemotronOmniHooks:
             if item.grid.grid_thw[0] > grid_tiles:
                 thumbnail = decode_image(
                     media_bytes[media.part], size=(geo.tile_size, geo.tile_size),
-                    max_source_pixels=self.encoder.config.max_source_pixels,
+                    max_source_pixels=self.encoder.budget.max_source_pixels,
                     name=f"{plan.key}.{media.part}",
                     **self.encoder.image_decode_options()).pixels
             out[number] = geo.tiles(image, thumbnail)

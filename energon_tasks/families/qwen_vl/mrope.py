@@ -1,7 +1,7 @@
 """3-D M-RoPE position ids of Qwen2.5-VL / Qwen3-VL for one sample (text, images, videos).
 
 A direct rewrite of the models' ``get_rope_index`` (transformers ``Qwen2_5_VLModel`` /
-``Qwen3VLModel``) over numpy; re-exported by ``energon_tasks.geometry``.
+``Qwen3VLModel``) over numpy; re-exported by ``energon_tasks.families.qwen_vl.geometry``.
 """
 
 from __future__ import annotations

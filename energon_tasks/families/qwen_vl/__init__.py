@@ -1,0 +1,24 @@
+"""The Qwen-VL family package of the data side: Qwen2.5-VL and Qwen3-VL (dense).
+
+- ``geometry.py``: every size the processors impose (``QwenVLGeometry``: resize, grids, token
+  counts, frame picks, pixel rows), equal to transformers';
+- ``mrope.py``: the 3-D M-RoPE position ids (the models' ``get_rope_index``);
+- ``hooks.py``: the task-encoder hooks (ChatML tokens, spans, pixel rows, positions).
+
+``PROFILES`` are this package's profiles (``energon_tasks.families.Profile``); Qwen-VL reads no
+profile-only knob.
+"""
+
+from __future__ import annotations
+
+from contract import families as F
+from energon_tasks.families import Profile
+from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL
+from energon_tasks.families.qwen_vl.hooks import QwenVLHooks
+
+PROFILES = (
+    Profile(name=F.QWEN2_5_VL, family=F.PROFILES[F.QWEN2_5_VL], geometry=QWEN2_5_VL,
+            hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen2.5-VL-7B-Instruct"),
+    Profile(name=F.QWEN3_VL, family=F.PROFILES[F.QWEN3_VL], geometry=QWEN3_VL,
+            hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen3-VL-8B-Instruct"),
+)
