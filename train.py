@@ -37,6 +37,7 @@ from contract.cli import run_click
 from contract.errors import UsageError
 from contract.families import TASK_ENCODER_MODELS
 from models import cpu
+from models.families import get as get_family
 from recipes.checkpointing import (
     load_checkpoint,
     read_rank_state,
@@ -242,16 +243,15 @@ def check_run(cfg, world: int) -> None:
         raise ConfigError(f"task_encoder.model {cfg.task_encoder.model!r} does not feed "
                           f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
     p, te_cfg = cfg.parallel, cfg.task_encoder
-    if cfg.model.family == "nemotron_omni" and cfg.model.lm.num_layers % p.pp:
-        raise UsageError(f"parallel.pp {p.pp} does not divide the {cfg.model.lm.num_layers} layers "
-                         f"of model.lm.pattern {cfg.model.lm.pattern!r} (MambaModel splits it "
-                         "evenly)")
+    family = get_family(cfg.model.family)
+    problems = family.layout_problems(cfg.model, p)
+    if problems:
+        raise UsageError("; ".join(problems))
     if p.cp > 1 and te_cfg.packing:
         raise UsageError("parallel.cp > 1 with task_encoder.packing is not supported yet "
                          "(packed rows need a per-segment CP split)")
     if p.ep > 1:
-        experts = getattr(cfg.model.lm, "num_experts", 0) if "E" in getattr(
-            cfg.model.lm, "pattern", "") else 0
+        experts = family.num_experts(cfg.model)
         if not experts or experts % p.ep:
             raise UsageError(f"parallel.ep {p.ep} needs MoE layers whose expert count it divides "
                              f"(model.family {cfg.model.family!r} has "

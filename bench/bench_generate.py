@@ -33,7 +33,7 @@ NEVER = 151645  # an id outside the tiny vocabulary: generation runs to max_new_
 def make_prompts(cfg, n: int, seed: int = 0):
     """n prompts: 6 text tokens, one 8x8-patch image, 5 text tokens."""
     from models.generate import Prompt
-    from models.verify_inputs import mrope_positions
+    from models.mrope import mrope_positions
 
     g = torch.Generator().manual_seed(seed)
     v, merge = cfg.vision, cfg.vision.spatial_merge_size

@@ -47,8 +47,8 @@ def build_pair(overrides: list[str]):
     import transformers as tf
 
     from models.checkpoint import build_model
-    from models.nemotron_hf_mapping import ours_to_hf
-    from models.nemotron_omni_config import load_yaml, to_hf_dict
+    from models.families.nemotron_omni.config import load_yaml, to_hf_dict
+    from models.families.nemotron_omni.hf_mapping import ours_to_hf
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml", overrides)
     torch.manual_seed(0)

@@ -136,10 +136,10 @@ def _encoder(path: str):
     module = "nemotron_omni" if path.startswith("nemotron") else "qwen2_5_vl"
     cfg = config_module(module).load_yaml(REPO / config, [*ENCODER_SHAPE, *extra])
     if path.startswith("nemotron"):
-        from models.radio import RadioEncoder
+        from models.families.nemotron_omni.radio import RadioEncoder
 
         return RadioEncoder(cfg, use_te=False).eval(), 3 * cfg.vision.patch_size**2
-    from models.vision import QwenVisionEncoder
+    from models.families.qwen_vl.vision import QwenVisionEncoder
 
     v = cfg.vision
     return QwenVisionEncoder(cfg, use_te=False).eval(), 3 * v.temporal_patch_size * v.patch_size**2

@@ -33,12 +33,14 @@ sys.path.insert(0, str(REPO))
 
 from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI  # noqa: E402
 from energon_tasks.profiles import get_geometry  # noqa: E402
+from models.families.nemotron_omni.model import RADIO_COST  # noqa: E402
+from models.families.qwen_vl.model import COST_MODELS  # noqa: E402
 from models.vision_dp import CostModel, count_split, plan_shares  # noqa: E402
 
 #: family -> (geometry, image (min, max) pixels, cost model)
 FAMILIES = {
-    "qwen2.5-vl": (get_geometry("qwen2.5-vl"), (200704, 1003520), CostModel.qwen2_5_vl()),
-    "nemotron-omni": (NEMOTRON_OMNI, (None, None), CostModel.radio()),
+    "qwen2.5-vl": (get_geometry("qwen2.5-vl"), (200704, 1003520), COST_MODELS["qwen2_5_vl"]),
+    "nemotron-omni": (NEMOTRON_OMNI, (None, None), RADIO_COST),
 }
 GEO, (MIN_PX, MAX_PX), COST = FAMILIES["qwen2.5-vl"]
 

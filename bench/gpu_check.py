@@ -98,12 +98,12 @@ def vision_part(smoke: bool, repeats: int) -> list[dict]:
         sizes = [(h // 8, w // 8) for h, w in IMAGES] if smoke else IMAGES
         grids = [list(geometry.image_grid(h, w).grid_thw) for h, w in sizes]
         if family == "nemotron_omni":
-            from models.radio import RadioEncoder
+            from models.families.nemotron_omni.radio import RadioEncoder
 
             tower = RadioEncoder(cfg, use_te=use_te)
             width = cfg.vision.in_channels * cfg.vision.patch_size ** 2
         else:
-            from models.vision import QwenVisionEncoder
+            from models.families.qwen_vl.vision import QwenVisionEncoder
 
             tower = QwenVisionEncoder(cfg, use_te=use_te)
             v = cfg.vision

@@ -108,7 +108,7 @@ def load_hf_weights(model, cfg, folder: Path) -> dict:
         ValueError: a key or shape that does not map (the first offender named).
     """
     from models.checkpoint import global_keys, shard_for_rank, weight_shapes
-    from models.hf_mapping import read_hf_folder
+    from models.hf_weights import read_hf_folder
 
     hf_config, hf_sd = read_hf_folder(folder)
     to_global = global_keys(model)
@@ -183,8 +183,8 @@ def mcore_to_hf(mcore: Path, out: Path) -> None:
     from an import folder or a train.py run / step folder, whatever TP / PP / EP it was saved
     with (loaded here at TP = PP = EP = 1)."""
     from models.checkpoint import HF_JSON, find_model_checkpoint, init_parallel, load_checkpoint
-    from models.hf_mapping import is_our_key, write_hf_folder
     from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES, copy_files
+    from models.hf_weights import is_our_key, write_hf_folder
 
     init_parallel()
     _cfg, _weights, files = find_model_checkpoint(mcore)

@@ -8,18 +8,10 @@ the task encoder (``task_encoder_settings``: tokenizer, image / video pixel limi
 video patches, and the patch / merge sizes the geometry must have) and which of its files travel
 with checkpoints and exports (``TOKENIZER_FILES``, ``PROCESSOR_FILES``, ``copy_files``).
 
-Pixel settings, by family (the keys transformers' processors save):
-
-* Qwen2.5-VL / Qwen3-VL: ``preprocessor_config.json`` ``min_pixels`` / ``max_pixels`` (hub files
-  of Qwen2.5-VL) or ``size.shortest_edge`` / ``size.longest_edge`` (transformers 5.x) ->
-  ``min_pixels`` / ``max_pixels``; the same keys of ``video_preprocessor_config.json`` ->
-  ``video_min_pixels`` / ``video_max_pixels``; ``patch_size`` / ``merge_size``.
-* Nemotron-Omni: ``min_num_patches`` / ``max_num_patches`` x ``patch_size``**2 -> ``min_pixels`` /
-  ``max_pixels``; ``downsample_ratio`` -> merge size; ``video_target_num_patches`` and
-  ``video_maintain_aspect_ratio`` of ``video_preprocessor_config.json``.
-
-A processor config may also sit inside ``processor_config.json`` (``image_processor`` /
-``video_processor`` entries); those are read when the separate files are absent.
+Pixel settings: each family reads the keys its transformers processors save
+(``processor_settings`` of its package, ``models.families``). A processor config may also sit
+inside ``processor_config.json`` (``image_processor`` / ``video_processor`` entries); those are
+read when the separate files are absent.
 """
 
 from __future__ import annotations
@@ -29,6 +21,8 @@ import json
 import re
 import shutil
 from pathlib import Path
+
+from models.families import get as get_family
 
 #: the model's files other than weights: config, tokenizer, processors, chat template
 SMALL_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
@@ -115,45 +109,17 @@ def _processor(folder: Path, file: str, entry: str) -> dict:
     return (read_json(combined).get(entry) or {}) if combined.is_file() else {}
 
 
-def _pixel_limits(config: dict) -> tuple[int | None, int | None]:
-    size = config.get("size") or {}
-    return (config.get("min_pixels", size.get("shortest_edge")),
-            config.get("max_pixels", size.get("longest_edge")))
-
-
 def task_encoder_settings(folder: Path, family: str) -> tuple[dict, dict]:
     """(task encoder values, geometry) the model's own files set.
 
     The values are ``TaskEncoderConfig`` fields (``tokenizer`` = the folder; the pixel limits
-    its processor configs set, see the module docstring); the geometry is the
-    ``patch_size`` / ``merge_size`` the processors use (absent keys are left out).
+    its processor configs set, read by the family: its ``processor_settings``); the geometry is
+    the ``patch_size`` / ``merge_size`` the processors use (absent keys are left out).
     """
     image = _processor(folder, "preprocessor_config.json", "image_processor")
     video = _processor(folder, "video_preprocessor_config.json", "video_processor")
-    values: dict = {"tokenizer": str(folder)}
-    geometry: dict = {}
-    if family == "nemotron_omni":
-        patch = image.get("patch_size")
-        if patch:
-            geometry["patch_size"] = patch
-            for ours, theirs in (("min_pixels", "min_num_patches"),
-                                 ("max_pixels", "max_num_patches")):
-                if image.get(theirs) is not None:
-                    values[ours] = int(image[theirs]) * patch ** 2
-        if image.get("downsample_ratio"):
-            geometry["merge_size"] = round(1 / float(image["downsample_ratio"]))
-        for key in ("video_target_num_patches", "video_maintain_aspect_ratio"):
-            if video.get(key) is not None:
-                values[key] = video[key]
-    else:
-        for prefix, config in (("", image), ("video_", video)):
-            low, high = _pixel_limits(config)
-            if low is not None:
-                values[f"{prefix}min_pixels"] = int(low)
-            if high is not None:
-                values[f"{prefix}max_pixels"] = int(high)
-        geometry.update({k: image[k] for k in ("patch_size", "merge_size") if image.get(k)})
-    return values, geometry
+    values, geometry = get_family(family).processor_settings(image, video)
+    return {"tokenizer": str(folder), **values}, geometry
 
 
 def copy_files(folder: Path, out: Path, names: tuple[str, ...]) -> list[str]:

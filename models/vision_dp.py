@@ -42,8 +42,9 @@ class CostModel:
 
     Defaults: Qwen2.5-VL ViT forward FLOPs (32 layers, hidden 1280, gated MLP 3420, window
     attention of 64 patches except 4 full-attention layers): 1.27e9 * p + 2.05e4 * p**2 FLOPs,
-    normalised. Calibrate on the target hardware with :meth:`fit` on measured per-image encoder
-    times (forward + backward) over a range of sizes.
+    normalised; each family package holds its towers' cost models. Calibrate on the target
+    hardware with :meth:`fit` on measured per-image encoder times (forward + backward) over a
+    range of sizes.
     """
 
     per_patch: float = 1.0  #: linear term (patch embed, MLPs, projections, window attention)
@@ -51,21 +52,6 @@ class CostModel:
 
     def cost(self, patches: int) -> float:
         return self.per_patch * patches + self.per_patch_sq * patches * patches
-
-    @classmethod
-    def qwen2_5_vl(cls) -> CostModel:
-        return cls(per_patch=1.0, per_patch_sq=1.6e-5)
-
-    @classmethod
-    def qwen3_vl(cls) -> CostModel:
-        """27 full-attention layers, hidden 1152, MLP 4304: 8.2e8 * p + 1.24e5 * p**2 FLOPs."""
-        return cls(per_patch=1.0, per_patch_sq=1.5e-4)
-
-    @classmethod
-    def radio(cls) -> CostModel:
-        """RADIO (Nemotron-Omni): 32 full-attention layers, hidden 1280, MLP 5120:
-        1.26e9 * p + 1.64e5 * p**2 FLOPs (p includes the 10 class/register tokens)."""
-        return cls(per_patch=1.0, per_patch_sq=1.3e-4)
 
     @classmethod
     def fit(cls, patches: Sequence[int], seconds: Sequence[float]) -> CostModel:

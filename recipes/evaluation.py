@@ -29,6 +29,7 @@ import yaml
 
 from contract.errors import UsageError
 from contract.families import TASK_ENCODER_MODELS
+from models.families import family_of
 from models.generate import GenerationStats
 
 
@@ -206,12 +207,8 @@ def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
     if geometry.name not in want:
         raise UsageError(f"checkpoint is a {cfg.family} model, the config's task encoder is "
                          f"{te_model!r} (set task_encoder.model={want[0]})")
-    v = cfg.vision
-    temporal = (v.video_temporal_patch_size if cfg.family == "nemotron_omni"
-                else v.temporal_patch_size)
-    for name, ours, theirs in (("patch_size", v.patch_size, geometry.patch_size),
-                               ("merge_size", cfg.merge_size, geometry.merge_size),
-                               ("temporal_patch_size", temporal, geometry.temporal_patch_size)):
+    for name, ours in family_of(cfg).vision_geometry(cfg).items():
+        theirs = getattr(geometry, name)
         if ours != theirs:
             raise UsageError(f"checkpoint vision {name} is {ours}, the task encoder's "
                              f"{geometry.name} geometry uses {theirs}")

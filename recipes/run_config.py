@@ -26,9 +26,9 @@ from contract.errors import ConfigError  # the message lists every problem, sepa
 from contract.families import TASK_ENCODER_MODELS, profile_name
 from energon_tasks.config import TaskEncoderConfig
 from models.families import config_from_dict
-from models.nemotron_omni_config import NemotronOmniModelConfig
+from models.families.nemotron_omni.config import NemotronOmniModelConfig
+from models.families.qwen_vl.config import QwenVLModelConfig
 from models.overrides import apply_override
-from models.qwen_vl_config import QwenVLModelConfig
 
 
 @dataclass(kw_only=True, slots=True)

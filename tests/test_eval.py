@@ -49,7 +49,7 @@ def imported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 def _prompts(cfg):
     """A text-only prompt and a text + image + text prompt (random ids above the specials)."""
     from models.generate import Prompt
-    from models.verify_inputs import mrope_positions
+    from models.mrope import mrope_positions
 
     g = torch.Generator().manual_seed(3)
     v, merge = cfg.vision, cfg.vision.spatial_merge_size

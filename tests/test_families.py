@@ -14,7 +14,7 @@ from converters.stats import default_budget
 from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.profiles import PROFILES
 from models import families as M
-from models.qwen_vl_config import load_yaml
+from models.families.qwen_vl.config import load_yaml
 from tests.conftest import REPO
 
 

@@ -17,7 +17,8 @@ F2 = 28 * 28  # Qwen2.5-VL: one visual token per 28x28 pixels
 def run(turns, media, tokens=None, **knobs):
     config = TaskEncoderConfig(**{"min_pixels": 4 * F2, **knobs})
     sample = conversation(turns, media)
-    return plan(sample, key="k", budget=config.resolve(), turn_text_tokens=tokens or [10] * len(turns))
+    return plan(sample, key="k", budget=config.resolve(),
+                turn_text_tokens=tokens or [10] * len(turns))
 
 
 def test_fits_without_action():

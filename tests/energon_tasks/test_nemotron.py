@@ -1,4 +1,4 @@
-"""energon_tasks.families.nemotron_omni.geometry against transformers' Nemotron-Omni processors / model (installed
+"""The Nemotron-Omni geometry against transformers' Nemotron-Omni processors / model (installed
 here, nothing downloaded), InternVL's tiling rule, direct formulas, and the worked examples of
 docs/nemotron.md.
 

@@ -40,8 +40,8 @@ def main() -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from models.nemotron_omni import NemotronOmni
-    from models.nemotron_omni_config import load_yaml
+    from models.families.nemotron_omni.config import load_yaml
+    from models.families.nemotron_omni.model import NemotronOmni
     from models.vision_dp import allreduce_grads
 
     torch.set_num_threads(1)

@@ -66,7 +66,7 @@ def test_mamba_without_kernels_refused(monkeypatch):
     import importlib.util
 
     from models.checkpoint import build_model, init_parallel
-    from models.nemotron_omni_config import load_yaml
+    from models.families.nemotron_omni.config import load_yaml
 
     if importlib.util.find_spec("mamba_ssm") is not None:
         pytest.skip("mamba_ssm is installed")
@@ -143,7 +143,7 @@ def test_mixed_image_video_batch_matches_rows_alone():
     mix both kinds, scattered in ``visual_kinds`` order, gives each row the logits it has alone;
     without the order (or with a wrong one) the model refuses, naming the row."""
     from models.checkpoint import build_model, init_parallel
-    from models.nemotron_omni_config import load_yaml
+    from models.families.nemotron_omni.config import load_yaml
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
     assert cfg.image_token_id == cfg.video_token_id
@@ -185,8 +185,8 @@ def test_tiny_config_trains_and_generates():
     generation (KV cache and Mamba conv / SSM states, a batch of two prompt lengths) equals greedy
     decoding by full forwards."""
     from models.checkpoint import build_model, init_parallel
+    from models.families.nemotron_omni.config import load_yaml
     from models.generate import Prompt, greedy_generate
-    from models.nemotron_omni_config import load_yaml
     from models.verify_inputs import make_inputs
 
     for path in sorted((REPO / "configs").glob("nemotron_omni_*.yaml")):
@@ -314,10 +314,10 @@ def test_mamba_mixer_on_torch_kernels():
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from packaging.version import Version
 
+    from models.families.nemotron_omni.config import load_yaml
+    from models.families.nemotron_omni.model import lm_transformer_config
     from models.generate import _inference_mode, _make_context
     from models.multimodal import packed_sequence_params
-    from models.nemotron_omni import lm_transformer_config
-    from models.nemotron_omni_config import load_yaml
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
     torch.manual_seed(0)
@@ -347,8 +347,8 @@ def test_mamba_mixer_on_torch_kernels():
 
 
 def test_batch_flops_counts_layers_and_vision():
+    from models.families.nemotron_omni.config import load_yaml
     from models.flops import batch_flops
-    from models.nemotron_omni_config import load_yaml
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
     empty = torch.zeros(0, 3, dtype=torch.long)
@@ -409,8 +409,8 @@ def test_generation_batch_mixing_images_and_videos():
     """eval.py batches prompts: an image prompt, a video prompt and a prompt with both on the one
     ``<image>`` token generate in one batch exactly what each generates alone."""
     from models.checkpoint import build_model, init_parallel
+    from models.families.nemotron_omni.config import load_yaml
     from models.generate import Prompt, greedy_generate
-    from models.nemotron_omni_config import load_yaml
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
     init_parallel()

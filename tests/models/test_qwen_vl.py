@@ -86,7 +86,7 @@ def test_count_mismatch_names_row(imported):
 
 
 def test_interleaved_mrope_section():
-    from models.qwen_vl import megatron_mrope_section
+    from models.families.qwen_vl.model import megatron_mrope_section
 
     assert megatron_mrope_section([16, 24, 24], False) == [16, 24, 24]
     chunks = megatron_mrope_section([24, 20, 20], True)
@@ -147,7 +147,7 @@ def test_tiny_config_trains(name):
     import glob
 
     from models.checkpoint import build_model, init_parallel
-    from models.qwen_vl_config import load_yaml
+    from models.families.qwen_vl.config import load_yaml
     from models.verify_inputs import make_inputs
 
     for path in glob.glob(str(REPO / "configs" / "qwen*_vl_*.yaml")):
@@ -166,7 +166,7 @@ def test_visual_kinds_ignored_with_separate_tokens():
     image / video order) is not read, so a batch mixing both gives the same logits with it,
     without it, or with a wrong one (Qwen3-VL: DeepStack included)."""
     from models.checkpoint import build_model, init_parallel
-    from models.qwen_vl_config import load_yaml
+    from models.families.qwen_vl.config import load_yaml
     from models.verify_inputs import make_inputs
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_tiny.yaml", ["lm.max_position_embeddings=512"])

@@ -1,8 +1,8 @@
 """Nemotron-Omni (NemotronH_Omni_Reasoning_V3): RADIO vision tower + megatron-core hybrid
 ``MambaModel`` language model.
 
-This module owns the assembled VLM (``NemotronOmni``, same public interface as
-``models.qwen_vl.QwenVL``): the hybrid language model and its layer specs, the scatter of visual
+This module owns the assembled VLM (``NemotronOmni``, same public interface as the Qwen-VL
+package's ``QwenVL``): the hybrid language model and its layer specs, the scatter of visual
 embeddings into the context tokens, and the loss on the batch contract (labels unshifted, the
 model shifts; packed rows run as megatron's THD format over ``cu_seqlens``).
 
@@ -22,7 +22,7 @@ layer count) and numbers the layers globally (dist checkpoints load at any PP); 
 embedding live on the first stage, the output layer + loss on the last
 (``models.multimodal.PipelineStagesMixin``, as Qwen-VL).
 
-Vision: ``models.radio.RadioEncoder`` (tower, pixel shuffle, projector) behind the shared
+Vision: this package's ``radio.RadioEncoder`` (tower, pixel shuffle, projector) behind the shared
 ``VisionDPOverCP`` (whole images / tiles / tubelets spread over the context-parallel ranks).
 ``encode_visual(pixel_values, grid_thw) -> embeds`` is the one call into it.
 """
@@ -38,12 +38,16 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.families.nemotron_omni.config import NemotronOmniModelConfig
+from models.families.nemotron_omni.radio import RadioEncoder
 from models.multimodal import PipelineStagesMixin, scatter_visual
-from models.nemotron_omni_config import NemotronOmniModelConfig
-from models.radio import RadioEncoder
 from models.recompute import transformer_config_kwargs
 from models.segment_attention import with_packed_attention
 from models.vision_dp import CostModel, VisionDPOverCP
+
+#: RADIO's vision-DP cost model: 32 full-attention layers, hidden 1280, MLP 5120:
+#: 1.26e9 * p + 1.64e5 * p**2 FLOPs (p includes the 10 class/register tokens), normalised
+RADIO_COST = CostModel(per_patch=1.0, per_patch_sq=1.3e-4)
 
 #: the eps of the gated RMSNorm inside megatron's Mamba mixer (fixed in its constructor)
 MAMBA_NORM_EPS = 1e-5
@@ -266,7 +270,7 @@ class NemotronOmni(PipelineStagesMixin, MegatronModule):
             self._vision_dp = VisionDPOverCP(
                 self.vision, hidden_size=cfg.lm.hidden_size, merge_size=cfg.merge_size,
                 cp_group=self._context_parallel_group(), enabled=vision_dp_over_cp,
-                cost_model=CostModel.radio())
+                cost_model=RADIO_COST)
 
     # ---------------------------------------------------------------- vision
     def encode_visual(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ unknown keys rejected, dotted ``key=value`` overrides), and back to a Hugging Fa
 
 Field names that the data side sets (``image_token_id``, ``video_token_id``,
 ``vision_start_token_id``, ``vision_end_token_id``, ``lm.vocab_size``) are spelled as in
-``models.qwen_vl_config.QwenVLModelConfig``.
+the Qwen-VL package's ``QwenVLModelConfig``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import yaml
 
 from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from contract.families import HF_MODEL_TYPES, NEMOTRON_OMNI
+from models.config_sections import hf_value as _get
+from models.config_sections import sections_from_dict
 from models.overrides import apply_override
-from models.qwen_vl_config import _get, sections_from_dict
 from models.recompute import check_mode
 
 FAMILY = NEMOTRON_OMNI

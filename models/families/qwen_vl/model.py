@@ -25,12 +25,18 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.families.qwen_vl.config import QwenVLModelConfig
+from models.families.qwen_vl.vision import QwenVisionEncoder
 from models.multimodal import PipelineStagesMixin, scatter_visual
-from models.qwen_vl_config import QwenVLModelConfig
 from models.recompute import transformer_config_kwargs
 from models.segment_attention import with_packed_attention
-from models.vision import QwenVisionEncoder
-from models.vision_dp import VisionDPOverCP
+from models.vision_dp import CostModel, VisionDPOverCP
+
+#: vision-DP cost models of the towers (``models.vision_dp.CostModel``; the model uses the
+#: default, Qwen2.5-VL's, for both): Qwen3-VL's 27 full-attention layers, hidden 1152, MLP 4304:
+#: 8.2e8 * p + 1.24e5 * p**2 FLOPs
+COST_MODELS = {"qwen2_5_vl": CostModel(per_patch=1.0, per_patch_sq=1.6e-5),
+               "qwen3_vl": CostModel(per_patch=1.0, per_patch_sq=1.5e-4)}
 
 
 def megatron_mrope_section(section: list[int], interleaved: bool) -> list[int]:

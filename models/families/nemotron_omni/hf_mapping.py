@@ -3,9 +3,9 @@
 This module owns the literal name table of the published checkpoint layout (the keys on disk,
 which transformers renames on load: ``language_model.backbone.*``, ``mlp1.*``,
 ``vision_model.radio_model.*``) and the family's import/export rules; the checks, the fused
-layouts (q/k/v grouping, ViT fused qkv) and safetensors I/O are shared with the Qwen table
-(``models.hf_mapping``). Our keys are the state-dict keys of ``models.nemotron_omni.NemotronOmni``
-built with the local (non-TE) spec at TP=1.
+layouts (q/k/v grouping, ViT fused qkv) and safetensors I/O are the shared machinery of
+``models.hf_weights``. Our keys are the state-dict keys of ``NemotronOmni`` (this package's
+``model``) built with the local (non-TE) spec at TP=1.
 
 LM layers are mapped by the symbol of the layer in ``lm.pattern``: the block's ``norm`` goes to
 the norm in front of its one mixer. ``M`` (Mamba2) and ``E`` (MoE) names follow transformers'
@@ -28,8 +28,8 @@ import re
 
 import torch
 
-from models import hf_mapping
-from models.nemotron_omni_config import NemotronOmniModelConfig
+from models import hf_weights
+from models.families.nemotron_omni.config import NemotronOmniModelConfig
 
 LM, OL = "language_model.backbone.layers.{i}.", "language_model.decoder.layers.{i}."
 VB, OV = "vision_model.radio_model.model.blocks.{i}.", "vision.layers.{i}."
@@ -162,27 +162,26 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
             (the first offender is named).
     """
     table = _as_model_names(expand_table(cfg), expected)
-    return hf_mapping.hf_to_ours(_import_view(hf_sd, cfg, table), cfg, expected, table=table)
+    return hf_weights.hf_to_ours(_import_view(hf_sd, cfg, table), cfg, expected, table)
 
 
 def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
                      expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """``hf_to_ours`` for one pipeline stage (``models.hf_mapping.hf_to_ours_stage``: this
+    """``hf_to_ours`` for one pipeline stage (``models.hf_weights.hf_to_ours_stage``: this
     stage's parameters under their PP=1 keys; a tied last stage's output from the embedding).
 
     Raises:
         ValueError: as ``hf_to_ours``.
     """
     table = _as_model_names(expand_table(cfg), expected)
-    return hf_mapping.hf_to_ours_stage(_import_view(hf_sd, cfg, table), cfg, expected,
-                                       table=table, embed_key=EMBED, lm_head_key=LM_HEAD)
+    return hf_weights.hf_to_ours_stage(_import_view(hf_sd, cfg, table), cfg, expected,
+                                       table, embed_key=EMBED, lm_head_key=LM_HEAD)
 
 
 def ours_to_hf(sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
                hub_layout: bool = True) -> dict[str, torch.Tensor]:
     """Map our (TP=1) state dict to the published HF key layout (+ ``summary_idxs``)."""
     del hub_layout  # one layout: the published one
-    out = hf_mapping.ours_to_hf(sd, cfg, hub_layout=False,
-                                table=_as_model_names(expand_table(cfg), sd))
+    out = hf_weights.ours_to_hf(sd, cfg, _as_model_names(expand_table(cfg), sd))
     out[SUMMARY_IDXS] = torch.tensor(cfg.vision.summary_idxs, dtype=torch.long)
     return out

@@ -1,19 +1,17 @@
 """Model shapes of Qwen2.5-VL and Qwen3-VL (dense): vision tower, language model, special tokens.
 
 This module owns the typed model config (``QwenVLModelConfig`` = ``VisionConfig`` + ``LMConfig``
-+ token ids), its construction from a Hugging Face
-config (``from_hf_config``: a ``config.json`` dict or a transformers config object), from YAML
-(``load_yaml``, ``configs/qwen*_model*.yaml`` style, unknown keys rejected, dotted ``key=value``
-overrides), and back to a Hugging Face ``config.json`` dict (``to_hf_dict``, for export); and the
-YAML reading both families' configs share (``sections_from_dict``: a legacy ``parallel`` section,
-which no code reads, is dropped with a one-line notice; the run's layout is the run config's
-``parallel`` section).
++ token ids), what differs between the two families (``VARIANTS``: HF defaults and layout, how
+the vision tower is built), its construction from a Hugging Face config (``from_hf_config``: a
+``config.json`` dict or a transformers config object), from YAML (``load_yaml``,
+``configs/qwen*_model*.yaml`` style, unknown keys rejected, dotted ``key=value`` overrides:
+``models.config_sections``), and back to a Hugging Face ``config.json`` dict (``to_hf_dict``, for
+export).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,11 +19,38 @@ from typing import Any
 import yaml
 
 from contract.families import QWEN2_5_VL, QWEN3_VL
+from models.config_sections import hf_value as _get
+from models.config_sections import sections_from_dict
 from models.overrides import apply_override
 from models.recompute import check_mode
 
-FAMILIES = (QWEN2_5_VL, QWEN3_VL)
-log = logging.getLogger("models.config")
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Variant:
+    """What differs between the Qwen-VL families of this package (one row per family): the
+    Hugging Face defaults and layout, and how the vision tower is built."""
+
+    architecture: str  #: HF ``architectures[0]``
+    mrope_section: tuple[int, int, int]  #: default when the HF config has none
+    text_v3: bool  #: Qwen3 text: q/k RMSNorm, interleaved M-RoPE, ``attention_bias`` read
+    vision_act: str  #: default ``hidden_act`` of the ViT
+    vision_norm: str  #: "RMSNorm" (2.5) or "LayerNorm" (3): blocks and the final merger
+    gated_mlp: bool  #: 2.5: gated SiLU MLP; 3: plain MLP
+    windowed: bool  #: 2.5: window attention except ``fullatt_block_indexes``; 3: full attention
+    learned_positions: bool  #: 3: interpolated position table, patch bias, DeepStack
+
+
+VARIANTS = {
+    QWEN2_5_VL: Variant(architecture="Qwen2_5_VLForConditionalGeneration",
+                        mrope_section=(16, 24, 24), text_v3=False, vision_act="silu",
+                        vision_norm="RMSNorm", gated_mlp=True, windowed=True,
+                        learned_positions=False),
+    QWEN3_VL: Variant(architecture="Qwen3VLForConditionalGeneration",
+                      mrope_section=(24, 20, 20), text_v3=True, vision_act="gelu_pytorch_tanh",
+                      vision_norm="LayerNorm", gated_mlp=False, windowed=False,
+                      learned_positions=True),
+}
+FAMILIES = tuple(VARIANTS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,17 +124,16 @@ class QwenVLModelConfig:
         """Spatial merge side: tokens per item slice = h * w / merge_size**2 (every family)."""
         return self.vision.spatial_merge_size
 
+    @property
+    def variant(self) -> Variant:
+        """What this family's model does differently (``VARIANTS``)."""
+        return VARIANTS[self.family]
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 # ------------------------------------------------------------------ Hugging Face config
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
 def from_hf_config(hf: Any) -> QwenVLModelConfig:
     """Build from a Hugging Face Qwen2.5-VL / Qwen3-VL config (``config.json`` dict or object).
 
@@ -124,7 +148,8 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
         raise ValueError("config has no text_config / vision_config")
     rope = _get(text, "rope_parameters") or _get(text, "rope_scaling") or {}
     hidden, heads = _get(text, "hidden_size"), _get(text, "num_attention_heads")
-    qwen3 = model_type == "qwen3_vl"
+    variant = VARIANTS[model_type]
+    qwen3 = variant.text_v3
     tie = _get(hf, "tie_word_embeddings")
     if tie is None:
         tie = _get(text, "tie_word_embeddings", False)
@@ -134,7 +159,7 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
         num_layers=_get(text, "num_hidden_layers"), num_heads=heads,
         num_kv_heads=_get(text, "num_key_value_heads") or heads,
         head_dim=_get(text, "head_dim") or hidden // heads,
-        mrope_section=list(rope.get("mrope_section") or ([24, 20, 20] if qwen3 else [16, 24, 24])),
+        mrope_section=list(rope.get("mrope_section") or variant.mrope_section),
         mrope_interleaved=bool(rope.get("mrope_interleaved", qwen3)),
         rope_theta=float(rope.get("rope_theta", _get(text, "rope_theta", 1000000.0))),
         rms_norm_eps=float(_get(text, "rms_norm_eps", 1e-6)),
@@ -149,13 +174,15 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
         out_hidden_size=_get(vis, "out_hidden_size"), in_channels=_get(vis, "in_channels", 3),
         patch_size=_get(vis, "patch_size"), temporal_patch_size=_get(vis, "temporal_patch_size", 2),
         spatial_merge_size=_get(vis, "spatial_merge_size", 2),
-        hidden_act=_get(vis, "hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu"),
+        hidden_act=_get(vis, "hidden_act", variant.vision_act),
         rope_theta=float(vrope.get("rope_theta", 10000.0)),
-        window_size=_get(vis, "window_size", 112) if not qwen3 else 0,
-        fullatt_block_indexes=[] if qwen3 else list(_get(vis, "fullatt_block_indexes", ()) or ()),
-        num_position_embeddings=_get(vis, "num_position_embeddings", 0) if qwen3 else 0,
+        window_size=_get(vis, "window_size", 112) if variant.windowed else 0,
+        fullatt_block_indexes=(list(_get(vis, "fullatt_block_indexes", ()) or ())
+                               if variant.windowed else []),
+        num_position_embeddings=(_get(vis, "num_position_embeddings", 0)
+                                 if variant.learned_positions else 0),
         deepstack_visual_indexes=(list(_get(vis, "deepstack_visual_indexes", ()) or ())
-                                  if qwen3 else []),
+                                  if variant.learned_positions else []),
     )
     return QwenVLModelConfig(
         family=model_type, vision=vision, lm=lm,
@@ -168,7 +195,8 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
 
 def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
     """A Hugging Face ``config.json`` dict for ``cfg`` (used by export when none was stored)."""
-    v, t, qwen3 = cfg.vision, cfg.lm, cfg.family == "qwen3_vl"
+    v, t, variant = cfg.vision, cfg.lm, cfg.variant
+    qwen3 = variant.text_v3
     rope = {"rope_type": "default", "rope_theta": t.rope_theta, "mrope_section": t.mrope_section}
     if qwen3:
         rope["mrope_interleaved"] = t.mrope_interleaved
@@ -181,19 +209,18 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
             "tie_word_embeddings": t.tie_embeddings}
     if qwen3:
         text["attention_bias"] = t.qkv_bias
-    vision = {"model_type": f"{cfg.family}_vision" if qwen3 else "qwen2_5_vl_vision",
+    vision = {"model_type": f"{cfg.family}_vision",
               "depth": v.depth, "hidden_size": v.hidden_size,
               "intermediate_size": v.intermediate_size, "num_heads": v.num_heads,
               "out_hidden_size": v.out_hidden_size, "in_channels": v.in_channels,
               "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
               "spatial_merge_size": v.spatial_merge_size, "hidden_act": v.hidden_act}
-    if qwen3:
+    if variant.learned_positions:
         vision.update(num_position_embeddings=v.num_position_embeddings,
                       deepstack_visual_indexes=v.deepstack_visual_indexes)
-    else:
+    if variant.windowed:
         vision.update(window_size=v.window_size, fullatt_block_indexes=v.fullatt_block_indexes)
-    arch = "Qwen3VLForConditionalGeneration" if qwen3 else "Qwen2_5_VLForConditionalGeneration"
-    return {"architectures": [arch], "model_type": cfg.family, "text_config": text,
+    return {"architectures": [variant.architecture], "model_type": cfg.family, "text_config": text,
             "vision_config": vision, "tie_word_embeddings": t.tie_embeddings,
             "image_token_id": cfg.image_token_id, "video_token_id": cfg.video_token_id,
             "vision_start_token_id": cfg.vision_start_token_id,
@@ -202,39 +229,6 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
 
 # ------------------------------------------------------------------ YAML
 _SECTIONS = {"vision": VisionConfig, "lm": LMConfig}
-
-
-def sections_from_dict(raw: dict, top_cls: type, sections: dict[str, type]):
-    """Split the YAML layout into built section dataclasses and the remaining top-level keys.
-
-    Shared by every model family's ``from_dict``. A ``parallel`` section (model YAMLs and saved
-    configs written before it was removed: it was never read) is dropped with a one-line notice.
-
-    Raises:
-        ValueError: unknown keys (top level and per section) or missing sections, all listed.
-    """
-    if "parallel" in raw:
-        log.warning("model.parallel %s is not read (the run's layout is the run config's "
-                    "parallel section); ignored", raw["parallel"])
-        raw = {key: value for key, value in raw.items() if key != "parallel"}
-    errors: list[str] = []
-    top = {f.name for f in dataclasses.fields(top_cls)}
-    errors += [f"unknown key {k!r}" for k in raw if k not in top]
-    parts: dict[str, Any] = {}
-    for name, cls in sections.items():
-        section = raw.get(name)
-        if section is None:
-            errors.append(f"missing section {name!r}")
-            continue
-        known = {f.name for f in dataclasses.fields(cls)}
-        errors += [f"unknown key {name}.{k!r}" for k in section if k not in known]
-        try:
-            parts[name] = cls(**{k: v for k, v in section.items() if k in known})
-        except TypeError as exc:
-            errors.append(f"{name}: {exc}")
-    if errors:
-        raise ValueError("model config: " + "; ".join(errors))
-    return parts, {k: v for k, v in raw.items() if k not in sections}
 
 
 def from_dict(raw: dict) -> QwenVLModelConfig:

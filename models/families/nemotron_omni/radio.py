@@ -42,9 +42,9 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from models.nemotron_omni_config import NemotronOmniModelConfig, RadioConfig
+from models.families.nemotron_omni.config import NemotronOmniModelConfig, RadioConfig
 from models.recompute import run_layer, transformer_config_kwargs
-from models.vision import tower_sharded_state_dict, vision_layer_spec
+from models.vision_layers import tower_sharded_state_dict, vision_layer_spec
 
 
 @functools.cache

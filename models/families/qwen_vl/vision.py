@@ -20,49 +20,27 @@ deepstack a list (one per DeepStack index, empty for Qwen2.5-VL) of tensors of t
 
 from __future__ import annotations
 
-import copy
-import functools
-
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from models.qwen_vl_config import QwenVLModelConfig, VisionConfig
+from models.families.qwen_vl.config import QwenVLModelConfig, Variant, VisionConfig
 from models.recompute import run_layer, transformer_config_kwargs
-from models.segment_attention import SegmentAttention
-
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
-               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+from models.vision_layers import ACTIVATIONS, tower_sharded_state_dict, vision_layer_spec
 
 
-def vision_layer_spec(normalization: str, use_te: bool):
-    """megatron GPT layer spec (TE on GPU, local on CPU) with the segment attention core."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-
-    if use_te:
-        spec = copy.deepcopy(specs.get_gpt_layer_with_transformer_engine_spec())
-    else:
-        spec = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization=normalization))
-    attention = spec.submodules.self_attention
-    attention.params = {**(attention.params or {}), "attn_mask_type": AttnMaskType.no_mask}
-    attention.submodules.core_attention = SegmentAttention
-    return spec
-
-
-def vision_transformer_config(v: VisionConfig, family: str, recompute: str = "none"
+def vision_transformer_config(v: VisionConfig, variant: Variant, recompute: str = "none"
                               ) -> TransformerConfig:
-    qwen3 = family == "qwen3_vl"
     return TransformerConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, ffn_hidden_size=v.intermediate_size,
         num_attention_heads=v.num_heads, kv_channels=v.hidden_size // v.num_heads,
-        normalization="LayerNorm" if qwen3 else "RMSNorm", layernorm_epsilon=v.norm_eps,
-        add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=not qwen3,
+        normalization=variant.vision_norm, layernorm_epsilon=v.norm_eps,
+        add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=variant.gated_mlp,
         activation_func=ACTIVATIONS[v.hidden_act], bias_activation_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
@@ -156,45 +134,25 @@ def interpolation_taps(grid_thw: torch.Tensor, side: int, merge: int):
 
 
 # ------------------------------------------------------------------ the encoder
-def tower_sharded_state_dict(tower: torch.nn.Module, prefix="", sharded_offsets=(),
-                             metadata=None) -> dict:
-    """A vision tower's dist-checkpoint dict: its ``layers`` (megatron TransformerLayers) with
-    their TP-sharded tensors, every other child replicated."""
-    from megatron.core.transformer.utils import sharded_state_dict_default
-
-    out = {}
-    for name, child in tower.named_children():
-        if name == "layers":
-            for i, layer in enumerate(child):
-                out.update(layer.sharded_state_dict(prefix=f"{prefix}layers.{i}.",
-                                                    sharded_offsets=sharded_offsets,
-                                                    metadata=metadata))
-        else:
-            out.update(sharded_state_dict_default(
-                child, f"{prefix}{name}.", sharded_offsets, metadata,
-                tp_group=parallel_state.get_tensor_model_parallel_group()))
-    return out
-
-
 class QwenVisionEncoder(MegatronModule):
     """The vision tower of Qwen2.5-VL or Qwen3-VL (see module docstring)."""
 
     def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool):
         v = cfg.vision
-        tconfig = vision_transformer_config(v, cfg.family, cfg.recompute)
+        tconfig = vision_transformer_config(v, cfg.variant, cfg.recompute)
         self.recompute = cfg.recompute
         super().__init__(config=tconfig)
-        self.family, self.v = cfg.family, v
-        self.qwen3 = cfg.family == "qwen3_vl"
+        self.family, self.v, self.variant = cfg.family, v, cfg.variant
+        learned = self.variant.learned_positions
         patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-        self.patch_embed = nn.Linear(patch_dim, v.hidden_size, bias=self.qwen3)
-        if self.qwen3:
+        self.patch_embed = nn.Linear(patch_dim, v.hidden_size, bias=learned)
+        if learned:
             self.pos_embed = nn.Embedding(v.num_position_embeddings, v.hidden_size)
         spec = vision_layer_spec(tconfig.normalization, use_te)
         self.layers = nn.ModuleList(build_module(spec, config=tconfig, layer_number=i + 1)
                                     for i in range(v.depth))
         self.merger = PatchMerger(v.hidden_size, v.out_hidden_size, v.spatial_merge_size,
-                                  rms=not self.qwen3)
+                                  rms=self.variant.vision_norm == "RMSNorm")
         self.deepstack_mergers = nn.ModuleList(
             PatchMerger(v.hidden_size, v.out_hidden_size, v.spatial_merge_size, rms=False,
                         norm_after_merge=True) for _ in v.deepstack_visual_indexes)
@@ -216,14 +174,14 @@ class QwenVisionEncoder(MegatronModule):
         grid_thw = grid_thw.cpu().long()
         unit = self.v.spatial_merge_size ** 2
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
-        if self.qwen3:
+        if self.variant.learned_positions:
             side = int(self.v.num_position_embeddings ** 0.5)
             idx, wts = interpolation_taps(grid_thw, side, self.v.spatial_merge_size)
             x = x + (self.pos_embed(idx.to(x.device)) * wts.to(x)[..., None]).sum(1)
         rope = self._rotary(grid_thw).to(x.device)
         full = segment_bounds(grid_thw).to(x.device)
         window = order = None
-        if not self.qwen3:
+        if self.variant.windowed:
             order, window = window_layout(grid_thw, self.v.spatial_merge_size,
                                           self.v.window_size, self.v.patch_size)
             order, window = order.to(x.device), window.to(x.device)
@@ -232,7 +190,8 @@ class QwenVisionEncoder(MegatronModule):
         hidden = x[:, None, :]  # megatron layout (s, b=1, h)
         deepstack = []
         for i, layer in enumerate(self.layers):
-            bounds = full if (self.qwen3 or i in self.v.fullatt_block_indexes) else window
+            windowed = self.variant.windowed and i not in self.v.fullatt_block_indexes
+            bounds = window if windowed else full
             params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds)
             hidden = run_layer(layer, hidden, self.recompute, attention_mask=None,
                                rotary_pos_emb=rope, packed_seq_params=params)

@@ -1,0 +1,136 @@
+"""The model side's one registry of families, and what a family package provides.
+
+A family package (``models/families/<package>/``) holds everything one architecture needs: its
+model config (``config.py``), model (``model.py``, + its tower), HF weight table
+(``hf_mapping.py``), the generated inputs of ``verify`` (``verify_inputs.py``) and its FLOP
+formulas (``flops.py``). Its ``__init__`` is the package's public face, the ``ModelFamily``
+Protocol below; a package may serve several family names (``qwen_vl``: ``qwen2_5_vl`` and
+``qwen3_vl``). Nothing outside a package compares anything with a family name: what differs is
+asked of ``family_of(cfg)`` / ``get(name)``.
+
+Families are named in ``contract.families`` (the names the data side's ``energon_tasks.profiles``
+uses too, with the HF ``model_type`` of each and which profiles feed which family).
+"Adding a family" in docs/architecture.md lists the files a new package adds and the registry
+lines it touches (``PACKAGES`` here, ``energon_tasks.profiles.PACKAGES``, ``contract.families``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any, Protocol
+
+from contract import families as F
+
+#: family name -> its package (imported on first use: building a config needs no megatron)
+PACKAGES = {
+    F.QWEN2_5_VL: "models.families.qwen_vl",
+    F.QWEN3_VL: "models.families.qwen_vl",
+    F.NEMOTRON_OMNI: "models.families.nemotron_omni",
+}
+FAMILIES = tuple(PACKAGES)
+
+
+class ModelFamily(Protocol):
+    """The public face of a family package (its ``__init__`` module)."""
+
+    #: the package's config module: ``from_dict``, ``from_hf_config``, ``to_hf_dict``,
+    #: ``load_yaml`` (and the config dataclasses)
+    config: ModuleType
+
+    def model_class(self) -> type:
+        """The model (``QwenVL``, ``NemotronOmni``): constructor ``(cfg, use_te=...,
+        vision_dp_over_cp=...)``, forward over the batch contract's ``model_inputs``."""
+
+    def mapping(self) -> ModuleType:
+        """The HF weight table module: ``hf_to_ours``, ``hf_to_ours_stage``, ``ours_to_hf``."""
+
+    def hf_model_class(self, model_type: str) -> type:
+        """The transformers class that ``verify`` and the parity tests compare against."""
+
+    def verify_inputs(self, cfg, seed: int = 0) -> dict[str, dict]:
+        """Named single-row inputs in our batch contract (``models.verify_inputs``)."""
+
+    def hf_inputs(self, cfg, inputs: dict) -> dict:
+        """Our inputs as transformers' forward of the family takes them."""
+
+    def lm_flops(self, lm, tokens: float, lengths: list[int]) -> float:
+        """Forward FLOPs of the language model (``models.flops`` conventions)."""
+
+    def vision_flops(self, cfg, grids) -> float:
+        """Forward FLOPs of the vision tower + projector on (t, h, w) grids."""
+
+    def patch_embed_flops(self, cfg, grids) -> float:
+        """Forward FLOPs of the patch embedding (its backward has no input gradient)."""
+
+    def processor_settings(self, image: dict, video: dict) -> tuple[dict, dict]:
+        """(task encoder values, geometry) that the model's processor configs set
+        (``models.hf_source.task_encoder_settings``)."""
+
+    def vision_geometry(self, cfg) -> dict[str, int]:
+        """``patch_size`` / ``merge_size`` / ``temporal_patch_size`` of the model's tower (the
+        task encoder's geometry must have the same)."""
+
+    def layout_problems(self, cfg, parallel) -> list[str]:
+        """What of the run's parallel layout this model cannot take (one line each)."""
+
+    def num_experts(self, cfg) -> int:
+        """Experts per MoE layer (0: no MoE layers; expert parallelism needs them)."""
+
+
+def get(family: str) -> ModelFamily:
+    """The package of a family name.
+
+    Raises:
+        ValueError: an unknown family (the valid ones listed).
+    """
+    if family not in PACKAGES:
+        raise ValueError(f"model family must be one of {sorted(PACKAGES)}, got {family!r}")
+    return importlib.import_module(PACKAGES[family])
+
+
+def family_of(cfg) -> ModelFamily:
+    """The package of a model config (by its ``family``)."""
+    return get(cfg.family)
+
+
+def config_module(family: str) -> ModuleType:
+    """The config module of a family (``from_dict``, ``from_hf_config``, ``to_hf_dict``,
+    ``load_yaml``)."""
+    return get(family).config
+
+
+def config_from_dict(raw: dict):
+    """The model config of a YAML/JSON dict, by its ``family`` key (default qwen2_5_vl's
+    module, which then names the missing/invalid family). An ``hf`` key (the Hugging Face model
+    a run started from, which a saved run config names next to the full model) is not part of
+    the model's shape and is left aside."""
+    raw = {key: value for key, value in raw.items() if key != "hf"}
+    family = raw.get("family")
+    return config_module(family if family in PACKAGES else F.QWEN2_5_VL).from_dict(raw)
+
+
+def config_from_hf(hf_config: Any):
+    """Our config of an HF config (dict or object), by its ``model_type``.
+
+    Raises:
+        ValueError: a model_type no family imports (named).
+    """
+    model_type = (hf_config.get("model_type") if isinstance(hf_config, dict)
+                  else getattr(hf_config, "model_type", None))
+    return config_module(F.family_of_hf_model_type(model_type)).from_hf_config(hf_config)
+
+
+def model_class(cfg) -> type:
+    """The model class of a config's family."""
+    return family_of(cfg).model_class()
+
+
+def mapping_module(cfg) -> ModuleType:
+    """The HF weight table module of a config's family."""
+    return family_of(cfg).mapping()
+
+
+def hf_model_class(model_type: str) -> type:
+    """The transformers class of an HF ``model_type`` (for ``verify``)."""
+    return get(F.family_of_hf_model_type(model_type)).hf_model_class(model_type)

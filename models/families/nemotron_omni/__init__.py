@@ -1,0 +1,79 @@
+"""The Nemotron-Omni family package (``NemotronH_Omni_Reasoning_V3``): its ``ModelFamily``.
+
+- ``config.py``: shapes (``NemotronOmniModelConfig``: RADIO + projector + hybrid NemotronH LM),
+  HF config in and out;
+- ``radio.py``: the RADIO-style tower (class / register tokens, interpolated positions, pixel
+  shuffle, projector);
+- ``model.py``: ``NemotronOmni`` on megatron's hybrid ``MambaModel`` (layer pattern M / * / - / E);
+- ``hf_mapping.py``: the literal HF weight table; ``verify_inputs.py``: the inputs of ``verify``
+  and their translation to transformers'; ``flops.py``: the FLOP formulas.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from models.families.nemotron_omni import config
+from models.families.nemotron_omni.flops import lm_flops, patch_embed_flops, vision_flops
+from models.families.nemotron_omni.verify_inputs import hf_inputs, verify_inputs
+
+__all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
+           "model_class", "num_experts", "patch_embed_flops", "processor_settings",
+           "verify_inputs", "vision_flops", "vision_geometry"]
+
+
+def model_class() -> type:
+    from models.families.nemotron_omni.model import NemotronOmni
+
+    return NemotronOmni
+
+
+def mapping() -> ModuleType:
+    return importlib.import_module("models.families.nemotron_omni.hf_mapping")
+
+
+def hf_model_class(model_type: str) -> type:
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import (
+        NemotronH_Omni_Reasoning_V3,
+    )
+    return NemotronH_Omni_Reasoning_V3
+
+
+def processor_settings(image: dict, video: dict) -> tuple[dict, dict]:
+    """``min_num_patches`` / ``max_num_patches`` x ``patch_size``**2 -> ``min_pixels`` /
+    ``max_pixels``; ``downsample_ratio`` -> merge size; ``video_target_num_patches`` and
+    ``video_maintain_aspect_ratio`` of the video processor."""
+    values: dict = {}
+    geometry: dict = {}
+    patch = image.get("patch_size")
+    if patch:
+        geometry["patch_size"] = patch
+        for ours, theirs in (("min_pixels", "min_num_patches"), ("max_pixels", "max_num_patches")):
+            if image.get(theirs) is not None:
+                values[ours] = int(image[theirs]) * patch ** 2
+    if image.get("downsample_ratio"):
+        geometry["merge_size"] = round(1 / float(image["downsample_ratio"]))
+    for key in ("video_target_num_patches", "video_maintain_aspect_ratio"):
+        if video.get(key) is not None:
+            values[key] = video[key]
+    return values, geometry
+
+
+def vision_geometry(cfg: config.NemotronOmniModelConfig) -> dict[str, int]:
+    v = cfg.vision
+    return {"patch_size": v.patch_size, "merge_size": cfg.merge_size,
+            "temporal_patch_size": v.video_temporal_patch_size}
+
+
+def layout_problems(cfg: config.NemotronOmniModelConfig, parallel) -> list[str]:
+    """MambaModel splits the layer pattern evenly over the pipeline stages."""
+    if cfg.lm.num_layers % parallel.pp:
+        return [f"parallel.pp {parallel.pp} does not divide the {cfg.lm.num_layers} layers of "
+                f"model.lm.pattern {cfg.lm.pattern!r} (MambaModel splits it evenly)"]
+    return []
+
+
+def num_experts(cfg: config.NemotronOmniModelConfig) -> int:
+    """The experts of each ``E`` layer of the pattern (0 without one)."""
+    return cfg.lm.num_experts if "E" in cfg.lm.pattern else 0

@@ -1,0 +1,75 @@
+"""The Qwen-VL family package: Qwen2.5-VL and Qwen3-VL (dense), the ``ModelFamily`` of both.
+
+- ``config.py``: shapes (``QwenVLModelConfig``), what differs between the two (``VARIANTS``), HF
+  config in and out;
+- ``vision.py``: the ViT (window attention on 2.5, learned positions + DeepStack on 3);
+- ``model.py``: ``QwenVL``, the tower + the M-RoPE ``GPTModel`` (DeepStack hooks);
+- ``hf_mapping.py``: the literal HF weight tables; ``verify_inputs.py``: the inputs of ``verify``;
+- ``flops.py``: the FLOP formulas.
+
+What the rest of the project asks of the family is the functions below (``models.families.
+ModelFamily``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from models.families.qwen_vl import config
+from models.families.qwen_vl.flops import lm_flops, patch_embed_flops, vision_flops
+from models.families.qwen_vl.verify_inputs import hf_inputs, verify_inputs
+
+__all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
+           "model_class", "num_experts", "patch_embed_flops", "processor_settings",
+           "verify_inputs", "vision_flops", "vision_geometry"]
+
+
+def model_class() -> type:
+    from models.families.qwen_vl.model import QwenVL
+
+    return QwenVL
+
+
+def mapping() -> ModuleType:
+    return importlib.import_module("models.families.qwen_vl.hf_mapping")
+
+
+def hf_model_class(model_type: str) -> type:
+    import transformers
+
+    return getattr(transformers, config.VARIANTS[model_type].architecture)
+
+
+def processor_settings(image: dict, video: dict) -> tuple[dict, dict]:
+    """``preprocessor_config.json`` ``min_pixels`` / ``max_pixels`` (the hub files of
+    Qwen2.5-VL) or ``size.shortest_edge`` / ``size.longest_edge`` (transformers 5.x) ->
+    ``min_pixels`` / ``max_pixels``; the same keys of the video processor -> ``video_min_pixels``
+    / ``video_max_pixels``; geometry: ``patch_size`` / ``merge_size``."""
+    values: dict = {}
+    for prefix, processor in (("", image), ("video_", video)):
+        size = processor.get("size") or {}
+        low = processor.get("min_pixels", size.get("shortest_edge"))
+        high = processor.get("max_pixels", size.get("longest_edge"))
+        if low is not None:
+            values[f"{prefix}min_pixels"] = int(low)
+        if high is not None:
+            values[f"{prefix}max_pixels"] = int(high)
+    geometry = {k: image[k] for k in ("patch_size", "merge_size") if image.get(k)}
+    return values, geometry
+
+
+def vision_geometry(cfg: config.QwenVLModelConfig) -> dict[str, int]:
+    v = cfg.vision
+    return {"patch_size": v.patch_size, "merge_size": cfg.merge_size,
+            "temporal_patch_size": v.temporal_patch_size}
+
+
+def layout_problems(cfg: config.QwenVLModelConfig, parallel) -> list[str]:
+    """None: megatron's GPTModel takes every layout train.py checks."""
+    return []
+
+
+def num_experts(cfg: config.QwenVLModelConfig) -> int:
+    """0: the dense Qwen-VL LMs have no MoE layers."""
+    return 0

@@ -1,0 +1,149 @@
+"""Hugging Face <-> our weight names for Qwen2.5-VL and Qwen3-VL: the literal mapping tables.
+
+This module owns the tables (HF key template -> our key template, and which part of a fused
+tensor it is: the part names of ``models.hf_weights``), the hub's legacy Qwen2.5-VL key prefixes,
+and the family's three conversions (``hf_to_ours``, ``hf_to_ours_stage`` for one pipeline stage,
+``ours_to_hf``), which run the shared machinery of ``models.hf_weights`` (every key and shape
+checked; the first offender named in a one-line ``ValueError``) over these tables. Our keys are
+the state-dict keys of ``QwenVL`` (this package's ``model``) built with the local (non-TE) spec at
+TP=1; megatron's ``sharded_state_dict`` maps them to the TE names inside distributed checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from models import hf_weights
+from models.families.qwen_vl.config import QwenVLModelConfig
+
+L, V = "model.language_model.layers.{i}.", "model.visual.blocks.{i}."
+OL, OV = "language_model.decoder.layers.{i}.", "vision.layers.{i}."
+
+#: HF key template -> (our key template, part of a fused tensor or None).
+#: {i}: layer, {j}: DeepStack merger.
+COMMON = {
+    "model.language_model.embed_tokens.weight":
+        ("language_model.embedding.word_embeddings.weight", None),
+    "model.language_model.norm.weight": ("language_model.decoder.final_layernorm.weight", None),
+    "lm_head.weight": ("language_model.output_layer.weight", None),
+    L + "input_layernorm.weight": (OL + "input_layernorm.weight", None),
+    L + "self_attn.q_proj.weight": (OL + "self_attention.linear_qkv.weight", "q"),
+    L + "self_attn.k_proj.weight": (OL + "self_attention.linear_qkv.weight", "k"),
+    L + "self_attn.v_proj.weight": (OL + "self_attention.linear_qkv.weight", "v"),
+    L + "self_attn.o_proj.weight": (OL + "self_attention.linear_proj.weight", None),
+    L + "post_attention_layernorm.weight": (OL + "pre_mlp_layernorm.weight", None),
+    L + "mlp.gate_proj.weight": (OL + "mlp.linear_fc1.weight", "gate"),
+    L + "mlp.up_proj.weight": (OL + "mlp.linear_fc1.weight", "up"),
+    L + "mlp.down_proj.weight": (OL + "mlp.linear_fc2.weight", None),
+    "model.visual.patch_embed.proj.weight": ("vision.patch_embed.weight", "patch"),
+    V + "attn.qkv.weight": (OV + "self_attention.linear_qkv.weight", "vit_qkv"),
+    V + "attn.qkv.bias": (OV + "self_attention.linear_qkv.bias", "vit_qkv"),
+    V + "attn.proj.weight": (OV + "self_attention.linear_proj.weight", None),
+    V + "attn.proj.bias": (OV + "self_attention.linear_proj.bias", None),
+    V + "norm1.weight": (OV + "input_layernorm.weight", None),
+    V + "norm2.weight": (OV + "pre_mlp_layernorm.weight", None),
+}
+QWEN2_5_VL = {
+    **COMMON,
+    L + "self_attn.q_proj.bias": (OL + "self_attention.linear_qkv.bias", "q"),
+    L + "self_attn.k_proj.bias": (OL + "self_attention.linear_qkv.bias", "k"),
+    L + "self_attn.v_proj.bias": (OL + "self_attention.linear_qkv.bias", "v"),
+    V + "mlp.gate_proj.weight": (OV + "mlp.linear_fc1.weight", "gate"),
+    V + "mlp.up_proj.weight": (OV + "mlp.linear_fc1.weight", "up"),
+    V + "mlp.gate_proj.bias": (OV + "mlp.linear_fc1.bias", "gate"),
+    V + "mlp.up_proj.bias": (OV + "mlp.linear_fc1.bias", "up"),
+    V + "mlp.down_proj.weight": (OV + "mlp.linear_fc2.weight", None),
+    V + "mlp.down_proj.bias": (OV + "mlp.linear_fc2.bias", None),
+    "model.visual.merger.ln_q.weight": ("vision.merger.norm.weight", None),
+    "model.visual.merger.mlp.0.weight": ("vision.merger.linear_fc1.weight", None),
+    "model.visual.merger.mlp.0.bias": ("vision.merger.linear_fc1.bias", None),
+    "model.visual.merger.mlp.2.weight": ("vision.merger.linear_fc2.weight", None),
+    "model.visual.merger.mlp.2.bias": ("vision.merger.linear_fc2.bias", None),
+}
+_MERGER3 = [f"{a}.{b}" for a in ("norm", "linear_fc1", "linear_fc2") for b in ("weight", "bias")]
+QWEN3_VL = {
+    **COMMON,
+    L + "self_attn.q_norm.weight": (OL + "self_attention.q_layernorm.weight", None),
+    L + "self_attn.k_norm.weight": (OL + "self_attention.k_layernorm.weight", None),
+    "model.visual.patch_embed.proj.bias": ("vision.patch_embed.bias", None),
+    "model.visual.pos_embed.weight": ("vision.pos_embed.weight", None),
+    V + "norm1.bias": (OV + "input_layernorm.bias", None),
+    V + "norm2.bias": (OV + "pre_mlp_layernorm.bias", None),
+    V + "mlp.linear_fc1.weight": (OV + "mlp.linear_fc1.weight", None),
+    V + "mlp.linear_fc1.bias": (OV + "mlp.linear_fc1.bias", None),
+    V + "mlp.linear_fc2.weight": (OV + "mlp.linear_fc2.weight", None),
+    V + "mlp.linear_fc2.bias": (OV + "mlp.linear_fc2.bias", None),
+    **{f"model.visual.merger.{k}": (f"vision.merger.{k}", None) for k in _MERGER3},
+    **{f"model.visual.deepstack_merger_list.{{j}}.{k}":
+       (f"vision.deepstack_mergers.{{j}}.{k}", None)
+       for k in _MERGER3},
+}
+TABLES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
+#: Qwen2.5-VL checkpoints on the hub use the legacy prefixes (transformers < 4.52 layout).
+LEGACY_PREFIXES = {
+    "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
+}
+
+
+def expand_table(cfg: QwenVLModelConfig) -> dict[str, tuple[str, str | None]]:
+    """The table with {i}/{j} filled in for this model's layer counts (tied lm_head dropped)."""
+    out = {}
+    for hf, (ours, part) in TABLES[cfg.family].items():
+        if hf == "lm_head.weight" and cfg.lm.tie_embeddings:
+            continue
+        if "{j}" in hf:
+            reps = [{"j": j} for j in range(len(cfg.vision.deepstack_visual_indexes))]
+        elif hf.startswith("model.language_model.layers"):
+            reps = [{"i": i} for i in range(cfg.lm.num_layers)]
+        elif hf.startswith("model.visual.blocks"):
+            reps = [{"i": i} for i in range(cfg.vision.depth)]
+        else:
+            reps = [{}]
+        for r in reps:
+            out[hf.format(**r)] = (ours.format(**r), part)
+    return out
+
+
+def to_canonical_hf_key(key: str, family: str) -> str:
+    for new, old in LEGACY_PREFIXES.get(family, ()):
+        if key.startswith(old) and not key.startswith(new):
+            return new + key[len(old):]
+    return key
+
+
+def to_hub_hf_key(key: str, family: str) -> str:
+    for new, old in LEGACY_PREFIXES.get(family, ()):
+        if key.startswith(new):
+            return old + key[len(new):]
+    return key
+
+
+# ------------------------------------------------------------------ conversions
+def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
+               expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Map an HF state dict to our (TP=1) keys; ``expected`` = our key -> shape.
+
+    Raises:
+        ValueError: see ``models.hf_weights.hf_to_ours``.
+    """
+    return hf_weights.hf_to_ours(hf_sd, cfg, expected, expand_table(cfg), _canonical(cfg))
+
+
+def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
+                     expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """``hf_to_ours`` for one pipeline stage (``models.hf_weights.hf_to_ours_stage``)."""
+    return hf_weights.hf_to_ours_stage(hf_sd, cfg, expected, expand_table(cfg),
+                                       canonical=_canonical(cfg))
+
+
+def ours_to_hf(sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
+               hub_layout: bool = True) -> dict[str, torch.Tensor]:
+    """Map our (TP=1) state dict to HF keys (the hub's prefixes when ``hub_layout``)."""
+    hub = functools.partial(to_hub_hf_key, family=cfg.family) if hub_layout else None
+    return hf_weights.ours_to_hf(sd, cfg, expand_table(cfg), hub_key=hub)
+
+
+def _canonical(cfg: QwenVLModelConfig):
+    return functools.partial(to_canonical_hf_key, family=cfg.family)

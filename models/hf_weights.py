@@ -1,0 +1,190 @@
+"""The machinery of every family's Hugging Face weight mapping: fused layouts, whole state-dict
+conversions over a family's table, HF checkpoint folders.
+
+A family's mapping module (``models/families/<package>/hf_mapping.py``) owns its literal table:
+HF key -> (our key, part of a fused tensor or None), expanded for the model's layer counts. This
+module runs it: ``hf_to_ours`` (every key and shape checked; the first offender named in a
+one-line ``ValueError``), ``hf_to_ours_stage`` (one pipeline stage), ``ours_to_hf``; and reads /
+writes HF folders (safetensors, single or sharded).
+
+Fused tensors (part column): q/k/v -> ``linear_qkv`` in megatron's grouped layout (per KV group:
+its queries, then k, then v); the ViT's fused ``qkv`` (3, heads, d) -> (heads, 3, d); gate/up ->
+``linear_fc1`` = [gate; up]; the Conv3d patch kernel (out, C, T, P, P) -> Linear (out, C*T*P*P).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+#: an expanded mapping table: HF key -> (our key, part of a fused tensor or None)
+Table = dict[str, tuple[str, "str | None"]]
+#: a key translation (HF key of one layout -> another)
+KeyMap = Callable[[str], str]
+
+
+def _same(key: str) -> str:
+    return key
+
+
+# ------------------------------------------------------------------ fused layouts
+def _fuse(cfg, part_kind: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    if part_kind in ("q", "k", "v"):
+        t = cfg.lm
+        groups, per = t.num_kv_heads, t.num_heads // t.num_kv_heads
+        q, k, v = parts["q"], parts["k"], parts["v"]
+        tail = q.shape[1:]
+        q = q.reshape(groups, per * t.head_dim, *tail)
+        k, v = k.reshape(groups, t.head_dim, *tail), v.reshape(groups, t.head_dim, *tail)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+    if part_kind in ("gate", "up"):
+        return torch.cat([parts["gate"], parts["up"]], dim=0)
+    x = parts[part_kind]
+    if part_kind == "vit_qkv":
+        heads = cfg.vision.num_heads
+        return x.reshape(3, heads, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+    if part_kind == "patch":
+        return x.reshape(x.shape[0], -1)
+    return x
+
+
+def _split(cfg, part: str, x: torch.Tensor, hf_shape) -> torch.Tensor:
+    if part in ("q", "k", "v"):
+        t = cfg.lm
+        per = t.num_heads // t.num_kv_heads
+        tail = x.shape[1:]
+        g = x.reshape(t.num_kv_heads, (per + 2) * t.head_dim, *tail)
+        q, k, v = g.split([per * t.head_dim, t.head_dim, t.head_dim], dim=1)
+        return {"q": q, "k": k, "v": v}[part].reshape(-1, *tail)
+    if part in ("gate", "up"):
+        return x.chunk(2, dim=0)[0 if part == "gate" else 1]
+    if part == "vit_qkv":
+        heads = cfg.vision.num_heads
+        return x.reshape(heads, 3, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+    if part == "patch":
+        return x.reshape(hf_shape)
+    return x
+
+
+def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg, expected: dict[str, torch.Size],
+               table: Table, canonical: KeyMap = _same) -> dict[str, torch.Tensor]:
+    """Map an HF state dict to our (TP=1) keys with a family's expanded ``table``;
+    ``expected`` = our key -> shape; ``canonical`` turns an HF key of another layout (e.g. the
+    hub's legacy prefixes) into the table's.
+
+    Raises:
+        ValueError: an HF key not in the table, a table key missing, or a shape mismatch
+            (the first offender is named).
+    """
+    hf_sd = {canonical(k): v for k, v in hf_sd.items()}
+    if cfg.lm.tie_embeddings:
+        hf_sd.pop("lm_head.weight", None)
+    for key in hf_sd:
+        if key not in table:
+            raise ValueError(f"HF key {key!r} has no entry in the {cfg.family} mapping table")
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    kinds: dict[str, str | None] = {}
+    for hf_key, (ours, part) in table.items():
+        if hf_key not in hf_sd:
+            raise ValueError(f"HF checkpoint lacks {hf_key!r} (needed for {ours!r})")
+        grouped.setdefault(ours, {})[part or "x"] = hf_sd[hf_key]
+        kinds[ours] = part or "x"
+    out = {}
+    for ours, parts in grouped.items():
+        if ours not in expected:
+            raise ValueError(f"our model has no parameter {ours!r}")
+        tensor = _fuse(cfg, kinds[ours], parts)
+        if tuple(tensor.shape) != tuple(expected[ours]):
+            raise ValueError(f"{ours!r}: HF weights give shape {tuple(tensor.shape)}, model "
+                             f"expects {tuple(expected[ours])}")
+        out[ours] = tensor.contiguous()
+    missing = [k for k in expected if k not in out]
+    if missing:
+        raise ValueError(f"no HF weight maps to our parameter {missing[0]!r}")
+    return out
+
+
+def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg, expected: dict[str, torch.Size],
+                     table: Table, embed_key: str = "model.language_model.embed_tokens.weight",
+                     lm_head_key: str = "lm_head.weight", canonical: KeyMap = _same
+                     ) -> dict[str, torch.Tensor]:
+    """``hf_to_ours`` for one pipeline stage: ``expected`` = this stage's parameters under their
+    PP=1 keys (``models.checkpoint.global_layer_keys``) -> shape; HF weights of other stages are
+    skipped (each is still checked against the full table).
+
+    With tied embeddings a last stage without the embedding holds its own copy of the output
+    weight (megatron keeps it equal to the first stage's): it is filled from ``embed_key``.
+    ``table`` / ``embed_key`` / ``lm_head_key``: the family's full table and the HF names of the
+    token embedding and the output layer (default: the Qwen-VL ones).
+
+    Raises:
+        ValueError: as ``hf_to_ours``.
+    """
+    full = table
+    for key in hf_sd:
+        name = canonical(key)
+        if name not in full and not (name == lm_head_key and cfg.lm.tie_embeddings):
+            raise ValueError(f"HF key {key!r} has no entry in the {cfg.family} mapping table")
+    table = dict(full)
+    output, embedding = "language_model.output_layer.weight", \
+        "language_model.embedding.word_embeddings.weight"
+    if cfg.lm.tie_embeddings and output in expected and embedding not in expected:
+        table[embed_key] = (output, None)
+    table = {hf: row for hf, row in table.items() if row[0] in expected}
+    stage_sd = {k: v for k, v in hf_sd.items() if canonical(k) in table}
+    return hf_to_ours(stage_sd, cfg, expected, table, canonical)
+
+
+def ours_to_hf(sd: dict[str, torch.Tensor], cfg, table: Table,
+               hf_shapes: dict[str, tuple] | None = None,
+               hub_key: KeyMap | None = None) -> dict[str, torch.Tensor]:
+    """Map our (TP=1) state dict to HF keys with a family's expanded ``table``; ``hub_key``
+    turns a table key into the layout to write (default: as in the table); ``hf_shapes``: the HF
+    shape of a reshaped tensor (default: the patch kernel's)."""
+    v = cfg.vision
+    patch_shape = (v.hidden_size, v.in_channels, getattr(v, "temporal_patch_size", 1),
+                   v.patch_size, v.patch_size)
+    out = {}
+    for hf_key, (ours, part) in table.items():
+        if ours not in sd:
+            raise ValueError(f"checkpoint lacks {ours!r} (needed for {hf_key!r})")
+        shape = (hf_shapes or {}).get(hf_key, patch_shape)
+        tensor = _split(cfg, part, sd[ours], shape) if part else sd[ours]
+        out[hub_key(hf_key) if hub_key else hf_key] = tensor.contiguous()
+    return out
+
+
+# ------------------------------------------------------------------ HF folders
+def read_hf_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, state dict) of a local HF model folder (safetensors)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type
+            raise ValueError(f"{f}: unreadable safetensors file ({exc})") from None
+    return config, sd
+
+
+def write_hf_folder(path: Path, config: dict, sd: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def is_our_key(key: str) -> bool:
+    """Parameters of our state dict that carry weights (not TE/megatron extra state)."""
+    return not key.endswith("_extra_state") and not re.search(r"\.inv_freq$", key)
