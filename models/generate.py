@@ -1,4 +1,5 @@
-"""Greedy generation for the Qwen-VL model with a KV cache (megatron-core static inference context).
+"""Greedy generation for every family's model with a KV cache (megatron-core static inference
+context).
 
 ``greedy_generate(model, prompts, eos_id=..., max_new_tokens=...)`` runs one batched prefill over
 left-padded prompts (vision encoded once, DeepStack applied there), then one single-token forward

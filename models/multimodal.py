@@ -7,7 +7,7 @@ images and videos share one context token, as Nemotron-Omni's ``<image>``, the b
 ``visual_kinds`` tells which runs are videos), the scatter of the encoded media into those tokens
 (``scatter_visual``), megatron's THD parameters of packed rows (``packed_sequence_params``),
 the label shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at
-t), and the pipeline-parallel surface of a VLM (``PipelineStagesMixin``: stage-aware LM call
+t), and the pipeline-parallel surface of a VLM (``LanguageModelRunner``: stage-aware LM call
 (packed batches in megatron's THD format), megatron's ``model_type`` / ``set_input_tensor`` /
 tied-embedding accessors).
 """
@@ -189,13 +189,14 @@ def packed_sequence_params(cu_seqlens: torch.Tensor, max_seqlen: int | None, dev
                            max_seqlen_q=longest, max_seqlen_kv=longest, **extra)
 
 
-class PipelineStagesMixin:
-    """The pipeline-parallel surface shared by the VLMs whose megatron LM (``GPTModel`` /
-    ``MambaModel``) is ``self.language_model`` and whose ``pre_process`` / ``post_process`` say
-    which ends of the pipeline this stage holds (vision + embedding: first stage; output layer +
-    loss: last stage). megatron's schedules read ``model_type`` and call ``set_input_tensor`` (the
-    previous stage's hidden states); ``finalize_model_grads`` asks the first / last stage for the
-    tied embedding."""
+class LanguageModelRunner:
+    """How every family's VLM runs its language model (``self.language_model``: a megatron
+    ``GPTModel`` / ``MambaModel``): the pipeline stages (``pre_process`` / ``post_process`` say
+    which ends of the pipeline this stage holds: vision + embedding first, output layer + loss
+    last; megatron's schedules read ``model_type`` and call ``set_input_tensor`` with the previous
+    stage's hidden states; ``finalize_model_grads`` asks the first / last stage for the tied
+    embedding), the THD packing and the context-parallel share, DeepStack features, and
+    generation's prefill."""
 
     model_type = ModelType.encoder_or_decoder  # megatron's pipeline schedules read it
 

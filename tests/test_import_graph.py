@@ -125,3 +125,49 @@ def test_layering():
                 for target in targets
                 if target.split(".")[0] in forbidden.get(module.split(".")[0], ())]
     assert not problems, "; ".join(problems)
+
+
+def _family_package(module: str) -> str | None:
+    """``models.families.qwen_vl.model`` -> ``models.families.qwen_vl``; None outside one."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) > 2 and parts[1] == "families" else None
+
+
+def test_family_packages_import_no_other_family():
+    """Shared pieces live in neutral modules: a family package never imports another one."""
+    problems = [f"{module} imports {target}"
+                for module, targets in import_graph().items()
+                for target in targets
+                if _family_package(module) and _family_package(target)
+                and _family_package(target) != _family_package(module)]
+    assert not problems, "; ".join(problems)
+
+
+def family_name_comparisons(sources: dict[str, Path]) -> list[str]:
+    """``module:line`` of every comparison with a string naming a family (qwen..., nemotron...)
+    in a product module outside the family packages and the neutral names (``contract``)."""
+    import re
+
+    names = re.compile(r"(qwen|nemotron)", re.I)
+    hits = []
+    for module, path in sources.items():
+        if _family_package(module) or module.split(".")[0] == "contract":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            values = [c for side in sides for c in (side, *getattr(side, "elts", ()))]
+            if any(isinstance(c, ast.Constant) and isinstance(c.value, str)
+                   and names.search(c.value) for c in values):
+                hits.append(f"{module}:{node.lineno}")
+    return hits
+
+
+def test_no_family_name_comparisons_outside_the_family_packages(tmp_path):
+    """What differs between families is asked of the family (its package, profile, geometry or
+    hooks), never decided by comparing with its name; the checker itself finds one."""
+    assert family_name_comparisons(_sources()) == []
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(cfg):\n    return cfg.family == 'nemotron_omni'\n")
+    assert family_name_comparisons({"recipes.planted": planted}) == ["recipes.planted:2"]

@@ -20,7 +20,7 @@ TransformerEngine is also handled in models/cpu.
 Pipeline parallel: MambaStack gives each stage its slice of the pattern (an even split of the
 layer count) and numbers the layers globally (dist checkpoints load at any PP); vision +
 embedding live on the first stage, the output layer + loss on the last
-(``models.multimodal.PipelineStagesMixin``, as Qwen-VL).
+(``models.multimodal.LanguageModelRunner``, as Qwen-VL).
 
 Vision: this package's ``radio.RadioEncoder`` (tower, pixel shuffle, projector) behind the shared
 ``VisionDPOverCP`` (whole images / tiles / tubelets spread over the context-parallel ranks).
@@ -40,7 +40,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.nemotron_omni.radio import RadioEncoder
-from models.multimodal import PipelineStagesMixin, scatter_visual
+from models.multimodal import LanguageModelRunner, scatter_visual
 from models.recompute import transformer_config_kwargs
 from models.segment_attention import with_packed_attention
 from models.vision_dp import CostModel, VisionDPOverCP
@@ -240,7 +240,7 @@ def _pattern_kwarg() -> str:
     raise ValueError("this megatron-core's MambaModel takes no hybrid layer pattern argument")
 
 
-class NemotronOmni(PipelineStagesMixin, MegatronModule):
+class NemotronOmni(LanguageModelRunner, MegatronModule):
     """RADIO + projector + hybrid MambaModel (see module docstring)."""
 
     def __init__(self, cfg: NemotronOmniModelConfig, *, use_te: bool | None = None,

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.families.qwen_vl.config import QwenVLModelConfig
 from models.families.qwen_vl.vision import QwenVisionEncoder
-from models.multimodal import PipelineStagesMixin, scatter_visual
+from models.multimodal import LanguageModelRunner, scatter_visual
 from models.recompute import transformer_config_kwargs
 from models.segment_attention import with_packed_attention
 from models.vision_dp import CostModel, VisionDPOverCP
@@ -92,7 +92,7 @@ def lm_layer_spec(cfg: QwenVLModelConfig, use_te: bool):
                                                                 normalization="RMSNorm"))
 
 
-class QwenVL(PipelineStagesMixin, MegatronModule):
+class QwenVL(LanguageModelRunner, MegatronModule):
     """Vision encoder + M-RoPE GPTModel (see module docstring)."""
 
     def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool | None = None,
