@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from contract.errors import ConfigError
+from contract.config import build, raise_problems
 from contract.families import profile_name
 from energon_tasks.families import Budget, Profile
 from energon_tasks.profiles import PROFILES, get_profile
@@ -132,9 +132,7 @@ class TaskEncoderConfig:
                 f"seq_length ({self.seq_length}) must be a multiple of {multiple} "
                 "(pad_to_multiple_of and 2 * context_parallel_size)"
             )
-        if problems:
-            raise ConfigError("invalid task encoder config:\n  " + "\n  ".join(problems),
-                              problems)
+        raise_problems(problems)
 
     def _knob_problems(self, profile: Profile) -> list[str]:
         """Profile-only knobs set on a profile that does not read them, and the profile's own
@@ -149,29 +147,15 @@ class TaskEncoderConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TaskEncoderConfig":
-        """Build from a mapping (YAML, or ``key=value`` strings from the command line).
-
-        String values are converted to the field's type ("true"/"false", numbers, "null").
+        """Build from a mapping (YAML, or ``key=value`` strings from the command line) with the
+        project's one config builder (``contract.config.build``: strings read as command-line
+        values, types checked, unknown keys named with the valid ones).
 
         Raises:
-            ConfigError: unknown keys, unconvertible values, or invalid settings (all listed).
+            ConfigError: unknown keys, values of the wrong type, or invalid settings (all
+                listed, each under ``task_encoder.``).
         """
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        problems = [f"unknown key {key!r}" for key in values if key not in fields]
-        kwargs = {}
-        for key, value in values.items():
-            if key not in fields:
-                continue
-            try:
-                kwargs[key] = _coerce(value, str(fields[key].type))
-            except ValueError:
-                problems.append(f"{key}: cannot read {value!r} as {fields[key].type}")
-        if problems:
-            valid = ", ".join(fields)
-            raise ConfigError(
-                "invalid task encoder config:\n  " + "\n  ".join(problems) + f"\n  valid: {valid}",
-                problems)
-        return cls(**kwargs)
+        return build(cls, values, "task_encoder")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (for logs and checkpoints)."""
@@ -182,20 +166,3 @@ class TaskEncoderConfig:
 def _notice_once(notice: str) -> None:
     """Say once per setting what a profile reads a knob as (``Geometry.image_cap_notice``)."""
     log.warning("task_encoder: %s", notice)
-
-
-def _coerce(value: Any, type_name: str) -> Any:
-    """Convert a command-line string to the annotated type; other values pass through."""
-    if not isinstance(value, str) or type_name.startswith("str"):
-        return value
-    if value.lower() in ("null", "none") and "None" in type_name:
-        return None
-    if type_name.startswith("bool"):
-        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise ValueError(value)
-        return value.lower() in ("true", "1", "yes")
-    if type_name.startswith("int"):
-        return int(value)
-    if type_name.startswith("float"):
-        return float(value)
-    return value

@@ -14,21 +14,19 @@ are an error; every problem of a config is reported together, in one line (``Con
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from contract.config import apply_override, build_into, raise_problems, unknown_key
 from contract.errors import ConfigError  # the message lists every problem, separated by '; '
 from contract.families import TASK_ENCODER_MODELS, profile_name
 from energon_tasks.config import TaskEncoderConfig
 from models.families import config_from_dict
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.qwen_vl.config import QwenVLModelConfig
-from models.overrides import apply_override
 
 
 @dataclass(kw_only=True, slots=True)
@@ -133,49 +131,7 @@ SECTIONS = {"data": DataConfig, "parallel": ParallelConfig, "train": TrainConfig
             "log": LogConfig, "checkpoint": CheckpointConfig}
 
 
-# ------------------------------------------------------------------ parsing helpers
-def _allowed(annotation: Any) -> tuple[type, ...]:
-    hint = eval(annotation, {"str": str, "int": int, "float": float, "bool": bool,
-                             "None": None}) if isinstance(annotation, str) else annotation
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return tuple(type(None) if a is None else a for a in typing.get_args(hint))
-    return (type(None),) if hint is None else (hint,)
-
-
-def _coerce(value: Any, allowed: tuple[type, ...]) -> Any:
-    if value is None and type(None) in allowed:
-        return None
-    if isinstance(value, bool):
-        if bool in allowed:
-            return value
-        raise TypeError
-    if isinstance(value, int) and float in allowed and int not in allowed:
-        return float(value)
-    if any(isinstance(value, t) for t in allowed if t is not type(None)):
-        return value
-    raise TypeError
-
-
-def build_section(cls: type, raw: Any, name: str, errors: list[str]):
-    """``cls(**raw)`` with unknown keys and wrong types added to ``errors`` (then defaults)."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        errors.append(f"{name}: expected a mapping, got {raw!r}")
-        return cls()
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in fields:
-            errors.append(f"unknown key {name}.{key} (valid: {', '.join(fields)})")
-            continue
-        try:
-            kwargs[key] = _coerce(value, _allowed(fields[key].type))
-        except TypeError:
-            errors.append(f"{name}.{key}: expected {fields[key].type}, got {value!r}")
-    return cls(**kwargs)
-
-
+# ------------------------------------------------------------------ sections
 def _refine(base: dict, inline: dict) -> dict:
     """``base`` with the inline keys over it (sections merged one level deep)."""
     merged = dict(base)
@@ -199,9 +155,11 @@ def _model_section(raw: Any, errors: list[str]):
         raw = _refine(merged, raw)  # inline keys refine the base
     try:
         return config_from_dict(raw)  # the family key picks the config class
+    except ConfigError as error:
+        errors += error.problems
     except (ValueError, TypeError) as error:
         errors.append(str(error))
-        return None
+    return None
 
 
 def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str, dict] | None:
@@ -262,11 +220,7 @@ def _task_encoder_section(raw: Any, cp: int, errors: list[str]) -> TaskEncoderCo
         errors.append(f"task_encoder.context_parallel_size ({raw['context_parallel_size']}) "
                       f"differs from parallel.cp ({cp}); leave it unset")
         return None
-    try:
-        return TaskEncoderConfig.from_dict(raw)
-    except ConfigError as error:
-        errors += [f"task_encoder.{problem}" for problem in error.problems]
-        return None
+    return build_into(TaskEncoderConfig, raw, "task_encoder", errors)
 
 
 # ------------------------------------------------------------------ public API
@@ -284,9 +238,9 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
     hf = _hf_model(raw, set(command_line), errors)
     hf_failed = bool(errors)  # model.hf unusable: its model section is not built
     known = {"out", "model", "task_encoder", *SECTIONS}
-    errors += [f"unknown key {key} (valid: {', '.join(sorted(known))})"
-               for key in raw if key not in known]
-    sections = {name: build_section(cls, raw.get(name), name, errors)
+    errors += [unknown_key(str(key), str(key), sorted(known), "") for key in raw
+               if key not in known]
+    sections = {name: build_into(cls, raw.get(name), name, errors) or cls()
                 for name, cls in SECTIONS.items()}
     model = None if hf_failed else _model_section(raw.get("model"), errors)
     task_encoder = _task_encoder_section(raw.get("task_encoder"), sections["parallel"].cp, errors)
@@ -295,8 +249,7 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
         errors += _check_hf_geometry(*hf, task_encoder)
     if hf is not None and sections["train"].init_checkpoint:
         errors.append("model.hf and train.init_checkpoint exclude each other")
-    if errors:
-        raise ConfigError("; ".join(errors))
+    raise_problems(errors)
     return RunConfig(out=str(raw.get("out", "runs/train")), model=model,
                      task_encoder=task_encoder, hf=hf and hf[0], **sections)
 
@@ -366,8 +319,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
             apply_override(raw, item)
         except ConfigError as error:
             errors.append(str(error))
-    if errors:
-        raise ConfigError("; ".join(errors))
+    raise_problems(errors)
     return from_dict(raw, command_line=keys)
 
 

@@ -13,8 +13,9 @@ import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as hf_image
 from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 
+from contract.errors import ConfigError
 from energon_tasks import task_encoder_for
-from energon_tasks.config import ConfigError, TaskEncoderConfig
+from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.decode import MediaError, decode_image, decode_video_frames
 from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI
 from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL

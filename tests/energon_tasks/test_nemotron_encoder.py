@@ -20,8 +20,9 @@ from megatron.energon import SkipSample
 from PIL import Image
 
 from contract.constants import IGNORE_INDEX, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VISUAL_KINDS
+from contract.errors import ConfigError
 from energon_tasks import budget, task_encoder, task_encoder_for
-from energon_tasks.config import ConfigError, TaskEncoderConfig
+from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.decode import decode_image
 from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI, NEMOTRON_OMNI_TILED
 from energon_tasks.families.nemotron_omni.hooks import NemotronOmniHooks

@@ -20,13 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from contract.families import HF_MODEL_TYPES, NEMOTRON_OMNI
-from models.config_sections import hf_value as _get
-from models.config_sections import sections_from_dict
-from models.overrides import apply_override
+from models.model_config import build_model_config, load_model_yaml
+from models.model_config import hf_value as _get
 from models.recompute import check_mode
 
 FAMILY = NEMOTRON_OMNI
@@ -291,23 +288,19 @@ def to_hf_dict(cfg: NemotronOmniModelConfig) -> dict:
 
 
 # ------------------------------------------------------------------ YAML
-_SECTIONS = {"vision": RadioConfig, "lm": NemotronHConfig}
 
 
 def from_dict(raw: dict) -> NemotronOmniModelConfig:
-    """Build from a plain dict (the YAML layout); every unknown key is reported together.
+    """Build from a plain dict (the YAML layout; ``models.model_config.build_model_config``).
 
     Raises:
-        ValueError: unknown or missing keys (all listed), or inconsistent shapes.
+        ConfigError: unknown or missing keys and wrong types (all listed), or inconsistent
+            shapes.
     """
-    parts, rest = sections_from_dict(raw, NemotronOmniModelConfig, _SECTIONS)
-    return NemotronOmniModelConfig(**rest, **parts)
+    return build_model_config(NemotronOmniModelConfig, raw)
 
 
 def load_yaml(path: str | Path,
               overrides: list[str] | tuple[str, ...] = ()) -> NemotronOmniModelConfig:
     """Load ``configs/nemotron_omni*.yaml`` (with dotted ``key=value`` overrides)."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    for item in overrides:
-        apply_override(raw, item)
-    return from_dict(raw)
+    return load_model_yaml(path, overrides, from_dict)

@@ -5,7 +5,7 @@ This module owns the typed model config (``QwenVLModelConfig`` = ``VisionConfig`
 the vision tower is built), its construction from a Hugging Face config (``from_hf_config``: a
 ``config.json`` dict or a transformers config object), from YAML (``load_yaml``,
 ``configs/qwen*_model*.yaml`` style, unknown keys rejected, dotted ``key=value`` overrides:
-``models.config_sections``), and back to a Hugging Face ``config.json`` dict (``to_hf_dict``, for
+``models.model_config``), and back to a Hugging Face ``config.json`` dict (``to_hf_dict``, for
 export).
 """
 
@@ -16,12 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from contract.families import QWEN2_5_VL, QWEN3_VL
-from models.config_sections import hf_value as _get
-from models.config_sections import sections_from_dict
-from models.overrides import apply_override
+from models.model_config import build_model_config, load_model_yaml
+from models.model_config import hf_value as _get
 from models.recompute import check_mode
 
 
@@ -228,22 +225,19 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
 
 
 # ------------------------------------------------------------------ YAML
-_SECTIONS = {"vision": VisionConfig, "lm": LMConfig}
 
 
 def from_dict(raw: dict) -> QwenVLModelConfig:
-    """Build from a plain dict (the YAML layout); every unknown key is reported together.
+    """Build from a plain dict (the YAML layout; ``models.model_config.build_model_config``).
 
     Raises:
-        ValueError: unknown or missing keys (all listed), or inconsistent shapes.
+        ConfigError: unknown or missing keys and wrong types (all listed), or inconsistent
+            shapes.
     """
-    parts, rest = sections_from_dict(raw, QwenVLModelConfig, _SECTIONS)
-    return QwenVLModelConfig(**rest, **parts)
+    return build_model_config(QwenVLModelConfig, raw)
 
 
-def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> QwenVLModelConfig:
+def load_yaml(path: str | Path,
+              overrides: list[str] | tuple[str, ...] = ()) -> QwenVLModelConfig:
     """Load ``configs/qwen*.yaml`` (with dotted ``key=value`` overrides)."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    for item in overrides:
-        apply_override(raw, item)
-    return from_dict(raw)
+    return load_model_yaml(path, overrides, from_dict)
