@@ -69,12 +69,12 @@ def import_hf_weights(cfg, is_logger: bool) -> str:
     ``train.hf_import_cache`` and reused by reruns (``models.convert.import_hf_cached``); logs
     which weights the run starts from. Returns the import folder (a dist checkpoint)."""
     from models.convert import import_hf_cached
-    from models.hf_source import default_import_cache
+    from models.hf_source import HFSourceError, default_import_cache
 
     cache = Path(cfg.train.hf_import_cache or default_import_cache())
     try:
         folder, reused = import_hf_cached(cfg.model, cfg.hf, cache)
-    except ValueError as error:  # bad source or weights that do not map: one line
+    except (HFSourceError, UsageError) as error:  # bad source or weights that do not map
         message = str(error)
         raise UsageError(message if message.startswith("model.hf") else
                          f"model.hf {cfg.hf}: {message}") from None

@@ -1,5 +1,21 @@
-"""How the recipe's command-line entries (train.py, eval.py, ``python -m models.convert``) run
-their click commands: a usage error or a user error is one line on stderr, exit code 2."""
+"""How every command-line entry of the project runs its click command, in one dialect.
+
+``python -m converters``, ``python -m energon_tasks``, ``python -m lookalikes`` (and
+``lookalikes.demo``), train.py, eval.py, ``python -m models.convert`` and
+``python -m recipes.report``: each ``main(argv)`` is ``run_click(cli, prog, argv)``. Then
+
+- a click usage error or one of the project's user errors (``contract.errors``: ``UsageError``,
+  ``ConfigError``, ``MediaError``, and the command's own ``user_errors``) is the last stderr line
+  ``<prog>: error: <message>`` (one line, whitespace collapsed), exit code 2;
+- a ``RunFailure`` (a full disk, a dead worker, a signal: the run's environment) is the same line
+  with the failure's exit code (1, 130, 143, ...);
+- CTRL-C (``KeyboardInterrupt``, click's ``Abort``) is ``<prog>: aborted``, exit code 130;
+- a group run without a command prints its help, then ``<prog>: error: missing command``, 2;
+- anything else is a bug and propagates: a traceback, never one line.
+
+``prog`` is the command's short name (``converters``, ``train.py``, ``models.convert``); help and
+usage text show how to run it (``python -m converters`` for a module).
+"""
 
 from __future__ import annotations
 
@@ -7,31 +23,54 @@ import sys
 
 import click
 
+from contract.errors import ConfigError, MediaError, RunFailure, UsageError
 
-def run_click(command: click.Command, prog: str, argv: list[str] | None,
+#: the project's user errors: every command prints them as one line, exit code 2
+USER_ERRORS = (UsageError, ConfigError, MediaError)
+
+
+def error_line(prog: str, message: str) -> str:
+    """``<prog>: error: <message>`` on one line (the message's whitespace collapsed)."""
+    return f"{prog}: error: {' '.join(str(message).split())}"
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_click(command: click.Command, prog: str, argv: list[str] | None = None,
               user_errors: tuple[type[Exception], ...] = ()) -> int:
-    """Run ``command`` on ``argv`` (default: the process arguments).
+    """Run ``command`` on ``argv`` (default: the process arguments) as ``prog``.
+
+    Args:
+        user_errors: the command's own user-error types besides ``USER_ERRORS`` (e.g. the
+            converters' ``LockedError``, ``models.hf_source.HFSourceError``).
 
     Returns:
-        The exit code: the command's return value (0 when None), 2 for a usage error or one of
-        ``user_errors`` (printed as ``<prog>: error: <message>``, one line).
+        The exit code: the command's return value when it is an int (else 0); 2 for a usage or
+        user error, a ``RunFailure``'s own code, 130 when aborted (see the module docstring).
     """
     no_args_is_help = getattr(click.exceptions, "NoArgsIsHelpError", ())
+    invocation = prog if prog.endswith(".py") else f"python -m {prog}"
     try:
-        result = command.main(args=argv, prog_name=prog, standalone_mode=False)
+        result = command.main(args=argv, prog_name=invocation, standalone_mode=False)
     except click.exceptions.Exit as done:  # --help
         return done.exit_code
-    except no_args_is_help as error:  # a group without a command: its help
+    except no_args_is_help as error:  # a group without a command: its help, then the line
         click.echo(error.ctx.get_help(), err=True)
+        _say(error_line(prog, "missing command"))
         return 2
-    except click.Abort:
-        print(f"{prog}: aborted", file=sys.stderr, flush=True)
+    except (click.Abort, KeyboardInterrupt):
+        _say(f"{prog}: aborted")
         return 130
+    except RunFailure as failure:
+        _say(error_line(prog, str(failure)))
+        return failure.exit_code
     except click.ClickException as error:
         message = error.format_message()
-    except user_errors as error:
+    except (*USER_ERRORS, *user_errors) as error:
         message = str(error)
     else:
         return result if isinstance(result, int) else 0
-    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    _say(error_line(prog, message))
     return 2

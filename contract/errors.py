@@ -5,6 +5,11 @@
   one line and exit 2.
 - ``MediaError``: a media item that cannot be used; ``reason`` is the reject reason (converters)
   or the skip counter suffix (task encoders).
+- ``RunFailure``: a run stopped by its environment, neither bad input nor a bug (a full disk, a
+  dead worker, a signal); the CLIs print it as one line and exit with its ``exit_code``.
+
+``contract/cli.py`` prints each as ``<prog>: error: <message>``; any other exception is a bug
+and stays a traceback.
 """
 
 from __future__ import annotations
@@ -34,3 +39,15 @@ class MediaError(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class RunFailure(Exception):
+    """The run cannot go on for a reason outside its input and its code (a full disk, a dead
+    worker, a signal): one line, exit code ``exit_code`` (1 unless given)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code

@@ -2,10 +2,10 @@
 
 Each dataset command converts a source (hub id by default, or a local folder with the hub's
 layout) into one Energon dataset at `--out`, then prints the summary. Bad data never stops a run
-(see rejects.jsonl). Everything that does stop one is ONE line on stderr, never a traceback:
-bad arguments, a source that cannot be planned, an `--out` in use by another run (exit 2); a
-conversion with no sample, a full disk, a dead worker (exit 1); SIGINT / SIGTERM (exit 130 / 143).
-After any of them the same command resumes.
+(see rejects.jsonl). What does stop one is ONE line on stderr, `converters: error: <message>`
+(contract/cli.py): bad arguments, a source that cannot be planned, an `--out` in use by another
+run (exit 2); a conversion with no sample, a full disk, a dead worker (exit 1); SIGINT / SIGTERM
+(exit 130 / 143). After any of them the same command resumes. A bug is a traceback.
 """
 
 from __future__ import annotations
@@ -17,19 +17,12 @@ from pathlib import Path
 
 import click
 
-from converters.base import UsageError
-from converters.finalize import NoSamples
+from contract.cli import run_click
+from contract.console import DEFAULT_EVERY_S
+from contract.errors import RunFailure
 from converters.lock import LockedError
 from converters.media import DEFAULT_LIMITS, Limits
-from converters.pipeline import (
-    Interrupted,
-    Options,
-    OutOfSpace,
-    WorkerDied,
-    convert,
-    precheck,
-)
-from converters.progress import DEFAULT_INTERVAL_S
+from converters.pipeline import Interrupted, Options, convert, precheck
 
 _DEFAULT_SHARD_SIZE = {"mantis": 1000, "infovqa": 200, "llava-video": 100}
 
@@ -78,7 +71,7 @@ def common_options(dataset: str, hub_id: str):
             click.option("--max-video-seconds", default=DEFAULT_LIMITS.max_video_seconds,
                          show_default=True, type=click.FloatRange(min=0, min_open=True),
                          help="Reject videos lasting longer (measured from the packets)."),
-            click.option("--progress-interval", default=DEFAULT_INTERVAL_S, show_default=True,
+            click.option("--progress-interval", default=DEFAULT_EVERY_S, show_default=True,
                          type=click.FloatRange(min=0),
                          help="Seconds between progress lines when stderr is not a terminal."),
         ]
@@ -89,40 +82,18 @@ def common_options(dataset: str, hub_id: str):
     return decorate
 
 
-#: what ends a run, and its exit code (the message is the exception's)
-_EXITS = ((UsageError, 2), (LockedError, 2), (NoSamples, 1), (OutOfSpace, 1), (WorkerDied, 1))
-
-
-def _fail(message: str, code: int) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
 def _guarded(run, out: Path):
-    """Run `run()`; whatever stops it is one line on stderr with its exit code."""
+    """Run `run()`; a signal or an OS error that stops it becomes a `RunFailure` (one line and
+    its exit code; the other failures already are one, or a user error)."""
     try:
         return run()
     except Interrupted as exc:
-        click.echo(f"interrupted ({exc}); run the same command again to resume", err=True)
-        sys.exit(128 + exc.signum)
+        raise RunFailure(f"interrupted ({exc}); run the same command again to resume",
+                         128 + exc.signum) from None
     except KeyboardInterrupt:
-        click.echo("interrupted; run the same command again to resume", err=True)
-        sys.exit(130)
-    except tuple(kind for kind, _ in _EXITS) as exc:
-        _fail(str(exc), next(code for kind, code in _EXITS if isinstance(exc, kind)))
+        raise RunFailure("interrupted; run the same command again to resume", 130) from None
     except OSError as exc:
-        _fail(f"{exc.strerror or exc} ({exc.filename or out})", 1)
-    except Exception as exc:  # a bug: one line here, the traceback in a file
-        import traceback
-
-        log = out / ".work" / "last_error.txt"
-        try:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text(traceback.format_exc())
-            where = f"; traceback in {log}"
-        except OSError:
-            where = ""
-        _fail(f"internal error: {type(exc).__name__}: {str(exc)[:300]}{where}", 1)
+        raise RunFailure(f"{exc.strerror or exc} ({exc.filename or out})") from None
 
 
 def _run(make_source, out: Path, **options) -> None:
@@ -238,5 +209,10 @@ def finalize_command(out: Path, workers: int):
     _report(out, _guarded(run, out))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The command line (contract/cli.py); returns the exit code."""
+    return run_click(cli, "converters", argv, (LockedError,))
+
+
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

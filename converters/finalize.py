@@ -26,9 +26,10 @@ from pathlib import Path
 
 import yaml
 
+from contract.console import phase
+from contract.errors import RunFailure
 from converters.base import UsageError, config_folder
 from converters.lock import LockedError, RunLock
-from converters.progress import phase
 from converters.stats import write_stats
 from converters.writer import write_atomic, write_json_atomic
 from energon_tasks.sample_format import DATASET_YAML
@@ -37,8 +38,8 @@ SPLITS = ("train", "val", "test")
 MARKER = "finalized.json"
 
 
-class NoSamples(Exception):
-    """Every row was rejected: nothing to train on (the message gives the reasons)."""
+class NoSamples(RunFailure):
+    """Every row was rejected: nothing to train on (the message gives the reasons); exit 1."""
 
 
 def _energon() -> list[str]:

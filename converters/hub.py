@@ -21,8 +21,8 @@ from pathlib import Path
 
 import datasets
 
+from contract.console import phase
 from converters.base import UsageError
-from converters.progress import phase
 
 if not sys.stderr.isatty():  # batch logs get our periodic lines, not a bar per split
     datasets.disable_progress_bars()

@@ -17,10 +17,10 @@ import hashlib
 
 import datasets
 
+from contract.console import phase
 from converters.base import Built, Reject, SourceSplit, Unit, reject_all
 from converters.hub import Source, open_splits, resolve_configs
 from converters.media import DEFAULT_LIMITS, Limits, MediaError, image_media, probe_image
-from converters.progress import phase
 from energon_tasks.sample_format import (
     IMAGE_PLACEHOLDER,
     PLACEHOLDER_RE,

@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 import datasets
 import yaml
 
+from contract.console import phase
 from converters.archives import FolderMembers, FrameFolders, TarGzMembers
 from converters.base import (
     Built,
@@ -48,7 +49,6 @@ from converters.media import (
     video_fixups,
     video_media,
 )
-from converters.progress import phase
 from energon_tasks.sample_format import (
     FRAMES_FORMAT,
     IMAGE_PLACEHOLDER,

@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -33,9 +34,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.console import DEFAULT_EVERY_S, Progress, phase
+from contract.errors import RunFailure
 from converters.base import SourceDataset, SourceSplit, Unit, UsageError, config_folder
 from converters.lock import RunLock
-from converters.progress import DEFAULT_INTERVAL_S, Progress, phase
 from converters.writer import ShardSpec, shard_done, write_json_atomic, write_shard
 
 _TARGET_ORDER = ("train", "val", "test")
@@ -51,12 +53,12 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-class OutOfSpace(Exception):
-    """A write failed for lack of space (or a file size limit)."""
+class OutOfSpace(RunFailure):
+    """A write failed for lack of space (or a file size limit): exit code 1."""
 
 
-class WorkerDied(Exception):
-    """A worker process ended without finishing its shard (killed, out of memory)."""
+class WorkerDied(RunFailure):
+    """A worker process ended without finishing its shard (killed, out of memory): exit 1."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -70,7 +72,7 @@ class Options:
     #: also store Energon's own media metadata in index.sqlite (K.json always has it); costs
     #: about 2 ms per image in `energon prepare`
     energon_media_metadata: bool = False
-    progress_interval: float = DEFAULT_INTERVAL_S  #: seconds between progress lines (no TTY)
+    progress_interval: float = DEFAULT_EVERY_S  #: seconds between progress lines (no TTY)
 
     def check(self) -> None:
         problems = []
@@ -305,10 +307,10 @@ def convert(make_source: Callable[[], SourceDataset], opts: Options) -> dict | N
         phase(f"writing {len(pending)} of {len(specs)} shards ({rows} rows) with "
               f"{opts.workers} worker(s)")
         _WORKER_STATE.update(out=opts.out, source=source, splits=splits)
-        progress = Progress(rows, f"{source.name} p{opts.partition_index}",
-                            interval=opts.progress_interval)
+        progress = Progress(f"{source.name} p{opts.partition_index}", opts.progress_interval,
+                            total=rows, unit="rows", stream=sys.stderr)
         try:
-            _write_all(pending, opts.workers, lambda record: progress.update(record["rows_read"]))
+            _write_all(pending, opts.workers, lambda record: progress.advance(record["rows_read"]))
         except BaseException:
             _remove_partials(opts.out, opts.partition_index)  # of the workers stopped mid-shard
             raise

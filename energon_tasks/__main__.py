@@ -2,7 +2,8 @@
 
 This module owns the command group and the ``grid`` command (model geometry of given image / video
 sizes, printed as JSON). Later commands live in their own modules and join the group with
-``cli.add_command(...)`` here. Every user error ends as one line on stderr and exit code 2.
+``cli.add_command(...)`` here. Every user error ends as one line on stderr,
+``energon_tasks: error: <message>``, and exit code 2 (contract/cli.py); a bug is a traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 import click
 
+from contract.cli import run_click
 from energon_tasks.families import Geometry
 from energon_tasks.image_grid import ImageGrid
 from energon_tasks.profiles import get_geometry
@@ -111,7 +113,10 @@ def grid(ctx: click.Context, model: str, images, videos, **options) -> None:
 
     Entries follow the command-line order of --image / --video.
     """
-    geometry = get_geometry(model)
+    try:
+        geometry = get_geometry(model)
+    except ValueError as error:  # an unknown --model (the message lists the valid ones)
+        raise click.BadParameter(str(error), param_hint="--model") from None
     if not images and not videos:
         raise click.UsageError("give at least one --image HxW or --video FRAMESxHxW")
     sampling = ("video_fps", "max_num_frames")
@@ -119,9 +124,11 @@ def grid(ctx: click.Context, model: str, images, videos, **options) -> None:
         raise click.UsageError("--video-fps and --max-num-frames need --source-fps")
     queues = {"--image": iter(images), "--video": iter(videos)}
     builders = {"--image": _image_entry, "--video": _video_entry}
-    entries = [
-        builders[flag](geometry, next(queues[flag]), options) for flag in ctx.meta["media_order"]
-    ]
+    try:
+        entries = [builders[flag](geometry, next(queues[flag]), options)
+                   for flag in ctx.meta["media_order"]]
+    except ValueError as error:  # the geometry's checks of the sizes and knobs given here
+        raise click.UsageError(str(error)) from None
     click.echo(json.dumps(entries, indent=2))
 
 
@@ -133,23 +140,8 @@ cli.add_command(preview)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; user errors (bad option, bad size) -> one line on stderr and 2.
-
-    Returns:
-        The process exit code.
-    """
-    no_args_is_help = getattr(click.exceptions, "NoArgsIsHelpError", ())
-    try:
-        return cli.main(args=argv, prog_name="python -m energon_tasks", standalone_mode=False) or 0
-    except no_args_is_help as error:
-        error.show()
-        return 2
-    except click.ClickException as error:
-        message = error.format_message()
-    except ValueError as error:
-        message = str(error)
-    click.echo(f"error: {' '.join(message.split())}", err=True)
-    return 2
+    """The command line (contract/cli.py); returns the exit code."""
+    return run_click(cli, "energon_tasks", argv)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
 """Command line for the lookalikes: `python -m lookalikes --out DIR`.
 
-Owns argument parsing and the one-line-per-dataset summary; building is in the builders.
+Owns argument parsing and the one-line-per-dataset summary; building is in the builders. A bad
+argument is one line, `lookalikes: error: <message>`, exit code 2 (contract/cli.py).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import click
+
+from contract.cli import run_click
 
 from . import MANIFEST_NAME, build_infovqa, build_llava_video, build_mantis
 
@@ -28,7 +32,7 @@ def _size(path: Path) -> int:
 @click.option("--pitfalls/--no-pitfalls", default=True, show_default=True,
               help="Plant the pitfalls (bad rows, odd files) listed in each manifest.")
 @click.option("--seed", default=0, show_default=True, type=int)
-def main(out: Path, only: str, pitfalls: bool, seed: int) -> None:
+def cli(out: Path, only: str, pitfalls: bool, seed: int) -> None:
     """Build local lookalikes of the hub datasets under OUT."""
     names = [n.strip() for n in only.split(",") if n.strip()]
     unknown = sorted(set(names) - set(BUILDERS))
@@ -45,5 +49,10 @@ def main(out: Path, only: str, pitfalls: bool, seed: int) -> None:
                    f"{_size(root) / 1e6:.2f} MB in {time.perf_counter() - start:.1f} s")
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The command line (contract/cli.py); returns the exit code."""
+    return run_click(cli, "lookalikes", argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,7 +3,8 @@
 Builds small local copies of Mantis-Instruct, InfoVQA and LLaVA-Video-178K with the hub's exact
 schema and layout (lookalikes), converts each with the same CLI users run, shows
 `energon info` of every output and prints the accounting. Later stages (training, evaluation)
-extend the demo from train.py.
+extend the demo from train.py. A bad argument is one line, `lookalikes.demo: error: <message>`,
+exit code 2; a conversion that fails is the same line, exit code 1 (contract/cli.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import click
 
+from contract.cli import run_click
+from contract.errors import RunFailure
 from lookalikes import build_all, build_mantis
 
 #: Rows of the vision-signal dataset: single-config Mantis lookalike whose every answer is the
@@ -40,8 +43,8 @@ def run_conversions(out: Path, workers: int = 2) -> dict[str, dict]:
                "--out", str(target), "--workers", str(workers), *extra]
         click.echo(f"$ {' '.join(cmd[1:])}")
         if subprocess.run(cmd).returncode != 0:
-            raise click.ClickException(f"converting into {target} failed (its error is above); "
-                                       f"delete {out} to build the demo data afresh")
+            raise RunFailure(f"converting into {target} failed (its error is above); delete "
+                             f"{out} to build the demo data afresh")
         summaries[command] = json.loads((target / "summary.json").read_text())
     return summaries
 
@@ -67,7 +70,7 @@ def show_energon_info(out: Path) -> None:
 @click.command()
 @click.option("--out", default="demo_out", type=click.Path(path_type=Path), show_default=True)
 @click.option("--workers", default=2, show_default=True)
-def main(out: Path, workers: int) -> None:
+def cli(out: Path, workers: int) -> None:
     """Build lookalikes, convert them, show energon info and the accounting."""
     start = time.perf_counter()
     summaries = run_conversions(out, workers)
@@ -81,5 +84,10 @@ def main(out: Path, workers: int) -> None:
     click.echo(f"demo (conversion) done in {time.perf_counter() - start:.1f} s; outputs in {out}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The command line (contract/cli.py); returns the exit code."""
+    return run_click(cli, "lookalikes.demo", argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,7 +12,8 @@ checkpoint loads at any TP / PP; every family). ``verify`` runs transformers' mo
 (fp32, eager attention) and ours on generated inputs (models/verify_inputs.py: one image; several
 images of different sizes interleaved with text; a video; Nemotron-Omni also a tiled image) and
 prints JSON with the max absolute logit difference per input. Bad paths or a wrong model family:
-one line on stderr, exit 2. Each command says on stderr when it is done, and every
+one line on stderr, ``models.convert: error: <message>``, exit 2 (contract/cli.py); a bug is a
+traceback. Each command says on stderr when it is done, and every
 --progress-every seconds that it is still running when stderr is not a terminal (SLURM logs).
 """
 
@@ -22,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -86,18 +88,28 @@ def load_hf_model(path: Path):
 
 
 # ------------------------------------------------------------------ commands
-def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+@contextmanager
+def refused(what: str = ""):
+    """The models' checks of a folder the user named (not a checkpoint, a ``model_type`` no
+    family imports, weights that do not map onto the model: one-line ValueErrors) as a
+    ``UsageError`` (after ``what: `` when given). Only around those reads: a ValueError
+    elsewhere is a bug and stays a traceback."""
+    from contract.errors import UsageError
+
+    try:
+        yield
+    except ValueError as error:
+        raise UsageError(f"{what}: {error}" if what else str(error)) from None
 
 
 def resolve_hf(path_or_id: str) -> Path:
+    from contract.errors import UsageError
     from models.hf_source import HFSourceError, resolve
 
     try:
         return resolve(path_or_id, weights=True)
     except HFSourceError as error:
-        _fail(str(error).replace("model.hf ", "--hf ", 1))
+        raise UsageError(str(error).replace("model.hf ", "--hf ", 1)) from None
 
 
 def load_hf_weights(model, cfg, folder: Path) -> dict:
@@ -105,23 +117,25 @@ def load_hf_weights(model, cfg, folder: Path) -> dict:
     pipeline stage's layers, its experts (EP), its TP slices. Returns the HF config.
 
     Raises:
-        ValueError: a key or shape that does not map (the first offender named).
+        contract.errors.UsageError: a key or shape that does not map (the first offender named).
     """
     from models.checkpoint import global_keys, shard_for_rank, weight_shapes
     from models.hf_weights import read_hf_folder
 
-    hf_config, hf_sd = read_hf_folder(folder)
+    with refused():  # its messages name the folder
+        hf_config, hf_sd = read_hf_folder(folder)
     to_global = global_keys(model)
     shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
     from megatron.core import parallel_state as ps
 
     whole = (ps.get_pipeline_model_parallel_world_size() == 1
              and ps.get_expert_model_parallel_world_size() == 1)
-    if whole:  # the whole model is here (a first PP stage's names equal its PP=1 names too)
-        full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, shapes)
-    else:  # this stage's layers / this rank's experts, mapped under their global numbers
-        part = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
-        full = {local: part[glob] for local, glob in to_global.items() if glob in part}
+    with refused(f"the HF weights of {folder}"):
+        if whole:  # the whole model is here (a first PP stage's names equal its PP=1 names too)
+            full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, shapes)
+        else:  # this stage's layers / this rank's experts, mapped under their global numbers
+            part = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
+            full = {local: part[glob] for local, glob in to_global.items() if glob in part}
     model.load_state_dict(shard_for_rank(full, model), strict=False)
     return hf_config
 
@@ -130,7 +144,8 @@ def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
     from models.checkpoint import build_model, init_parallel, model_record, save_checkpoint
 
     folder = resolve_hf(hf)
-    cfg = config_from_hf(json.loads((folder / "config.json").read_text()))  # family check first
+    with refused(f"--hf {hf}"):
+        cfg = config_from_hf(json.loads((folder / "config.json").read_text()))  # family first
     init_parallel(tp=tp, pp=pp)
     model = build_model(cfg, use_te=False)
     hf_config = load_hf_weights(model, cfg, folder)
@@ -145,7 +160,7 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
     every rank calls it. Returns (the folder, whether it was reused).
 
     Raises:
-        ValueError: the weights do not map onto ``cfg``'s model (one line).
+        contract.errors.UsageError: the weights do not map onto ``cfg``'s model (one line).
         models.hf_source.HFSourceError: ``source`` cannot be resolved.
     """
     import shutil
@@ -186,8 +201,9 @@ def mcore_to_hf(mcore: Path, out: Path) -> None:
     from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES, copy_files
     from models.hf_weights import is_our_key, write_hf_folder
 
+    with refused():  # its messages name the folder
+        _cfg, _weights, files = find_model_checkpoint(mcore)
     init_parallel()
-    _cfg, _weights, files = find_model_checkpoint(mcore)
     model, cfg = load_checkpoint(mcore, use_te=False)
     sd = {k: v.detach() for k, v in model.state_dict().items() if is_our_key(k)}
     source = next((p for p in (files and files / "config.json", Path(mcore) / HF_JSON)
@@ -205,8 +221,10 @@ def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from models.checkpoint import init_parallel, load_checkpoint
+    from models.checkpoint import find_model_checkpoint, init_parallel, load_checkpoint
 
+    with refused():  # its messages name the folder
+        find_model_checkpoint(mcore)
     init_parallel(tp=tp, pp=pp)
     model, cfg = load_checkpoint(mcore, use_te=False)
     last = ps.is_pipeline_last_stage()
@@ -312,16 +330,12 @@ def verify_command(hf: Path, mcore: Path, tp: int, pp: int, **console) -> None:
          tp * pp, work, **console)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The command line; bad input is one line on stderr and ``SystemExit(2)``."""
+def main(argv: list[str] | None = None) -> int:
+    """The command line (contract/cli.py); returns the exit code."""
     from contract.cli import run_click
-    from contract.errors import UsageError  # e.g. a checkpoint whose .metadata is refused
 
-    code = run_click(cli, "python -m models.convert", argv,
-                     (ValueError, FileNotFoundError, UsageError))
-    if code:
-        raise SystemExit(code)
+    return run_click(cli, "models.convert", argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

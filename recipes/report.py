@@ -9,15 +9,20 @@ same table. A
 check): the mean loss of the last quarter of steps must be clearly higher without media.
 `--eval NAME=DIR` adds eval.py's overall score from DIR/scores.json, and `--eval-pair A:B`
 checks that the score with media (A) is clearly above the blanked one (B) and above `--chance`.
+A bad argument (a run folder without metrics.jsonl, a --pair / --eval that names no run) is one
+line, `recipes.report: error: <message>`, exit code 2 (contract/cli.py).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import click
+
+from contract.cli import run_click
 
 #: The blanked run must end at least this much higher (relative) for the check to pass.
 VISION_SIGNAL_MARGIN = 0.10
@@ -52,6 +57,18 @@ def tail_loss(rows: list[dict]) -> float:
     """Mean loss over the last quarter of the logged steps."""
     tail = rows[-max(1, len(rows) // 4):]
     return statistics.fmean(r["loss"] for r in tail)
+
+
+def _split(item: str, sep: str, option: str, names=None) -> tuple[str, str]:
+    """``A<sep>B`` of an option value (each a name among ``names`` when given)."""
+    first, found, second = item.partition(sep)
+    if not (found and first and second):
+        raise click.BadParameter(f"{item!r} is not A{sep}B", param_hint=option)
+    unknown = [n for n in (first, second) if names is not None and n not in names]
+    if unknown:
+        raise click.BadParameter(f"{item!r}: {unknown[0]!r} is none of {sorted(names)}",
+                                 param_hint=option)
+    return first, second
 
 
 def summarize(name: str, rows: list[dict], val: list[dict] = ()) -> dict:
@@ -108,7 +125,7 @@ def plot(path: Path, runs: dict[str, list[dict]], validation: dict[str, list[dic
 @click.option("--eval", "evals", multiple=True, help="NAME=DIR of an eval.py output.")
 @click.option("--eval-pair", "eval_pairs", multiple=True, help="WITH_MEDIA:BLANKED eval names.")
 @click.option("--chance", default=0.0, help="Chance accuracy of the --eval-pair questions.")
-def main(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple[str, ...],
+def cli(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple[str, ...],
          eval_pairs: tuple[str, ...], chance: float) -> None:
     """Plot loss curves and write report.md for the given run folders."""
     metrics = {run.name: read_metrics(run) for run in runs}
@@ -121,7 +138,7 @@ def main(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple
     lines += ["| " + " | ".join(str(r[k]) for k in header) + " |" for r in rows]
     checks = []
     for pair in pairs:
-        with_media, blanked = pair.split(":", 1)
+        with_media, blanked = _split(pair, ":", "--pair", metrics)
         result = vision_signal(metrics[with_media], metrics[blanked])
         checks.append({"with_media": with_media, "blanked": blanked, **result})
     text = ["# Training report", "", *lines, "", "![loss curves](loss_curves.png)", ""]
@@ -132,13 +149,17 @@ def main(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple
                     f" needs > {VISION_SIGNAL_MARGIN:.0%}).")
     scores = {}
     for item in evals:
-        name, folder = item.split("=", 1)
+        name, folder = _split(item, "=", "--eval")
+        if not (Path(folder) / "scores.json").is_file():
+            raise click.BadParameter(f"{folder}: no scores.json (an eval.py output folder?)",
+                                     param_hint="--eval")
         scores[name] = json.loads((Path(folder) / "scores.json").read_text())["overall"]
     if scores:
         text += ["| eval | questions | score |", "|---|---|---|"]
         text += [f"| {n} | {v['n']} | {v['score']:.3f} |" for n, v in scores.items()]
     for pair in eval_pairs:
-        with_media, blanked = (scores[n]["score"] for n in pair.split(":", 1))
+        with_media, blanked = (scores[n]["score"] for n in _split(pair, ":", "--eval-pair",
+                                                                  scores))
         passed = with_media > max(blanked, chance) + ACCURACY_MARGIN
         checks.append({"eval_pair": pair, "score_with_media": with_media,
                        "score_media_blanked": blanked, "chance": chance, "passed": passed})
@@ -151,5 +172,10 @@ def main(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple
     click.echo("\n".join(text))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The command line (contract/cli.py); returns the exit code."""
+    return run_click(cli, "recipes.report", argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,13 +21,14 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def one_error_line(proc: subprocess.CompletedProcess, code: int) -> str:
-    """The one `error:` line a failed CLI run printed (progress lines aside), checked: exit code
-    `code`, no traceback, exactly one error line."""
+def one_error_line(proc: subprocess.CompletedProcess, code: int, prog: str = "converters") -> str:
+    """The one `<prog>: error:` line a failed CLI run printed (progress lines aside), checked:
+    exit code `code`, no traceback, exactly one error line, and it is the last line."""
     assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(f"{prog}: error: ")]
     assert len(errors) == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == errors[0], proc.stderr[-2000:]
     return errors[0]
 
 
