@@ -8,13 +8,17 @@ A recipe, top to bottom:
     torchrun --nproc-per-node 2 train.py CONFIG parallel.cp=2 ...
     torchrun --nproc-per-node 2 train.py CONFIG parallel.pp=2 task_encoder.fixed_length=true ...
 
-Steps (``train()``, one function each): check_run -> start_run (run folder, distributed setup)
--> build_data -> build_model_and_optimizer -> restore -> announce -> train_loop (next_batches,
-optimizer_step, validation_loss, checkpoint_or_stop on SIGINT / SIGTERM) -> teardown. The pieces
-live in recipes/: run_config.py (the config), layout.py (TP x PP x CP x EP x DP), data.py
-(tokenizer and data checks), schedule.py (LR, loss normalisation), metrics.py, checkpointing.py
-(the training checkpoint, safe state files, retention) and run_folder.py (the run guard, stop
-signals).
+Steps (``train()``, one function each): load the config -> resolve the run plan before any
+process group (``recipes.run_plan``: every check, the run guard, tokenizer, task encoder, a first
+batch, the model config with its token ids; frozen) -> start_run (distributed setup, run folder,
+``<out>/config.yaml`` = the config every checkpoint stores) -> build_loaders ->
+build_model_and_optimizer -> restore -> announce -> train_loop (next_batches, optimizer_step,
+validation_loss, checkpoint_or_stop on SIGINT / SIGTERM) -> teardown. The pieces live in
+recipes/: run_config.py (the config), run_plan.py, layout.py (TP x PP x CP x EP x DP), data.py
+(tokenizer and data checks), model_setup.py (the model, ``model.hf`` imports), forward.py (one
+forward / optimizer step over the batch contract, 1F1B under PP, validation), schedule.py (LR,
+loss normalisation), metrics.py, checkpointing.py (the training checkpoint, safe state files,
+retention) and run_folder.py (the run guard, stop signals).
 Every input problem (config, data, layout, checkpoint, an ``out`` that holds a run) is one line on
 stderr and exit code 2, before the model is built. SIGINT / SIGTERM save a checkpoint after the
 current step and exit 0.
@@ -22,165 +26,29 @@ current step and exit 0.
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
 
-from contract.batch import VLMBatch
 from contract.cli import run_click
 from contract.errors import UsageError
-from contract.families import TASK_ENCODER_MODELS
 from models import cpu
-from models.families import get as get_family
-from recipes.checkpointing import (
-    load_checkpoint,
-    read_rank_state,
-    read_train_state,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from recipes.data import check_data_path, check_split, load_run_tokenizer, probe_first_batch
-from recipes.layout import check_layout, init_distributed
+from recipes.checkpointing import load_checkpoint, read_rank_state, save_checkpoint
+from recipes.forward import optimizer_step, validation_loss
+from recipes.layout import Layout, init_distributed
 from recipes.metrics import MetricsLogger, StepMeter
-from recipes.run_config import ConfigError, dump_yaml, load_run_config, to_dict
-from recipes.run_folder import StopSignal, plan_start, prepare_run_folder
+from recipes.model_setup import build_model, import_hf_weights
+from recipes.run_config import ConfigError, load_run_config, to_dict
+from recipes.run_folder import StopSignal, prepare_run_folder
+from recipes.run_plan import RunPlan, resolve_plan, save_run_tokenizer
 from recipes.schedule import loss_tokens, lr_at, step_token_total
-
-
-# --- adapter: the model and one forward over a batch ------------------------------------------
-def build_model(cfg, layout):
-    """The model of ``cfg.model.family`` (vision DP over CP inside); CPU CP attention."""
-    from models.checkpoint import build_model as build
-
-    model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
-    cpu.use_cp_attention(model.language_model)
-    return model
-
-
-def import_hf_weights(cfg, is_logger: bool) -> str:
-    """``model.hf``: the import of the HF model's weights at this run's TP / PP / EP, cached under
-    ``train.hf_import_cache`` and reused by reruns (``models.convert.import_hf_cached``); logs
-    which weights the run starts from. Returns the import folder (a dist checkpoint)."""
-    from models.convert import import_hf_cached
-    from models.hf_source import HFSourceError, default_import_cache
-
-    cache = Path(cfg.train.hf_import_cache or default_import_cache())
-    try:
-        folder, reused = import_hf_cached(cfg.model, cfg.hf, cache)
-    except (HFSourceError, UsageError) as error:  # bad source or weights that do not map
-        message = str(error)
-        raise UsageError(message if message.startswith("model.hf") else
-                         f"model.hf {cfg.hf}: {message}") from None
-    if is_logger:
-        print(f"[train] starting from the HF weights of {cfg.hf} "
-              f"({'cached import' if reused else 'imported into'} {folder})", flush=True)
-    return str(folder)
-
-
-def forward_step(model, batch: VLMBatch, blank_media: bool):
-    """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch`` (the model runs its
-    share); under PP a stage before the last returns its output hidden states (L, B, H), or
-    (B*L, 1, H) for a packed batch, which megatron's schedule sends on."""
-    device = next(model.parameters()).device
-    fields = batch.model_inputs(device)
-    if blank_media:  # the vision-signal control: every pixel row at the normalised mean
-        fields["pixel_values"] = torch.zeros_like(fields["pixel_values"])
-        fields["pixel_values_videos"] = torch.zeros_like(fields["pixel_values_videos"])
-    out = model(**fields, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
-                sample_keys=batch.__key__)
-    return out[0] if isinstance(out, tuple) else out  # (per-token loss, mask) | hidden
-
-
-def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float,
-                  forward_only: bool = False) -> torch.Tensor:
-    """Forward + backward (or only forward) of one step's micro-batches through megatron's 1F1B
-    pipeline schedule (PP > 1): vision + embedding on the first stage, the loss on the last. Each
-    micro-batch's backward gets ``sum(token losses) * loss_scale`` as in the PP=1 loop (the
-    schedule's own division by the micro-batch count is undone). Returns the summed token loss
-    (float64, (1,)) on the last stage, zero elsewhere."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    shape = tuple(batches[0].input_ids.shape)  # (micro-batch size, seq_length): fixed_length
-    for batch in batches:
-        if tuple(batch.input_ids.shape) != shape:
-            raise UsageError(f"parallel.pp > 1 needs equal micro-batches, got "
-                             f"{tuple(batch.input_ids.shape)} and {shape}")
-    sums = []
-
-    def loss_func(per_token):
-        token_loss = per_token.float().sum()
-        sums.append(token_loss.detach().double().cpu())
-        return token_loss * (loss_scale * len(batches) / layout.cp), {}  # schedule: * cp / n
-
-    def step(data_iterator, module):
-        return forward_step(module, next(data_iterator), blank_media), loss_func
-
-    # the stages exchange (L, B, H) hidden states; packed batches run as one THD row of B*L
-    rows, length = (1, shape[0] * shape[1]) if batches[0].cu_seqlens is not None else shape
-    get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=length, micro_batch_size=rows,
-        forward_only=forward_only)
-    loss_sum = torch.zeros(1, dtype=torch.float64)
-    if ps.is_pipeline_last_stage():
-        for value in sums:
-            loss_sum += value
-    return loss_sum
-
-
-def reduce_loss(loss_sum: torch.Tensor, layout) -> torch.Tensor:
-    """The summed token loss over DP x CP (and from the last pipeline stage to every stage)."""
-    from megatron.core import parallel_state as ps
-
-    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-    if dp_cp.size() > 1:
-        torch.distributed.all_reduce(loss_sum, group=dp_cp)
-    if layout.pp > 1:  # the last stage's loss to every stage (rank 0 logs)
-        torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
-    return loss_sum
-
-
-def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
-    """(loss per supervised token, tokens, batches per reader) over the first
-    ``train.eval_batches`` micro-batches of each DP reader's share of the val split (the same
-    batches every time); the RNG state is left as it was."""
-    from megatron.core import parallel_state as ps
-
-    from energon_tasks.loader import get_val_loader
-
-    virtual, count = cfg.data.virtual_dp, cfg.train.eval_batches
-    batches = [list(itertools.islice(get_val_loader(
-        cfg.data.path, task_encoder=encoder, batch_size=cfg.train.micro_batch_size,
-        dp_rank=layout.dp_rank * virtual + v, dp_size=layout.dp * virtual, num_workers=0,
-        split_part=cfg.data.val_split_part), count)) for v in range(virtual)]
-    shortest = torch.tensor([min(len(b) for b in batches)])
-    if layout.dp > 1:  # every replica runs the same number of forwards (EP exchanges tokens)
-        torch.distributed.all_reduce(shortest, op=torch.distributed.ReduceOp.MIN,
-                                     group=ps.get_data_parallel_group())
-    batches = [b for reader in batches for b in reader[:int(shortest)]]
-    if not batches:
-        return float("nan"), 0, 0
-    saved = rng_state()
-    model.eval()
-    with torch.no_grad():
-        if layout.pp > 1:
-            loss_sum = pipeline_step(model, batches, layout, cfg.data.blank_media, 1.0,
-                                     forward_only=True)
-        else:
-            loss_sum = torch.zeros(1, dtype=torch.float64)
-            for batch in batches:
-                loss_sum += forward_step(model, batch, cfg.data.blank_media).double().sum()
-    set_rng_state(saved)
-    tokens = step_token_total(sum(loss_tokens(b) for b in batches))
-    return float(reduce_loss(loss_sum, layout)) / max(tokens, 1), tokens, int(shortest)
 
 
 # --- config ------------------------------------------------------------------------------------
@@ -211,109 +79,78 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
 
     cfg = load_run_config(config, overrides)
     quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_run(cfg, world)
-    run = start_run(cfg, world, resume_from, overwrite)
-    tokenizer, encoder, loaders = build_data(cfg, run)
-    model, optimizer = build_model_and_optimizer(cfg, run, tokenizer)
-    start = restore(run, model, optimizer, loaders)
-    announce(cfg, run, start)
-    train_loop(cfg, run, encoder, loaders, model, optimizer, start)
-    teardown(run, quiet)
+    plan = resolve_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume_from, overwrite)
+    run = start_run(plan)
+    loaders = build_loaders(plan, run)
+    trainee = build_model_and_optimizer(plan, run)
+    start = restore(plan, run, trainee, loaders)
+    announce(plan, run, trainee, start)
+    logger = MetricsLogger(run.out, enabled=run.is_logger, tensorboard=cfg.log.tensorboard,
+                           wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
+                           config=to_dict(plan.config), start_step=start,
+                           total_steps=cfg.train.steps)
+    train_loop(plan, run, trainee, loaders, logger, start)
+    teardown(run, logger, quiet)
     return 0
 
 
+@dataclass(frozen=True, slots=True)
 class Run:
-    """What the recipe's steps share: the run folder, the parallel layout, the checkpoint to
-    resume (or None), the stop signal and the model files an export ships."""
+    """This process's place in the run: the run folder, the parallel layout, the stop signal."""
 
-    def __init__(self, cfg, layout, resume, stop):
-        self.out, self.ckpt_dir = Path(cfg.out), cfg.checkpoint_dir
-        self.layout, self.resume, self.stop = layout, resume, stop
-        self.is_logger = layout.rank == 0
-        self.model_files = None
-        self.n_params = 0
-        self.logger = None
+    out: Path
+    ckpt_dir: Path
+    layout: Layout
+    stop: StopSignal
 
-
-def check_run(cfg, world: int) -> None:
-    """Every input problem of the config, the layout and the data, before anything is built."""
-    feeds = TASK_ENCODER_MODELS[cfg.model.family]
-    if cfg.task_encoder.model not in feeds:
-        raise ConfigError(f"task_encoder.model {cfg.task_encoder.model!r} does not feed "
-                          f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
-    p, te_cfg = cfg.parallel, cfg.task_encoder
-    family = get_family(cfg.model.family)
-    problems = family.layout_problems(cfg.model, p)
-    if problems:
-        raise UsageError("; ".join(problems))
-    if p.cp > 1 and te_cfg.packing:
-        raise UsageError("parallel.cp > 1 with task_encoder.packing is not supported yet "
-                         "(packed rows need a per-segment CP split)")
-    if p.ep > 1:
-        experts = family.num_experts(cfg.model)
-        if not experts or experts % p.ep:
-            raise UsageError(f"parallel.ep {p.ep} needs MoE layers whose expert count it divides "
-                             f"(model.family {cfg.model.family!r} has "
-                             f"{experts or 'no'} experts)")
-        if cpu.ep_needs_fixed_length() and not te_cfg.fixed_length:
-            raise UsageError("parallel.ep > 1 on CPU needs task_encoder.fixed_length=true (the "
-                             "CPU MoE dispatcher, allgather, needs equal token counts per rank)")
-    check_layout(world, p.tp, p.pp, p.cp, te_cfg.fixed_length, p.ep)
-    check_data_path(cfg.data.path)
-    if cfg.train.eval_interval:
-        check_split(cfg.data.path, cfg.data.val_split_part, "train.eval_interval")
+    @property
+    def is_logger(self) -> bool:
+        return self.layout.rank == 0
 
 
-def start_run(cfg, world: int, resume_from: str | None, overwrite: bool) -> Run:
-    """The run folder (continue it, start it again, or refuse), then the distributed setup."""
-    p, out, ckpt_dir = cfg.parallel, Path(cfg.out), cfg.checkpoint_dir
-    resume_from, clear = plan_start(out, ckpt_dir, resume_from, overwrite, cfg.train.auto_resume)
-    resume = read_train_state(resume_from, world // (p.tp * p.pp * p.cp)) if resume_from else None
+def start_run(plan: RunPlan) -> Run:
+    """The distributed setup, then the run folder (an earlier run cleared or trimmed, the
+    resolved config written, a built tokenizer saved) by rank 0."""
+    cfg, p = plan.config, plan.config.parallel
     layout = init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
-    run = Run(cfg, layout, resume, StopSignal())
+    run = Run(Path(cfg.out), cfg.checkpoint_dir, layout, StopSignal())
     if run.is_logger:
-        prepare_run_folder(out, ckpt_dir, clear, resume)
-        (out / "config.yaml").write_text(dump_yaml(cfg))
-        print(f"[train] resolved config: {out / 'config.yaml'}", flush=True)
+        prepare_run_folder(run.out, run.ckpt_dir, plan.clear, plan.resume)
+        (run.out / "config.yaml").write_text(plan.config_yaml)
+        save_run_tokenizer(plan)
+        print(f"[train] resolved config: {run.out / 'config.yaml'}", flush=True)
     torch.distributed.barrier()
     return run
 
 
-def build_data(cfg, run: Run):
-    """Tokenizer, task encoder (its special tokens written into the model config) and one train
-    loader per virtual DP rank; the first batch is probed before the model is built."""
-    from energon_tasks import task_encoder_for
+def build_loaders(plan: RunPlan, run: Run) -> list:
+    """One train loader per virtual DP rank of this replica (the plan's task encoder)."""
     from energon_tasks.loader import get_train_loader
 
-    te_cfg, layout = cfg.task_encoder, run.layout
-    tokenizer = load_run_tokenizer(te_cfg, run.out, builds=layout.rank == 0,
-                                   wait=torch.distributed.barrier)
-    probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer))
-    encoder = task_encoder_for(te_cfg, tokenizer)
-    if len(tokenizer) > cfg.model.lm.vocab_size:
-        raise UsageError(f"tokenizer has {len(tokenizer)} tokens, model.lm.vocab_size is "
-                         f"{cfg.model.lm.vocab_size}")
-    if cfg.hf and cfg.model.image_token_id != encoder.image_pad:
-        raise UsageError(f"model.hf {cfg.hf}: its image_token_id is {cfg.model.image_token_id}, "
-                         f"task_encoder.tokenizer gives {encoder.image_pad}: they do not belong "
-                         "together")
-    cfg.model.image_token_id, cfg.model.video_token_id = encoder.image_pad, encoder.video_pad
-    cfg.model.vision_start_token_id = encoder.vision_start
-    cfg.model.vision_end_token_id = encoder.vision_end
+    cfg, layout = plan.config, run.layout
     virtual = cfg.data.virtual_dp
     loaders = [get_train_loader(
-        cfg.data.path, task_encoder=encoder, batch_size=cfg.train.micro_batch_size,
+        cfg.data.path, task_encoder=plan.encoder, batch_size=cfg.train.micro_batch_size,
         dp_rank=layout.dp_rank * virtual + v, dp_size=layout.dp * virtual,
         num_workers=cfg.data.num_workers, shuffle_buffer_size=cfg.data.shuffle_buffer_size,
         max_samples_per_sequence=cfg.data.max_samples_per_sequence,
         seed_offset=cfg.data.seed_offset, split_part=cfg.data.split_part) for v in range(virtual)]
     for loader in loaders:
         run.stop.protect_workers(loader)
-    return tokenizer, encoder, loaders
+    return loaders
 
 
-def build_model_and_optimizer(cfg, run: Run, tokenizer):
+@dataclass(frozen=True, slots=True)
+class Trainee:
+    """The model being trained and what goes with it."""
+
+    model: Any  #: DistributedDataParallel(Float16Module(model)) or DistributedDataParallel(model)
+    optimizer: Any  #: megatron's (distributed) optimizer
+    n_params: int  #: parameters of this rank's model (after DDP wrapping)
+    model_files: dict | None  #: rank 0: what a checkpoint records for export (``model_record``)
+
+
+def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     """The model (from ``model.hf``, ``train.init_checkpoint`` or random init), bf16 and DDP
     wrappers, megatron's optimizer (state sharded over DP with ``train.distributed_optimizer``)."""
     from megatron.core import dist_checkpointing
@@ -323,15 +160,15 @@ def build_model_and_optimizer(cfg, run: Run, tokenizer):
     from models.checkpoint import model_record
     from models.hf_source import resolve
 
-    t = cfg.train
+    cfg, t = plan.config, plan.config.train
     bf16 = t.precision == "bf16" or (t.precision == "auto" and cpu.bf16_by_default())
     init = t.init_checkpoint
-    if cfg.hf and run.resume is None:
+    if cfg.hf and plan.resume is None:
         init = import_hf_weights(cfg, run.is_logger)
     hf_folder = resolve(cfg.hf, weights=False) if cfg.hf else None  # the model's own files
-    run.model_files = model_record(hf_folder, tokenizer) if run.is_logger else None  # for export
-    model = build_model(cfg, run.layout)
-    if init and run.resume is None:
+    model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
+    model = build_model(cfg)
+    if init and plan.resume is None:
         state = dist_checkpointing.load(model.sharded_state_dict(), init)
         model.load_state_dict(state, strict=False)
     if bf16:
@@ -344,23 +181,22 @@ def build_model_and_optimizer(cfg, run: Run, tokenizer):
                                                use_distributed_optimizer=sharded,
                                                bucket_size=None)
     model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    run.n_params = sum(q.numel() for q in model.parameters())
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
         params_dtype=torch.float32, use_distributed_optimizer=sharded,
         clip_grad=t.clip_grad), [model])
-    return model, optimizer
+    return Trainee(model, optimizer, sum(q.numel() for q in model.parameters()), model_files)
 
 
-def restore(run: Run, model, optimizer, loaders) -> int:
+def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders) -> int:
     """With a checkpoint to resume: model, optimizer, RNG and loader states. Returns the step
     the loop starts at."""
-    if run.resume is None:
+    if plan.resume is None:
         return 0
     from energon_tasks.loader_state import LoaderStateError, from_plain
 
-    resume = run.resume
+    resume = plan.resume
     plain, rng = read_rank_state(Path(resume["dir"]), run.layout)
     if len(plain) != len(loaders):
         raise UsageError(f"checkpoint {resume['dir']} holds {len(plain)} loader states per "
@@ -369,34 +205,33 @@ def restore(run: Run, model, optimizer, loaders) -> int:
         states = [from_plain(state) for state in plain]
     except LoaderStateError as error:
         raise UsageError(f"checkpoint {resume['dir']}: loader state refused ({error})") from None
-    load_checkpoint(resume, model=model.module, optimizer=optimizer, rng=rng)
+    load_checkpoint(resume, model=trainee.model.module, optimizer=trainee.optimizer, rng=rng)
     for loader, state in zip(loaders, states, strict=True):
         loader.restore_state_rank(state)
     return resume["step"]
 
 
-def announce(cfg, run: Run, start: int) -> None:
+def announce(plan: RunPlan, run: Run, trainee: Trainee, start: int) -> None:
     """The start line: size, layout, optimizer sharding, EP, recompute, packing, steps."""
     if not run.is_logger:
         return
-    layout, p = run.layout, cfg.parallel
-    print(f"[train] {run.n_params / 1e6:.2f} M params on rank 0; world {layout.world} = "
+    cfg, layout = plan.config, run.layout
+    ep = cfg.parallel.ep
+    print(f"[train] {trainee.n_params / 1e6:.2f} M params on rank 0; world {layout.world} = "
           f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
-          f"{f' (ep {p.ep})' if p.ep > 1 else ''}; optimizer state "
+          f"{f' (ep {ep})' if ep > 1 else ''}; optimizer state "
           f"{f'sharded over dp {layout.dp}' if cfg.train.distributed_optimizer else 'replicated'}; "
           f"recompute {cfg.model.recompute}; "
           f"packing {'THD' if cfg.task_encoder.packing else 'off'}; "
           f"steps {start}..{cfg.train.steps}", flush=True)
 
 
-def train_loop(cfg, run: Run, encoder, loaders, model, optimizer, start: int) -> None:
+def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start: int) -> None:
     """Steps ``start``..``train.steps``: one optimizer step each, metrics every
     ``log.interval``, validation every ``train.eval_interval``, checkpoints every
     ``checkpoint.interval`` and on a stop asked by SIGINT / SIGTERM (on any rank)."""
-    t, layout = cfg.train, run.layout
-    run.logger = MetricsLogger(run.out, enabled=run.is_logger, tensorboard=cfg.log.tensorboard,
-                               wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
-                               config=to_dict(cfg), start_step=start, total_steps=t.steps)
+    cfg, layout = plan.config, run.layout
+    t, model = cfg.train, trainee.model
     iterators = [iter(loader) for loader in loaders]
     meter = StepMeter()
     for step in range(start, t.steps):
@@ -405,8 +240,8 @@ def train_loop(cfg, run: Run, encoder, loaders, model, optimizer, start: int) ->
         total_tokens = step_token_total(sum(loss_tokens(b) for b in batches))
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                    total_steps=t.steps)
-        loss_sum, grad_norm = optimizer_step(cfg, layout, model, optimizer, batches, lr,
-                                             total_tokens)
+        loss_sum, grad_norm = optimizer_step(layout, model, trainee.optimizer, batches, lr,
+                                             total_tokens, cfg.data.blank_media)
         meter.time += time.perf_counter() - step_start
         meter.wait += wait
         meter.steps += 1
@@ -414,16 +249,16 @@ def train_loop(cfg, run: Run, encoder, loaders, model, optimizer, start: int) ->
             meter.add_batch(batch, cfg.model)
         done = step + 1
         if done % cfg.log.interval == 0 or done == t.steps:
-            run.logger.log({"step": done, "loss": float(loss_sum) / max(total_tokens, 1),
-                            "lr": lr, "grad_norm": float(grad_norm or 0.0),
-                            "loss_tokens": total_tokens, **meter.summary(layout)})
+            logger.log({"step": done, "loss": float(loss_sum) / max(total_tokens, 1),
+                        "lr": lr, "grad_norm": float(grad_norm or 0.0),
+                        "loss_tokens": total_tokens, **meter.summary(layout)})
             meter.reset()
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
             tick = time.perf_counter()
-            val_loss, val_tokens, val_batches = validation_loss(model, cfg, encoder, layout)
-            run.logger.log_validation(done, val_loss, val_tokens, val_batches,
-                                      time.perf_counter() - tick)
-        if checkpoint_or_stop(cfg, run, model, optimizer, loaders, done, lr):
+            val_loss, val_tokens, val_batches = validation_loss(model, cfg, plan.encoder, layout)
+            logger.log_validation(done, val_loss, val_tokens, val_batches,
+                                  time.perf_counter() - tick)
+        if checkpoint_or_stop(plan, run, trainee, loaders, done, lr):
             break
 
 
@@ -439,47 +274,22 @@ def next_batches(iterators, grad_accum: int) -> tuple[list, float]:
     return batches, wait
 
 
-def optimizer_step(cfg, layout, model, optimizer, batches, lr: float, total_tokens: int):
-    """Forward and backward over the step's micro-batches (1F1B schedule under PP), then the
-    optimizer step (clipped to ``train.clip_grad``). Returns the step's loss sum (over every
-    rank) and the grad norm."""
-    from megatron.core.distributed import finalize_model_grads
-
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    scale = layout.dp * layout.cp  # DDP averages over DP x CP: undo it, we divide by tokens
-    model.train()
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    if layout.pp > 1:  # megatron's 1F1B schedule; the loss sum lives on the last stage
-        loss_sum = pipeline_step(model, batches, layout, cfg.data.blank_media,
-                                 scale / max(total_tokens, 1))
-    else:
-        loss_sum = torch.zeros(1, dtype=torch.float64)
-        for batch in batches:
-            token_loss = forward_step(model, batch, cfg.data.blank_media).float().sum()
-            (token_loss * scale / max(total_tokens, 1)).backward()
-            loss_sum += token_loss.detach().double().cpu()
-    finalize_model_grads([model])
-    _ok, grad_norm, _zeros = optimizer.step()  # clips to train.clip_grad first
-    reduce_loss(loss_sum, layout)
-    return loss_sum, grad_norm
-
-
-def checkpoint_or_stop(cfg, run: Run, model, optimizer, loaders, done: int, lr: float) -> bool:
+def checkpoint_or_stop(plan: RunPlan, run: Run, trainee: Trainee, loaders, done: int,
+                       lr: float) -> bool:
     """Saves a checkpoint when one is due or a stop was asked; True when the loop must stop."""
     from energon_tasks.loader_state import to_plain
 
+    cfg = plan.config
     t, every, stop_signal = cfg.train, cfg.checkpoint.interval, run.stop.agreed()
     if not ((every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final)
             or stop_signal):
         return False
     step_dir = save_checkpoint(
-        run.ckpt_dir, done, model=model.module, optimizer=optimizer,
+        run.ckpt_dir, done, model=trainee.model.module, optimizer=trainee.optimizer,
         loader_states=[to_plain(loader.save_state_rank()) for loader in loaders],
-        layout=run.layout, config_yaml=dump_yaml(cfg), keep_last=t.keep_checkpoints,
-        model_files=run.model_files,
-        train_state={"scheduler": {"step": done, "lr": lr}, "params": run.n_params})
+        layout=run.layout, config_yaml=plan.config_yaml, keep_last=t.keep_checkpoints,
+        model_files=trainee.model_files,
+        train_state={"scheduler": {"step": done, "lr": lr}, "params": trainee.n_params})
     if not (stop_signal and done < t.steps):
         return False
     if run.is_logger:
@@ -489,11 +299,10 @@ def checkpoint_or_stop(cfg, run: Run, model, optimizer, loaders, done: int, lr: 
     return True
 
 
-def teardown(run: Run, quiet) -> None:
+def teardown(run: Run, logger, quiet) -> None:
     from megatron.core import parallel_state as ps
 
-    if run.logger is not None:
-        run.logger.close()
+    logger.close()
     if run.is_logger and quiet.summary("log.all_warnings=true"):
         print(f"[train] {quiet.summary('log.all_warnings=true')}", flush=True)
     ps.destroy_model_parallel()

@@ -254,6 +254,11 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         """Budget counters of every sample this process encoded (workers: see batch field)."""
         return dict(self._totals)
 
+    def reset_counters(self) -> None:
+        """Forget the counters so far (train.py's probe of the first batch is not training)."""
+        self._pending.clear()
+        self._totals.clear()
+
     # ---- Energon hooks ------------------------------------------------------------------------
 
     @stateless

@@ -191,6 +191,11 @@ def test_mantis_run_logs_metrics_and_checkpoints(mantis_reference):
     stdout = (mantis_reference / "stdout.txt").read_text()
     assert "step 3/4" in stdout and "ETA" in stdout and "elapsed" in stdout
     assert "model:" not in stdout and (mantis_reference / "config.yaml").is_file()  # not dumped
+    # the run folder's config is the fully resolved one (token ids from the tokenizer included):
+    # the same text every checkpoint stores
+    resolved = (mantis_reference / "config.yaml").read_text()
+    assert resolved == (step / "config.yaml").read_text()
+    assert "image_token_id: 5" in resolved  # the test tokenizer's <|image_pad|>, not the default
     assert "known third-party warning(s) hidden" in stdout
 
 

@@ -1,0 +1,145 @@
+"""The training step's adapter between the batch contract and the model: one forward per
+micro-batch (``forward_step``; the vision-signal control blanks the pixels), megatron's 1F1B
+schedule under pipeline parallelism (``pipeline_step``), the loss summed over DP x CP
+(``reduce_loss``), one optimizer step over a step's micro-batches (``optimizer_step``: the loss
+normalised by the step's supervised tokens, see ``recipes.schedule``) and the validation loss
+(``validation_loss``: the same batches every time, the RNG state left as it was).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from contract.batch import VLMBatch
+from contract.errors import UsageError
+from recipes.checkpointing import rng_state, set_rng_state
+from recipes.schedule import loss_tokens, step_token_total
+
+
+def forward_step(model, batch: VLMBatch, blank_media: bool):
+    """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch`` (the model runs its
+    share); under PP a stage before the last returns its output hidden states (L, B, H), or
+    (B*L, 1, H) for a packed batch, which megatron's schedule sends on."""
+    device = next(model.parameters()).device
+    fields = batch.model_inputs(device)
+    if blank_media:  # the vision-signal control: every pixel row at the normalised mean
+        fields["pixel_values"] = torch.zeros_like(fields["pixel_values"])
+        fields["pixel_values_videos"] = torch.zeros_like(fields["pixel_values_videos"])
+    out = model(**fields, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
+                sample_keys=batch.__key__)
+    return out[0] if isinstance(out, tuple) else out  # (per-token loss, mask) | hidden
+
+
+def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float,
+                  forward_only: bool = False) -> torch.Tensor:
+    """Forward + backward (or only forward) of one step's micro-batches through megatron's 1F1B
+    pipeline schedule (PP > 1): vision + embedding on the first stage, the loss on the last. Each
+    micro-batch's backward gets ``sum(token losses) * loss_scale`` as in the PP=1 loop (the
+    schedule's own division by the micro-batch count is undone). Returns the summed token loss
+    (float64, (1,)) on the last stage, zero elsewhere."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    shape = tuple(batches[0].input_ids.shape)  # (micro-batch size, seq_length): fixed_length
+    for batch in batches:
+        if tuple(batch.input_ids.shape) != shape:
+            raise UsageError(f"parallel.pp > 1 needs equal micro-batches, got "
+                             f"{tuple(batch.input_ids.shape)} and {shape}")
+    sums = []
+
+    def loss_func(per_token):
+        token_loss = per_token.float().sum()
+        sums.append(token_loss.detach().double().cpu())
+        return token_loss * (loss_scale * len(batches) / layout.cp), {}  # schedule: * cp / n
+
+    def step(data_iterator, module):
+        return forward_step(module, next(data_iterator), blank_media), loss_func
+
+    # the stages exchange (L, B, H) hidden states; packed batches run as one THD row of B*L
+    rows, length = (1, shape[0] * shape[1]) if batches[0].cu_seqlens is not None else shape
+    get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=length, micro_batch_size=rows,
+        forward_only=forward_only)
+    loss_sum = torch.zeros(1, dtype=torch.float64)
+    if ps.is_pipeline_last_stage():
+        for value in sums:
+            loss_sum += value
+    return loss_sum
+
+
+def reduce_loss(loss_sum: torch.Tensor, layout) -> torch.Tensor:
+    """The summed token loss over DP x CP (and from the last pipeline stage to every stage)."""
+    from megatron.core import parallel_state as ps
+
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    if dp_cp.size() > 1:
+        torch.distributed.all_reduce(loss_sum, group=dp_cp)
+    if layout.pp > 1:  # the last stage's loss to every stage (rank 0 logs)
+        torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
+    return loss_sum
+
+
+def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
+    """(loss per supervised token, tokens, batches per reader) over the first
+    ``train.eval_batches`` micro-batches of each DP reader's share of the val split (the same
+    batches every time); the RNG state is left as it was."""
+    from megatron.core import parallel_state as ps
+
+    from energon_tasks.loader import get_val_loader
+
+    virtual, count = cfg.data.virtual_dp, cfg.train.eval_batches
+    batches = [list(itertools.islice(get_val_loader(
+        cfg.data.path, task_encoder=encoder, batch_size=cfg.train.micro_batch_size,
+        dp_rank=layout.dp_rank * virtual + v, dp_size=layout.dp * virtual, num_workers=0,
+        split_part=cfg.data.val_split_part), count)) for v in range(virtual)]
+    shortest = torch.tensor([min(len(b) for b in batches)])
+    if layout.dp > 1:  # every replica runs the same number of forwards (EP exchanges tokens)
+        torch.distributed.all_reduce(shortest, op=torch.distributed.ReduceOp.MIN,
+                                     group=ps.get_data_parallel_group())
+    batches = [b for reader in batches for b in reader[:int(shortest)]]
+    if not batches:
+        return float("nan"), 0, 0
+    saved = rng_state()
+    model.eval()
+    with torch.no_grad():
+        if layout.pp > 1:
+            loss_sum = pipeline_step(model, batches, layout, cfg.data.blank_media, 1.0,
+                                     forward_only=True)
+        else:
+            loss_sum = torch.zeros(1, dtype=torch.float64)
+            for batch in batches:
+                loss_sum += forward_step(model, batch, cfg.data.blank_media).double().sum()
+    set_rng_state(saved)
+    tokens = step_token_total(sum(loss_tokens(b) for b in batches))
+    return float(reduce_loss(loss_sum, layout)) / max(tokens, 1), tokens, int(shortest)
+
+
+def optimizer_step(layout, model, optimizer, batches, lr: float, total_tokens: int,
+                   blank_media: bool = False):
+    """Forward and backward over the step's micro-batches (1F1B schedule under PP), then the
+    optimizer step (clipped to ``train.clip_grad``). Returns the step's loss sum (over every
+    rank) and the grad norm."""
+    from megatron.core.distributed import finalize_model_grads
+
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    scale = layout.dp * layout.cp  # DDP averages over DP x CP: undo it, we divide by tokens
+    model.train()
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    if layout.pp > 1:  # megatron's 1F1B schedule; the loss sum lives on the last stage
+        loss_sum = pipeline_step(model, batches, layout, blank_media,
+                                 scale / max(total_tokens, 1))
+    else:
+        loss_sum = torch.zeros(1, dtype=torch.float64)
+        for batch in batches:
+            token_loss = forward_step(model, batch, blank_media).float().sum()
+            (token_loss * scale / max(total_tokens, 1)).backward()
+            loss_sum += token_loss.detach().double().cpu()
+    finalize_model_grads([model])
+    _ok, grad_norm, _zeros = optimizer.step()  # clips to train.clip_grad first
+    reduce_loss(loss_sum, layout)
+    return loss_sum, grad_norm

@@ -1,0 +1,134 @@
+"""train.py's run plan: everything the run decides before any process group exists.
+
+``resolve_plan`` turns the loaded run config and the command line (``--resume`` /
+``--overwrite``) into a frozen ``RunPlan``, checking every input problem on the way (one line
+each, before a model is built): the family's and the layout's rules, the data path and splits,
+where the run starts (the run guard and the train state to resume), the tokenizer, the task
+encoder and one first batch of the data (``probe_first_batch``), the tokenizer's token ids
+against the model, and the model config with those token ids. Its ``config_yaml`` is the one
+resolved config: written to ``<out>/config.yaml`` and stored in every checkpoint.
+
+Every process resolves the same plan from the same inputs: the ``tokenizer: test`` tokenizer is
+built in a private folder of each process (its training is deterministic) and saved into the run
+folder by rank 0 (``save_run_tokenizer``), so no step before the process group needs a barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from contract.errors import ConfigError, UsageError
+from contract.families import TASK_ENCODER_MODELS
+from models import cpu
+from models.families import get as get_family
+from recipes.checkpointing import read_train_state
+from recipes.data import check_data_path, check_split, load_run_tokenizer, probe_first_batch
+from recipes.layout import check_layout
+from recipes.run_config import RunConfig, dump_yaml
+from recipes.run_folder import plan_start
+
+TOKENIZER_FOLDER = "tokenizer"  #: the run folder's copy of a built (``test``) tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    """A training run, resolved: what every step of train.py reads (nothing changes it)."""
+
+    config: RunConfig  #: the run config, the model's token ids set from the tokenizer
+    config_yaml: str  #: ``dump_yaml(config)``: ``<out>/config.yaml`` = each checkpoint's copy
+    world: int  #: processes of the run (torchrun's WORLD_SIZE)
+    resume: dict | None  #: the train state to resume (``read_train_state``), or None
+    clear: str  #: what of an earlier run the run folder drops first ("" for nothing)
+    tokenizer: Any  #: the run's tokenizer (transformers)
+    encoder: Any  #: the run's task encoder (``VLMTaskEncoder``), counters fresh
+
+    @property
+    def out(self) -> Path:
+        return Path(self.config.out)
+
+
+def resolve_plan(cfg: RunConfig, world: int, resume_from: str | None,
+                 overwrite: bool) -> RunPlan:
+    """The plan of a run (see the module docstring).
+
+    Raises:
+        ConfigError / UsageError: the first input problem, in one line.
+    """
+    check_run(cfg, world)
+    p = cfg.parallel
+    resume_dir, clear = plan_start(Path(cfg.out), cfg.checkpoint_dir, resume_from, overwrite,
+                                   cfg.train.auto_resume)
+    resume = read_train_state(resume_dir, world // (p.tp * p.pp * p.cp)) if resume_dir else None
+    with tempfile.TemporaryDirectory() as private:
+        tokenizer = load_run_tokenizer(cfg.task_encoder, Path(private))
+    encoder = _probed_encoder(cfg, tokenizer)
+    cfg = dataclasses.replace(cfg, model=_with_token_ids(cfg, tokenizer, encoder))
+    return RunPlan(config=cfg, config_yaml=dump_yaml(cfg), world=world, resume=resume,
+                   clear=clear, tokenizer=tokenizer, encoder=encoder)
+
+
+def check_run(cfg: RunConfig, world: int) -> None:
+    """Every input problem of the config, the layout and the data, before anything is built."""
+    feeds = TASK_ENCODER_MODELS[cfg.model.family]
+    if cfg.task_encoder.model not in feeds:
+        raise ConfigError(f"task_encoder.model {cfg.task_encoder.model!r} does not feed "
+                          f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
+    p, te_cfg = cfg.parallel, cfg.task_encoder
+    family = get_family(cfg.model.family)
+    problems = family.layout_problems(cfg.model, p)
+    if problems:
+        raise UsageError("; ".join(problems))
+    if p.cp > 1 and te_cfg.packing:
+        raise UsageError("parallel.cp > 1 with task_encoder.packing is not supported yet "
+                         "(packed rows need a per-segment CP split)")
+    if p.ep > 1:
+        experts = family.num_experts(cfg.model)
+        if not experts or experts % p.ep:
+            raise UsageError(f"parallel.ep {p.ep} needs MoE layers whose expert count it divides "
+                             f"(model.family {cfg.model.family!r} has "
+                             f"{experts or 'no'} experts)")
+        if cpu.ep_needs_fixed_length() and not te_cfg.fixed_length:
+            raise UsageError("parallel.ep > 1 on CPU needs task_encoder.fixed_length=true (the "
+                             "CPU MoE dispatcher, allgather, needs equal token counts per rank)")
+    check_layout(world, p.tp, p.pp, p.cp, te_cfg.fixed_length, p.ep)
+    check_data_path(cfg.data.path)
+    if cfg.train.eval_interval:
+        check_split(cfg.data.path, cfg.data.val_split_part, "train.eval_interval")
+
+
+def save_run_tokenizer(plan: RunPlan) -> None:
+    """Rank 0: a built (``test``) tokenizer saved into the run folder, so the run keeps the
+    tokenizer it used (a hub / folder tokenizer is named in the config already)."""
+    if plan.config.task_encoder.tokenizer == "test":
+        plan.tokenizer.save_pretrained(str(plan.out / TOKENIZER_FOLDER))
+
+
+def _probed_encoder(cfg: RunConfig, tokenizer):
+    """The task encoder, after one batch of the data came out of it (its counters reset)."""
+    from energon_tasks import task_encoder_for
+
+    encoder = task_encoder_for(cfg.task_encoder, tokenizer)
+    probe_first_batch(cfg.data.path, cfg.data.split_part, encoder)
+    encoder.reset_counters()
+    return encoder
+
+
+def _with_token_ids(cfg: RunConfig, tokenizer, encoder):
+    """The model config with the tokenizer's special-token ids (checked against ``model.hf``'s
+    and the vocabulary)."""
+    model = cfg.model
+    if len(tokenizer) > model.lm.vocab_size:
+        raise UsageError(f"tokenizer has {len(tokenizer)} tokens, model.lm.vocab_size is "
+                         f"{model.lm.vocab_size}")
+    if cfg.hf and model.image_token_id != encoder.image_pad:
+        raise UsageError(f"model.hf {cfg.hf}: its image_token_id is {model.image_token_id}, "
+                         f"task_encoder.tokenizer gives {encoder.image_pad}: they do not belong "
+                         "together")
+    return dataclasses.replace(model, image_token_id=encoder.image_pad,
+                               video_token_id=encoder.video_pad,
+                               vision_start_token_id=encoder.vision_start,
+                               vision_end_token_id=encoder.vision_end)
