@@ -46,15 +46,17 @@ def _targets(node: ast.AST, module: str, is_package: bool, known: set[str]) -> s
     return {name for name in names if name in known}
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the project modules it imports anywhere in its source."""
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its source (``type_only``: the
+    ``if TYPE_CHECKING:`` imports too)."""
     sources = _sources()
     known = set(sources)
     graph = {}
     for module, path in sources.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         is_package = path.name == "__init__.py"
-        graph[module] = {target for node in _runtime_nodes(tree)
+        nodes = ast.walk(tree) if type_only else _runtime_nodes(tree)
+        graph[module] = {target for node in nodes
                          for target in _targets(node, module, is_package, known)} - {module}
     return graph
 
@@ -98,6 +100,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_circles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+    cycle = find_cycle(import_graph(type_only=True))  # annotations only: no circle of types
+    assert cycle is None, "import circle through TYPE_CHECKING imports: " + " -> ".join(cycle)
 
 
 def test_find_cycle_sees_lazy_imports(tmp_path):
