@@ -57,7 +57,7 @@ from recipes.schedule import loss_tokens, lr_at, step_token_total
 # --- adapter: the model and one forward over a batch ------------------------------------------
 def build_model(cfg, layout):
     """The model of ``cfg.model.family`` (vision DP over CP inside); CPU CP attention."""
-    from models.checkpoint import build_model as build
+    from models.families import build_model as build
 
     model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
     cpu.use_cp_attention(model.language_model)

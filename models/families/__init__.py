@@ -126,6 +126,15 @@ def model_class(cfg) -> type:
     return family_of(cfg).model_class()
 
 
+def build_model(cfg, use_te: bool | None = None, vision_dp_over_cp: bool | None = None):
+    """The model of ``cfg``'s family (``QwenVL`` / ``NemotronOmni``) at this process's parallel
+    layout (``models.parallel.init_parallel`` first), on the GPU when present."""
+    from models import cpu
+
+    model = model_class(cfg)(cfg, use_te=use_te, vision_dp_over_cp=vision_dp_over_cp)
+    return model.to(cpu.compute_device())
+
+
 def mapping_module(cfg) -> ModuleType:
     """The HF weight table module of a config's family."""
     return family_of(cfg).mapping()
