@@ -101,13 +101,14 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     from energon_tasks import task_encoder_for
     from models.checkpoint import load_model
     from models.parallel import init_parallel
+    from recipes.compatibility import TOKEN_IDS, check_compatible
     from recipes.data import load_run_tokenizer
-    from recipes.evaluation import check_compatible
 
     te_cfg = cfg.task_encoder
     tokenizer = load_run_tokenizer(te_cfg, out)
     encoder = task_encoder_for(te_cfg, tokenizer)
-    check_compatible(found.model_config, encoder, tokenizer, te_cfg.model)
+    check_compatible(found.model_config, te_cfg, weights=f"checkpoint {args.ckpt}",
+                     tokenizer=tokenizer, encoder=encoder, token_ids=tuple(TOKEN_IDS))
     init_parallel(seed=cfg.train.seed)
     return tokenizer, encoder, load_model(found, use_te=False)
 

@@ -35,7 +35,6 @@ import torch
 from contract.batch import VLMBatch
 from contract.cli import run_click
 from contract.errors import UsageError
-from contract.families import TASK_ENCODER_MODELS
 from models import cpu
 from models.families import get as get_family
 from recipes.checkpointing import (
@@ -46,6 +45,7 @@ from recipes.checkpointing import (
     save_checkpoint,
     set_rng_state,
 )
+from recipes.compatibility import check_compatible
 from recipes.data import check_data_path, check_split, load_run_tokenizer, probe_first_batch
 from recipes.layout import check_layout, init_distributed
 from recipes.metrics import MetricsLogger, StepMeter
@@ -238,10 +238,7 @@ class Run:
 
 def check_run(cfg, world: int) -> None:
     """Every input problem of the config, the layout and the data, before anything is built."""
-    feeds = TASK_ENCODER_MODELS[cfg.model.family]
-    if cfg.task_encoder.model not in feeds:
-        raise ConfigError(f"task_encoder.model {cfg.task_encoder.model!r} does not feed "
-                          f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
+    check_compatible(cfg.model, cfg.task_encoder)
     p, te_cfg = cfg.parallel, cfg.task_encoder
     family = get_family(cfg.model.family)
     problems = family.layout_problems(cfg.model, p)
@@ -291,13 +288,9 @@ def build_data(cfg, run: Run):
                                    wait=torch.distributed.barrier)
     probe_first_batch(cfg.data.path, cfg.data.split_part, task_encoder_for(te_cfg, tokenizer))
     encoder = task_encoder_for(te_cfg, tokenizer)
-    if len(tokenizer) > cfg.model.lm.vocab_size:
-        raise UsageError(f"tokenizer has {len(tokenizer)} tokens, model.lm.vocab_size is "
-                         f"{cfg.model.lm.vocab_size}")
-    if cfg.hf and cfg.model.image_token_id != encoder.image_pad:
-        raise UsageError(f"model.hf {cfg.hf}: its image_token_id is {cfg.model.image_token_id}, "
-                         f"task_encoder.tokenizer gives {encoder.image_pad}: they do not belong "
-                         "together")
+    check_compatible(cfg.model, te_cfg, tokenizer=tokenizer, encoder=encoder,
+                     weights=cfg.hf and f"model.hf {cfg.hf}",
+                     token_ids=("image_token_id",) if cfg.hf else ())
     cfg.model.image_token_id, cfg.model.video_token_id = encoder.image_pad, encoder.video_pad
     cfg.model.vision_start_token_id = encoder.vision_start
     cfg.model.vision_end_token_id = encoder.vision_end

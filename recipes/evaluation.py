@@ -1,10 +1,8 @@
 """eval.py's own pieces: the val samples, the prompts of a conversation, the scored answers.
 
-The checkpoint is read and loaded by ``models.checkpoint`` (``read_checkpoint``, ``load_model``).
-This module owns, in the order eval.py uses them:
-
-- ``check_compatible``: the checkpoint's family, patch geometry and token ids against the task
-  encoder's, so a model and a tokenizer that do not belong together fail before generating;
+The checkpoint is read and loaded by ``models.checkpoint`` (``read_checkpoint``, ``load_model``)
+and checked against the task encoder by ``recipes.compatibility``, as in training. This module
+owns, in the order eval.py uses them:
 
 - ``read_samples``: cooked val samples in the loader's fixed order (the loaders' worker config, so
   damaged samples are skipped as in training);
@@ -21,9 +19,6 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
-from contract.errors import UsageError
-from contract.families import TASK_ENCODER_MODELS
-from models.families import family_of
 from models.generate import GenerationStats
 
 
@@ -132,31 +127,6 @@ def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | 
                 return
             count += 1
             yield sample
-
-
-# ------------------------------------------------------------------ compatibility
-def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
-    """The checkpoint's family, patch geometry and token ids must match the task encoder's."""
-    want = TASK_ENCODER_MODELS.get(cfg.family, (cfg.family,))
-    geometry = encoder.geometry
-    if geometry.name not in want:
-        raise UsageError(f"checkpoint is a {cfg.family} model, the config's task encoder is "
-                         f"{te_model!r} (set task_encoder.model={want[0]})")
-    for name, ours in family_of(cfg).vision_geometry(cfg).items():
-        theirs = getattr(geometry, name)
-        if ours != theirs:
-            raise UsageError(f"checkpoint vision {name} is {ours}, the task encoder's "
-                             f"{geometry.name} geometry uses {theirs}")
-    ids = {"image_token_id": encoder.image_pad, "video_token_id": encoder.video_pad,
-           "vision_start_token_id": encoder.vision_start,
-           "vision_end_token_id": encoder.vision_end}
-    for name, token in ids.items():
-        if getattr(cfg, name) != token:
-            raise UsageError(f"checkpoint {name} is {getattr(cfg, name)}, the tokenizer's is "
-                             f"{token}: checkpoint and tokenizer do not belong together")
-    if len(tokenizer) > cfg.lm.vocab_size:
-        raise UsageError(f"tokenizer has {len(tokenizer)} tokens, the checkpoint's vocabulary "
-                         f"{cfg.lm.vocab_size}")
 
 
 # ------------------------------------------------------------------ answers
