@@ -6,7 +6,7 @@ model config (``config.py``), model (``model.py``, + its tower), HF weight table
 formulas (``flops.py``). Its ``__init__`` is the package's public face, the ``ModelFamily``
 Protocol below; a package may serve several family names (``qwen_vl``: ``qwen2_5_vl`` and
 ``qwen3_vl``). Nothing outside a package compares anything with a family name: what differs is
-asked of ``family_of(cfg)`` / ``get(name)``.
+asked of ``family_of(cfg)`` / ``get(name)``; ``build_model(cfg)`` is the model of a config.
 
 Families are named in ``contract.families`` (the names the data side's ``energon_tasks.profiles``
 uses too, with the HF ``model_type`` of each and which profiles feed which family).
