@@ -309,11 +309,10 @@ def build_data(cfg, run: Run):
 def build_model_and_optimizer(cfg, run: Run, tokenizer):
     """The model (from ``model.hf``, ``train.init_checkpoint`` or random init), bf16 and DDP
     wrappers, megatron's optimizer (state sharded over DP with ``train.distributed_optimizer``)."""
-    from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from models.checkpoint import model_record
+    from models.checkpoint import load_weights, model_record
     from models.hf_source import resolve
 
     t = cfg.train
@@ -325,8 +324,7 @@ def build_model_and_optimizer(cfg, run: Run, tokenizer):
     run.model_files = model_record(hf_folder, tokenizer) if run.is_logger else None  # for export
     model = build_model(cfg, run.layout)
     if init and run.resume is None:
-        state = dist_checkpointing.load(model.sharded_state_dict(), init)
-        model.load_state_dict(state, strict=False)
+        load_weights(model, init)
     if bf16:
         from megatron.core.transformer.module import Float16Module
         model.config.bf16 = True

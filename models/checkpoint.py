@@ -15,7 +15,8 @@ resume aside, ``recipes.checkpointing``, which also reads the optimizer):
   self-description and checks the one pickle (``check_dist_metadata``), and returns a
   ``ModelCheckpoint``; eval.py and ``models.convert`` read checkpoints through it;
 - ``load_model`` / ``load_checkpoint``: the model built at this process's TP / PP and every
-  weight loaded.
+  weight loaded; ``load_weights``: a dist checkpoint's weights into a model built already
+  (train.py's ``train.init_checkpoint`` / ``model.hf`` start), its ``.metadata`` checked too.
 
 dist_checkpointing stores global tensors, so a checkpoint saved at one TP / PP / EP loads at any
 other (megatron reshards on load; decoder layers and experts are stored by their global index).
@@ -153,6 +154,28 @@ def read_checkpoint(path: str | Path) -> ModelCheckpoint:
     return found
 
 
+def load_weights(model, weights: str | Path, name: str | Path | None = None) -> set[str]:
+    """Load the dist checkpoint folder ``weights`` into ``model`` (built at this process's
+    layout), its ``.metadata`` checked first (``check_dist_metadata``). Returns the keys it held.
+
+    Raises:
+        UsageError: a refused ``.metadata``, or weights that do not load into ``model``
+            (``name``: the checkpoint as messages name it; default ``weights``).
+    """
+    from megatron.core import dist_checkpointing
+
+    check_dist_metadata(weights)
+    try:
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(weights))
+        model.load_state_dict(state, strict=False)
+    except Exception as error:  # noqa: BLE001 - any load failure is a bad checkpoint
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UsageError(f"checkpoint {name or weights} does not load into its "
+                         f"{model.cfg.family} model: {type(error).__name__}: {first[:300]}"
+                         ) from error
+    return set(state)
+
+
 def load_model(found: ModelCheckpoint, use_te: bool | None = None):
     """The model of ``found``'s config built at this process's TP / PP (``init_parallel``
     first) with every weight of the checkpoint loaded, in eval mode.
@@ -160,17 +183,8 @@ def load_model(found: ModelCheckpoint, use_te: bool | None = None):
     Raises:
         UsageError: the weights do not load into the model, or one is missing (one line).
     """
-    from megatron.core import dist_checkpointing
-
-    cfg = found.model_config
-    model = build_model(cfg, use_te=use_te)
-    try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(found.weights))
-        model.load_state_dict(state, strict=False)
-    except Exception as error:  # noqa: BLE001 - any load failure is a bad checkpoint
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise UsageError(f"checkpoint {found.path} does not load into its {cfg.family} model: "
-                         f"{type(error).__name__}: {first[:300]}") from error
+    model = build_model(found.model_config, use_te=use_te)
+    state = load_weights(model, found.weights, found.path)
     missing = [k for k in model.state_dict() if not k.endswith("_extra_state") and k not in state]
     if missing:
         raise UsageError(f"checkpoint {found.path} lacks {missing[0]!r}")

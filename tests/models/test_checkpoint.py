@@ -98,6 +98,32 @@ def test_bad_checkpoints_are_one_usage_line(tmp_path):
         read_checkpoint(tmp_path)
 
 
+def test_load_weights_refuses_a_planted_metadata_pickle(saved, tmp_path):
+    """train.py's start from an import (``train.init_checkpoint``, ``model.hf``) goes through
+    the same check: a pickle planted as ``.metadata`` is refused, never unpickled."""
+    import os
+    import pickle
+    import shutil
+
+    from models.checkpoint import load_weights
+
+    marker = tmp_path / "unpickled"
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    planted = tmp_path / "planted"
+    shutil.copytree(saved, planted)
+    (planted / ".metadata").write_bytes(pickle.dumps(Planted()))
+    _cfg, model = build_tiny("qwen2_5_vl")
+    with pytest.raises(UsageError, match="refused"):
+        load_weights(model, planted)
+    assert not marker.exists()
+    assert load_weights(model, saved) >= {k for k in model.state_dict()
+                                          if not k.endswith("_extra_state")}
+
+
 def test_init_parallel_keeps_the_same_layout_and_reseeds():
     from megatron.core import parallel_state as ps
 
