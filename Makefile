@@ -119,4 +119,4 @@ EVAL_USAGE = usage: make $@ CKPT=<run folder | checkpoints folder | step folder 
 
 $(EVAL_TARGETS): eval-%: $(STAMP)
 	$(if $(CKPT),,$(error $(EVAL_USAGE)))
-	$(PY) eval.py $(or $(CONFIG),$(if $(wildcard $(CKPT)/qwen_vl_model.json),$(call run_config,$*))) $(EVAL_ARGS)
+	$(PY) eval.py $(or $(CONFIG),$(if $(wildcard $(CKPT)/model_config.json $(CKPT)/qwen_vl_model.json),$(call run_config,$*))) $(EVAL_ARGS)

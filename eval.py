@@ -81,11 +81,11 @@ def check_args(args: Args) -> None:
 def load_config(args: Args):
     """The checkpoint and the run config that decides what its model sees (the stored one, refined
     by CONFIG and the overrides); its data and split must exist."""
+    from models.checkpoint import read_checkpoint
     from recipes.data import check_data_path, check_split
-    from recipes.evaluation import find_checkpoint
     from recipes.run_config import load_run_config
 
-    found = find_checkpoint(args.ckpt)
+    found = read_checkpoint(args.ckpt)
     if found.run_config is None and args.config is None:
         raise UsageError(f"--ckpt {args.ckpt} is an hf-to-mcore import, which stores no run "
                          "config: give one (e.g. configs/train_qwen_vl_infovqa.yaml)")
@@ -99,16 +99,18 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     """Tokenizer and task encoder of the run config, checked against the checkpoint's model,
     then the model with the checkpoint's weights."""
     from energon_tasks import task_encoder_for
-    from models.checkpoint import init_parallel
+    from models.checkpoint import load_model
+    from models.parallel import init_parallel
+    from recipes.compatibility import TOKEN_IDS, check_compatible
     from recipes.data import load_run_tokenizer
-    from recipes.evaluation import check_compatible, load_model
 
     te_cfg = cfg.task_encoder
     tokenizer = load_run_tokenizer(te_cfg, out)
     encoder = task_encoder_for(te_cfg, tokenizer)
-    check_compatible(found.model, encoder, tokenizer, te_cfg.model)
-    init_parallel(tp=1, pp=1, seed=cfg.train.seed)
-    return tokenizer, encoder, load_model(found.model, found.weights, args.ckpt)
+    check_compatible(found.model_config, te_cfg, weights=f"checkpoint {args.ckpt}",
+                     tokenizer=tokenizer, encoder=encoder, token_ids=tuple(TOKEN_IDS))
+    init_parallel(seed=cfg.train.seed)
+    return tokenizer, encoder, load_model(found, use_te=False)
 
 
 def summarize(args: Args, cfg, found, answers, blank: bool) -> dict:
@@ -118,7 +120,8 @@ def summarize(args: Args, cfg, found, answers, blank: bool) -> dict:
 
     stats, wall = answers.stats, answers.seconds
     return {
-        "checkpoint": str(args.ckpt), "checkpoint_kind": found.kind, "family": found.model.family,
+        "checkpoint": str(args.ckpt), "checkpoint_kind": found.kind,
+        "family": found.model_config.family,
         "data": cfg.data.path, "split": args.split, "limit": args.limit, "turns": args.turns,
         "blank_media": blank, "conversations": answers.conversations,
         "questions": len(answers.records),

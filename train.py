@@ -153,11 +153,10 @@ class Trainee:
 def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     """The model (from ``model.hf``, ``train.init_checkpoint`` or random init), bf16 and DDP
     wrappers, megatron's optimizer (state sharded over DP with ``train.distributed_optimizer``)."""
-    from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from models.checkpoint import model_record
+    from models.checkpoint import load_weights, model_record
     from models.hf_source import resolve
 
     cfg, t = plan.config, plan.config.train
@@ -169,8 +168,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
     model = build_model(cfg)
     if init and plan.resume is None:
-        state = dist_checkpointing.load(model.sharded_state_dict(), init)
-        model.load_state_dict(state, strict=False)
+        load_weights(model, init)
     if bf16:
         from megatron.core.transformer.module import Float16Module
         model.config.bf16 = True

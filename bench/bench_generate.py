@@ -82,9 +82,10 @@ def median_cpu_times(fns: dict, repeats: int) -> dict:
 @click.option("--new-tokens", default=32, show_default=True)
 @click.option("--repeats", default=7, show_default=True)
 def main(out: Path, n_prompts: int, new_tokens: int, repeats: int) -> None:
-    from models.checkpoint import init_parallel, load_checkpoint
+    from models.checkpoint import load_checkpoint
     from models.convert import load_hf_model
     from models.generate import greedy_generate
+    from models.parallel import init_parallel
     from tests.tiny_hf import build_tiny_hf
 
     torch.set_num_threads(1)

@@ -9,7 +9,7 @@ pixel limits) and each image set, every image goes through the task encoder's pu
 1. pixel difference of ``pixel_values`` (normalised units, what the model reads): mean and max of
    |fast - exact| over the set;
 2. model difference: the family's tiny model (configs/*_tiny.yaml, random init, built with
-   ``models.checkpoint.build_model``) reads the same sample (text, the image, text) decoded both
+   ``models.families.build_model``) reads the same sample (text, the image, text) decoded both
    ways: max |logit difference| over all positions and over the text positions after the image
    (those that read it), next to the logits' std, and the share of those text positions whose
    greedy token changes.
@@ -81,8 +81,8 @@ def make_encoder(model: str, tokenizer, image_decode: str):
 
 
 def tiny_model(family: str, config: str):
-    from models.checkpoint import build_model, init_parallel
-    from models.families import config_module
+    from models.families import build_model, config_module
+    from models.parallel import init_parallel
 
     cfg = config_module(family).load_yaml(ROOT / "configs" / config)
     init_parallel()

@@ -46,7 +46,7 @@ def build_pair(overrides: list[str]):
     """(our model, transformers' NemotronHForCausalLM with the same LM weights, config)."""
     import transformers as tf
 
-    from models.checkpoint import build_model
+    from models.families import build_model
     from models.families.nemotron_omni.config import load_yaml, to_hf_dict
     from models.families.nemotron_omni.hf_mapping import ours_to_hf
 
@@ -105,7 +105,7 @@ def timed(step, model, ids) -> tuple[float, float]:
 @click.option("--threads", default=1, show_default=True)
 def main(out: Path, repeats: int, threads: int) -> None:
     torch.set_num_threads(threads)
-    from models.checkpoint import init_parallel
+    from models.parallel import init_parallel
 
     init_parallel()
     results = {}

@@ -156,7 +156,7 @@ def measure_paths(sizes: list[tuple[int, int]], repeats: int) -> list[dict]:
     """Forward CPU seconds of each path's encoder over the same images (one image per call)."""
     import torch
 
-    from models.checkpoint import init_parallel
+    from models.parallel import init_parallel
 
     init_parallel()
     rows = []

@@ -65,8 +65,9 @@ def make_row(cfg, images: int, tokens: int) -> dict:
 @click.option("--repeats", default=5, show_default=True)
 def main(out: Path, images: int, tokens: int, repeats: int) -> None:
     torch.set_num_threads(1)
-    from models.checkpoint import build_model, init_parallel
+    from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
+    from models.parallel import init_parallel
     from models.recompute import backward_footprint
 
     init_parallel()

@@ -80,9 +80,9 @@ def vision_part(smoke: bool, repeats: int) -> list[dict]:
     import torch
 
     from energon_tasks.config import TaskEncoderConfig
-    from models.checkpoint import init_parallel
     from models.families import config_module
     from models.flops import vision_flops
+    from models.parallel import init_parallel
 
     init_parallel()
     device = "cpu" if smoke else "cuda"
@@ -143,8 +143,8 @@ def packed_part(smoke: bool) -> list[dict]:
     import torch
 
     from lookalikes.model_inputs import pack_inputs
-    from models.checkpoint import build_model, init_parallel
-    from models.families import config_module
+    from models.families import build_model, config_module
+    from models.parallel import init_parallel
     from models.verify_inputs import make_inputs
 
     init_parallel()

@@ -29,7 +29,13 @@ from pathlib import Path
 import click
 import torch
 
-from models.families import config_from_hf, config_module, hf_model_class, mapping_module
+from models.families import (
+    build_model,
+    config_from_hf,
+    config_module,
+    hf_model_class,
+    mapping_module,
+)
 from models.verify_inputs import hf_inputs, make_inputs
 
 #: written last into a cached import folder (``import_hf_cached``): the import is complete
@@ -119,8 +125,8 @@ def load_hf_weights(model, cfg, folder: Path) -> dict:
     Raises:
         contract.errors.UsageError: a key or shape that does not map (the first offender named).
     """
-    from models.checkpoint import global_keys, shard_for_rank, weight_shapes
     from models.hf_weights import read_hf_folder
+    from models.sharding import global_keys, shard_for_rank, weight_shapes
 
     with refused():  # its messages name the folder
         hf_config, hf_sd = read_hf_folder(folder)
@@ -141,7 +147,8 @@ def load_hf_weights(model, cfg, folder: Path) -> dict:
 
 
 def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
-    from models.checkpoint import build_model, init_parallel, model_record, save_checkpoint
+    from models.checkpoint import model_record, save_checkpoint
+    from models.parallel import init_parallel
 
     folder = resolve_hf(hf)
     with refused(f"--hf {hf}"):
@@ -168,7 +175,7 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from models.checkpoint import build_model, model_record, save_checkpoint
+    from models.checkpoint import model_record, save_checkpoint
     from models.hf_source import cache_name, resolve
 
     folder = resolve(source, weights=True)
@@ -197,16 +204,16 @@ def mcore_to_hf(mcore: Path, out: Path) -> None:
     """Write an HF model folder (config.json, model.safetensors, tokenizer and processor files)
     from an import folder or a train.py run / step folder, whatever TP / PP / EP it was saved
     with (loaded here at TP = PP = EP = 1)."""
-    from models.checkpoint import HF_JSON, find_model_checkpoint, init_parallel, load_checkpoint
+    from models.checkpoint import HF_JSON, load_model, read_checkpoint
     from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES, copy_files
     from models.hf_weights import is_our_key, write_hf_folder
+    from models.parallel import init_parallel
 
-    with refused():  # its messages name the folder
-        _cfg, _weights, files = find_model_checkpoint(mcore)
+    found = read_checkpoint(mcore)  # a bad folder: one line, before any process group
     init_parallel()
-    model, cfg = load_checkpoint(mcore, use_te=False)
+    model, cfg, files = load_model(found, use_te=False), found.model_config, found.hf_files
     sd = {k: v.detach() for k, v in model.state_dict().items() if is_our_key(k)}
-    source = next((p for p in (files and files / "config.json", Path(mcore) / HF_JSON)
+    source = next((p for p in (files and files / "config.json", found.folder / HF_JSON)
                    if p and p.is_file()), None)
     config = (json.loads(source.read_text()) if source is not None
               else config_module(cfg.family).to_hf_dict(cfg))
@@ -221,10 +228,10 @@ def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from models.checkpoint import find_model_checkpoint, init_parallel, load_checkpoint
+    from models.checkpoint import load_checkpoint, read_checkpoint
+    from models.parallel import init_parallel
 
-    with refused():  # its messages name the folder
-        find_model_checkpoint(mcore)
+    read_checkpoint(mcore)  # a bad folder: one line, before any process group
     init_parallel(tp=tp, pp=pp)
     model, cfg = load_checkpoint(mcore, use_te=False)
     last = ps.is_pipeline_last_stage()

@@ -1,12 +1,9 @@
-"""eval.py's pieces: the val questions of a conversation, the checkpoint it reads, the model.
+"""eval.py's own pieces: the val samples, the prompts of a conversation, the scored answers.
 
-This module owns, in the order eval.py uses them:
+The checkpoint is read and loaded by ``models.checkpoint`` (``read_checkpoint``, ``load_model``)
+and checked against the task encoder by ``recipes.compatibility``, as in training. This module
+owns, in the order eval.py uses them:
 
-- ``find_checkpoint``: what a ``--ckpt`` is (a train.py run / checkpoints / step folder, or an
-  ``hf-to-mcore`` import), read from its self-description only (its one pickle checked first);
-- ``check_compatible``: the checkpoint's family, patch geometry and token ids against the task
-  encoder's, so a model and a tokenizer that do not belong together fail before generating;
-- ``load_model``: the model of the checkpoint at this process's layout (TP=1), every weight loaded;
 - ``read_samples``: cooked val samples in the loader's fixed order (the loaders' worker config, so
   damaged samples are skipped as in training);
 - ``encode_prompts``: one prompt encoding per assistant turn through the task encoder's own steps
@@ -14,8 +11,6 @@ This module owns, in the order eval.py uses them:
   in training;
 - ``answer_questions``: batched greedy generation (models/generate.py) and scoring
   (``recipes.scores.score_answer``) of every question, one record each.
-
-Raises ``contract.errors.UsageError`` (one line; eval.py exits 2) for every bad input.
 """
 
 from __future__ import annotations
@@ -23,13 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
-import yaml
-
-from contract.errors import UsageError
-from contract.families import TASK_ENCODER_MODELS
-from models.families import family_of
 from models.generate import GenerationStats
 
 
@@ -138,90 +127,6 @@ def read_samples(path: str, split: str, encoder_config, tokenizer, limit: int | 
                 return
             count += 1
             yield sample
-
-
-# ------------------------------------------------------------------ checkpoint
-@dataclass(slots=True)
-class Checkpoint:
-    """What eval.py reads of a checkpoint before building anything."""
-
-    model: object  #: the model config (QwenVLModelConfig | NemotronOmniModelConfig)
-    weights: Path  #: the megatron dist checkpoint folder
-    kind: str  #: "train.py step_N" or "hf-import"
-    folder: Path  #: the step folder, or the import folder
-    run_config: dict | None  #: the run config stored by train.py (None for an import)
-
-
-def find_checkpoint(ckpt: str) -> Checkpoint:
-    """A train.py or an HF-import checkpoint, from its self-description only (nothing is
-    built, its one pickle is checked), so a wrong checkpoint fails fast."""
-    from models.checkpoint import MODEL_JSON, read_model_config
-    from models.checkpoint_folders import check_dist_metadata, resolve_checkpoint
-    from models.families import config_from_dict
-
-    path = Path(ckpt)
-    if not path.exists():
-        raise UsageError(f"checkpoint {ckpt} does not exist")
-    try:
-        if (path / MODEL_JSON).is_file():  # models/convert.py hf-to-mcore
-            found = Checkpoint(read_model_config(path), path, "hf-import", path, None)
-        else:
-            step = resolve_checkpoint(path)
-            config = step / "config.yaml"
-            if not (step / "model_optim" / "metadata.json").is_file() or not config.is_file():
-                raise UsageError(f"{ckpt} is not a checkpoint (neither {MODEL_JSON} nor a "
-                                 "train.py step folder with model_optim/ and config.yaml)")
-            raw = yaml.safe_load(config.read_text()) or {}
-            found = Checkpoint(config_from_dict(raw.get("model") or {}), step / "model_optim",
-                               f"train.py {step.name}", step, raw)
-    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as error:
-        raise UsageError(f"checkpoint {ckpt} is unreadable: {error}") from None
-    check_dist_metadata(found.weights)
-    return found
-
-
-def load_model(cfg, weights: Path, ckpt: str):
-    """Build the model of ``cfg`` at this process's layout (TP=1) and load ``weights``."""
-    from megatron.core import dist_checkpointing
-
-    from models.checkpoint import build_model
-
-    model = build_model(cfg, use_te=False)
-    try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(weights))
-        model.load_state_dict(state, strict=False)
-    except Exception as error:  # noqa: BLE001 - any load failure is a bad --ckpt for the user
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise UsageError(f"checkpoint {ckpt} does not load into its {cfg.family} model: "
-                         f"{type(error).__name__}: {first[:300]}") from None
-    missing = [k for k in model.state_dict() if not k.endswith("_extra_state") and k not in state]
-    if missing:
-        raise UsageError(f"checkpoint {ckpt} lacks {missing[0]!r}")
-    return model.eval()
-
-
-def check_compatible(cfg, encoder, tokenizer, te_model: str) -> None:
-    """The checkpoint's family, patch geometry and token ids must match the task encoder's."""
-    want = TASK_ENCODER_MODELS.get(cfg.family, (cfg.family,))
-    geometry = encoder.geometry
-    if geometry.name not in want:
-        raise UsageError(f"checkpoint is a {cfg.family} model, the config's task encoder is "
-                         f"{te_model!r} (set task_encoder.model={want[0]})")
-    for name, ours in family_of(cfg).vision_geometry(cfg).items():
-        theirs = getattr(geometry, name)
-        if ours != theirs:
-            raise UsageError(f"checkpoint vision {name} is {ours}, the task encoder's "
-                             f"{geometry.name} geometry uses {theirs}")
-    ids = {"image_token_id": encoder.image_pad, "video_token_id": encoder.video_pad,
-           "vision_start_token_id": encoder.vision_start,
-           "vision_end_token_id": encoder.vision_end}
-    for name, token in ids.items():
-        if getattr(cfg, name) != token:
-            raise UsageError(f"checkpoint {name} is {getattr(cfg, name)}, the tokenizer's is "
-                             f"{token}: checkpoint and tokenizer do not belong together")
-    if len(tokenizer) > cfg.lm.vocab_size:
-        raise UsageError(f"tokenizer has {len(tokenizer)} tokens, the checkpoint's vocabulary "
-                         f"{cfg.lm.vocab_size}")
 
 
 # ------------------------------------------------------------------ answers

@@ -2,8 +2,8 @@
 
 This module owns ``Layout`` (this rank's place: its DP / CP rank, whether it writes its replica's
 loader state), ``check_layout`` (every reason a layout cannot be built, in one ``UsageError``)
-and ``init_distributed`` (gloo on CPU or nccl on GPU, megatron's ``parallel_state``, the seeded
-RNG tracker).
+and ``init_distributed``: the process setup of ``models.parallel.init_parallel`` (gloo on CPU or
+nccl on GPU, megatron's ``parallel_state``, the seeded RNG tracker), then this rank's ``Layout``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from contract.errors import UsageError
-from models.checkpoint import init_process_group, seed_model_parallel
+from models.parallel import init_parallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,15 +47,10 @@ def check_layout(world: int, tp: int, pp: int, cp: int, fixed_length: bool, ep: 
 
 
 def init_distributed(tp: int, pp: int, cp: int, seed: int, ep: int = 1) -> Layout:
-    """gloo/nccl process group (plain python = one process), parallel_state, RNG tracker."""
-    init_process_group()
+    """``init_parallel`` at this layout (plain python = one process), then this rank's place."""
+    init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, seed=seed)
     from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp, expert_model_parallel_size=ep)
-    seed_model_parallel(seed)
     return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=tp, pp=pp, cp=cp,
                   dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
                   cp_rank=ps.get_context_parallel_rank(),

@@ -13,7 +13,7 @@ from models import cpu
 
 def build_model(cfg):
     """The model of ``cfg.model.family`` (vision DP over CP inside); CPU CP attention."""
-    from models.checkpoint import build_model as build
+    from models.families import build_model as build
 
     model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
     cpu.use_cp_attention(model.language_model)

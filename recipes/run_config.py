@@ -22,11 +22,11 @@ import yaml
 
 from contract.config import apply_override, build_into, raise_problems, unknown_key
 from contract.errors import ConfigError  # the message lists every problem, separated by '; '
-from contract.families import TASK_ENCODER_MODELS, profile_name
 from energon_tasks.config import TaskEncoderConfig
 from models.families import config_from_dict
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.qwen_vl.config import QwenVLModelConfig
+from recipes.compatibility import compatibility_problems, profile_for
 
 
 @dataclass(kw_only=True, slots=True)
@@ -188,30 +188,11 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
         return None
     raw["model"] = _refine(base, {k: v for k, v in model.items() if k != "hf"})
     encoder = raw["task_encoder"] = dict(raw.get("task_encoder") or {})
-    feeds = TASK_ENCODER_MODELS[base["family"]]
-    if _profile_or_none(encoder.get("model")) not in feeds:
-        values["model"] = feeds[0]
+    values["model"] = profile_for(base["family"], encoder.get("model"))
     for key, value in values.items():
         if f"task_encoder.{key}" not in command_line:
             encoder[key] = value
     return source, geometry
-
-
-def _profile_or_none(name: Any) -> str | None:
-    """The canonical profile of a configured ``task_encoder.model`` (an alias allowed), or None."""
-    try:
-        return profile_name(name)
-    except (ValueError, AttributeError):
-        return None
-
-
-def _check_hf_geometry(source: str, geometry: dict,
-                       task_encoder: TaskEncoderConfig) -> list[str]:
-    """The task encoder's patch / merge sizes must be those of the HF model's processors."""
-    ours = task_encoder.resolve().geometry
-    return [f"model.hf {source}: its processor's {name} is {value}, task_encoder.model "
-            f"{task_encoder.model!r} uses {getattr(ours, name)}"
-            for name, value in geometry.items() if getattr(ours, name) != value]
 
 
 def _task_encoder_section(raw: Any, cp: int, errors: list[str]) -> TaskEncoderConfig | None:
@@ -245,8 +226,9 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
     model = None if hf_failed else _model_section(raw.get("model"), errors)
     task_encoder = _task_encoder_section(raw.get("task_encoder"), sections["parallel"].cp, errors)
     errors += _check_values(sections)
-    if hf is not None and task_encoder is not None:
-        errors += _check_hf_geometry(*hf, task_encoder)
+    if hf is not None and task_encoder is not None and model is not None:
+        errors += compatibility_problems(model, task_encoder, weights=f"model.hf {hf[0]}",
+                                         processor=hf[1])
     if hf is not None and sections["train"].init_checkpoint:
         errors.append("model.hf and train.init_checkpoint exclude each other")
     raise_problems(errors)

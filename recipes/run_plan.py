@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contract.errors import ConfigError, UsageError
-from contract.families import TASK_ENCODER_MODELS
+from contract.errors import UsageError
 from models import cpu
 from models.families import get as get_family
 from recipes.checkpointing import read_train_state
+from recipes.compatibility import check_compatible
 from recipes.data import check_data_path, check_split, load_run_tokenizer, probe_first_batch
 from recipes.layout import check_layout
 from recipes.run_config import RunConfig, dump_yaml
@@ -73,10 +73,7 @@ def resolve_plan(cfg: RunConfig, world: int, resume_from: str | None,
 
 def check_run(cfg: RunConfig, world: int) -> None:
     """Every input problem of the config, the layout and the data, before anything is built."""
-    feeds = TASK_ENCODER_MODELS[cfg.model.family]
-    if cfg.task_encoder.model not in feeds:
-        raise ConfigError(f"task_encoder.model {cfg.task_encoder.model!r} does not feed "
-                          f"model.family {cfg.model.family!r} (use {' or '.join(feeds)})")
+    check_compatible(cfg.model, cfg.task_encoder)
     p, te_cfg = cfg.parallel, cfg.task_encoder
     family = get_family(cfg.model.family)
     problems = family.layout_problems(cfg.model, p)
@@ -121,13 +118,9 @@ def _with_token_ids(cfg: RunConfig, tokenizer, encoder):
     """The model config with the tokenizer's special-token ids (checked against ``model.hf``'s
     and the vocabulary)."""
     model = cfg.model
-    if len(tokenizer) > model.lm.vocab_size:
-        raise UsageError(f"tokenizer has {len(tokenizer)} tokens, model.lm.vocab_size is "
-                         f"{model.lm.vocab_size}")
-    if cfg.hf and model.image_token_id != encoder.image_pad:
-        raise UsageError(f"model.hf {cfg.hf}: its image_token_id is {model.image_token_id}, "
-                         f"task_encoder.tokenizer gives {encoder.image_pad}: they do not belong "
-                         "together")
+    check_compatible(model, cfg.task_encoder, tokenizer=tokenizer, encoder=encoder,
+                     weights=cfg.hf and f"model.hf {cfg.hf}",
+                     token_ids=("image_token_id",) if cfg.hf else ())
     return dataclasses.replace(model, image_token_id=encoder.image_pad,
                                video_token_id=encoder.video_pad,
                                vision_start_token_id=encoder.vision_start,

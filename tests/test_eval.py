@@ -84,9 +84,10 @@ def _hf_greedy(hf, prompt, image_token: int, new: int, eos: int) -> list[int]:
 def _greedy_check(family: str, hf_dir: str, mcore_dir: str) -> dict:
     """Runs in a fresh process (megatron's parallel state and the Manager of dist_checkpointing
     stay out of the pytest process)."""
-    from models.checkpoint import init_parallel, load_checkpoint
+    from models.checkpoint import load_checkpoint
     from models.convert import load_hf_model
     from models.generate import greedy_generate
+    from models.parallel import init_parallel
 
     init_parallel()
     model, cfg = load_checkpoint(Path(mcore_dir), use_te=False)

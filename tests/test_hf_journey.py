@@ -44,7 +44,8 @@ def export(ckpt: Path, out: Path) -> Path:
 
 def state(path: Path) -> dict[str, torch.Tensor]:
     """Our weights (TP=1) of an import or a train.py checkpoint."""
-    from models.checkpoint import init_parallel, load_checkpoint
+    from models.checkpoint import load_checkpoint
+    from models.parallel import init_parallel
 
     init_parallel()
     model, _cfg = load_checkpoint(path, use_te=False)
@@ -56,8 +57,9 @@ def logits_diff(ckpt: Path, exported: Path) -> dict[str, float]:
     on generated inputs (images, interleaved images, video)."""
     from transformers import AutoModelForImageTextToText
 
-    from models.checkpoint import init_parallel, load_checkpoint
+    from models.checkpoint import load_checkpoint
     from models.convert import hf_logits, our_logits
+    from models.parallel import init_parallel
     from models.verify_inputs import hf_inputs, make_inputs
 
     init_parallel()
@@ -75,9 +77,9 @@ def test_journey_from_hf_to_hf(family, tmp_path, mantis_out):
     the trained loss, far below the random start's."""
     from transformers import AutoTokenizer
 
-    from models.checkpoint import init_parallel
     from models.convert import import_hf_cached
     from models.families import config_from_hf
+    from models.parallel import init_parallel
 
     hf = build_tiny_hf_model(family, tmp_path / "hf", pixels=JOURNEYS[family][1])
     cache, run = tmp_path / "cache", tmp_path / "run"

@@ -5,7 +5,7 @@ checkpoint and training code run unchanged on CPU; that code reads as GPU code. 
 switches it on, once per process, and does nothing when CUDA is available:
 
     from models import cpu
-    cpu.activate()      # models.checkpoint.init_process_group calls it: every process that
+    cpu.activate()      # models.parallel.init_process_group calls it: every process that
                         # sets up megatron (train.py, eval.py, models.convert, tests) goes there
 
 Patches ``activate()`` applies (on CPU only; with CUDA every one of them is megatron's own path):

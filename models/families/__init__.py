@@ -6,7 +6,7 @@ model config (``config.py``), model (``model.py``, + its tower), HF weight table
 formulas (``flops.py``). Its ``__init__`` is the package's public face, the ``ModelFamily``
 Protocol below; a package may serve several family names (``qwen_vl``: ``qwen2_5_vl`` and
 ``qwen3_vl``). Nothing outside a package compares anything with a family name: what differs is
-asked of ``family_of(cfg)`` / ``get(name)``.
+asked of ``family_of(cfg)`` / ``get(name)``; ``build_model(cfg)`` is the model of a config.
 
 Families are named in ``contract.families`` (the names the data side's ``energon_tasks.profiles``
 uses too, with the HF ``model_type`` of each and which profiles feed which family).
@@ -124,6 +124,15 @@ def config_from_hf(hf_config: Any):
 def model_class(cfg) -> type:
     """The model class of a config's family."""
     return family_of(cfg).model_class()
+
+
+def build_model(cfg, use_te: bool | None = None, vision_dp_over_cp: bool | None = None):
+    """The model of ``cfg``'s family (``QwenVL`` / ``NemotronOmni``) at this process's parallel
+    layout (``models.parallel.init_parallel`` first), on the GPU when present."""
+    from models import cpu
+
+    model = model_class(cfg)(cfg, use_te=use_te, vision_dp_over_cp=vision_dp_over_cp)
+    return model.to(cpu.compute_device())
 
 
 def mapping_module(cfg) -> ModuleType:

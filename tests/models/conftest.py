@@ -21,8 +21,8 @@ TINY_CONFIGS = {
 
 def build_tiny(family: str, *overrides: str, seed: int = 0):
     """(config, model) of the family's tiny config (+ ``overrides``), local spec, seeded init."""
-    from models.checkpoint import build_model, init_parallel
-    from models.families import config_module
+    from models.families import build_model, config_module
+    from models.parallel import init_parallel
 
     config, defaults = TINY_CONFIGS[family]
     cfg = config_module(family).load_yaml(REPO / "configs" / config, [*defaults, *overrides])

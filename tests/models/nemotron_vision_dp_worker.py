@@ -34,7 +34,7 @@ def grad(p: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     sys.path.insert(0, str(REPO))
-    from models.checkpoint import init_process_group, seed_model_parallel
+    from models.parallel import init_parallel, init_process_group
 
     init_process_group()  # models/cpu's accommodations, then gloo from torchrun's environment
     import torch.distributed as dist
@@ -46,10 +46,9 @@ def main() -> int:
 
     torch.set_num_threads(1)
     cp = dist.get_world_size()
-    ps.initialize_model_parallel(context_parallel_size=cp)
+    init_parallel(cp=cp, seed=0)
     cp_group, cp_rank = ps.get_context_parallel_group(), ps.get_context_parallel_rank()
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
-    seed_model_parallel(0)
     sharded = NemotronOmni(cfg, use_te=False, vision_dp_over_cp=True)
     whole = NemotronOmni(cfg, use_te=False, vision_dp_over_cp=False)
     whole.load_state_dict(sharded.state_dict())

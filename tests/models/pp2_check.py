@@ -18,8 +18,9 @@ def check_pp2(hf: Path, pp1: Path, out: Path, cases: set[str], tol: float) -> di
 
     import torch
 
-    from models.checkpoint import init_parallel, load_checkpoint
+    from models.checkpoint import load_checkpoint
     from models.convert import verify
+    from models.parallel import init_parallel
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
            str(out), str(hf), str(pp1)]

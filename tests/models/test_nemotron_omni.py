@@ -65,8 +65,9 @@ def test_mamba_without_kernels_refused(monkeypatch):
     error before megatron's own ImportError."""
     import importlib.util
 
-    from models.checkpoint import build_model, init_parallel
+    from models.families import build_model
     from models.families.nemotron_omni.config import load_yaml
+    from models.parallel import init_parallel
 
     if importlib.util.find_spec("mamba_ssm") is not None:
         pytest.skip("mamba_ssm is installed")
@@ -80,7 +81,8 @@ def test_mamba_without_kernels_refused(monkeypatch):
 
 
 def test_count_mismatch_names_row(imported):
-    from models.checkpoint import init_parallel, load_checkpoint
+    from models.checkpoint import load_checkpoint
+    from models.parallel import init_parallel
     from models.verify_inputs import make_inputs
 
     init_parallel()
@@ -142,8 +144,9 @@ def test_mixed_image_video_batch_matches_rows_alone():
     """Images and videos on the one ``<image>`` token (the tiny config, as HF): a batch whose rows
     mix both kinds, scattered in ``visual_kinds`` order, gives each row the logits it has alone;
     without the order (or with a wrong one) the model refuses, naming the row."""
-    from models.checkpoint import build_model, init_parallel
+    from models.families import build_model
     from models.families.nemotron_omni.config import load_yaml
+    from models.parallel import init_parallel
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
     assert cfg.image_token_id == cfg.video_token_id
@@ -184,9 +187,10 @@ def test_tiny_config_trains_and_generates():
     """configs/nemotron_omni_tiny.yaml ("M*M-"): loss falls within a few CPU steps; greedy
     generation (KV cache and Mamba conv / SSM states, a batch of two prompt lengths) equals greedy
     decoding by full forwards."""
-    from models.checkpoint import build_model, init_parallel
+    from models.families import build_model
     from models.families.nemotron_omni.config import load_yaml
     from models.generate import Prompt, greedy_generate
+    from models.parallel import init_parallel
     from models.verify_inputs import make_inputs
 
     for path in sorted((REPO / "configs").glob("nemotron_omni_*.yaml")):
@@ -242,9 +246,10 @@ def test_greedy_tokens_equal_transformers_generate(tiny_nemotron_hf, imported):
     steps) gives transformers' ``generate`` tokens on one image, interleaved images, tiles and a
     video; stopping at a token of the video run stops both at the same place; the four prompts in
     one call (unequal lengths: one run per length) give what each gives alone."""
-    from models.checkpoint import init_parallel, load_checkpoint
+    from models.checkpoint import load_checkpoint
     from models.convert import load_hf_model
     from models.generate import greedy_generate
+    from models.parallel import init_parallel
     from models.verify_inputs import hf_inputs, make_inputs
 
     never = 10 ** 6  # outside the vocabulary: never generated
@@ -305,7 +310,7 @@ def test_mamba_mixer_on_torch_kernels():
     three segments (``packed_sequence_params``) equals each segment alone; the inference prefill
     then one-token decode steps (megatron's torch decode on the kernels' final states) equal the
     full forward, for the rows ``models.generate`` runs together on this version."""
-    from models.checkpoint import init_parallel
+    from models.parallel import init_parallel
 
     init_parallel()  # models/cpu's torch Mamba kernels
     from megatron.core import __version__
@@ -408,9 +413,10 @@ def test_pp2_parity_and_reshard(tiny_nemotron_hf, imported, tmp_path, pattern):
 def test_generation_batch_mixing_images_and_videos():
     """eval.py batches prompts: an image prompt, a video prompt and a prompt with both on the one
     ``<image>`` token generate in one batch exactly what each generates alone."""
-    from models.checkpoint import build_model, init_parallel
+    from models.families import build_model
     from models.families.nemotron_omni.config import load_yaml
     from models.generate import Prompt, greedy_generate
+    from models.parallel import init_parallel
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
     init_parallel()

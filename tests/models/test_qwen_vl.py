@@ -55,7 +55,8 @@ def test_round_trip_identical(family, tiny_hf, imported, tmp_path):
 
 
 def test_count_mismatch_names_row(imported):
-    from models.checkpoint import init_parallel, load_checkpoint
+    from models.checkpoint import load_checkpoint
+    from models.parallel import init_parallel
     from models.verify_inputs import make_inputs
 
     init_parallel()
@@ -146,8 +147,9 @@ def test_tiny_config_trains(name):
     """configs/<tiny>.yaml builds a model whose loss falls within a few CPU steps."""
     import glob
 
-    from models.checkpoint import build_model, init_parallel
+    from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
+    from models.parallel import init_parallel
     from models.verify_inputs import make_inputs
 
     for path in glob.glob(str(REPO / "configs" / "qwen*_vl_*.yaml")):
@@ -165,8 +167,9 @@ def test_visual_kinds_ignored_with_separate_tokens():
     """Qwen's images and videos have their own context tokens: ``visual_kinds`` (the batch's
     image / video order) is not read, so a batch mixing both gives the same logits with it,
     without it, or with a wrong one (Qwen3-VL: DeepStack included)."""
-    from models.checkpoint import build_model, init_parallel
+    from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
+    from models.parallel import init_parallel
     from models.verify_inputs import make_inputs
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_tiny.yaml", ["lm.max_position_embeddings=512"])

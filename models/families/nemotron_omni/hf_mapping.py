@@ -12,7 +12,7 @@ the norm in front of its one mixer. ``M`` (Mamba2) and ``E`` (MoE) names follow 
 modeling code (``NemotronHMamba2Mixer``, ``NemotronHMoE`` with per-expert hub keys) and megatron's
 ``MambaMixer`` / ``MoELayer`` (parity-tested on CPU, Mamba through models/cpu/mamba.py). Mamba
 tensors keep their layout (in_proj z|x|B|C|dt, conv1d x|B|C); their tensor-parallel slices come
-from megatron's ``partition_sizes`` (``models.checkpoint.shard_for_rank``). megatron >= 0.19 names
+from megatron's ``partition_sizes`` (``models.sharding.shard_for_rank``). megatron >= 0.19 names
 the conv ``mixer.conv1d_weight`` / ``conv1d_bias`` (0.16.1: an ``nn.Conv1d``, ``mixer.conv1d.*``):
 the table's targets follow the model's keys (``_as_model_names``).
 

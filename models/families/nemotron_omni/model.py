@@ -209,7 +209,7 @@ def mark_mamba_tp_layout(lm) -> None:
     this megatron-core lacks them (0.16.1; >= 0.17 sets them itself): ``partition_dim`` 0, and
     ``partition_sizes`` (this rank's rows of each component) on the packed ``in_proj``
     (z | x | B | C | dt) and conv1d (x | B | C). Import slicing reads them
-    (``models.checkpoint.shard_for_rank``)."""
+    (``models.sharding.shard_for_rank``)."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
 
     for mixer in lm.modules():

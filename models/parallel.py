@@ -1,0 +1,70 @@
+"""Process setup of every process that runs a model: torch.distributed, megatron's parallel
+state and its seeded RNG tracker (train.py through ``recipes.layout``, eval.py,
+``models.convert``, tests, bench/).
+
+This module owns ``init_process_group`` (gloo on CPU / nccl on GPU; under plain python a
+one-process group; first, without CUDA, the CPU accommodations ``models.cpu.activate``),
+``seed_model_parallel`` and ``init_parallel``, the one call that sets up TP x PP x CP x EP:
+an existing parallel state of the same sizes is kept, one of other sizes is replaced, and the
+RNG is seeded every time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from models import cpu
+
+
+def init_process_group() -> None:
+    """torch.distributed for this process: from torchrun's environment, or, under plain python,
+    a one-process group on an in-memory store (no TCP port to collide with other runs). First,
+    on a machine without CUDA, the CPU accommodations (``models.cpu.activate``)."""
+    import torch.distributed as dist
+
+    cpu.activate()
+    if dist.is_initialized():
+        return
+    backend = cpu.distributed_backend()
+    if "RANK" in os.environ and "MASTER_PORT" in os.environ:  # torchrun / SLURM launchers
+        dist.init_process_group(backend)
+    else:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker (after parallel_state is set up)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 1234) -> None:
+    """torch.distributed (``init_process_group``), megatron's parallel state at tensor /
+    pipeline / context / expert parallel sizes ``tp`` x ``pp`` x ``cp`` x ``ep`` (data parallel:
+    the rest of the world), then the seeded RNG tracker (``seed_model_parallel``).
+
+    A parallel state already set up at these four sizes is kept (its process groups stay); one
+    at other sizes is destroyed and built again. The RNG is seeded on every call.
+    """
+    init_process_group()
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        current = (ps.get_tensor_model_parallel_world_size(),
+                   ps.get_pipeline_model_parallel_world_size(),
+                   ps.get_context_parallel_world_size(),
+                   ps.get_expert_model_parallel_world_size())
+        if current == (tp, pp, cp, ep):
+            seed_model_parallel(seed)
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp, expert_model_parallel_size=ep)
+    seed_model_parallel(seed)

@@ -1,0 +1,85 @@
+"""Tensor / pipeline / expert parallel slicing of a model's weights, for loading weights that
+come whole (an HF import: ``models.convert.load_hf_weights``).
+
+This module owns ``weight_shapes`` (each parameter's full, TP=1 shape from this rank's shards),
+``global_keys`` (a pipeline stage's layers and an expert-parallel rank's experts named by their
+PP=1 / EP=1 index, the names ``sharded_state_dict`` stores them under too) and ``shard_for_rank``
+(a full TP=1 state dict sliced to this rank's tensor-parallel shards: by each parameter's
+megatron attributes ``partition_dim`` and, for a tensor packing several components,
+``partition_sizes``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def weight_shapes(model) -> dict[str, torch.Size]:
+    """Our key -> full (TP=1) shape, computed from this rank's shards."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    shapes = {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state") or not isinstance(p, torch.Tensor):
+            continue
+        shape = list(p.shape)
+        if getattr(p, "tensor_model_parallel", False):
+            shape[p.partition_dim] *= tp
+        shapes[name] = torch.Size(shape)
+    return shapes
+
+
+def global_keys(model) -> dict[str, str]:
+    """Our local key -> the key at PP=1 and EP=1 of every parameter of ``model``.
+
+    Under pipeline parallelism a stage numbers its decoder layers from 0; megatron's
+    ``layer_number`` (1-based, offset by the stage's first layer) gives the global index. Under
+    expert parallelism a rank numbers its experts from 0; the expert-parallel rank times the
+    local expert count gives the first global one. ``sharded_state_dict`` uses the same global
+    indices, so dist checkpoints load at any PP / EP. Identity at PP=1, EP=1.
+    """
+    import re
+
+    layer_pattern = re.compile(r"^(.*\.decoder\.layers\.)(\d+)\.")
+    expert_pattern = re.compile(r"^(.*\.local_experts\.)(\d+)\.")
+    out = {}
+    for name in model.state_dict(keep_vars=True):
+        key = name
+        match = expert_pattern.match(name)
+        if match is not None:
+            experts = model.get_submodule(match.group(1)[:-len(".local_experts.")])
+            first = experts.ep_group.rank() * experts.num_local_experts
+            key = f"{match.group(1)}{first + int(match.group(2))}.{name[match.end():]}"
+        match = layer_pattern.match(name)
+        if match is not None:
+            layer = model.get_submodule(match.group(1) + match.group(2))
+            key = f"{match.group(1)}{layer.layer_number - 1}.{key[match.end():]}"
+        out[name] = key
+    return out
+
+
+def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Slice a full (TP=1) state dict to this rank's tensor-parallel shards of ``model``."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    local = {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue
+        tensor = full[name]
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            dim = p.partition_dim
+            owner = model.get_submodule(name.rsplit(".", 1)[0])
+            glu = name.split(".")[-2] == "linear_fc1" and owner.config.gated_linear_unit
+            sizes = getattr(p, "partition_sizes", None)  # this rank's share of each component
+            if glu:
+                tensor = torch.cat([h.chunk(tp, dim)[rank] for h in tensor.chunk(2, 0)], dim=0)
+            elif sizes:  # packed components (Mamba in_proj z|x|B|C|dt, conv1d x|B|C): each sliced
+                parts = tensor.split([size * tp for size in sizes], dim)
+                tensor = torch.cat([part.chunk(tp, dim)[rank] for part in parts], dim)
+            else:
+                tensor = tensor.chunk(tp, dim)[rank]
+        local[name] = tensor.to(p.dtype)
+    return local
