@@ -10,8 +10,8 @@ Paths compared (processor defaults of each model, as a user gets them without tu
 Reported per path over the same images: LLM visual tokens per image, encoder sequence length
 per image (patches, plus RADIO's class/register tokens per segment), the estimated encoder
 forward FLOPs with each tower's published shape (``TOWERS``) and, with ``--measure``,
-the measured encode throughput of our own encoders (models/families/qwen_vl/vision.py, models/families/nemotron_omni/radio.py) at
-equal width and depth on CPU (images/s and patches/s, CPU time, forward only).
+the measured encode throughput of our own encoders (models/families/qwen_vl/vision.py,
+models/families/nemotron_omni/radio.py) at equal width and depth on CPU (images/s and patches/s, CPU time, forward only).
 
 Run: python bench/bench_nemotron_paths.py [--images 200] [--measure] [--out bench_out]
 """
