@@ -11,7 +11,8 @@ Reported per path over the same images: LLM visual tokens per image, encoder seq
 per image (patches, plus RADIO's class/register tokens per segment), the estimated encoder
 forward FLOPs with each tower's published shape (``TOWERS``) and, with ``--measure``,
 the measured encode throughput of our own encoders (models/families/qwen_vl/vision.py,
-models/families/nemotron_omni/radio.py) at equal width and depth on CPU (images/s and patches/s, CPU time, forward only).
+models/families/nemotron_omni/radio.py) at equal width and depth on CPU (images/s and
+patches/s, CPU time, forward only).
 
 Run: python bench/bench_nemotron_paths.py [--images 200] [--measure] [--out bench_out]
 """
