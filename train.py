@@ -44,7 +44,7 @@ from recipes.checkpointing import load_checkpoint, read_rank_state, save_checkpo
 from recipes.forward import optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
 from recipes.metrics import MetricsLogger, StepMeter
-from recipes.model_setup import build_model, import_hf_weights
+from recipes.model_setup import build_model, freeze, import_hf_weights
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.run_folder import StopSignal, prepare_run_folder
 from recipes.run_plan import RunPlan, resolve_plan, save_run_tokenizer
@@ -147,6 +147,7 @@ class Trainee:
     model: Any  #: DistributedDataParallel(Float16Module(model)) or DistributedDataParallel(model)
     optimizer: Any  #: megatron's (distributed) optimizer
     n_params: int  #: parameters of this rank's model (after DDP wrapping)
+    n_trainable: int  #: of which train (the others are frozen: ``model.freeze_*``)
     model_files: dict | None  #: rank 0: what a checkpoint records for export (``model_record``)
 
 
@@ -169,6 +170,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     model = build_model(cfg)
     if init and plan.resume is None:
         load_weights(model, init)
+    _total, trainable = freeze(model, cfg)
     if bf16:
         from megatron.core.transformer.module import Float16Module
         model.config.bf16 = True
@@ -184,7 +186,8 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
         params_dtype=torch.float32, use_distributed_optimizer=sharded,
         clip_grad=t.clip_grad), [model])
-    return Trainee(model, optimizer, sum(q.numel() for q in model.parameters()), model_files)
+    return Trainee(model, optimizer, sum(q.numel() for q in model.parameters()), trainable,
+                   model_files)
 
 
 def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders) -> int:
@@ -215,7 +218,10 @@ def announce(plan: RunPlan, run: Run, trainee: Trainee, start: int) -> None:
         return
     cfg, layout = plan.config, run.layout
     ep = cfg.parallel.ep
-    print(f"[train] {trainee.n_params / 1e6:.2f} M params on rank 0; world {layout.world} = "
+    frozen = cfg.freeze.frozen()
+    print(f"[train] {trainee.n_params / 1e6:.2f} M params on rank 0 "
+          f"({trainee.n_trainable / 1e6:.2f} M trainable"
+          f"{'; frozen: ' + ', '.join(frozen) if frozen else ''}); world {layout.world} = "
           f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
           f"{f' (ep {ep})' if ep > 1 else ''}; optimizer state "
           f"{f'sharded over dp {layout.dp}' if cfg.train.distributed_optimizer else 'replicated'}; "

@@ -1,6 +1,9 @@
 """How train.py gets its model: built for this rank's layout (``build_model``: the family's model,
-vision DP over CP inside, the CPU context-parallel attention where there is no GPU), and the
-weights of ``model.hf`` imported at the run's layout once and cached (``import_hf_weights``).
+vision DP over CP inside, the CPU context-parallel attention where there is no GPU), the weights
+of ``model.hf`` imported at the run's layout once and cached (``import_hf_weights``), and the
+parameter groups the run freezes (``freeze``: ``model.freeze_*``, grouped by the family's
+``parameter_group``; a frozen parameter has ``requires_grad`` off before DDP and the optimizer
+are built, so it gets no gradient buffer, no reduction and no optimizer state).
 """
 
 from __future__ import annotations
@@ -18,6 +21,21 @@ def build_model(cfg):
     model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
     cpu.use_cp_attention(model.language_model)
     return model
+
+
+def freeze(model, cfg) -> tuple[int, int]:
+    """Turn off ``requires_grad`` of the parameter groups ``cfg.freeze`` names (on this rank's
+    part of the model). Returns (parameters, trainable parameters) of this rank."""
+    from models.families import family_of
+
+    frozen, group = cfg.freeze.frozen(), family_of(cfg.model).parameter_group
+    total = trainable = 0
+    for name, param in model.named_parameters():
+        if group(name) in frozen:
+            param.requires_grad_(False)
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    return total, trainable
 
 
 def import_hf_weights(cfg, is_logger: bool) -> str:

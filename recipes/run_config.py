@@ -23,7 +23,7 @@ import yaml
 from contract.config import apply_override, build_into, raise_problems, unknown_key
 from contract.errors import ConfigError  # the message lists every problem, separated by '; '
 from energon_tasks.config import TaskEncoderConfig
-from models.families import config_from_dict
+from models.families import PARAMETER_GROUPS, config_from_dict
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.qwen_vl.config import QwenVLModelConfig
 from recipes.compatibility import compatibility_problems, profile_for
@@ -108,6 +108,23 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class FreezeConfig:
+    """Which parameter groups do not train (Megatron-Bridge's names; the run config's model
+    section: ``model.freeze_vision_model=true``). Nothing is frozen by default: every parameter
+    is fine-tuned. A frozen parameter gets no gradient, no optimizer state and no gradient
+    reduction, and stays bit-identical through training, checkpoints and export."""
+
+    freeze_vision_model: bool = False  #: the vision tower (patch embedding, blocks)
+    #: the projection into the LM: Qwen-VL's merger and DeepStack mergers, Nemotron's projector
+    freeze_vision_projection: bool = False
+    freeze_language_model: bool = False  #: the LM, embeddings and output layer included
+
+    def frozen(self) -> tuple[str, ...]:
+        """The frozen groups (``models.families.PARAMETER_GROUPS`` names)."""
+        return tuple(group for group in PARAMETER_GROUPS if getattr(self, f"freeze_{group}"))
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     """A training (or evaluation) run: everything train.py reads."""
 
@@ -121,6 +138,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     #: ``model.hf``: the Hugging Face model (hub id or folder) whose weights the run starts from
     hf: str | None = None
+    #: ``model.freeze_*``: the parameter groups that do not train
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -144,22 +163,25 @@ def _refine(base: dict, inline: dict) -> dict:
 
 
 def _model_section(raw: Any, errors: list[str]):
+    """(the model config, its freeze switches); the model is None when it cannot be built."""
     raw = dict(raw or {})
+    freeze = build_into(FreezeConfig, {key: raw.pop(key) for key in list(raw)
+                                       if key.startswith("freeze_")}, "model", errors)
     base = raw.pop("base", None)
     if base is not None:
         try:
             merged = yaml.safe_load(Path(base).read_text()) or {}
         except OSError as error:
             errors.append(f"model.base: cannot read {base}: {error.strerror}")
-            return None
+            return None, freeze
         raw = _refine(merged, raw)  # inline keys refine the base
     try:
-        return config_from_dict(raw)  # the family key picks the config class
+        return config_from_dict(raw), freeze  # the family key picks the config class
     except ConfigError as error:
         errors += error.problems
     except (ValueError, TypeError) as error:
         errors.append(str(error))
-    return None
+    return None, freeze
 
 
 def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str, dict] | None:
@@ -223,7 +245,10 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
                if key not in known]
     sections = {name: build_into(cls, raw.get(name), name, errors) or cls()
                 for name, cls in SECTIONS.items()}
-    model = None if hf_failed else _model_section(raw.get("model"), errors)
+    model, freeze = (None, None) if hf_failed else _model_section(raw.get("model"), errors)
+    if freeze and len(freeze.frozen()) == len(PARAMETER_GROUPS):
+        errors.append("model.freeze_vision_model, freeze_vision_projection and "
+                      "freeze_language_model are all true: nothing would train")
     task_encoder = _task_encoder_section(raw.get("task_encoder"), sections["parallel"].cp, errors)
     errors += _check_values(sections)
     if hf is not None and task_encoder is not None and model is not None:
@@ -233,7 +258,7 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
         errors.append("model.hf and train.init_checkpoint exclude each other")
     raise_problems(errors)
     return RunConfig(out=str(raw.get("out", "runs/train")), model=model,
-                     task_encoder=task_encoder, hf=hf and hf[0], **sections)
+                     task_encoder=task_encoder, hf=hf and hf[0], freeze=freeze, **sections)
 
 
 def _check_values(s: dict) -> list[str]:
@@ -307,7 +332,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
 
 def to_dict(config: RunConfig) -> dict:
     """The resolved config as plain data (what is logged and saved with checkpoints)."""
-    model = config.model.to_dict()
+    model = {**config.model.to_dict(), **dataclasses.asdict(config.freeze)}
     return {"out": config.out, "model": {"hf": config.hf, **model} if config.hf else model,
             "task_encoder": config.task_encoder.to_dict(),
             **{name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}}

@@ -29,6 +29,11 @@ PACKAGES = {
     F.NEMOTRON_OMNI: "models.families.nemotron_omni",
 }
 FAMILIES = tuple(PACKAGES)
+#: what a model's parameters are, for freezing (``ModelFamily.parameter_group``)
+PARAMETER_GROUPS = ("vision_model", "vision_projection", "language_model")
+#: keys of a run config's model section that are run settings, not the model's shape: the HF
+#: model a run starts from, and which parameter groups it freezes
+RUN_KEYS = ("hf", *(f"freeze_{group}" for group in PARAMETER_GROUPS))
 
 
 class ModelFamily(Protocol):
@@ -77,6 +82,11 @@ class ModelFamily(Protocol):
     def num_experts(self, cfg) -> int:
         """Experts per MoE layer (0: no MoE layers; expert parallelism needs them)."""
 
+    def parameter_group(self, name: str) -> str:
+        """Which of ``PARAMETER_GROUPS`` the model's parameter ``name`` (a state-dict key)
+        belongs to: the vision tower, the projection into the LM (mergers, projector), or the
+        language model (embeddings and output layer included)."""
+
 
 def get(family: str) -> ModelFamily:
     """The package of a family name.
@@ -102,10 +112,10 @@ def config_module(family: str) -> ModuleType:
 
 def config_from_dict(raw: dict):
     """The model config of a YAML/JSON dict, by its ``family`` key (default qwen2_5_vl's
-    module, which then names the missing/invalid family). An ``hf`` key (the Hugging Face model
-    a run started from, which a saved run config names next to the full model) is not part of
-    the model's shape and is left aside."""
-    raw = {key: value for key, value in raw.items() if key != "hf"}
+    module, which then names the missing/invalid family). The run settings a saved run config
+    names next to the full model (``RUN_KEYS``: ``hf``, the ``freeze_*`` switches) are not part
+    of the model's shape and are left aside."""
+    raw = {key: value for key, value in raw.items() if key not in RUN_KEYS}
     family = raw.get("family")
     return config_module(family if family in PACKAGES else F.QWEN2_5_VL).from_dict(raw)
 

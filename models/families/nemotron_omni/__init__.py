@@ -19,8 +19,8 @@ from models.families.nemotron_omni.flops import lm_flops, patch_embed_flops, vis
 from models.families.nemotron_omni.verify_inputs import hf_inputs, verify_inputs
 
 __all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
-           "model_class", "num_experts", "patch_embed_flops", "processor_settings",
-           "verify_inputs", "vision_flops", "vision_geometry"]
+           "model_class", "num_experts", "parameter_group", "patch_embed_flops",
+           "processor_settings", "verify_inputs", "vision_flops", "vision_geometry"]
 
 
 def model_class() -> type:
@@ -77,3 +77,11 @@ def layout_problems(cfg: config.NemotronOmniModelConfig, parallel) -> list[str]:
 def num_experts(cfg: config.NemotronOmniModelConfig) -> int:
     """The experts of each ``E`` layer of the pattern (0 without one)."""
     return cfg.lm.num_experts if "E" in cfg.lm.pattern else 0
+
+
+def parameter_group(name: str) -> str:
+    """``vision.projector`` (pixel shuffle's MLP into the LM) projects; the rest of ``vision.``
+    is the RADIO tower; everything else is the language model."""
+    if name.startswith("vision.projector."):
+        return "vision_projection"
+    return "vision_model" if name.startswith("vision.") else "language_model"

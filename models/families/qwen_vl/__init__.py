@@ -21,8 +21,8 @@ from models.families.qwen_vl.flops import lm_flops, patch_embed_flops, vision_fl
 from models.families.qwen_vl.verify_inputs import hf_inputs, verify_inputs
 
 __all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
-           "model_class", "num_experts", "patch_embed_flops", "processor_settings",
-           "verify_inputs", "vision_flops", "vision_geometry"]
+           "model_class", "num_experts", "parameter_group", "patch_embed_flops",
+           "processor_settings", "verify_inputs", "vision_flops", "vision_geometry"]
 
 
 def model_class() -> type:
@@ -73,3 +73,11 @@ def layout_problems(cfg: config.QwenVLModelConfig, parallel) -> list[str]:
 def num_experts(cfg: config.QwenVLModelConfig) -> int:
     """0: the dense Qwen-VL LMs have no MoE layers."""
     return 0
+
+
+def parameter_group(name: str) -> str:
+    """``vision.merger`` / ``vision.deepstack_mergers`` project into the LM; the rest of
+    ``vision.`` is the tower; everything else is the language model."""
+    if name.startswith(("vision.merger.", "vision.deepstack_mergers.")):
+        return "vision_projection"
+    return "vision_model" if name.startswith("vision.") else "language_model"
