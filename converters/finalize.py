@@ -226,7 +226,7 @@ def _finalize_locked(out: Path, options: dict, workers: int) -> dict:
         raise NoSamples(_no_samples_message(out, summary))
     phase("finalizing: statistics")
     summary["stats"] = write_stats(out, [s for rec in records for s in rec["stats"]],
-                                   summary["conversion"])
+                                   summary["conversion"], summary["dataset"])
     parts = _split_parts(records)
     phase(f"finalizing: energon prepare ({summary['shards']} shards)")
     _prepare(out, parts, workers, options["energon_media_metadata"])

@@ -69,8 +69,9 @@ def _describe(values) -> dict:
             "sum": round(float(arr.sum()), 3)}
 
 
-def write_stats(out: Path, records: list[dict], conversion: dict) -> dict:
-    """Write stats.json and the histogram PNG; returns the headline numbers for the summary."""
+def write_stats(out: Path, records: list[dict], conversion: dict, dataset: str = "") -> dict:
+    """Write stats.json and the histogram PNG (titled with ``dataset``); returns the headline
+    numbers for the summary."""
     series = {
         "images_per_sample": [len(r["images"]) for r in records],
         "megapixels_per_image": [w * h / 1e6 for r in records for w, h in r["images"]],
@@ -93,26 +94,65 @@ def write_stats(out: Path, records: list[dict], conversion: dict) -> dict:
         "conversion": conversion,
     }
     write_atomic(out / "stats.json", json.dumps(stats, indent=1, sort_keys=True).encode())
-    _plot(out / "stats_histograms.png", series)
+    _plot(out / "stats_histograms.png", series, dataset or out.name)
     return {name: d.get("mean") for name, d in stats["distributions"].items()}
 
 
-def _plot(path: Path, series: dict[str, list]) -> None:
+#: series name -> (panel title, x axis label, counts (integer bins), log x)
+PANELS = {
+    "images_per_sample": ("images per sample", "images", True, False),
+    "megapixels_per_image": ("image size", "megapixels per image (log)", False, True),
+    "videos_per_sample": ("videos per sample", "videos", True, False),
+    "video_duration_s": ("video duration", "seconds", False, False),
+    "video_frames": ("video frames", "frames", True, False),
+    "text_tokens_approx": ("text tokens (approx., 4 chars / token)", "tokens per sample", False,
+                           False),
+    **{f"visual_tokens_{model}": (f"visual tokens, {model} default budget",
+                                  "tokens per sample", True, False) for model in MODELS},
+}
+
+
+def _bins(values: np.ndarray, counts: bool, log: bool):
+    """Histogram bins: one per integer for small counts (wider integer steps above 60 values),
+    log-spaced for ``log``, else up to 40 equal bins."""
+    low, high = float(values.min()), float(values.max())
+    if log and low > 0 and high > low:
+        return np.geomspace(low, high, 30)
+    if counts:
+        step = max(1, int(np.ceil((high - low + 1) / 60)))
+        return np.arange(np.floor(low), np.floor(high) + step + 1, step) - 0.5
+    return min(40, max(5, len(set(values.tolist()))))
+
+
+def _plot(path: Path, series: dict[str, list], dataset: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     shown = [(name, values) for name, values in series.items() if values and any(values)]
     cols = 3
     rows = max(1, -(-len(shown) // cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     for ax, (name, values) in zip(axes.flat, shown):
-        ax.hist(values, bins=min(40, max(5, len(set(values)))), color="#4477aa")
-        ax.set_title(name.replace("_", " "), fontsize=9)
+        title, xlabel, counts, log = PANELS.get(name, (name.replace("_", " "), name, False, False))
+        data = np.asarray(values, dtype=np.float64)
+        ax.hist(data, bins=_bins(data, counts, log), color="#4477aa")
+        if log and data.min() > 0:
+            ax.set_xscale("log")
+        ax.set_title(f"{title}\nn = {data.size}, median {np.median(data):.4g}", fontsize=9)
+        if counts and data.max() - data.min() <= 10:  # few values: a tick on each
+            ax.set_xticks(range(int(data.min()), int(data.max()) + 1))
+        elif counts:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel("images" if name == "megapixels_per_image" else
+                      "videos" if name.startswith("video_") else "samples", fontsize=8)
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(shown):]:
         ax.axis("off")
+    fig.suptitle(f"{dataset}: {len(series['images_per_sample'])} samples", fontsize=10)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=80, metadata={"Software": None})

@@ -94,24 +94,62 @@ def vision_signal(with_media: list[dict], blanked: list[dict]) -> dict:
             "passed": b > a * (1 + VISION_SIGNAL_MARGIN)}
 
 
-def plot(path: Path, runs: dict[str, list[dict]], validation: dict[str, list[dict]]) -> None:
+def run_info(run: Path) -> tuple[str, str]:
+    """(model family, dataset) of a run folder, from the resolved config train.py wrote there
+    (the dataset: the folder its ``data.path`` names); ("", the run's name) without one."""
+    import yaml
+
+    config = run / "config.yaml"
+    if not config.is_file():
+        return "", run.name
+    raw = yaml.safe_load(config.read_text()) or {}
+    path = Path(str((raw.get("data") or {}).get("path") or run.name))
+    dataset = path.parent.name if path.suffix in (".yaml", ".yml") else path.name
+    return str((raw.get("model") or {}).get("family", "")), dataset
+
+
+def plot(path: Path, runs: dict[str, list[dict]], validation: dict[str, list[dict]],
+         info: dict[str, tuple[str, str]], pairs: list[tuple[str, str]]) -> None:
+    """One panel per dataset (training loss solid, validation loss dashed with markers, one
+    colour per family) and one for the vision-signal pairs (with media solid, blanked dashed,
+    one colour per family); legends beside the panels; log loss axis with 1-2-5 ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, rows in runs.items():
-        line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=name)
-        if validation.get(name):
-            ax.plot([r["step"] for r in validation[name]],
-                    [r["val_loss"] for r in validation[name]], "--", color=line.get_color(),
-                    label=f"{name} (val)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (per supervised token)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    paired = {name for pair in pairs for name in pair}
+    panels: dict[str, list[str]] = {}
+    for name in runs:
+        if name not in paired:
+            panels.setdefault(info[name][1], []).append(name)
+    if pairs:
+        panels["vision-signal check (solid: with media, dashed: blanked)"] = [
+            name for pair in pairs for name in pair]
+    families = sorted({family for family, _ in info.values()})
+    colour = {family: f"C{i}" for i, family in enumerate(families)}
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.8 * len(panels)), squeeze=False)
+    for ax, (title, names) in zip(axes[:, 0], panels.items()):
+        for name in names:
+            family, style = info[name][0], "--" if name in {b for _, b in pairs} else "-"
+            rows = runs[name]
+            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], style,
+                    color=colour[family], label=name, linewidth=1.2)
+            if validation.get(name):
+                val = validation[name]
+                ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--",
+                        color=colour[family], label=f"{name} (val)", markersize=4,
+                        linewidth=0.8)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss per supervised token")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=90, metadata={"Software": None})
     plt.close(fig)
@@ -130,21 +168,24 @@ def cli(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple[
     """Plot loss curves and write report.md for the given run folders."""
     metrics = {run.name: read_metrics(run) for run in runs}
     validation = {run.name: read_validation(run) for run in runs}
+    info = {run.name: run_info(run) for run in runs}
+    paired = [_split(pair, ":", "--pair", metrics) for pair in pairs]
     out.mkdir(parents=True, exist_ok=True)
-    plot(out / "loss_curves.png", metrics, validation)
+    plot(out / "loss_curves.png", metrics, validation, info, paired)
     rows = [summarize(name, m, validation[name]) for name, m in metrics.items()]
     header = list(rows[0])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(r[k]) for k in header) + " |" for r in rows]
     checks = []
-    for pair in pairs:
-        with_media, blanked = _split(pair, ":", "--pair", metrics)
+    for with_media, blanked in paired:
         result = vision_signal(metrics[with_media], metrics[blanked])
-        checks.append({"with_media": with_media, "blanked": blanked, **result})
+        checks.append({"with_media": with_media, "blanked": blanked,
+                       "family": info[with_media][0], **result})
     text = ["# Training report", "", *lines, "", "![loss curves](loss_curves.png)", ""]
     for c in checks:
         verdict = "PASSED" if c["passed"] else "NOT PASSED"
-        text.append(f"Vision-signal check {verdict}: tail loss with media {c['loss_with_media']}"
+        text.append(f"Vision-signal check {verdict} ({c['family'] or c['with_media']}): tail "
+                    f"loss with media {c['loss_with_media']}"
                     f" vs media blanked {c['loss_media_blanked']} (gap {c['relative_gap']:.0%},"
                     f" needs > {VISION_SIGNAL_MARGIN:.0%}).")
     scores = {}
@@ -153,7 +194,8 @@ def cli(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple[
         if not (Path(folder) / "scores.json").is_file():
             raise click.BadParameter(f"{folder}: no scores.json (an eval.py output folder?)",
                                      param_hint="--eval")
-        scores[name] = json.loads((Path(folder) / "scores.json").read_text())["overall"]
+        found = json.loads((Path(folder) / "scores.json").read_text())
+        scores[name] = {**found["overall"], "family": found.get("family", "")}
     if scores:
         text += ["| eval | questions | score |", "|---|---|---|"]
         text += [f"| {n} | {v['n']} | {v['score']:.3f} |" for n, v in scores.items()]
@@ -161,9 +203,10 @@ def cli(out: Path, runs: tuple[Path, ...], pairs: tuple[str, ...], evals: tuple[
         with_media, blanked = (scores[n]["score"] for n in _split(pair, ":", "--eval-pair",
                                                                   scores))
         passed = with_media > max(blanked, chance) + ACCURACY_MARGIN
-        checks.append({"eval_pair": pair, "score_with_media": with_media,
+        family = scores[pair.split(":")[0]]["family"] or pair
+        checks.append({"eval_pair": pair, "family": family, "score_with_media": with_media,
                        "score_media_blanked": blanked, "chance": chance, "passed": passed})
-        text.append(f"Accuracy check {'PASSED' if passed else 'NOT PASSED'}: with media "
+        text.append(f"Accuracy check {'PASSED' if passed else 'NOT PASSED'} ({family}): with media "
                     f"{with_media:.3f} vs blanked {blanked:.3f}, chance {chance:.3f} (needs "
                     f"+{ACCURACY_MARGIN:.2f} over both).")
     (out / "report.md").write_text("\n".join(text) + "\n")
