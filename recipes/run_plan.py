@@ -79,6 +79,10 @@ def check_run(cfg: RunConfig, world: int) -> None:
     problems = family.layout_problems(cfg.model, p)
     if problems:
         raise UsageError("; ".join(problems))
+    if p.pp > 1 and cfg.freeze.freeze_language_model:
+        raise UsageError("model.freeze_language_model with parallel.pp > 1: the pipeline stages "
+                         "after the first hold only language-model layers, nothing would train "
+                         "there (freeze the LM at parallel.pp=1)")
     if p.cp > 1 and te_cfg.packing:
         raise UsageError("parallel.cp > 1 with task_encoder.packing is not supported yet "
                          "(packed rows need a per-segment CP split)")

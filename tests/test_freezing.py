@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from contract.errors import ConfigError
+from contract.errors import ConfigError, UsageError
 from recipes.run_config import dump_yaml, load_run_config
 from tests.test_hf_journey import JOURNEYS, export, train_from_hf
 from tests.test_train import MANTIS_CFG
@@ -29,6 +29,12 @@ def test_switches_default_off_round_trip_and_refuse_freezing_everything():
         load_run_config(MANTIS_CFG, ["model.freeze_vision_model=true",
                                      "model.freeze_vision_projection=true",
                                      "model.freeze_language_model=true"])
+    from recipes.run_plan import check_run
+
+    frozen_lm = load_run_config(MANTIS_CFG, ["model.freeze_language_model=true",
+                                             "parallel.pp=2", "task_encoder.fixed_length=true"])
+    with pytest.raises(UsageError, match="freeze_language_model with parallel.pp > 1"):
+        check_run(frozen_lm, world=2)
     with pytest.raises(ConfigError, match="model.freeze_vision_model: expected bool"):
         load_run_config(MANTIS_CFG, ["model.freeze_vision_model=maybe"])
     with pytest.raises(ConfigError, match="did you mean model.freeze_vision_model"):
