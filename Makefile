@@ -91,7 +91,7 @@ EXPORT_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),export-$(f)-$(
 EVAL_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),eval-$(f)-$(d)))
 .PHONY: $(TRAIN_TARGETS) $(EXPORT_TARGETS) $(EVAL_TARGETS)
 NPROC ?= 1
-TRAIN_LAUNCH = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY))
+TRAIN_LAUNCH = $(if $(filter-out 1,$(NPROC)),$(PY) -m recipes.launch --standalone --nproc-per-node $(NPROC),$(PY))
 # dataset_of(qwen-vl-llava-video) -> llava-video
 dataset_of = $(strip $(foreach f,$(FAMILIES),$(patsubst $(f)-%,%,$(filter $(f)-%,$(1)))))
 TRAIN_ARGS = data.path=$(or $(DATA),$(DATA_ROOT)/$(call dataset_of,$*)/metadataset.yaml) $(if $(HF),model.hf=$(HF)) $(if $(STEPS),train.steps=$(STEPS)) $(if $(OUT),out=$(OUT)) $(ARGS)

@@ -15,11 +15,19 @@
 
 ``prog`` is the command's short name (``converters``, ``train.py``, ``models.convert``); help and
 usage text show how to run it (``python -m converters`` for a module).
+
+Under torchrun every rank meets the same user error (train.py checks its inputs before any
+process group, the same way on every rank): rank 0 prints the line at once, the other ranks
+wait ``PEER_GRACE_S`` first, by which time the launcher has ended them, so the line is printed
+once; an error only a later rank meets is still printed, after the wait. ``recipes.launch`` (the
+project's torchrun) then exits with the rank's code without a traceback of its own.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import click
 
@@ -27,6 +35,8 @@ from contract.errors import ConfigError, MediaError, RunFailure, UsageError
 
 #: the project's user errors: every command prints them as one line, exit code 2
 USER_ERRORS = (UsageError, ConfigError, MediaError)
+#: seconds a torchrun rank other than 0 waits before it prints a user error (see above)
+PEER_GRACE_S = 10.0
 
 
 def error_line(prog: str, message: str) -> str:
@@ -72,5 +82,7 @@ def run_click(command: click.Command, prog: str, argv: list[str] | None = None,
         message = str(error)
     else:
         return result if isinstance(result, int) else 0
+    if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 says it (module docstring)
+        time.sleep(PEER_GRACE_S)
     _say(error_line(prog, message))
     return 2
