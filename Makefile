@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=50
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow"
