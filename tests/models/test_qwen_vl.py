@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO
 from tests.models.conftest import train_steps
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
@@ -95,17 +95,26 @@ def test_interleaved_mrope_section():
     assert owner[:6] == [0, 1, 2, 0, 1, 2] and owner[60:] == [0, 0, 0, 0]
 
 
-def test_cli_errors(tmp_path, tiny_hf):
-    proc = run_cli("models.convert", "verify", "--hf", str(tmp_path / "nope"), "--mcore",
-                   str(tmp_path), check=False)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--hf" in proc.stderr
+def test_cli_errors(tmp_path, tiny_hf, capsys):
+    """``python -m models.convert``'s main() in this process (the errors come before any process
+    group or model): one line on stderr, exit code 2."""
+    from models.convert import main
+
+    def error(*argv: str) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            main(list(argv))
+        assert info.value.code == 2
+        return capsys.readouterr().err
+
+    err = error("verify", "--hf", str(tmp_path / "nope"), "--mcore", str(tmp_path))
+    assert err.count("\n") == 1 and "--hf" in err
     bad = tmp_path / "llama"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (bad / "model.safetensors").write_bytes(b"")
-    proc = run_cli("models.convert", "hf-to-mcore", "--hf", str(bad), "--out",
-                   str(tmp_path / "o"), check=False)
-    assert proc.returncode == 2 and "model_type" in proc.stderr.splitlines()[-1]
+    err = error("hf-to-mcore", "--hf", str(bad), "--out", str(tmp_path / "o"))
+    assert "model_type" in err.splitlines()[-1]
 
 
 @pytest.mark.slow
