@@ -4,28 +4,21 @@ PP1<->PP2 reshard, count-mismatch error, CLI errors, tiny configs."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.models.conftest import train_steps
+from tests.models.conftest import train_steps, world2_result
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def imported(tiny_hf, tmp_path_factory) -> dict[str, Path]:
-    from models.convert import hf_to_mcore
-
-    root = tmp_path_factory.mktemp("mcore")
-    for family, path in tiny_hf.items():
-        hf_to_mcore(str(path), root / family, tp=1, pp=1)
-    return {f: root / f for f in FAMILIES}
+def imported(qwen_imported) -> dict[str, Path]:
+    return {f: qwen_imported[f] for f in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -118,17 +111,12 @@ def test_cli_errors(tmp_path, tiny_hf, capsys):
 
 
 @pytest.mark.slow
-def test_tp2_parity_and_reshard_to_tp1(tiny_hf, tmp_path):
-    """One torchrun launch (2 gloo ranks): import sharded at TP=2 and check TP=2 logits; then
-    load those TP=2 checkpoints at TP=1 here and check logits again."""
+def test_tp2_parity_and_reshard_to_tp1(tiny_hf, world2):
+    """2 gloo ranks (tests/models/world2_checks.py's launch): import sharded at TP=2 and check
+    TP=2 logits; then load those TP=2 checkpoints at TP=1 here and check logits again."""
     from models.convert import verify
 
-    out = tmp_path / "tp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(REPO / "tests" / "models" / "tp2_check.py"), str(out),
-           *(str(tiny_hf[f]) for f in FAMILIES)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = world2_result(world2, "tp2_qwen")
     report = json.loads((out / "tp2_report.json").read_text())
     for family in FAMILIES:
         writers = {p.name.split("_")[2] for p in (out / family).glob("__*_*.distcp")}
@@ -140,13 +128,15 @@ def test_tp2_parity_and_reshard_to_tp1(tiny_hf, tmp_path):
 
 
 @pytest.mark.slow
-def test_pp2_parity_and_reshard(tiny_hf, imported, tmp_path):
-    """One torchrun launch (2 gloo ranks): import Qwen2.5-VL at PP=2 (one LM layer per stage, each
-    stage writes its own), PP=2 logits vs transformers, the PP=1 import loaded at PP=2 equals it;
-    then here at PP=1: the PP=2 import's logits and tensors equal the PP=1 import's."""
+def test_pp2_parity_and_reshard(tiny_hf, imported, world2):
+    """2 gloo ranks (tests/models/world2_checks.py's launch): import Qwen2.5-VL at PP=2 (one LM
+    layer per stage, each stage writes its own), PP=2 logits vs transformers, the PP=1 import
+    loaded at PP=2 equals it; then here at PP=1: the PP=2 import's logits and tensors equal the
+    PP=1 import's."""
     from tests.models.pp2_check import check_pp2
 
-    check_pp2(tiny_hf["qwen2_5_vl"], imported["qwen2_5_vl"], tmp_path / "pp",
+    check_pp2(tiny_hf["qwen2_5_vl"], imported["qwen2_5_vl"],
+              world2_result(world2, "pp2_qwen2_5_vl"),
               {"one_image", "images_interleaved", "video"}, TOL)
 
 
