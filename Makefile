@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=50
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow"
@@ -66,13 +66,19 @@ DEMO_RUNS = $(foreach f,$(FAMILIES),$(foreach r,mantis infovqa llava-video visio
 DEMO_CHECKS = $(foreach f,$(FAMILIES),--pair $(f)-vision-check:$(f)-vision-check-blanked --eval $(f)=$(DEMO)/eval/$(f)-vision-check --eval $(f)-blanked=$(DEMO)/eval/$(f)-vision-check-blanked --eval-pair $(f):$(f)-blanked)
 # The main job on embedded data: lookalikes -> Energon shards -> tiny Qwen-VL and tiny
 # Nemotron-Omni trained on each dataset on CPU -> loss curves (PNG) and a report with
-# throughput, the vision-signal checks and the eval accuracy with / without media.
+# throughput, the vision-signal checks and the eval accuracy with / without media. The checks
+# (the vision-signal race of both families: loss and eval accuracy, with media vs blanked) are
+# proved here, not in make test: make demo fails unless every one PASSED.
+DEMO_GATE = import json, sys; c = json.load(open(sys.argv[1]))["checks"]; \
+	sys.exit(0 if len(c) == 2 * len("$(FAMILIES)".split()) and all(x["passed"] for x in c) else \
+	"make demo: a check did NOT PASS: " + json.dumps([x for x in c if not x["passed"]] or c))
 demo: $(STAMP)
 	$(PY) -m lookalikes.demo --out $(DEMO)
 	rm -rf $(DEMO)/runs $(DEMO)/eval
 	$(call demo_family,qwen-vl)
 	$(call demo_family,nemotron-omni)
 	$(PY) -m recipes.report $(DEMO)/report $(DEMO_RUNS) $(DEMO_CHECKS) --chance 0.167
+	$(PY) -c '$(DEMO_GATE)' $(DEMO)/report/report.json
 
 bench: $(STAMP)
 	$(PY) bench/bench_converters.py --out bench_out

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from recipes.scores import aggregate, parse_options, score_answer
-from tests.conftest import REPO, run_cli
+from tests import runner
+from tests.conftest import REPO
 from tests.tiny_hf import build_tiny_hf
 
 NEVER = 151645  # the tiny configs' eos id: outside their vocabularies, never generated
@@ -26,7 +27,8 @@ def _tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | None = 
 
 
 def _import(hf: Path, out: Path) -> Path:
-    run_cli("models.convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out))
+    proc = runner.run("-m models.convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
@@ -107,11 +109,13 @@ def _greedy_check(family: str, hf_dir: str, mcore_dir: str) -> dict:
     return result
 
 
+def _greedy_main(argv: list[str]) -> int:
+    print("RESULT" + json.dumps(_greedy_check(*argv)))
+    return 0
+
+
 def _run_check(family, hf_dir, mcore_dir):
-    code = ("import json, sys; from tests.test_eval import _greedy_check; "
-            "print('RESULT' + json.dumps(_greedy_check(*sys.argv[1:])))")
-    proc = subprocess.run([sys.executable, "-c", code, family, str(hf_dir), str(mcore_dir)],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = runner.run("tests.test_eval:_greedy_main", family, str(hf_dir), str(mcore_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])
@@ -137,8 +141,20 @@ def eval_ckpt(imported) -> Path:
 
 
 def run_eval(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, capture_output=True,
-                          text=True)
+    """eval.py in a process of its own (tests/runner.py)."""
+    return runner.run("eval.py", *args)
+
+
+def main_error(capsys, *args: str) -> str:
+    """The one-line error (exit code 2) of eval.py's main() run in this process, for bad input
+    found before any process group or model is set up."""
+    sys.path.insert(0, str(REPO))
+    import eval as script
+
+    capsys.readouterr()
+    code = script.main(list(args))
+    err = capsys.readouterr().err
+    return _one_line_exit_2(subprocess.CompletedProcess(args, code, "", err))
 
 
 SMALL = ["task_encoder.max_pixels=12544", "task_encoder.video_max_pixels=12544",
@@ -180,16 +196,16 @@ def _one_line_exit_2(proc):
     return lines[0]
 
 
-def test_bad_checkpoint_family(imported, infovqa_out, tmp_path):
+def test_bad_checkpoint_family(imported, infovqa_out, tmp_path, capsys):
     _hf, qwen3 = imported["qwen3_vl"]  # a Qwen3-VL checkpoint for a Qwen2.5-VL task encoder
-    proc = run_eval("configs/train_qwen_vl_infovqa.yaml", f"data.path={infovqa_out}",
-                    "--ckpt", str(qwen3), "--out", str(tmp_path / "e"))
-    assert "qwen3_vl" in _one_line_exit_2(proc)
+    line = main_error(capsys, "configs/train_qwen_vl_infovqa.yaml", f"data.path={infovqa_out}",
+                      "--ckpt", str(qwen3), "--out", str(tmp_path / "e"))
+    assert "qwen3_vl" in line
 
 
-def test_missing_checkpoint_is_one_usage_line():
+def test_missing_checkpoint_is_one_usage_line(capsys):
     """eval.py and make eval-... without a checkpoint: one line naming what to pass."""
-    assert "--ckpt CKPT is required" in _one_line_exit_2(run_eval("configs/x.yaml"))
+    assert "--ckpt CKPT is required" in main_error(capsys, "configs/x.yaml")
     venv = Path(sys.executable).parents[1]
     proc = subprocess.run(["make", "-s", "-o", str(venv / ".installed"), f"VENV={venv}",
                            "eval-qwen-vl-mantis"], cwd=REPO, capture_output=True, text=True)
@@ -197,22 +213,23 @@ def test_missing_checkpoint_is_one_usage_line():
     assert "usage: make eval-qwen-vl-mantis CKPT=" in proc.stderr
 
 
-def test_not_a_checkpoint(infovqa_out, tmp_path):
-    proc = run_eval("configs/train_qwen_vl_infovqa.yaml", f"data.path={infovqa_out}",
-                    "--ckpt", str(tmp_path), "--out", str(tmp_path / "e"))
-    assert "not a checkpoint" in _one_line_exit_2(proc)
+def test_not_a_checkpoint(infovqa_out, tmp_path, capsys):
+    line = main_error(capsys, "configs/train_qwen_vl_infovqa.yaml", f"data.path={infovqa_out}",
+                      "--ckpt", str(tmp_path), "--out", str(tmp_path / "e"))
+    assert "not a checkpoint" in line
 
 
-def test_no_val_split(eval_ckpt, infovqa_out, tmp_path):
+def test_no_val_split(eval_ckpt, infovqa_out, tmp_path, capsys):
     meta = tmp_path / "train_only.yaml"
     meta.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n"
                     f"    path: {infovqa_out}\n")
-    proc = run_eval("configs/train_qwen_vl_infovqa.yaml", f"data.path={meta}",
-                    "--ckpt", str(eval_ckpt), "--out", str(tmp_path / "e"))
-    assert "no 'val' split" in _one_line_exit_2(proc)
+    line = main_error(capsys, "configs/train_qwen_vl_infovqa.yaml", f"data.path={meta}",
+                      "--ckpt", str(eval_ckpt), "--out", str(tmp_path / "e"))
+    assert "no 'val' split" in line
 
 
 def test_empty_after_budget(eval_ckpt, infovqa_out, tmp_path):
+    """Found after the samples are read (process group and model set up): a process."""
     proc = run_eval("configs/train_qwen_vl_infovqa.yaml", f"data.path={infovqa_out}",
                     "task_encoder.max_visual_tokens=1", "--ckpt", str(eval_ckpt), "--limit", "2",
                     "--out", str(tmp_path / "e"))

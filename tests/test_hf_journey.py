@@ -26,11 +26,11 @@ LOGITS_TOLERANCE = 1e-4
 
 
 def train_from_hf(family: str, hf: Path, out: Path, cache: Path, mantis_out: Path, *extra: str,
-                  nproc: int = 1):
+                  nproc: int = 1, plain: bool = False):
     config = JOURNEYS[family][0]
     proc = train(str(config), f"model.hf={hf}", f"data.path={mantis_out}/metadataset.yaml",
                  f"out={out}", f"train.hf_import_cache={cache}", *FAST,
-                 "checkpoint.save_final=true", *extra, nproc=nproc)
+                 "checkpoint.save_final=true", *extra, nproc=nproc, plain=plain)
     ok(proc)
     return proc
 
@@ -127,7 +127,7 @@ def test_checkpoint_saved_at_tp2_exports(tmp_path, mantis_out):
     hf = build_tiny_hf_model("nemotron_omni", tmp_path / "hf", pixels=(16384, 16384))
     run = tmp_path / "run"
     train_from_hf("nemotron_omni", hf, run, tmp_path / "cache", mantis_out, "train.steps=2",
-                  "parallel.tp=2", nproc=2)
+                  "parallel.tp=2", nproc=2, plain=True)  # the real torchrun launch of train.py
     assert json.loads((run / "checkpoints" / "step_000002" / "train_state.json").read_text()
                       )["layout"]["tp"] == 2
     diffs = logits_diff(run, export(run / "checkpoints" / "step_000002", tmp_path / "export"))

@@ -1,7 +1,14 @@
 """train.py: config loading, schedule, bad input (exit 2), end-to-end runs, exact resume (also
 after SIGTERM, with auto_resume), the run-folder and checkpoint refusals, validation loss,
-DP=2 / CP=2 / PP=2 equivalence and the vision-signal check (tiny Qwen-VL and tiny Nemotron-Omni on
-the lookalike datasets)."""
+DP=2 / CP=2 / PP=2 equivalence (tiny Qwen-VL and tiny Nemotron-Omni on the lookalike datasets).
+The vision-signal check (media vs media blanked, loss and eval accuracy, both families) is
+proved by ``make demo``, which fails unless it passes.
+
+Input problems found before any process group is set up run train.py's ``main()`` in this
+process; every other run is a process of its own: a fork of tests/runner.py's preloaded server
+(no ~5-8 CPU-s of imports per run; torchrun's worker environment for DP / CP / PP / EP runs), or
+the real ``python train.py`` (the reference run) / torchrun (tests/test_hf_journey.py's TP=2
+run) command."""
 
 from __future__ import annotations
 
@@ -11,7 +18,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +26,7 @@ import yaml
 
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.schedule import lr_at
+from tests import runner
 
 REPO = Path(__file__).resolve().parents[1]
 MANTIS_CFG = REPO / "configs" / "train_qwen_vl_mantis.yaml"
@@ -32,15 +39,12 @@ def run_config(path, overrides=()):
     return load_run_config(path, overrides)
 
 
-def train(*args: str, nproc: int = 1, env: dict | None = None, timeout: int = 300):
-    """Run train.py like a user (python, or torchrun for nproc > 1)."""
-    if nproc == 1:
-        cmd = [sys.executable, "train.py", *args]
-    else:
-        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
-               "--nproc-per-node", str(nproc), "train.py", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+def train(*args: str, nproc: int = 1, env: dict | None = None, timeout: int = 300,
+          plain: bool = False):
+    """Run train.py in a process of its own, like a user: a fork of tests/runner.py's preloaded
+    server (torchrun's worker environment for nproc > 1), or with ``plain`` the real ``python
+    train.py`` / ``torchrun --standalone`` command."""
+    return runner.run("train.py", *args, nproc=nproc, env=env, timeout=timeout, plain=plain)
 
 
 def records(out: Path, field: str = "loss") -> list[dict]:
@@ -62,6 +66,25 @@ def error_line(proc) -> str:
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("train.py: error:")]
     assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+def main_error(capsys, *args: str, env: dict | None = None) -> str:
+    """The one-line error (exit code 2, no traceback) of train.py's main() run in this process,
+    for input problems found before any process group or model is set up (``env``: e.g. the
+    WORLD_SIZE a launcher would set)."""
+    sys.path.insert(0, str(REPO))
+    import train as script
+
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in (env or {}).items():
+            patch.setenv(key, value)
+        code = script.main(list(args))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("train.py: error:")]
+    assert len(lines) == 1, err[-3000:]
     return lines[0]
 
 
@@ -116,37 +139,41 @@ def test_lr_warmup_then_cosine():
 
 
 # ------------------------------------------------------------------ bad input: one line, exit 2
-def test_bad_config_key_exits_2():
-    assert "train.stepz" in error_line(train(str(MANTIS_CFG), "train.stepz=3"))
+def test_bad_config_key_exits_2(capsys):
+    assert "train.stepz" in main_error(capsys, str(MANTIS_CFG), "train.stepz=3")
 
 
-def test_missing_and_empty_dataset_exit_2(tmp_path):
-    assert "does not exist" in error_line(train(str(MANTIS_CFG), f"data.path={tmp_path}/nope"))
-    assert "not an Energon dataset" in error_line(train(str(MANTIS_CFG), f"data.path={tmp_path}"))
-    assert "not set" in error_line(train(str(MANTIS_CFG), "data.path="))
+def test_missing_and_empty_dataset_exit_2(tmp_path, capsys):
+    assert "does not exist" in main_error(capsys, str(MANTIS_CFG), f"data.path={tmp_path}/nope")
+    assert "not an Energon dataset" in main_error(capsys, str(MANTIS_CFG),
+                                                  f"data.path={tmp_path}")
+    assert "not set" in main_error(capsys, str(MANTIS_CFG), "data.path=")
 
 
-def test_impossible_layout_exits_2(mantis_out):
+def test_impossible_layout_exits_2(mantis_out, capsys):
     data = f"data.path={mantis_out}/metadataset.yaml"
-    line = error_line(train(str(MANTIS_CFG), data, "parallel.tp=2", env={"WORLD_SIZE": "3"}))
+    line = main_error(capsys, str(MANTIS_CFG), data, "parallel.tp=2", env={"WORLD_SIZE": "3"})
     assert "not divisible by tp*pp*cp" in line
-    line = error_line(train(str(MANTIS_CFG), data, "parallel.cp=2", "task_encoder.seq_length=1020"))
+    line = main_error(capsys, str(MANTIS_CFG), data, "parallel.cp=2",
+                      "task_encoder.seq_length=1020")
     assert "seq_length" in line and "multiple" in line
 
 
 def test_unloadable_tokenizer_exits_2(mantis_out, tmp_path):
+    """Found after the process group is set up: a process of its own (tests/runner.py)."""
     line = error_line(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
                             f"out={tmp_path}", f"task_encoder.tokenizer={tmp_path}/no-such-folder"))
     assert "cannot load tokenizer" in line
 
 
-def test_unreadable_checkpoint_and_all_skipped_exit_2(mantis_out, tmp_path):
+def test_unreadable_checkpoint_and_all_skipped_exit_2(mantis_out, tmp_path, capsys):
     data = f"data.path={mantis_out}/metadataset.yaml"
     bad = tmp_path / "ckpt"
     bad.mkdir()
     (bad / "train_state.json").write_text("{not json")
-    line = error_line(train(str(MANTIS_CFG), data, f"out={tmp_path}", "--resume", str(bad)))
+    line = main_error(capsys, str(MANTIS_CFG), data, f"out={tmp_path}", "--resume", str(bad))
     assert "unreadable" in line
+    # the first-batch probe runs after the process group is set up: a process of its own
     line = error_line(train(str(MANTIS_CFG), data, f"out={tmp_path}", *FAST,
                             "task_encoder.seq_length=16"))
     assert "skipped by the budget" in line and "skipped_too_long" in line
@@ -163,7 +190,7 @@ def mantis_reference(mantis_out, tmp_path_factory):
     """4 steps on mantis, checkpoint at step 2: the reference of resume and CP=2."""
     out = tmp_path_factory.mktemp("ref")
     proc = train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={out}",
-                 *REFERENCE)
+                 *REFERENCE, plain=True)  # the real `python train.py` command, as a user runs it
     ok(proc)
     (out / "stdout.txt").write_text(proc.stdout)
     return out
@@ -251,8 +278,7 @@ def test_sigterm_then_auto_resume_equals_uninterrupted(mantis_reference, mantis_
     args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={tmp_path}",
             *REFERENCE]
     with open(tmp_path / "stderr.txt", "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, text=True,
-                                stdout=subprocess.PIPE, stderr=stderr)
+        proc = runner.launch("train.py", *args, stdout=runner.PIPE, stderr=stderr)
         lines = []
         for line in proc.stdout:
             lines.append(line)
@@ -287,22 +313,22 @@ def test_resume_continues_exactly(mantis_reference, mantis_out, tmp_path):
     assert losses(out) == losses(mantis_reference)[2:]  # bit-exact on CPU
 
 
-def test_task_encoder_of_another_family_exits_2(mantis_out, tmp_path):
-    line = error_line(train(str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
-                            f"out={tmp_path}", "task_encoder.model=qwen2.5-vl",
-                            "task_encoder.min_pixels=3136"))
+def test_task_encoder_of_another_family_exits_2(mantis_out, tmp_path, capsys):
+    line = main_error(capsys, str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                      f"out={tmp_path}", "task_encoder.model=qwen2.5-vl",
+                      "task_encoder.min_pixels=3136")
     assert "does not feed model.family 'nemotron_omni'" in line
 
 
 @pytest.mark.slow
-def test_resume_refuses_other_dp_size(mantis_reference, mantis_out, tmp_path):
+def test_resume_refuses_other_dp_size(mantis_reference, mantis_out, tmp_path, capsys):
     step = tmp_path / "step_000002"
     shutil.copytree(mantis_reference / "checkpoints" / "step_000002", step)
     state = json.loads((step / "train_state.json").read_text())
     state["layout"]["dp"] = 2
     (step / "train_state.json").write_text(json.dumps(state))
-    line = error_line(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
-                            f"out={tmp_path}", "--resume", str(step)))
+    line = main_error(capsys, str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                      f"out={tmp_path}", "--resume", str(step))
     assert "data-parallel size 2" in line
 
 
@@ -364,67 +390,31 @@ def test_dp2_equals_single_process(mantis_out, tmp_path):
     assert losses(tmp_path / "resumed") == losses(tmp_path / "two")[2:]  # bit-exact on CPU
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen_vl", "nemotron_omni"])
-def test_vision_signal(family, tmp_path):
-    """On data whose answers depend only on the media, blanking the media must leave a clearly
-    higher answer loss and a clearly lower eval accuracy (near chance): the visual tokens reach
-    the right positions (a falling loss alone does not show that). Both runs go side by side."""
-    from lookalikes.demo import build_vision_check
-    from recipes.report import ACCURACY_MARGIN, read_metrics, vision_signal
-
-    data = build_vision_check(tmp_path)
-    cfg = str(REPO / "configs" / f"train_{family}_vision_check.yaml")
-    runs = {name: tmp_path / name for name in ("media", "blanked")}
-
-    def side_by_side(make_cmd):
-        procs = [subprocess.Popen(make_cmd(name, out), cwd=REPO, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True)
-                 for name, out in runs.items()]
-        for proc in procs:
-            _, err = proc.communicate(timeout=900)
-            assert proc.returncode == 0, err[-3000:]
-
-    blank = {"media": "false", "blanked": "true"}
-    side_by_side(lambda name, out: [
-        sys.executable, "train.py", cfg, f"data.path={data}", f"out={out}",
-        "data.num_workers=0", "log.tensorboard=false", f"data.blank_media={blank[name]}"])
-    result = vision_signal(read_metrics(runs["media"]), read_metrics(runs["blanked"]))
-    assert result["passed"], result
-    side_by_side(lambda name, out: [
-        sys.executable, "eval.py", cfg, f"data.path={data}", "--ckpt", str(out),
-        "--out", str(out / "eval"), *(["--blank-media"] if name == "blanked" else [])])
-    score = {name: json.loads((out / "eval" / "scores.json").read_text())["overall"]["score"]
-             for name, out in runs.items()}
-    chance = 1 / 6  # six colours
-    assert score["media"] > max(score["blanked"], chance) + ACCURACY_MARGIN, score
-
-
 # ------------------------------------------------------------------ pipeline parallel
-def test_unsupported_layouts_refused_exit_2(mantis_out, tmp_path):
+def test_unsupported_layouts_refused_exit_2(mantis_out, tmp_path, capsys):
     data, fixed = f"data.path={mantis_out}/metadataset.yaml", "task_encoder.fixed_length=true"
-    line = error_line(train(str(MANTIS_CFG), data, "parallel.pp=2", env={"WORLD_SIZE": "2"}))
+    line = main_error(capsys, str(MANTIS_CFG), data, "parallel.pp=2", env={"WORLD_SIZE": "2"})
     assert "parallel.pp > 1 needs task_encoder.fixed_length=true" in line
-    line = error_line(train(str(MANTIS_CFG), data, fixed, "parallel.pp=2", "parallel.cp=2",
-                            env={"WORLD_SIZE": "4"}))
+    line = main_error(capsys, str(MANTIS_CFG), data, fixed, "parallel.pp=2", "parallel.cp=2",
+                      env={"WORLD_SIZE": "4"})
     assert "parallel.pp > 1 with parallel.cp > 1 is not supported" in line
-    line = error_line(train(str(NEMOTRON_MANTIS_CFG), data, fixed, "parallel.pp=3",
-                            env={"WORLD_SIZE": "3"}))
+    line = main_error(capsys, str(NEMOTRON_MANTIS_CFG), data, fixed, "parallel.pp=3",
+                      env={"WORLD_SIZE": "3"})
     assert "parallel.pp 3 does not divide the 4 layers of model.lm.pattern" in line
-    line = error_line(train(str(MANTIS_CFG), data, "task_encoder.packing=true", "parallel.cp=2",
-                            env={"WORLD_SIZE": "2"}))
+    line = main_error(capsys, str(MANTIS_CFG), data, "task_encoder.packing=true", "parallel.cp=2",
+                      env={"WORLD_SIZE": "2"})
     assert "parallel.cp > 1 with task_encoder.packing is not supported" in line
-    line = error_line(train(str(MANTIS_CFG), data, "parallel.ep=2", env={"WORLD_SIZE": "2"}))
+    line = main_error(capsys, str(MANTIS_CFG), data, "parallel.ep=2", env={"WORLD_SIZE": "2"})
     assert "parallel.ep 2 needs MoE layers" in line and "no experts" in line
     moe = "model.lm.pattern='*E-E'"
-    line = error_line(train(str(NEMOTRON_MANTIS_CFG), data, moe, "parallel.ep=3",
-                            env={"WORLD_SIZE": "3"}))
+    line = main_error(capsys, str(NEMOTRON_MANTIS_CFG), data, moe, "parallel.ep=3",
+                      env={"WORLD_SIZE": "3"})
     assert "expert count it divides (model.family 'nemotron_omni' has 8 experts)" in line
-    line = error_line(train(str(NEMOTRON_MANTIS_CFG), data, moe, "parallel.ep=2",
-                            env={"WORLD_SIZE": "2"}))
+    line = main_error(capsys, str(NEMOTRON_MANTIS_CFG), data, moe, "parallel.ep=2",
+                      env={"WORLD_SIZE": "2"})
     assert "parallel.ep > 1 on CPU needs task_encoder.fixed_length=true" in line
-    line = error_line(train(str(NEMOTRON_MANTIS_CFG), data, moe, "parallel.ep=4", fixed,
-                            env={"WORLD_SIZE": "2"}))
+    line = main_error(capsys, str(NEMOTRON_MANTIS_CFG), data, moe, "parallel.ep=4", fixed,
+                      env={"WORLD_SIZE": "2"})
     assert "not divisible by tp*pp*ep = 1*1*4" in line
 
 
@@ -434,22 +424,17 @@ def pp2_and_pp1_losses(config: Path, mantis_out: Path, tmp_path: Path, *pp2_extr
     and PP=2 (torchrun, 2 gloo ranks) side by side from one PP=1 random init (megatron's random
     init depends on the layout) -> (the shared train args, PP=2 losses, PP=1 losses)."""
     init = tmp_path / "init"
-    subprocess.run([sys.executable, "tests/init_checkpoint.py", str(config), str(init)],
-                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    ok(runner.run("tests/init_checkpoint.py", str(config), str(init), timeout=300))
     args = [str(config), f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
             "train.micro_batch_size=2", "train.grad_accum=2", "task_encoder.fixed_length=true",
             f"train.init_checkpoint={init}", *FAST, *shared]
     runs = {"pp1": (1, []), "pp2": (2, ["parallel.pp=2", *pp2_extra])}
-    procs = {}
-    for name, (nproc, extra) in runs.items():  # side by side
-        cmd = [sys.executable, "train.py"] if nproc == 1 else [
-            str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node",
-            str(nproc), "train.py"]
-        procs[name] = subprocess.Popen([*cmd, *args, *extra, f"out={tmp_path / name}"], cwd=REPO,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    procs = {name: runner.launch("train.py", *args, *extra, f"out={tmp_path / name}",
+                                 nproc=nproc, stdout=runner.DEVNULL)
+             for name, (nproc, extra) in runs.items()}  # side by side
     for proc in procs.values():
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+        proc.wait(timeout=600)
+        assert proc.returncode == 0, proc.output()[1][-3000:]
     pp1, pp2 = losses(tmp_path / "pp1"), losses(tmp_path / "pp2")
     assert len(pp2) == 3 and pp2[-1] < pp2[0]
     for a, b in zip(pp2, pp1, strict=True):
@@ -477,8 +462,8 @@ def test_nemotron_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path):
     Nemotron-Omni family's resume test: RADIO tower + MambaModel LM)."""
     moe = "model.lm.pattern='*E-E'"
     init = tmp_path / "init"
-    subprocess.run([sys.executable, "tests/init_checkpoint.py", str(NEMOTRON_MANTIS_CFG),
-                    str(init), moe], cwd=REPO, check=True, capture_output=True, timeout=300)
+    ok(runner.run("tests/init_checkpoint.py", str(NEMOTRON_MANTIS_CFG), str(init), moe,
+                  timeout=300))
     args = [str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", moe,
             "train.steps=3", "train.micro_batch_size=1", "task_encoder.fixed_length=true",
             "task_encoder.seq_length=768", f"train.init_checkpoint={init}", *FAST]
@@ -510,9 +495,8 @@ def test_eval_reads_the_run_config_from_the_checkpoint(mantis_reference, tmp_pat
     stdout is not a terminal."""
     step = tmp_path / "step_000004"
     shutil.copytree(mantis_reference / "checkpoints" / "step_000004", step)
-    proc = subprocess.run([sys.executable, "eval.py", "--ckpt", str(step), "--limit", "2",
-                           "--max-new-tokens", "2", "--progress-every", "0"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = runner.run("eval.py", "--ckpt", str(step), "--limit", "2", "--max-new-tokens", "2",
+                      "--progress-every", "0", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     scores = json.loads((tmp_path / "eval_step_000004" / "scores.json").read_text())
     assert scores["checkpoint_kind"] == "train.py step_000004" and scores["conversations"] == 2

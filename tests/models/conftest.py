@@ -3,6 +3,7 @@ download)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,69 @@ def tiny_nemotron_hf(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_nemotron")
     return {p: build_tiny_nemotron_omni(root / f"p{i}", pattern=p)
             for i, p in enumerate(("M*M-", "ME*E"))}
+
+
+@pytest.fixture(scope="session")
+def qwen_imported(tiny_hf, tmp_path_factory) -> dict[str, Path]:
+    """family -> the hf-to-mcore import (TP=1, PP=1) of ``tiny_hf``'s model."""
+    from models.convert import hf_to_mcore
+
+    root = tmp_path_factory.mktemp("mcore")
+    for family, path in tiny_hf.items():
+        hf_to_mcore(str(path), root / family, tp=1, pp=1)
+    return {f: root / f for f in tiny_hf}
+
+
+@pytest.fixture(scope="session")
+def nemotron_imported(tiny_nemotron_hf, tmp_path_factory) -> dict[str, Path]:
+    """pattern -> the hf-to-mcore import (TP=1, PP=1) of ``tiny_nemotron_hf``'s model."""
+    from models.convert import hf_to_mcore
+
+    root = tmp_path_factory.mktemp("mcore_nemotron")
+    out = {}
+    for i, (pattern, path) in enumerate(tiny_nemotron_hf.items()):
+        hf_to_mcore(str(path), root / f"p{i}", tp=1, pp=1)
+        out[pattern] = root / f"p{i}"
+    return out
+
+
+@pytest.fixture(scope="session")
+def world2(tiny_hf, tiny_nemotron_hf, qwen_imported, nemotron_imported, tmp_path_factory):
+    """The one torchrun launch (2 gloo ranks) of every 2-process check of tests/models
+    (tests/models/world2_checks.py) -> check name -> its output folder. Each test asserts on its
+    check's files (``world2_result``)."""
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("world2")
+    checks = {
+        "tp2_qwen": ("tp2", [tiny_hf["qwen2_5_vl"], tiny_hf["qwen3_vl"]]),
+        "tp2_nemotron_ME*E": ("tp2", [tiny_nemotron_hf["ME*E"]]),
+        "pp2_qwen2_5_vl": ("pp2", [tiny_hf["qwen2_5_vl"], qwen_imported["qwen2_5_vl"]]),
+        **{f"pp2_nemotron_{p}": ("pp2", [tiny_nemotron_hf[p], nemotron_imported[p]])
+           for p in ("M*M-", "ME*E")},
+        "vision_dp_cp2": ("vision_dp", []),
+        "nemotron_vision_dp_cp2": ("nemotron_vision_dp", []),
+    }
+    folders = {name: root / f"c{i}" for i, name in enumerate(checks)}
+    spec = [{"check": kind, "out": str(folders[name]), "args": [str(a) for a in args]}
+            for name, (kind, args) in checks.items()]
+    (root / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "models" / "world2_checks.py"), str(root / "spec.json")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    return {name: (folder, proc) for name, folder in folders.items()}
+
+
+def world2_result(world2, name: str) -> Path:
+    """The output folder of check ``name`` of the ``world2`` launch, asserting it completed."""
+    folder, proc = world2[name]
+    failed = sorted(folder.glob("FAILED.rank*"))
+    assert not failed, failed[0].read_text()[-3000:]
+    assert (folder / "DONE").exists(), (proc.returncode, proc.stderr[-3000:])
+    return folder
 
 
 def train_steps(model, batch: dict, steps: int = 4, lr: float = 1e-2) -> list[float]:

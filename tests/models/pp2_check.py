@@ -1,7 +1,8 @@
 """torchrun helper of the PP=2 import tests (2 gloo ranks, PP=2): import a tiny HF model (any
 family) at PP=2 (each stage writes its layers), compare the PP=2 logits with transformers', and load
-a PP=1 import at PP=2: every tensor must equal the PP=2 import's. ``check_pp2`` launches it and
-checks the report plus, in the calling process at PP=1, the PP=2 import's logits and tensors."""
+a PP=1 import at PP=2: every tensor must equal the PP=2 import's. ``run`` is one check of
+tests/models/world2_checks.py's launch; ``check_pp2`` checks its report plus, in the calling
+process at PP=1, the PP=2 import's logits and tensors."""
 
 import json
 import sys
@@ -11,22 +12,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def check_pp2(hf: Path, pp1: Path, out: Path, cases: set[str], tol: float) -> dict:
-    """Run this script under torchrun (2 ranks) on ``hf`` / its PP=1 import ``pp1`` and assert:
-    both stages wrote shards, PP=2 logits within ``tol`` of transformers' on ``cases``, the PP=1
-    import equals the PP=2 one at PP=2 (each stage) and at PP=1. Returns the torchrun report."""
-    import subprocess
-
+    """Assert on the torchrun run of ``run`` (2 ranks; tests/models/world2_checks.py makes it)
+    on ``hf`` / its PP=1 import ``pp1`` into ``out``: both stages wrote shards, PP=2 logits
+    within ``tol`` of transformers' on ``cases``, the PP=1 import equals the PP=2 one at PP=2
+    (each stage) and at PP=1. Returns the torchrun report."""
     import torch
 
     from models.checkpoint import load_checkpoint
     from models.convert import verify
     from models.parallel import init_parallel
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
-           str(out), str(hf), str(pp1)]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "pp2_report.json").read_text())
     assert {p.name.split("_")[2] for p in (out / "pp2").glob("__*_*.distcp")} == {"0", "1"}
     assert set(report["logits"]) == cases
@@ -48,13 +43,18 @@ def check_pp2(hf: Path, pp1: Path, out: Path, cases: set[str], tol: float) -> di
 
 
 def main():
+    run(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
+
+
+def run(out: Path, hf: Path, pp1: Path) -> None:
+    """Under torchrun (2 ranks): the PP=2 import of ``hf`` and its checks against transformers
+    and the PP=1 import ``pp1``, in ``out / "pp2_report.json"`` (``check_pp2`` reads it)."""
     import torch
     import torch.distributed as dist
 
     from models.checkpoint import load_checkpoint
     from models.convert import hf_to_mcore, verify
 
-    out, hf, pp1 = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     hf_to_mcore(str(hf), out / "pp2", tp=1, pp=2)
     logits = verify(hf, out / "pp2", pp=2)
     report = {"logits": {name: row["max_abs_logit_diff"] for name, row in logits.items()}}

@@ -15,21 +15,14 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.models.conftest import train_steps
+from tests.models.conftest import train_steps, world2_result
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def imported(tiny_nemotron_hf, tmp_path_factory):
-    from models.convert import hf_to_mcore
-
-    root = tmp_path_factory.mktemp("mcore_nemotron")
-    out = {}
-    for i, (pattern, path) in enumerate(tiny_nemotron_hf.items()):
-        hf_to_mcore(str(path), root / f"p{i}", tp=1, pp=1)
-        out[pattern] = root / f"p{i}"
-    return out
+def imported(nemotron_imported):
+    return nemotron_imported
 
 
 @pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
@@ -371,24 +364,16 @@ def test_batch_flops_counts_layers_and_vision():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["ME*E"])
-def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path, pattern):
-    """One torchrun launch (2 gloo ranks): import sharded at TP=2 and check TP=2 logits; then load
-    that TP=2 checkpoint at TP=1 here and check logits again (Mamba: heads and groups sliced
-    over TP inside the packed in_proj / conv1d; attention; MoE: routed and shared experts
-    sliced over TP, the router whole). "ME*E" holds every layer kind but the dense MLP; "M*M-"
-    at TP=2 (dense MLP included) is imported, trained and exported to transformers' logits by
-    tests/test_hf_journey.py::test_checkpoint_saved_at_tp2_exports."""
-    import subprocess
-    import sys
-
+def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, world2, pattern):
+    """2 gloo ranks (tests/models/world2_checks.py's launch): import sharded at TP=2 and check
+    TP=2 logits; then load that TP=2 checkpoint at TP=1 here and check logits again (Mamba:
+    heads and groups sliced over TP inside the packed in_proj / conv1d; attention; MoE: routed
+    and shared experts sliced over TP, the router whole). "ME*E" holds every layer kind but the
+    dense MLP; "M*M-" at TP=2 (dense MLP included) is imported, trained and exported to
+    transformers' logits by tests/test_hf_journey.py::test_checkpoint_saved_at_tp2_exports."""
     from models.convert import verify
 
-    out = tmp_path / "tp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(REPO / "tests" / "models" / "tp2_check.py"), str(out),
-           str(tiny_nemotron_hf[pattern])]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = world2_result(world2, f"tp2_nemotron_{pattern}")
     report = json.loads((out / "tp2_report.json").read_text())["nemotron_h_omni"]
     assert set(report) == {"one_image", "images_interleaved", "tiles", "video"}
     assert all(diff <= TOL for diff in report.values()), report
@@ -398,15 +383,16 @@ def test_tp2_parity_and_reshard_to_tp1(tiny_nemotron_hf, tmp_path, pattern):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
-def test_pp2_parity_and_reshard(tiny_nemotron_hf, imported, tmp_path, pattern):
-    """One torchrun launch (2 gloo ranks): import at PP=2 (pattern "M*M-": "M*" and "M-", a
-    Mamba layer on each stage; "ME*E": "ME" and "*E", MoE on both stages; each stage writes its
-    own, global layer numbers),
-    PP=2 logits vs transformers, the PP=1 import loaded at PP=2 equals it; then at PP=1: the
-    PP=2 import's logits and tensors equal the PP=1 import's."""
+def test_pp2_parity_and_reshard(tiny_nemotron_hf, imported, world2, pattern):
+    """2 gloo ranks (tests/models/world2_checks.py's launch): import at PP=2 (pattern "M*M-":
+    "M*" and "M-", a Mamba layer on each stage; "ME*E": "ME" and "*E", MoE on both stages; each
+    stage writes its own, global layer numbers), PP=2 logits vs transformers, the PP=1 import
+    loaded at PP=2 equals it; then at PP=1: the PP=2 import's logits and tensors equal the PP=1
+    import's."""
     from tests.models.pp2_check import check_pp2
 
-    check_pp2(tiny_nemotron_hf[pattern], imported[pattern], tmp_path / "pp",
+    check_pp2(tiny_nemotron_hf[pattern], imported[pattern],
+              world2_result(world2, f"pp2_nemotron_{pattern}"),
               {"one_image", "images_interleaved", "tiles", "video"}, TOL)
 
 

@@ -4,28 +4,21 @@ PP1<->PP2 reshard, count-mismatch error, CLI errors, tiny configs."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_cli
-from tests.models.conftest import train_steps
+from tests.conftest import REPO
+from tests.models.conftest import train_steps, world2_result
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def imported(tiny_hf, tmp_path_factory) -> dict[str, Path]:
-    from models.convert import hf_to_mcore
-
-    root = tmp_path_factory.mktemp("mcore")
-    for family, path in tiny_hf.items():
-        hf_to_mcore(str(path), root / family, tp=1, pp=1)
-    return {f: root / f for f in FAMILIES}
+def imported(qwen_imported) -> dict[str, Path]:
+    return {f: qwen_imported[f] for f in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -96,31 +89,35 @@ def test_interleaved_mrope_section():
     assert owner[:6] == [0, 1, 2, 0, 1, 2] and owner[60:] == [0, 0, 0, 0]
 
 
-def test_cli_errors(tmp_path, tiny_hf):
-    proc = run_cli("models.convert", "verify", "--hf", str(tmp_path / "nope"), "--mcore",
-                   str(tmp_path), check=False)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--hf" in proc.stderr
+def test_cli_errors(tmp_path, tiny_hf, capsys):
+    """``python -m models.convert``'s main() in this process (the errors come before any process
+    group or model): one line on stderr, exit code 2."""
+    from models.convert import main
+
+    def error(*argv: str) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            main(list(argv))
+        assert info.value.code == 2
+        return capsys.readouterr().err
+
+    err = error("verify", "--hf", str(tmp_path / "nope"), "--mcore", str(tmp_path))
+    assert err.count("\n") == 1 and "--hf" in err
     bad = tmp_path / "llama"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (bad / "model.safetensors").write_bytes(b"")
-    proc = run_cli("models.convert", "hf-to-mcore", "--hf", str(bad), "--out",
-                   str(tmp_path / "o"), check=False)
-    assert proc.returncode == 2 and "model_type" in proc.stderr.splitlines()[-1]
+    err = error("hf-to-mcore", "--hf", str(bad), "--out", str(tmp_path / "o"))
+    assert "model_type" in err.splitlines()[-1]
 
 
 @pytest.mark.slow
-def test_tp2_parity_and_reshard_to_tp1(tiny_hf, tmp_path):
-    """One torchrun launch (2 gloo ranks): import sharded at TP=2 and check TP=2 logits; then
-    load those TP=2 checkpoints at TP=1 here and check logits again."""
+def test_tp2_parity_and_reshard_to_tp1(tiny_hf, world2):
+    """2 gloo ranks (tests/models/world2_checks.py's launch): import sharded at TP=2 and check
+    TP=2 logits; then load those TP=2 checkpoints at TP=1 here and check logits again."""
     from models.convert import verify
 
-    out = tmp_path / "tp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(REPO / "tests" / "models" / "tp2_check.py"), str(out),
-           *(str(tiny_hf[f]) for f in FAMILIES)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = world2_result(world2, "tp2_qwen")
     report = json.loads((out / "tp2_report.json").read_text())
     for family in FAMILIES:
         writers = {p.name.split("_")[2] for p in (out / family).glob("__*_*.distcp")}
@@ -132,13 +129,15 @@ def test_tp2_parity_and_reshard_to_tp1(tiny_hf, tmp_path):
 
 
 @pytest.mark.slow
-def test_pp2_parity_and_reshard(tiny_hf, imported, tmp_path):
-    """One torchrun launch (2 gloo ranks): import Qwen2.5-VL at PP=2 (one LM layer per stage, each
-    stage writes its own), PP=2 logits vs transformers, the PP=1 import loaded at PP=2 equals it;
-    then here at PP=1: the PP=2 import's logits and tensors equal the PP=1 import's."""
+def test_pp2_parity_and_reshard(tiny_hf, imported, world2):
+    """2 gloo ranks (tests/models/world2_checks.py's launch): import Qwen2.5-VL at PP=2 (one LM
+    layer per stage, each stage writes its own), PP=2 logits vs transformers, the PP=1 import
+    loaded at PP=2 equals it; then here at PP=1: the PP=2 import's logits and tensors equal the
+    PP=1 import's."""
     from tests.models.pp2_check import check_pp2
 
-    check_pp2(tiny_hf["qwen2_5_vl"], imported["qwen2_5_vl"], tmp_path / "pp",
+    check_pp2(tiny_hf["qwen2_5_vl"], imported["qwen2_5_vl"],
+              world2_result(world2, "pp2_qwen2_5_vl"),
               {"one_image", "images_interleaved", "video"}, TOL)
 
 

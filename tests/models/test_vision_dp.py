@@ -1,5 +1,6 @@
 """Vision data-parallel over CP: the plan (fast, single process) and equivalence with the
-unsharded run under torchrun/gloo (slow: two launches, 2 and 4 processes)."""
+unsharded run under torchrun/gloo (slow: 2 processes in tests/models/world2_checks.py's launch,
+4 in a launch of its own)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from models.vision_dp import CostModel, VisionDPOverCP, count_split, plan_shares
+from tests.models.conftest import world2_result
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,18 +104,23 @@ def test_inactive_is_reported_once_and_passes_through(caplog):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_vision_dp_matches_unsharded_run(nproc, tmp_path):
-    """World 2: CP2. World 4: CP4, then TP2 x CP2. Every case: outputs and encoder gradients
-    (summed over CP) equal the unsharded single-process run within 1e-5."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "VISION_DP_OUT": str(tmp_path)}
-    proc = subprocess.run([str(torchrun), "--standalone", f"--nproc-per-node={nproc}",
-                           "tests/models/vision_dp_worker.py"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+def test_vision_dp_matches_unsharded_run(nproc, tmp_path, request):
+    """World 2: CP2 (a check of tests/models/world2_checks.py's launch). World 4: CP4, then
+    TP2 x CP2 (a launch of its own). Every case: outputs and encoder gradients (summed over CP)
+    equal the unsharded single-process run within 1e-5."""
+    if nproc == 2:
+        out = world2_result(request.getfixturevalue("world2"), "vision_dp_cp2")
+    else:
+        out = tmp_path
+        torchrun = Path(sys.executable).with_name("torchrun")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+               "VISION_DP_OUT": str(tmp_path)}
+        proc = subprocess.run([str(torchrun), "--standalone", f"--nproc-per-node={nproc}",
+                               "tests/models/vision_dp_worker.py"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     results = [json.loads(line) for rank in range(nproc)
-               for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()]
+               for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
     layouts = {(r["tp"], r["cp"]) for r in results}
@@ -130,19 +137,14 @@ def test_vision_dp_matches_unsharded_run(nproc, tmp_path):
 
 
 @pytest.mark.slow
-def test_nemotron_omni_vision_dp_matches_unsharded_tower(tmp_path):
-    """CP2 on the real Nemotron-Omni tower (RADIO + pixel shuffle + projector): dynamic images,
-    tiles and a video split at frame-pair boundaries give the unsharded embeddings and, summed
-    over CP, the unsharded tower gradients (1e-5)."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "VISION_DP_OUT": str(tmp_path)}
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node=2",
-                           "tests/models/nemotron_vision_dp_worker.py"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+def test_nemotron_omni_vision_dp_matches_unsharded_tower(world2):
+    """CP2 on the real Nemotron-Omni tower (RADIO + pixel shuffle + projector; a check of
+    tests/models/world2_checks.py's launch): dynamic images, tiles and a video split at
+    frame-pair boundaries give the unsharded embeddings and, summed over CP, the unsharded tower
+    gradients (1e-5)."""
+    out = world2_result(world2, "nemotron_vision_dp_cp2")
     results = [json.loads(line) for rank in range(2)
-               for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()]
+               for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
     assert all(r["ok"] for r in results), results
     video = {r["rank"]: r["share"] for r in results if r["case"] == "video"}
     assert sorted(t for share in video.values() for t, _, _ in share) == [2, 3]  # 5 tubelets

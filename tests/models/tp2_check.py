@@ -8,13 +8,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main():
+    run(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
+
+
+def run(out: Path, hf_paths: list[Path]) -> None:
+    """Under torchrun (2 ranks): each model imported at TP=2 into ``out / <model_type>``, the max
+    |logit diff| per input vs transformers in ``out / "tp2_report.json"``."""
     import torch.distributed as dist
 
     from models.checkpoint import load_checkpoint
     from models.convert import hf_logits, hf_to_mcore, load_hf_model, our_logits
     from models.verify_inputs import hf_inputs, make_inputs
 
-    out, hf_paths = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     report = {}
     for hf in hf_paths:
         family = json.loads((hf / "config.json").read_text())["model_type"]

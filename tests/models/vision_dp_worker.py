@@ -128,10 +128,13 @@ def run_case(name, grid, tp, cp_group, ref, enc, mode) -> dict:
     return res
 
 
-def main() -> int:
+def main(own_group: bool = True) -> int:
+    """Every case of the world's layouts; ``own_group=False``: in the process group of
+    tests/models/world2_checks.py's launch (world 2), which this run leaves up."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    if own_group:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     from megatron.core import parallel_state as ps
 
     world = dist.get_world_size()
@@ -160,7 +163,8 @@ def main() -> int:
         out = os.path.join(os.environ["VISION_DP_OUT"], f"rank{dist.get_rank()}.jsonl")
         with open(out, "w") as f:
             f.write("\n".join(lines) + "\n")
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
     return 1 if failed else 0
 
 
