@@ -15,6 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_runs_every_part(mantis_out, tmp_path):
     proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(tmp_path),
                            "--data", f"{mantis_out}/metadataset.yaml"], cwd=REPO,

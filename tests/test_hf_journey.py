@@ -70,6 +70,7 @@ def logits_diff(ckpt: Path, exported: Path) -> dict[str, float]:
             .abs().max().item() for name, inputs in make_inputs(cfg).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(JOURNEYS))
 def test_journey_from_hf_to_hf(family, tmp_path, mantis_out):
     """import (model.hf) -> train -> export -> transformers (logits equal ours) -> import again

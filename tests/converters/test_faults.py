@@ -65,6 +65,7 @@ def same_output(a, b):
     assert {k: summary(a)[k] for k in FIXED} == {k: summary(b)[k] for k in FIXED}
 
 
+@pytest.mark.slow
 def test_kill_during_energon_prepare_then_rerun_matches(sources, mantis_out, tmp_path):
     out = tmp_path / "killed"
     proc = _start(_cmd(sources, out))
@@ -79,6 +80,7 @@ def test_kill_during_energon_prepare_then_rerun_matches(sources, mantis_out, tmp
     assert energon("info", str(out)).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_group_with_two_workers_ends_in_seconds_and_resumes(
         sources, mantis_out, tmp_path, signum):
@@ -100,6 +102,7 @@ def test_a_signal_to_the_group_with_two_workers_ends_in_seconds_and_resumes(
     same_output(mantis_out, out)
 
 
+@pytest.mark.slow
 def test_a_second_run_into_an_out_in_use_is_refused(sources, mantis_out, tmp_path):
     out = tmp_path / "busy"
     first = _start(_cmd(sources, out))
@@ -133,6 +136,7 @@ def test_stale_locks_are_taken_over_and_live_ones_refuse(tmp_path):
         assert "no heartbeat from other-machine" in notes[-1]
 
 
+@pytest.mark.slow
 def test_partitions_finishing_together_finalize_once(sources, mantis_out, tmp_path):
     out = tmp_path / "parts"
     procs = [_start(_cmd(sources, out, "--num-partitions", "2", "--partition-index", str(i)))
@@ -153,6 +157,7 @@ def _file_size_limit(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_line_and_the_rerun_matches(sources, mantis_out, tmp_path):
     out = tmp_path / "full"
     first = _run(_cmd(sources, out, "--workers", "2"), preexec_fn=_file_size_limit(60_000))
@@ -168,6 +173,7 @@ def test_a_full_disk_while_planning_reads_as_such(sources, tmp_path):
     assert "File too large" in one_error_line(failed, 1)
 
 
+@pytest.mark.slow
 def test_an_attempt_that_wrote_no_shard_does_not_block_the_corrected_command(sources, tmp_path):
     out = tmp_path / "retry"
     first = _start(_cmd(sources, out) + ["--shard-size", "50"])

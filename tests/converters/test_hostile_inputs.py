@@ -85,6 +85,7 @@ def test_sixteen_bit_image_is_kept_as_stored_and_loads(mantis_hostile):
     assert pixels.shape == (28, 28, 3) and pixels.std() > 10  # scaled to 8 bits, not clipped
 
 
+@pytest.mark.slow
 def test_pixel_cap_is_an_option(tmp_path):
     source = h.write_mantis(tmp_path / "src", {"cfg": {
         "rows": [h.mantis_row("big", "<image>x", ["a.png"]),
@@ -94,6 +95,7 @@ def test_pixel_cap_is_an_option(tmp_path):
     assert _reasons(tmp_path / "out") == {"big": "image_too_large"}
 
 
+@pytest.mark.slow
 def test_zip_bomb_is_rejected_unread_and_memory_stays_bounded(tmp_path):
     import subprocess
     import sys
@@ -136,6 +138,7 @@ def test_zip_bomb_is_rejected_unread_and_memory_stays_bounded(tmp_path):
 
 # ---- InfoVQA: text and empty splits -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_infovqa_placeholders_in_text_and_an_empty_split(tmp_path):
     page = {"bytes": h.jpeg(120, 200), "path": None}
     other = {"bytes": h.jpeg(120, 200, seed=8), "path": None}
@@ -264,6 +267,7 @@ def test_unplannable_source_is_one_line_before_any_shard(tmp_path, build):
     assert not (out / "shards").exists()
 
 
+@pytest.mark.slow
 def test_configs_that_sanitise_alike_stay_apart_and_inside(tmp_path):
     configs = {name: {"rows": [h.mantis_row(f"r{k}", "<image>x", ["a.png"])],
                       "zip": [("a.png", h.png(seed=k))]}

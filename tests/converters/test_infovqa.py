@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from tests.conftest import manifest, read_samples, run_cli, summary
 
 
@@ -35,6 +37,7 @@ def test_original_resolution_kept(infovqa_out):
     assert any(h >= 3 * w for w, h in sizes)
 
 
+@pytest.mark.slow
 def test_one_question_per_sample(sources, infovqa_out, tmp_path):
     out = tmp_path / "perq"
     run_cli("converters", "infovqa", "--source", str(sources["infovqa"]), "--out", str(out),
@@ -43,6 +46,7 @@ def test_one_question_per_sample(sources, infovqa_out, tmp_path):
     assert s["samples_written"] == s["rows_written"] == summary(infovqa_out)["rows_written"]
 
 
+@pytest.mark.slow
 def test_lmms_lab_spelling(tmp_path):
     from lookalikes import build_infovqa
 

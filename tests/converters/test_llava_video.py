@@ -9,6 +9,7 @@ import io
 import json
 
 import av
+import pytest
 
 from energon_tasks.sample_format import FRAMES_FORMAT, unpack_frames
 from tests.conftest import manifest, read_samples, run_cli, summary
@@ -73,6 +74,7 @@ def test_mixed_type_annotation_file_is_read(sources, video_out):
         assert counts["rows_read"] == sum(n for k, n in rows.items() if k.split("/")[0] == config)
 
 
+@pytest.mark.slow
 def test_llava_hound_converts_from_frames_root(tmp_path, sources):
     from energon_tasks.config import TaskEncoderConfig
     from energon_tasks.energon_dataset import conversation_sample
@@ -104,6 +106,7 @@ def test_llava_hound_converts_from_frames_root(tmp_path, sources):
         assert encoded.video_grid_thw.shape[0] == 1
 
 
+@pytest.mark.slow
 def test_extracted_folder_gives_the_same_samples(tmp_path, sources, video_out):
     from lookalikes import build_llava_video
 

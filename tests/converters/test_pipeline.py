@@ -37,11 +37,13 @@ def _same_output(a, b):
     assert {k: summary(a)[k] for k in FIXED} == {k: summary(b)[k] for k in FIXED}
 
 
+@pytest.mark.slow
 def test_byte_identical_rerun_with_other_worker_count(sources, mantis_out, tmp_path):
     _mantis(sources, tmp_path / "again", "--workers", "2", "--energon-media-metadata")
     _same_output(mantis_out, tmp_path / "again")
 
 
+@pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted(sources, mantis_out, tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "converters", "mantis", "--source", str(sources["mantis"]),
@@ -65,6 +67,7 @@ def test_resume_after_kill_matches_uninterrupted(sources, mantis_out, tmp_path):
     assert not list(out.rglob("*.partial"))
 
 
+@pytest.mark.slow
 def test_partitions_cover_the_same_samples(sources, mantis_out, tmp_path):
     out = tmp_path / "parts"
     first = _mantis(sources, out, "--num-partitions", "2", "--partition-index", "1")
@@ -109,6 +112,7 @@ def test_shards_are_plain_tars_without_pickle(mantis_out):
         assert listing and not any(n.endswith((".pkl", ".pickle", ".pyd", ".pth")) for n in listing)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mantis_out", "infovqa_out", "video_out"])
 def test_plain_energon_info_lint_and_preview_read_every_output(name, request):
     out = request.getfixturevalue(name)

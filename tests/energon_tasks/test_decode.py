@@ -121,6 +121,7 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_exact_pixel_values_equal_the_processors_on_220_sizes(fmt, one_torch_thread):
     """``image_decode="exact"`` (no draft, the processor's resize) gives the processors'

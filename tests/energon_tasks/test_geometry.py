@@ -133,6 +133,7 @@ def test_image_grid_matches_hf_resize_for_random_sizes(geometry):
             assert grid.visual_tokens * geometry.merge_size**2 == patches, case
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("geometry", MODELS, ids=lambda g: g.name)
 def test_image_grid_matches_full_hf_processor(geometry):
     sizes = [(3, 3), (1, 200), (200, 1), (27, 29), (480, 640), (1080, 1920), (45, 9000)]
@@ -408,6 +409,20 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=root)
 
 
+def _main_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m energon_tasks grid``'s main() in this process (for its errors, found before
+    any work): the same result as ``_run_cli``."""
+    import contextlib
+    import io
+
+    from energon_tasks.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["grid", *args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_cli_grid_prints_inputs_in_command_line_order():
     args = "--model qwen3-vl --image 480x640 --video 300x360x640 --source-fps 30 --image 3x3"
     result = _run_cli(*args.split(), "--max-pixels", "1003520")
@@ -436,7 +451,7 @@ def test_cli_grid_prints_inputs_in_command_line_order():
     [["--model", "qwen2.5-vl", "--image", "12"], ["--model", "qwen3-vl", "--image", "1x300"]],
 )
 def test_cli_bad_input_is_one_line_exit_2(args):
-    result = _run_cli(*args)
+    result = _main_cli(*args)
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     assert args[-1] in result.stderr

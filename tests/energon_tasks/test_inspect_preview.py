@@ -80,6 +80,7 @@ def test_inspect_takes_the_test_tokenizer_and_a_run_config(mantis_out, capsys):
         "nemotron_omni", "test", 512)
 
 
+@pytest.mark.slow
 def test_unreachable_hub_fails_fast_with_one_line(mantis_out, tmp_path):
     """The default tokenizer is a hub id: offline (nothing cached, the hub refuses connections)
     the command fails within seconds with one line saying what to pass."""
