@@ -4,7 +4,8 @@ Reads every shard sidecar under `OUT/.work/`, checks that every source row ended
 place, writes `rejects.jsonl`, `stats.json` (+ PNG), runs `energon prepare` (train/val/test split
 parts plus one per source config) with our typed `dataset.yaml`
 (`energon_tasks.sample_format.DATASET_YAML`), writes the MetadatasetV2 blend `metadataset.yaml`
-weighted by sample counts, then `summary.json`, and last the marker `.work/finalized.json`.
+weighted by sample counts (read back as the loader reads it: `energon_tasks.dataset_files`),
+then `summary.json`, and last the marker `.work/finalized.json`.
 
 Exactly once and kill-safe: it runs under the `finalize` lock (a partition that finds it held by a
 live run leaves the work to that run), skips work a marker says is done for the same shards, writes
@@ -32,6 +33,7 @@ from converters.base import UsageError, config_folder
 from converters.lock import LockedError, RunLock
 from converters.stats import write_stats
 from converters.writer import write_atomic, write_json_atomic
+from energon_tasks.dataset_files import check_dataset_files
 from energon_tasks.sample_format import DATASET_YAML
 
 SPLITS = ("train", "val", "test")
@@ -234,6 +236,7 @@ def _finalize_locked(out: Path, options: dict, workers: int) -> dict:
             (r["shard"].split("/")[1], "/".join(r["shard"].split("/")[1:3]))}
     summary["energon_split_parts"] = [name for name in parts if name in held]
     _write_metadataset(out, records, summary["energon_split_parts"])
+    check_dataset_files(out / "metadataset.yaml")  # what the loader accepts: its own output
     write_atomic(out / "summary.json", json.dumps(summary, indent=1, sort_keys=True).encode())
     write_json_atomic(marker, {"shards": digest})
     shutil.rmtree(work / "datasets_cache", ignore_errors=True)  # a local source's table copy

@@ -23,6 +23,7 @@ import yaml
 
 from contract.families import QWEN2_5_VL
 from energon_tasks.config import TaskEncoderConfig
+from energon_tasks.dataset_files import check_dataset_files
 
 #: Budget knobs exposed as options: (option name, config field, type).
 KNOBS = [
@@ -45,8 +46,12 @@ def shard_paths(dataset_dir: Path, split: str) -> list[Path]:
 
     Raises:
         click.UsageError: no such split part (the message lists the existing ones).
+        UsageError: a dataset file names code or holds what the project's datasets do not
+            (``energon_tasks.dataset_files``: inspect and preview read as the loader does).
     """
     import braceexpand
+
+    check_dataset_files(dataset_dir)
 
     splits = yaml.safe_load((dataset_dir / ".nv-meta" / "split.yaml").read_text())["split_parts"]
     if split not in splits:
@@ -194,6 +199,7 @@ def knob_options(function):
 @knob_options
 def inspect(dataset_dir, split, as_json, plots, model, tokenizer, config, **knobs) -> None:
     """Dry run of the budget over DATASET_DIR's metadata (no pixel decoded)."""
+    check_dataset_files(dataset_dir)  # before anything else: the folder's YAML names no code
     report = predict(dataset_dir, split, make_encoder(model, tokenizer, knobs, config))
     if plots:
         write_histograms(report, plots)

@@ -7,6 +7,8 @@ and the one-pass reader (eval.py's reader, train.py's first-batch probe), i.e. t
 rank of one replica must read the same samples), and the packing buffer taken from the task
 encoder's config. Samples the dataset cannot load (damaged members, checksum mismatches) are
 skipped with one logged line each and counted (``energon_tasks.energon_dataset.skip_handler``).
+Before Energon reads a dataset, every YAML / JSON file it would read is checked to be data that
+names no code (``energon_tasks.dataset_files.check_dataset_files``: one ``UsageError`` line).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megatron.energon import (
     get_val_dataset,
 )
 
+from energon_tasks.dataset_files import check_dataset_files
 from energon_tasks.energon_dataset import skip_handler
 from energon_tasks.task_encoder import VLMTaskEncoder
 
@@ -68,7 +71,9 @@ def get_train_loader(
 
     Raises:
         ValueError: a rank outside [0, dp_size).
+        UsageError: a dataset file names code or holds what the project's datasets do not.
     """
+    check_dataset_files(path)
     dataset = get_train_dataset(
         str(path),
         split_part=split_part,
@@ -97,7 +102,9 @@ def get_val_loader(
 
     Raises:
         ValueError: a rank outside [0, dp_size).
+        UsageError: a dataset file names code or holds what the project's datasets do not.
     """
+    check_dataset_files(path)
     dataset = get_val_dataset(
         str(path),
         split_part=split_part,
@@ -113,7 +120,12 @@ def get_val_loader(
 def get_pass_loader(path: str | Path, *, task_encoder: VLMTaskEncoder, split_part: str,
                     batch_size: int = 1):
     """One pass over a split in this process, in the val loader's fixed order: no shuffle, no
-    repeat, no packing, not savable (eval.py's reader, train.py's first-batch probe)."""
+    repeat, no packing, not savable (eval.py's reader, train.py's first-batch probe).
+
+    Raises:
+        UsageError: a dataset file names code or holds what the project's datasets do not.
+    """
+    check_dataset_files(path)
     dataset = get_val_dataset(str(path), split_part=split_part, worker_config=worker_config(),
                               batch_size=batch_size, task_encoder=task_encoder)
     return get_loader(dataset)

@@ -18,6 +18,7 @@ import click
 import numpy as np
 from PIL import Image
 
+from energon_tasks.dataset_files import check_dataset_files
 from energon_tasks.inspect_cmd import iter_samples, knob_options, make_encoder
 from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample
 
@@ -98,6 +99,7 @@ def preview(dataset_dir, index, split, out, model, tokenizer, config, **knobs) -
     """Write an HTML page of one sample: resized media interleaved with text and token counts."""
     if index < 0:
         raise click.UsageError(f"--index must be >= 0, got {index}")
+    check_dataset_files(dataset_dir)  # before anything else: the folder's YAML names no code
     found = next(itertools.islice(iter_samples(dataset_dir, split, with_media=True), index, None),
                  None)
     if found is None:

@@ -12,11 +12,13 @@ resume aside, ``recipes.checkpointing``, which also reads the optimizer):
   (``models.convert hf-to-mcore``, the cached ``model.hf`` imports) and a train.py run /
   checkpoints / step folder (weights in ``model_optim/``, the model and run config in
   ``config.yaml``; the folder layout is ``models.checkpoint_folders``). It reads only the
-  self-description and checks the one pickle (``check_dist_metadata``), and returns a
-  ``ModelCheckpoint``; eval.py and ``models.convert`` read checkpoints through it;
+  self-description and every pickle of the dist checkpoint with the restricted unpicklers
+  (``models.dist_load.check_dist_checkpoint``), and returns a ``ModelCheckpoint``; eval.py and
+  ``models.convert`` read checkpoints through it;
 - ``load_model`` / ``load_checkpoint``: the model built at this process's TP / PP and every
   weight loaded; ``load_weights``: a dist checkpoint's weights into a model built already
-  (train.py's ``train.init_checkpoint`` / ``model.hf`` start), its ``.metadata`` checked too.
+  (train.py's ``train.init_checkpoint`` / ``model.hf`` start), checked the same way and loaded
+  through ``models.dist_load.load`` (nothing is unpickled but checkpoint data).
 
 dist_checkpointing stores global tensors, so a checkpoint saved at one TP / PP / EP loads at any
 other (megatron reshards on load; decoder layers and experts are stored by their global index).
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.errors import UsageError
-from models.checkpoint_folders import check_dist_metadata, resolve_checkpoint
+from models.checkpoint_folders import resolve_checkpoint
+from models.dist_load import check_dist_checkpoint
 from models.families import build_model, config_from_dict
 
 #: our model config in an import folder; ``OLD_MODEL_JSON``: its name in older folders (read)
@@ -118,12 +121,12 @@ def read_checkpoint(path: str | Path) -> ModelCheckpoint:
     """What the model checkpoint at ``path`` is, from its self-description only: an import
     folder (``model_config.json``, or ``qwen_vl_model.json`` in older ones) or a train.py run /
     checkpoints / step folder (its newest complete step: ``models.checkpoint_folders``). Nothing
-    is built; the one pickle (DCP's ``.metadata``) is checked first (``check_dist_metadata``),
-    so a wrong or planted checkpoint fails fast.
+    is built; every pickle of its dist checkpoint is read by the restricted unpicklers first
+    (``check_dist_checkpoint``), so a wrong or planted checkpoint fails fast.
 
     Raises:
         UsageError: ``path`` does not exist, is neither kind, its description is unreadable, or
-            its ``.metadata`` is refused (one line each).
+            a pickle in it is refused (one line each).
     """
     import yaml
 
@@ -150,24 +153,27 @@ def read_checkpoint(path: str | Path) -> ModelCheckpoint:
                                     _hf_files(step))
     except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as error:
         raise UsageError(f"checkpoint {path} is unreadable: {error}") from None
-    check_dist_metadata(found.weights)
+    check_dist_checkpoint(found.weights)
     return found
 
 
 def load_weights(model, weights: str | Path, name: str | Path | None = None) -> set[str]:
     """Load the dist checkpoint folder ``weights`` into ``model`` (built at this process's
-    layout), its ``.metadata`` checked first (``check_dist_metadata``). Returns the keys it held.
+    layout), every pickle in it read by the restricted unpicklers (``models.dist_load``: checked
+    first, then loaded through them). Returns the keys it held.
 
     Raises:
-        UsageError: a refused ``.metadata``, or weights that do not load into ``model``
-            (``name``: the checkpoint as messages name it; default ``weights``).
+        UsageError: a refused pickle, or weights that do not load into ``model`` (``name``: the
+            checkpoint as messages name it; default ``weights``).
     """
-    from megatron.core import dist_checkpointing
+    from models import dist_load
 
-    check_dist_metadata(weights)
+    dist_load.check_dist_checkpoint(weights)
     try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(weights))
+        state = dist_load.load(model.sharded_state_dict(), weights)
         model.load_state_dict(state, strict=False)
+    except UsageError:
+        raise
     except Exception as error:  # noqa: BLE001 - any load failure is a bad checkpoint
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise UsageError(f"checkpoint {name or weights} does not load into its "

@@ -7,7 +7,9 @@ optimizer (``save_checkpoint`` / ``load_checkpoint``, torch Adam's step counts r
 state files in safe formats only: the
 Energon loader state of each DP replica as JSON (``loader/dp_NNNNN.json``, plain data from
 ``energon_tasks.loader_state``) and each rank's RNG state as plain tensors
-(``rng/rank_NNNNN.pt``, read back with ``torch.load(weights_only=True)``). ``check_rank_states``
+(``rng/rank_NNNNN.pt``, read back by ``models.dist_load.load_blob``: torch's weights-only
+unpickler with torch's own allowlist). The dist checkpoint is read only through
+``models.dist_load`` (every pickle in it by a restricted unpickler). ``check_rank_states``
 (every file, before any heavy work) and ``read_rank_state`` (this rank's) refuse anything else (a
 pickle where a state file should be, a folder of an older format) with one line. ``prune`` keeps
 the newest N complete step folders.
@@ -18,10 +20,8 @@ Raises ``contract.errors.UsageError`` (one line; train.py exits 2) for every bad
 from __future__ import annotations
 
 import json
-import pickle
 import random
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +31,8 @@ import torch.distributed as dist
 from contract.errors import UsageError
 from models import cpu
 from models.checkpoint import write_files
-from models.checkpoint_folders import (
-    COMPLETE,
-    check_dist_metadata,
-    mark_complete,
-    resolve_checkpoint,
-    step_folders,
-)
+from models.checkpoint_folders import COMPLETE, mark_complete, resolve_checkpoint, step_folders
+from models.dist_load import check_dist_checkpoint, load_blob
 from recipes.layout import Layout
 
 
@@ -97,14 +92,8 @@ def _loader_states(path: Path, step_dir: Path) -> list:
 
 
 def _rng_state(path: Path, step_dir: Path) -> dict:
-    try:
-        with warnings.catch_warnings():  # torch's note on a foreign pickle protocol: we refuse
-            warnings.simplefilter("ignore")
-            return torch.load(path, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as error:
-        raise UsageError(f"checkpoint {step_dir}: {path.relative_to(step_dir)} is not a plain "
-                         f"tensor file ({type(error).__name__}): refused, nothing in a "
-                         "checkpoint is unpickled") from None
+    """Raises RefusedCheckpoint (a UsageError): not a plain tensor file."""
+    return load_blob(path, f"{step_dir}: {path.relative_to(step_dir)}")
 
 
 def check_rank_states(step_dir: Path) -> None:
@@ -178,7 +167,7 @@ def read_train_state(path: str | Path, dp: int) -> dict:
         raise UsageError(f"checkpoint {step_dir} was saved with data-parallel size {saved_dp}, "
                          f"this run has {dp}: the Energon loader state cannot be "
                          "redistributed (resume with the same DP size)")
-    check_dist_metadata(step_dir / "model_optim")
+    check_dist_checkpoint(step_dir / "model_optim")
     check_rank_states(step_dir)
     state["dir"] = str(step_dir)
     state["step"] = step
@@ -285,19 +274,21 @@ def load_checkpoint(resume: dict, *, model, optimizer, rng: dict | None) -> None
     Raises:
         UsageError: the dist checkpoint does not match the model (one line).
     """
-    from megatron.core import dist_checkpointing
+    from models import dist_load
 
     step_dir = Path(resume["dir"])
     _prime_torch_adam_state(optimizer)
     try:
-        state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True),
-                                        str(step_dir / "model_optim"))
+        state = dist_load.load(_sharded(model, optimizer, is_loading=True),
+                               step_dir / "model_optim")
         model.load_state_dict(state["model"])
         with torch.no_grad():  # the distributed optimizer copies into views of the parameters
             optimizer.load_state_dict(state["optimizer"])
         _restore_torch_adam_steps(optimizer, state["optimizer"])
         if rng is not None:
             set_rng_state(rng)
+    except UsageError:
+        raise
     except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
         raise UsageError(f"checkpoint {step_dir} cannot be loaded: {type(error).__name__}: "
                          f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"

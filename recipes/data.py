@@ -43,7 +43,9 @@ def load_run_tokenizer(te_cfg: TaskEncoderConfig, run_folder: Path, *, builds: b
 
 
 def check_data_path(path: str) -> None:
-    """Raises UsageError when ``data.path`` is unset, missing, or not an Energon dataset."""
+    """Raises UsageError when ``data.path`` is unset, missing, not an Energon dataset, or any file
+    Energon would read for it names code or holds what the project's datasets do not
+    (``energon_tasks.dataset_files``)."""
     if not path:
         raise UsageError("data.path is not set (give DATA=<dataset folder or metadataset.yaml>)")
     p = Path(path)
@@ -55,6 +57,9 @@ def check_data_path(path: str) -> None:
                              f"use {p / 'metadataset.yaml'}")
         raise UsageError(f"data.path {path} is not an Energon dataset "
                          "(no .nv-meta/dataset.yaml) or it is empty")
+    from energon_tasks.dataset_files import check_dataset_files
+
+    check_dataset_files(path)
 
 
 def check_split(path: str, split: str, needed_by: str = "") -> None:
@@ -114,6 +119,8 @@ def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder) 
         for member, part in _blend_members(path, split_part):
             for _batch in get_pass_loader(member, task_encoder=task_encoder, split_part=part):
                 return
+    except UsageError:
+        raise
     except Exception as error:  # noqa: BLE001 - energon raises many kinds; report in one line
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise UsageError(f"data.path {path}: cannot load split {split_part!r}: "

@@ -1,0 +1,326 @@
+"""Nothing executes from a checkpoint (models/dist_load.py, docs/training.md).
+
+A payload (it writes a marker file) is planted in each kind of item a checkpoint holds: the DCP
+``.metadata``, megatron's ``common.pt``, each kind of byte item of the ``.distcp`` files (every
+layer's ``_extra_state``, also as the pickle-in-a-tensor TransformerEngine unpickles, and the
+distributed optimizer's param groups and bucket sizes), a tensor item, and the RNG state file. It
+is refused with one line naming the file (and the item), and the marker never appears: by the
+load itself (the pre-load check bypassed) for tiny models of each family, and through train.py
+``--resume``, the export and eval for train.py checkpoints of each family saved at TP 1 and 2.
+The controls show the payloads are live: megatron's own loader, and TransformerEngine's
+``pickle.loads``, run them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from contract.errors import UsageError
+from tests.conftest import REPO
+from tests.models.conftest import build_tiny
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "nemotron_omni")
+
+
+class Planted:
+    """Unpickled, it runs ``touch MARKER``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def saved_blob(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def te_state(obj) -> torch.Tensor:
+    """A layer's extra state as TransformerEngine stores it: a uint8 tensor of a pickle."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _metadata(folder: Path):
+    with open(folder / ".metadata", "rb") as file:  # our own test checkpoint: trusted here
+        return pickle.load(file)
+
+
+def item_kinds(folder: Path) -> dict[str, str]:
+    """kind -> the key of its first item in a dist checkpoint: each kind of byte item (the last
+    part of its key: ``_extra_state``, ``optimizer``, ``per_bucket_numel``, ...) and a tensor."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    kinds: dict[str, str] = {}
+    for key, item in _metadata(folder).state_dict_metadata.items():
+        kind = key.split("/", 1)[0].rsplit(".", 1)[-1]
+        if not isinstance(item, BytesStorageMetadata):
+            kind = "tensor"
+        kinds.setdefault(kind, key)
+    return kinds
+
+
+def plant_item(folder: Path, key: str, blob: bytes) -> None:
+    """The item ``key`` of the dist checkpoint in ``folder`` now reads as ``blob`` (appended to
+    its file, the metadata pointed at it: what someone who can write the folder can do)."""
+    metadata = _metadata(folder)
+    for index, info in list(metadata.storage_data.items()):
+        if index.fqn == key:
+            path = folder / info.relative_path
+            offset = path.stat().st_size
+            with open(path, "ab") as file:
+                file.write(blob)
+            metadata.storage_data[index] = dataclasses.replace(info, offset=offset,
+                                                               length=len(blob))
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+
+
+def plant(folder: Path, kind: str, marker: Path) -> str:
+    """Plant a payload in the item of ``kind`` of the dist checkpoint ``folder`` (``.metadata``,
+    ``common.pt``, ``te_extra_state`` or a kind of ``item_kinds``); the file (and key) named."""
+    if kind == ".metadata":
+        (folder / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+        return f"{folder}: .metadata"
+    if kind == "common.pt":
+        (folder / "common.pt").write_bytes(saved_blob({"optimizer": Planted(marker)}))
+        return f"{folder}: common.pt"
+    kinds = item_kinds(folder)
+    key = kinds["_extra_state" if kind == "te_extra_state" else kind]
+    payload = te_state(Planted(marker)) if kind == "te_extra_state" else Planted(marker)
+    plant_item(folder, key, saved_blob([payload]))  # megatron stores a ShardedObject as [data]
+    return key
+
+
+def planted_copy(source: Path, tmp_path: Path, kind: str) -> tuple[Path, str, Path]:
+    """(copy of ``source`` with ``kind`` planted, what the refusal names, the marker)."""
+    folder = tmp_path / f"planted_{kind.strip('.')}"
+    shutil.copytree(source, folder)
+    marker = tmp_path / "MARKER"
+    return folder, plant(folder, kind, marker), marker
+
+
+# ---- the load itself, for tiny models of each family (TP 1, in this process) -------------------
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny_saved(request, tmp_path_factory):
+    """(family, model, import folder saved by save_checkpoint)."""
+    from models.checkpoint import save_checkpoint
+
+    cfg, model = build_tiny(request.param)
+    out = tmp_path_factory.mktemp(request.param) / "import"
+    save_checkpoint(model, cfg, out)
+    assert set(item_kinds(out)) <= set(MODEL_KINDS)  # every kind it holds is planted below
+    return request.param, model, out
+
+
+MODEL_KINDS = (".metadata", "common.pt", "_extra_state", "te_extra_state", "tensor")
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_the_load_refuses_a_planted_item(kind, tiny_saved, tmp_path):
+    """``dist_load.load`` alone (no check before it) refuses the payload, one line naming the
+    item; ``read_checkpoint`` / ``load_weights`` refuse it too (``check_dist_checkpoint``); the
+    marker never appears and the process's safe-globals registry is as it was."""
+    from models import dist_load
+    from models.checkpoint import load_weights, read_checkpoint
+
+    _family, model, saved = tiny_saved
+    registered = set(torch.serialization.get_safe_globals())
+    folder, named, marker = planted_copy(saved, tmp_path, kind)
+    with pytest.raises(dist_load.RefusedCheckpoint) as refused:
+        dist_load.load(model.sharded_state_dict(), folder)
+    line = str(refused.value)
+    assert "\n" not in line and "refused" in line and named.split("/shard_")[0] in line, line
+    if kind != "tensor":  # tensors are read at load only (weights-only, by torch and by us)
+        with pytest.raises(UsageError, match="refused"):
+            read_checkpoint(folder)
+    with pytest.raises(UsageError, match="refused"):
+        load_weights(model, folder)
+    assert not marker.exists()
+    assert set(torch.serialization.get_safe_globals()) == registered
+
+
+def test_the_loaded_weights_are_the_saved_ones(tiny_saved):
+    """A legitimate checkpoint loads through the restricted reading, every weight equal."""
+    from models import dist_load
+
+    _family, model, saved = tiny_saved
+    state = dist_load.load(model.sharded_state_dict(), saved)
+    weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert all(torch.equal(state[k], v) for k, v in weights.items())
+
+
+@pytest.mark.parametrize("kind", ["_extra_state", "common.pt"])
+def test_control_megatron_alone_runs_the_payload(kind, tiny_saved, tmp_path):
+    """The planted payloads are live: megatron's own dist_checkpointing.load runs them."""
+    from megatron.core import dist_checkpointing
+
+    _family, model, saved = tiny_saved
+    folder, _named, marker = planted_copy(saved, tmp_path, kind)
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1" if kind == "common.pt" else "0"
+    try:  # common.pt: torch's default reads it weights-only unless the environment says not
+        dist_checkpointing.load(model.sharded_state_dict(), str(folder))
+    except BaseException:  # noqa: BLE001 - what megatron does after running it does not matter
+        pass
+    finally:
+        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    assert marker.exists()
+
+
+def test_extra_state_pickles_are_read_as_transformer_engine_data(tmp_path):
+    """What TransformerEngine's set_extra_state would ``pickle.loads``: FP8-like state (tensors,
+    numbers) passes, an empty or absent state holds nothing, a payload is refused in any dtype's
+    bytes (TE ignores the dtype) and in TE's older BytesIO format; the control: plain
+    ``pickle.loads``, what TE does, runs it."""
+    from models.dist_load import RefusedCheckpoint, check_extra_state
+
+    marker = tmp_path / "MARKER"
+    check_extra_state(te_state({"scale_fwd": torch.ones(3), "amax": torch.zeros(2, 4),
+                                "extra_fp8_variables": {"num_gemms": 1}}), "ok")
+    for empty in (None, torch.empty(0, dtype=torch.uint8), [None]):
+        check_extra_state(empty, "empty")
+    raw = te_state(Planted(marker))
+    pad = (-len(raw)) % 2
+    as_bf16 = torch.cat([raw, torch.zeros(pad, dtype=torch.uint8)]).view(torch.bfloat16)
+    for planted in (raw, [raw], {"state": raw}, io.BytesIO(saved_blob(Planted(marker)))):
+        with pytest.raises(RefusedCheckpoint, match="names posix.system"):
+            check_extra_state(planted, "layer._extra_state")
+    with pytest.raises(RefusedCheckpoint, match="refused"):
+        check_extra_state(as_bf16, "layer._extra_state")
+    assert not marker.exists()
+    pickle.loads(raw.numpy().tobytes())  # TransformerEngine's set_extra_state
+    assert marker.exists()
+
+
+def test_other_backends_and_foreign_files_are_refused(tiny_saved, tmp_path):
+    """metadata.json naming another backend, an item stored outside the folder: one line."""
+    import json
+
+    from models.dist_load import RefusedCheckpoint, check_dist_checkpoint
+
+    _family, _model, saved = tiny_saved
+    other = tmp_path / "zarr"
+    shutil.copytree(saved, other)
+    config = json.loads((other / "metadata.json").read_text())
+    (other / "metadata.json").write_text(json.dumps({**config, "sharded_backend": "zarr"}))
+    with pytest.raises(RefusedCheckpoint, match="only .* are read"):
+        check_dist_checkpoint(other)
+    outside = tmp_path / "outside"
+    shutil.copytree(saved, outside)
+    metadata = _metadata(outside)
+    index, info = next(iter(metadata.storage_data.items()))
+    metadata.storage_data[index] = dataclasses.replace(info, relative_path="../secret.distcp")
+    with open(outside / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    with pytest.raises(RefusedCheckpoint, match="not a file of the checkpoint folder"):
+        check_dist_checkpoint(outside)
+
+
+# ---- train.py checkpoints of each family at TP 1 and 2, through the commands ------------------
+
+MANTIS_CFG = REPO / "configs" / "train_qwen_vl_mantis.yaml"
+NEMOTRON_CFG = REPO / "configs" / "train_nemotron_omni_mantis.yaml"
+FAST = ["data.num_workers=0", "log.tensorboard=false", "checkpoint.save_final=false"]
+FAMILY_ARGS = {
+    "qwen2_5_vl": [str(MANTIS_CFG)],
+    "qwen3_vl": [str(MANTIS_CFG), "model.base=configs/qwen3_vl_tiny.yaml",
+                 "model.lm.vocab_size=640", "task_encoder.model=qwen3-vl"],
+    "nemotron_omni": [str(NEMOTRON_CFG)],
+}
+#: every kind of item a train.py step folder holds (model_optim/ + the RNG state file)
+TRAIN_KINDS = (".metadata", "common.pt", "_extra_state", "te_extra_state", "optimizer",
+               "per_bucket_numel", "per_bucket_numel_unpadded", "tensor", "rng")
+
+
+def train(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "train.py"] if nproc == 1 else [
+        str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node",
+        str(nproc), "train.py"]
+    return subprocess.run([*cmd, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module", params=[(f, tp) for f in FAMILIES for tp in (1, 2)],
+                ids=lambda p: f"{p[0]}-tp{p[1]}")
+def train_step(request, mantis_out, tmp_path_factory):
+    """(family, tp, data args, the step folder of a 2-step train.py run saved at that TP)."""
+    family, tp = request.param
+    out = tmp_path_factory.mktemp(f"run_{family}_tp{tp}")
+    args = [*FAMILY_ARGS[family], f"data.path={mantis_out}/metadataset.yaml", *FAST]
+    proc = train(*args, f"out={out}", "train.steps=2", "checkpoint.interval=2",
+                 f"parallel.tp={tp}", nproc=tp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = out / "checkpoints" / "step_000002"
+    assert set(item_kinds(step / "model_optim")) <= set(TRAIN_KINDS)  # each kind is planted
+    return family, tp, args, step
+
+
+def planted_step(step: Path, tmp_path: Path, kind: str) -> tuple[Path, str, Path]:
+    """(copy of a step folder with ``kind`` planted, what the refusal names, the marker)."""
+    folder = tmp_path / f"step_{kind.strip('.')}" / step.name
+    shutil.copytree(step, folder)
+    marker = tmp_path / "MARKER"
+    if kind == "rng":
+        rng = folder / "rng" / "rank_00000.pt"
+        rng.write_bytes(saved_blob({"torch": Planted(marker)}))
+        return folder, "rng/rank_00000.pt", marker
+    return folder, plant(folder / "model_optim", kind, marker), marker
+
+
+def _error_line(text: str, prog: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.startswith(f"{prog}: error:")]
+    assert len(lines) >= 1 and "Traceback" not in text, text[-3000:]
+    assert len(set(lines)) == 1, lines  # one line (each rank of a torchrun says the same)
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", TRAIN_KINDS)
+def test_resume_export_and_eval_refuse_a_planted_item(kind, train_step, tmp_path, capsys):
+    """train.py --resume, the export (models.convert mcore-to-hf) and eval.py refuse the planted
+    item with one line naming it; the marker never appears. What the check before any setup
+    catches is run in this process; a tensor item, read only by the load, by train.py itself at
+    the checkpoint's TP (torchrun at TP 2: every rank refuses) and the export at TP 1."""
+    from models.convert import main as convert_main
+
+    family, tp, args, step = train_step
+    folder, named, marker = planted_step(step, tmp_path, kind)
+    if kind == "tensor":
+        proc = train(*args, f"out={tmp_path / 'resumed'}", f"parallel.tp={tp}", "train.steps=3",
+                     "--resume", str(folder), nproc=tp)
+        # exit 2; under torchrun, each rank's 2 (torchrun itself then exits 1)
+        assert proc.returncode == 2 if tp == 1 else (
+            proc.returncode == 1 and "exitcode  : 2" in proc.stderr), proc.stderr[-3000:]
+        line = _error_line(proc.stderr, "train.py")
+    else:
+        sys.path.insert(0, str(REPO))
+        import train as script
+
+        assert script.main([*args, f"out={tmp_path / 'resumed'}", "--resume", str(folder)]) == 2
+        line = _error_line(capsys.readouterr().err, "train.py")
+    assert "refused" in line and named in line, line
+    if kind != "rng":  # the export reads the model checkpoint only (no RNG state)
+        code = convert_main(["mcore-to-hf", "--mcore", str(folder), "--out",
+                             str(tmp_path / "hf")])
+        line = _error_line(capsys.readouterr().err, "models.convert")
+        assert code == 2 and "refused" in line and named in line, line
+    if kind not in ("rng", "tensor"):  # eval reads the model checkpoint (no RNG state) first
+        sys.path.insert(0, str(REPO))
+        import eval as evaluate
+
+        assert evaluate.main(["--ckpt", str(folder), "--out", str(tmp_path / "eval")]) == 2
+        line = _error_line(capsys.readouterr().err, "eval.py")
+        assert "refused" in line and named in line, line
+    assert not marker.exists()
