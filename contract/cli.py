@@ -19,7 +19,9 @@ usage text show how to run it (``python -m converters`` for a module).
 Under torchrun every rank meets the same user error (train.py checks its inputs before any
 process group, the same way on every rank): rank 0 prints the line at once, the other ranks
 wait ``PEER_GRACE_S`` first, by which time the launcher has ended them, so the line is printed
-once; an error only a later rank meets is still printed, after the wait. ``recipes.launch`` (the
+once (train.py's checks before its process group); an error only a later rank meets is still
+printed, after the wait, and so is the same line of a rank that outlives the wait (train.py
+takes SIGTERM as a stop request once its run has started). ``recipes.launch`` (the
 project's torchrun) then exits with the rank's code without a traceback of its own.
 """
 

@@ -451,8 +451,8 @@ class _Plain:
             script = script.split(" ", 1)
         else:
             script = script.split()
-        cmd = [sys.executable, *script] if nproc == 1 else [
-            str(Path(sys.executable).with_name("torchrun")), "--standalone",
+        cmd = [sys.executable, *script] if nproc == 1 else [  # the project's torchrun
+            sys.executable, "-m", "recipes.launch", "--standalone",
             "--nproc-per-node", str(nproc), *script]
         self._out = [tempfile.TemporaryFile() if s is None else None for s in (stdout, stderr)]
         self._proc = subprocess.Popen(
