@@ -4,8 +4,8 @@ megatron's ``torch_dist`` backend is torch's distributed checkpoint (DCP): a pic
 ``.metadata``, ``.distcp`` files holding each tensor and, for every item that is no tensor
 (megatron's ShardedObjects: each layer's ``_extra_state``, the distributed optimizer's param
 groups and bucket sizes), a ``torch.save`` blob; and megatron's ``common.pt``. Left to themselves,
-torch reads ``.metadata`` with ``pickle.load`` and every byte item with
-``torch.load(weights_only=False)`` (``DefaultLoadPlanner.load_bytes``), megatron reads
+torch reads ``.metadata`` with a plain unpickler and every byte item with a full (not
+weights-only) ``torch.load`` (``DefaultLoadPlanner.load_bytes``), megatron reads
 ``common.pt`` with torch's default, and TransformerEngine's ``set_extra_state`` runs
 ``pickle.loads`` on the bytes of a non-empty ``_extra_state`` tensor: a payload planted in any of
 them would run on ``--resume``, eval or export. This module owns the project's one way to read
