@@ -54,8 +54,10 @@ def te_state(obj) -> torch.Tensor:
 
 
 def _metadata(folder: Path):
-    with open(folder / ".metadata", "rb") as file:  # our own test checkpoint: trusted here
-        return pickle.load(file)
+    """The DCP metadata of a clean test checkpoint, through the project's restricted reader."""
+    from models.dist_load import read_metadata
+
+    return read_metadata(folder)
 
 
 def item_kinds(folder: Path) -> dict[str, str]:
