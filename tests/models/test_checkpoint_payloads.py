@@ -7,8 +7,8 @@ distributed optimizer's param groups and bucket sizes), a tensor item, and the R
 is refused with one line naming the file (and the item), and the marker never appears: by the
 load itself (the pre-load check bypassed) for tiny models of each family, and through train.py
 ``--resume``, the export and eval for train.py checkpoints of each family saved at TP 1 and 2.
-The controls show the payloads are live: megatron's own loader, and TransformerEngine's
-``pickle.loads``, run them.
+The controls show the payloads are live: megatron's own loader runs them, and the bytes
+TransformerEngine would ``pickle.loads`` are read with ``pickletools`` as a call of os.system.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import dataclasses
 import io
 import os
 import pickle
+import pickletools
 import shutil
 import subprocess
 import sys
@@ -185,8 +186,8 @@ def test_control_megatron_alone_runs_the_payload(kind, tiny_saved, tmp_path):
 def test_extra_state_pickles_are_read_as_transformer_engine_data(tmp_path):
     """What TransformerEngine's set_extra_state would ``pickle.loads``: FP8-like state (tensors,
     numbers) passes, an empty or absent state holds nothing, a payload is refused in any dtype's
-    bytes (TE ignores the dtype) and in TE's older BytesIO format; the control: plain
-    ``pickle.loads``, what TE does, runs it."""
+    bytes (TE ignores the dtype) and in TE's older BytesIO format; the control: the planted
+    bytes really are a call of ``os.system`` (read with ``pickletools``, never run)."""
     from models.dist_load import RefusedCheckpoint, check_extra_state
 
     marker = tmp_path / "MARKER"
@@ -203,8 +204,8 @@ def test_extra_state_pickles_are_read_as_transformer_engine_data(tmp_path):
     with pytest.raises(RefusedCheckpoint, match="refused"):
         check_extra_state(as_bf16, "layer._extra_state")
     assert not marker.exists()
-    pickle.loads(raw.numpy().tobytes())  # TransformerEngine's set_extra_state
-    assert marker.exists()
+    ops = [(op.name, arg) for op, arg, _pos in pickletools.genops(raw.numpy().tobytes())]
+    assert ("SHORT_BINUNICODE", "system") in ops and ("REDUCE", None) in ops
 
 
 def test_other_backends_and_foreign_files_are_refused(tiny_saved, tmp_path):
