@@ -242,6 +242,10 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig, group_of) -> list[str]:
             raise ValueError(f"model.lora.target_modules: {name} ({type(module).__name__}) "
                              "is not a linear LoRA supports")
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if type(parent).__name__ == "MambaMixer" and leaf == "in_proj" and _tp()[0] > 1:
+            raise ValueError(f"model.lora.target_modules: {name} (a Mamba mixer's in_proj, "
+                             "whose rows are split over TP part by part) takes an adapter at "
+                             "parallel.tp=1 only")
         adapter = LoRAAdapter(module, cfg, _global_name(model, name), is_expert=is_expert)
         parent.add_module(leaf + SUFFIX, adapter)
         module.register_forward_hook(_hook(adapter))
