@@ -203,3 +203,17 @@ def test_tp2_lora_equals_tp1_on_nemotron(tmp_path, mantis_out):
                  f"train.hf_import_cache={tmp_path / 'cache'}", "parallel.tp=2",
                  "model.lora.target_modules=[in_proj]", nproc=2)
     assert proc.returncode == 2 and "in_proj" in error_line(proc)
+
+
+@pytest.mark.slow
+def test_lora_under_pp2_equals_pp1(mantis_out, tmp_path):
+    """LoRA with a frozen LM split over two pipeline stages (each stage's layers adapted, seeded
+    by their global layer numbers) gives the PP = 1 losses from the same base, which the
+    checkpoints refer to (``train.init_checkpoint``)."""
+    from tests.test_train import pp2_and_pp1_losses
+
+    pp2_and_pp1_losses(MANTIS_CFG, mantis_out, tmp_path, "checkpoint.save_final=true",
+                       shared=(*LORA, "train.lr=1e-2"))
+    state = json.loads((tmp_path / "pp2" / "checkpoints" / "step_000003" /
+                        "train_state.json").read_text())
+    assert state["base"]["init_checkpoint"] == str(tmp_path / "init")
