@@ -263,12 +263,12 @@ def _load_base(model, found: ModelCheckpoint) -> None:
     """The recorded base's weights into ``model`` (HF weights mapped, or a dist checkpoint)."""
     folder = base_folder(found.base, found.path)
     if "hf" in found.base:
-        from models.convert import load_hf_weights
+        from models.sharding import load_hf_weights
 
         try:
             load_hf_weights(model, found.model_config, folder)
-        except ValueError as error:
-            raise UsageError(f"checkpoint {found.path}: base {folder}: {error}") from None
+        except UsageError as error:
+            raise UsageError(f"checkpoint {found.path}: base: {error}") from None
     else:
         load_weights(model, folder)
 

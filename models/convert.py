@@ -37,6 +37,7 @@ from models.families import (
     hf_model_class,
     mapping_module,
 )
+from models.sharding import load_hf_weights
 from models.verify_inputs import hf_inputs, make_inputs
 
 #: written last into a cached import folder (``import_hf_cached``): the import is complete
@@ -117,34 +118,6 @@ def resolve_hf(path_or_id: str) -> Path:
         return resolve(path_or_id, weights=True)
     except HFSourceError as error:
         raise UsageError(str(error).replace("model.hf ", "--hf ", 1)) from None
-
-
-def load_hf_weights(model, cfg, folder: Path) -> dict:
-    """Map the HF weights of ``folder`` onto this rank's part of ``model`` (local spec): its
-    pipeline stage's layers, its experts (EP), its TP slices. Returns the HF config.
-
-    Raises:
-        contract.errors.UsageError: a key or shape that does not map (the first offender named).
-    """
-    from models.hf_weights import read_hf_folder
-    from models.sharding import global_keys, shard_for_rank, weight_shapes
-
-    with refused():  # its messages name the folder
-        hf_config, hf_sd = read_hf_folder(folder)
-    to_global = global_keys(model)
-    shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
-    from megatron.core import parallel_state as ps
-
-    whole = (ps.get_pipeline_model_parallel_world_size() == 1
-             and ps.get_expert_model_parallel_world_size() == 1)
-    with refused(f"the HF weights of {folder}"):
-        if whole:  # the whole model is here (a first PP stage's names equal its PP=1 names too)
-            full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, shapes)
-        else:  # this stage's layers / this rank's experts, mapped under their global numbers
-            part = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
-            full = {local: part[glob] for local, glob in to_global.items() if glob in part}
-    model.load_state_dict(shard_for_rank(full, model), strict=False)
-    return hf_config
 
 
 def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
