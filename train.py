@@ -44,7 +44,7 @@ from recipes.checkpointing import load_checkpoint, read_rank_state, save_checkpo
 from recipes.forward import optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
 from recipes.metrics import MetricsLogger, StepMeter
-from recipes.model_setup import build_model, freeze, import_hf_weights
+from recipes.model_setup import base_source, build_model, check_base, freeze, import_hf_weights
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.run_folder import StopSignal, prepare_run_folder
 from recipes.run_plan import RunPlan, resolve_plan, save_run_tokenizer
@@ -149,11 +149,16 @@ class Trainee:
     n_params: int  #: parameters of this rank's model (after DDP wrapping)
     n_trainable: int  #: of which train (the others are frozen: ``model.freeze_*``)
     model_files: dict | None  #: rank 0: what a checkpoint records for export (``model_record``)
+    adapted: int  #: linears with a LoRA adapter (``model.peft=lora``)
+    #: the frozen base the checkpoints refer to instead of holding it (None: they hold all)
+    base: dict | None
 
 
 def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
-    """The model (from ``model.hf``, ``train.init_checkpoint`` or random init), bf16 and DDP
-    wrappers, megatron's optimizer (state sharded over DP with ``train.distributed_optimizer``)."""
+    """The model (from ``model.hf``, ``train.init_checkpoint`` or random init; a resumed run
+    whose checkpoints hold only what trains loads its base from there again, checked against
+    the recorded one), LoRA adapters and frozen groups, bf16 and DDP wrappers, megatron's
+    optimizer (state sharded over DP with ``train.distributed_optimizer``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -162,15 +167,20 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
 
     cfg, t = plan.config, plan.config.train
     bf16 = t.precision == "bf16" or (t.precision == "auto" and cpu.bf16_by_default())
+    base = base_source(cfg)
+    recorded = plan.resume.get("base") if plan.resume else None
+    if recorded is not None:
+        check_base(recorded, cfg, plan.resume["dir"])
+    load_init = plan.resume is None or recorded is not None  # else the checkpoint holds all
     init = t.init_checkpoint
-    if cfg.hf and plan.resume is None:
+    if cfg.hf and load_init:
         init = import_hf_weights(cfg, run.is_logger)
     hf_folder = resolve(cfg.hf, weights=False) if cfg.hf else None  # the model's own files
     model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
     model = build_model(cfg)
-    if init and plan.resume is None:
+    if init and load_init:
         load_weights(model, init)
-    _total, trainable = freeze(model, cfg)
+    _total, trainable, adapted = freeze(model, cfg)
     if bf16:
         from megatron.core.transformer.module import Float16Module
         model.config.bf16 = True
@@ -186,8 +196,10 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
         params_dtype=torch.float32, use_distributed_optimizer=sharded,
         clip_grad=t.clip_grad), [model])
+    if plan.resume is not None and recorded is None:
+        base = None  # an earlier checkpoint of this run holds every weight: so do the next ones
     return Trainee(model, optimizer, sum(q.numel() for q in model.parameters()), trainable,
-                   model_files)
+                   model_files, adapted, base)
 
 
 def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders) -> int:
@@ -218,10 +230,14 @@ def announce(plan: RunPlan, run: Run, trainee: Trainee, start: int) -> None:
         return
     cfg, layout = plan.config, run.layout
     ep = cfg.parallel.ep
-    frozen = cfg.freeze.frozen()
+    frozen, lora = cfg.freeze.frozen(), cfg.lora
+    adapters = (f"; LoRA r {lora.rank} alpha {lora.alpha:g} on {trainee.adapted} linears"
+                if lora else "")
     print(f"[train] {trainee.n_params / 1e6:.2f} M params on rank 0 "
           f"({trainee.n_trainable / 1e6:.2f} M trainable"
-          f"{'; frozen: ' + ', '.join(frozen) if frozen else ''}); world {layout.world} = "
+          f"{'; frozen: ' + ', '.join(frozen) if frozen else ''}{adapters}); "
+          f"checkpoints hold {'what trains' if trainee.base else 'every weight'}; "
+          f"world {layout.world} = "
           f"tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
           f"{f' (ep {ep})' if ep > 1 else ''}; optimizer state "
           f"{f'sharded over dp {layout.dp}' if cfg.train.distributed_optimizer else 'replicated'}; "
@@ -292,7 +308,7 @@ def checkpoint_or_stop(plan: RunPlan, run: Run, trainee: Trainee, loaders, done:
         run.ckpt_dir, done, model=trainee.model.module, optimizer=trainee.optimizer,
         loader_states=[to_plain(loader.save_state_rank()) for loader in loaders],
         layout=run.layout, config_yaml=plan.config_yaml, keep_last=t.keep_checkpoints,
-        model_files=trainee.model_files,
+        model_files=trainee.model_files, base=trainee.base,
         train_state={"scheduler": {"step": done, "lr": lr}, "params": trainee.n_params})
     if not (stop_signal and done < t.steps):
         return False

@@ -16,7 +16,9 @@ resume aside, ``recipes.checkpointing``, which also reads the optimizer):
   (``models.dist_load.check_dist_checkpoint``), and returns a ``ModelCheckpoint``; eval.py and
   ``models.convert`` read checkpoints through it;
 - ``load_model`` / ``load_checkpoint``: the model built at this process's TP / PP and every
-  weight loaded; ``load_weights``: a dist checkpoint's weights into a model built already
+  weight loaded (for a checkpoint that holds only what trains, its recorded base first: the HF
+  model or the init checkpoint, checked against its fingerprint; LoRA adapters merged into the
+  base weights); ``load_weights``: a dist checkpoint's weights into a model built already
   (train.py's ``train.init_checkpoint`` / ``model.hf`` start), checked the same way and loaded
   through ``models.dist_load.load`` (nothing is unpickled but checkpoint data).
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.errors import UsageError
-from models.checkpoint_folders import resolve_checkpoint
+from models.checkpoint_folders import TRAIN_STATE, resolve_checkpoint
 from models.dist_load import check_dist_checkpoint
 from models.families import build_model, config_from_dict
 
@@ -55,6 +57,10 @@ class ModelCheckpoint:
     model_config: object  #: QwenVLModelConfig | NemotronOmniModelConfig
     run_config: dict | None  #: the run config train.py stored (None for an import)
     hf_files: Path | None  #: ``hf/``: the files an export ships (``model_record``), if any
+    #: the frozen base a checkpoint that holds only what trains refers to
+    #: (``recipes.model_setup.base_source``); None: it holds every weight
+    base: dict | None = None
+    lora: object = None  #: ``models.lora.LoRAConfig`` of a LoRA run, else None
 
 
 def save_checkpoint(model, cfg, out: Path, hf_config: dict | None = None,
@@ -148,19 +154,61 @@ def read_checkpoint(path: str | Path) -> ModelCheckpoint:
                     "checkpoints or step folder with model_optim/ and config.yaml; nor an "
                     f"hf-to-mcore import: {MODEL_JSON})")
             raw = yaml.safe_load(config.read_text()) or {}
+            state = step / TRAIN_STATE
+            base = json.loads(state.read_text()).get("base") if state.is_file() else None
             found = ModelCheckpoint(f"train.py {step.name}", path, step, step / "model_optim",
                                     config_from_dict(raw.get("model") or {}), raw,
-                                    _hf_files(step))
+                                    _hf_files(step), base, _lora_of(raw.get("model") or {}))
     except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as error:
         raise UsageError(f"checkpoint {path} is unreadable: {error}") from None
     check_dist_checkpoint(found.weights)
     return found
 
 
-def load_weights(model, weights: str | Path, name: str | Path | None = None) -> set[str]:
+def _lora_of(model_section: dict):
+    """The ``LoRAConfig`` a stored run config's model section names (``peft: lora``), else None.
+
+    Raises:
+        ValueError: its ``lora`` settings do not build (the stored config was edited).
+    """
+    if model_section.get("peft") != "lora":
+        return None
+    from contract.config import build_into
+    from models.lora import LoRAConfig
+
+    problems: list[str] = []
+    found = build_into(LoRAConfig, model_section.get("lora"), "model.lora", problems)
+    if found is None:
+        raise ValueError("; ".join(problems))
+    return found
+
+
+def weights_fingerprint(folder: str | Path) -> str:
+    """A short hash of a dist checkpoint folder: every file's relative name and size, and the
+    bytes of its metadata files (what a frozen base is recognised by)."""
+    import hashlib
+
+    folder, digest = Path(folder), hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = file.relative_to(folder).as_posix()
+        digest.update(f"{name}:{file.stat().st_size}".encode())
+        if not name.endswith(".distcp"):
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _held(sharded: dict, keys: set[str]) -> dict:
+    """The entries of a sharded state dict whose checkpoint key ``keys`` holds."""
+    return {name: entry for name, entry in sharded.items()
+            if getattr(entry, "key", None) is None or entry.key in keys}
+
+
+def load_weights(model, weights: str | Path, name: str | Path | None = None, *,
+                 partial: bool = False) -> set[str]:
     """Load the dist checkpoint folder ``weights`` into ``model`` (built at this process's
     layout), every pickle in it read by the restricted unpicklers (``models.dist_load``: checked
-    first, then loaded through them). Returns the keys it held.
+    first, then loaded through them). ``partial``: only the weights the checkpoint holds (one
+    that holds only what trains); the others keep their values. Returns the keys it held.
 
     Raises:
         UsageError: a refused pickle, or weights that do not load into ``model`` (``name``: the
@@ -170,7 +218,10 @@ def load_weights(model, weights: str | Path, name: str | Path | None = None) -> 
 
     dist_load.check_dist_checkpoint(weights)
     try:
-        state = dist_load.load(model.sharded_state_dict(), weights)
+        sharded = model.sharded_state_dict()
+        if partial:
+            sharded = _held(sharded, set(dist_load.read_metadata(weights).state_dict_metadata))
+        state = dist_load.load(sharded, weights)
         model.load_state_dict(state, strict=False)
     except UsageError:
         raise
@@ -182,18 +233,73 @@ def load_weights(model, weights: str | Path, name: str | Path | None = None) -> 
     return set(state)
 
 
-def load_model(found: ModelCheckpoint, use_te: bool | None = None):
+def base_folder(base: dict, checkpoint: Path) -> Path:
+    """The folder of a checkpoint's recorded base (an HF model folder or a dist checkpoint),
+    checked against the fingerprint recorded at save.
+
+    Raises:
+        UsageError: the base is gone or changed since (one line naming it).
+    """
+    from models.hf_source import HFSourceError, fingerprint, resolve
+
+    try:
+        if "hf" in base:
+            folder = resolve(base["hf"], weights=True)
+            now = fingerprint(folder)
+        else:
+            folder = Path(base["init_checkpoint"])
+            now = weights_fingerprint(folder) if folder.is_dir() else None
+    except (HFSourceError, OSError) as error:
+        now, folder = None, error
+    if now != base.get("fingerprint"):
+        what = base.get("hf") or base.get("init_checkpoint")
+        raise UsageError(f"checkpoint {checkpoint} holds only what trains; its base {what} "
+                         f"is {'gone' if now is None else 'changed'} (fingerprint "
+                         f"{base.get('fingerprint')}, now {now}): restore that base to load it")
+    return folder
+
+
+def _load_base(model, found: ModelCheckpoint) -> None:
+    """The recorded base's weights into ``model`` (HF weights mapped, or a dist checkpoint)."""
+    folder = base_folder(found.base, found.path)
+    if "hf" in found.base:
+        from models.sharding import load_hf_weights
+
+        try:
+            load_hf_weights(model, found.model_config, folder)
+        except UsageError as error:
+            raise UsageError(f"checkpoint {found.path}: base: {error}") from None
+    else:
+        load_weights(model, folder)
+
+
+def load_model(found: ModelCheckpoint, use_te: bool | None = None, merge: bool = True):
     """The model of ``found``'s config built at this process's TP / PP (``init_parallel``
-    first) with every weight of the checkpoint loaded, in eval mode.
+    first) with every weight of the checkpoint loaded, in eval mode: for a checkpoint that
+    holds only what trains, its base first; a LoRA run's adapters merged into the base weights
+    (``merge``; at TP = 1).
 
     Raises:
         UsageError: the weights do not load into the model, or one is missing (one line).
     """
+    from models.families import PARAMETER_GROUPS, family_of
+    from models.lora import add_adapters, is_adapter_key, merge_adapters
+
     model = build_model(found.model_config, use_te=use_te)
-    state = load_weights(model, found.weights, found.path)
-    missing = [k for k in model.state_dict() if not k.endswith("_extra_state") and k not in state]
+    if found.base is not None:
+        _load_base(model, found)
+    if found.lora is not None:
+        add_adapters(model, found.lora, family_of(found.model_config).parameter_group)
+    state = load_weights(model, found.weights, found.path, partial=found.base is not None)
+    group = family_of(found.model_config).parameter_group
+    frozen = {g for g in PARAMETER_GROUPS if (found.run_config or {}).get("model", {}).get(
+        f"freeze_{g}")} if found.base is not None else set()
+    missing = [k for k in model.state_dict() if not k.endswith("_extra_state") and k not in state
+               and (is_adapter_key(k) or group(k) not in frozen)]
     if missing:
         raise UsageError(f"checkpoint {found.path} lacks {missing[0]!r}")
+    if found.lora is not None and merge:
+        merge_adapters(model)
     return model.eval()
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 #: Written last into a step folder: the checkpoint is complete.
 COMPLETE = "COMPLETE"
 STEP_GLOB = "step_*"
+#: A step folder's training state: step, scheduler, layout, the base it refers to (if any).
+TRAIN_STATE = "train_state.json"
 
 
 def mark_complete(step_dir: Path, step: int) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 import click
 import torch
 
+from contract.errors import UsageError
 from models.families import (
     build_model,
     config_from_hf,
@@ -36,6 +37,7 @@ from models.families import (
     hf_model_class,
     mapping_module,
 )
+from models.sharding import load_hf_weights
 from models.verify_inputs import hf_inputs, make_inputs
 
 #: written last into a cached import folder (``import_hf_cached``): the import is complete
@@ -118,34 +120,6 @@ def resolve_hf(path_or_id: str) -> Path:
         raise UsageError(str(error).replace("model.hf ", "--hf ", 1)) from None
 
 
-def load_hf_weights(model, cfg, folder: Path) -> dict:
-    """Map the HF weights of ``folder`` onto this rank's part of ``model`` (local spec): its
-    pipeline stage's layers, its experts (EP), its TP slices. Returns the HF config.
-
-    Raises:
-        contract.errors.UsageError: a key or shape that does not map (the first offender named).
-    """
-    from models.hf_weights import read_hf_folder
-    from models.sharding import global_keys, shard_for_rank, weight_shapes
-
-    with refused():  # its messages name the folder
-        hf_config, hf_sd = read_hf_folder(folder)
-    to_global = global_keys(model)
-    shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
-    from megatron.core import parallel_state as ps
-
-    whole = (ps.get_pipeline_model_parallel_world_size() == 1
-             and ps.get_expert_model_parallel_world_size() == 1)
-    with refused(f"the HF weights of {folder}"):
-        if whole:  # the whole model is here (a first PP stage's names equal its PP=1 names too)
-            full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, shapes)
-        else:  # this stage's layers / this rank's experts, mapped under their global numbers
-            part = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
-            full = {local: part[glob] for local, glob in to_global.items() if glob in part}
-    model.load_state_dict(shard_for_rank(full, model), strict=False)
-    return hf_config
-
-
 def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
     from models.checkpoint import model_record, save_checkpoint
     from models.parallel import init_parallel
@@ -200,19 +174,28 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
     return target, False
 
 
-def mcore_to_hf(mcore: Path, out: Path) -> None:
+def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False) -> None:
     """Write an HF model folder (config.json, model.safetensors, tokenizer and processor files)
     from an import folder or a train.py run / step folder, whatever TP / PP / EP it was saved
-    with (loaded here at TP = PP = EP = 1)."""
+    with (loaded here at TP = PP = EP = 1). A LoRA run's adapters are merged into the weights
+    (W + alpha / r * B @ A); ``adapter``: write its HF PEFT folder instead
+    (``write_peft_folder``)."""
     from models.checkpoint import HF_JSON, load_model, read_checkpoint
     from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES, copy_files
     from models.hf_weights import is_our_key, write_hf_folder
     from models.parallel import init_parallel
 
     found = read_checkpoint(mcore)  # a bad folder: one line, before any process group
+    if adapter and found.lora is None:
+        raise UsageError(f"--adapter: {mcore} is not a checkpoint of a LoRA run (model.peft=lora)"
+                         "; export it without --adapter")
     init_parallel()
-    model, cfg, files = load_model(found, use_te=False), found.model_config, found.hf_files
+    model = load_model(found, use_te=False, merge=not adapter)
+    cfg, files = found.model_config, found.hf_files
     sd = {k: v.detach() for k, v in model.state_dict().items() if is_our_key(k)}
+    if adapter:
+        write_peft_folder(out, sd, found)
+        return
     source = next((p for p in (files and files / "config.json", found.folder / HF_JSON)
                    if p and p.is_file()), None)
     config = (json.loads(source.read_text()) if source is not None
@@ -220,6 +203,44 @@ def mcore_to_hf(mcore: Path, out: Path) -> None:
     write_hf_folder(out, config, mapping_module(cfg).ours_to_hf(sd, cfg))
     if files is not None:
         copy_files(files, Path(out), TOKENIZER_FILES + PROCESSOR_FILES)
+
+
+def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
+    """The HF PEFT folder of a LoRA run (``adapter_config.json`` + ``adapter_model.safetensors``)
+    that ``peft.PeftModel.from_pretrained(<the base HF model>, out)`` loads: each adapter under
+    the HF names of transformers' modules (a fused q/k/v or gate/up adapter split per projection:
+    B's rows split as the weight's, A shared), and the groups the run trained in full as
+    ``modules_to_save``."""
+    from safetensors.torch import save_file
+
+    from models.families import family_of
+    from models.lora import adapter_factors
+
+    cfg, lora, mapping = found.model_config, found.lora, mapping_module(found.model_config)
+    tensors, targets = {}, []
+    for weight_key, (a, b) in adapter_factors(sd).items():
+        for hf_key, b_part in mapping.ours_to_hf({weight_key: b}, cfg, hub_layout=False,
+                                                 only={weight_key}).items():
+            module = hf_key.removesuffix(".weight")
+            targets.append(module)
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.clone()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b_part.contiguous()
+    model_section = (found.run_config or {}).get("model", {})
+    group = family_of(cfg).parameter_group
+    trained = {k: v for k, v in sd.items() if "_lora." not in k
+               and not model_section.get(f"freeze_{group(k)}", True)}
+    saved = mapping.ours_to_hf(trained, cfg, hub_layout=False, only=set(trained)) if trained \
+        else {}
+    tensors |= {f"base_model.model.{k}": v for k, v in saved.items()}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(Path(out) / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": None, "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+              "target_modules": sorted(targets),
+              "modules_to_save": sorted({k.rsplit(".", 1)[0] for k in saved}) or None,
+              "base_model_name_or_path": (found.base or {}).get("hf"),
+              "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True}
+    (Path(out) / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:
@@ -315,10 +336,15 @@ def hf_to_mcore_command(hf: str, out: Path, tp: int, pp: int, **console) -> None
 @click.option("--mcore", required=True, type=_FOLDER, help="Megatron dist checkpoint folder.")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Output folder: config.json + safetensors that transformers loads.")
+@click.option("--adapter", is_flag=True,
+              help="A LoRA run: write its HF PEFT folder (adapter_config.json + "
+                   "adapter_model.safetensors, loaded by peft onto the base HF model) instead "
+                   "of the merged model.")
 @_console_options
-def mcore_to_hf_command(mcore: Path, out: Path, **console) -> None:
-    """Export a megatron dist checkpoint as a Hugging Face model folder."""
-    _run("mcore-to-hf", [], 1, lambda: mcore_to_hf(mcore, out), **console)
+def mcore_to_hf_command(mcore: Path, out: Path, adapter: bool, **console) -> None:
+    """Export a megatron dist checkpoint as a Hugging Face model folder (a LoRA run's adapters
+    merged into the weights, or with --adapter its PEFT folder)."""
+    _run("mcore-to-hf", [], 1, lambda: mcore_to_hf(mcore, out, adapter), **console)
 
 
 @cli.command("verify")

@@ -141,10 +141,14 @@ def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg, expected: dict[str, to
 
 def ours_to_hf(sd: dict[str, torch.Tensor], cfg, table: Table,
                hf_shapes: dict[str, tuple] | None = None,
-               hub_key: KeyMap | None = None) -> dict[str, torch.Tensor]:
+               hub_key: KeyMap | None = None,
+               only: set[str] | None = None) -> dict[str, torch.Tensor]:
     """Map our (TP=1) state dict to HF keys with a family's expanded ``table``; ``hub_key``
     turns a table key into the layout to write (default: as in the table); ``hf_shapes``: the HF
-    shape of a reshaped tensor (default: the patch kernel's)."""
+    shape of a reshaped tensor (default: the patch kernel's); ``only``: map just these keys of
+    ours (e.g. a LoRA B factor in place of its weight: fused rows split the same way)."""
+    if only is not None:
+        table = {hf: row for hf, row in table.items() if row[0] in only}
     v = cfg.vision
     patch_shape = (v.hidden_size, v.in_channels, getattr(v, "temporal_patch_size", 1),
                    v.patch_size, v.patch_size)

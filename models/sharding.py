@@ -1,5 +1,6 @@
 """Tensor / pipeline / expert parallel slicing of a model's weights, for loading weights that
-come whole (an HF import: ``models.convert.load_hf_weights``).
+come whole (an HF import: ``load_hf_weights``, used by ``models.convert`` and by
+``models.checkpoint`` for a checkpoint's recorded HF base).
 
 This module owns ``weight_shapes`` (each parameter's full, TP=1 shape from this rank's shards),
 ``global_keys`` (a pipeline stage's layers and an expert-parallel rank's experts named by their
@@ -83,3 +84,37 @@ def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tens
                 tensor = tensor.chunk(tp, dim)[rank]
         local[name] = tensor.to(p.dtype)
     return local
+
+
+def load_hf_weights(model, cfg, folder) -> dict:
+    """Map the HF weights of ``folder`` onto this rank's part of ``model`` (local spec): its
+    pipeline stage's layers, its experts (EP), its TP slices. Returns the HF config.
+
+    Raises:
+        contract.errors.UsageError: an unreadable folder, or a key or shape that does not map
+            (the first offender named).
+    """
+    from megatron.core import parallel_state as ps
+
+    from contract.errors import UsageError
+    from models.families import mapping_module
+    from models.hf_weights import read_hf_folder
+
+    try:
+        hf_config, hf_sd = read_hf_folder(folder)  # its messages name the folder
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    to_global = global_keys(model)
+    shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
+    whole = (ps.get_pipeline_model_parallel_world_size() == 1
+             and ps.get_expert_model_parallel_world_size() == 1)
+    try:
+        if whole:  # the whole model is here (a first PP stage's names equal its PP=1 names too)
+            full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, shapes)
+        else:  # this stage's layers / this rank's experts, mapped under their global numbers
+            part = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
+            full = {local: part[glob] for local, glob in to_global.items() if glob in part}
+    except ValueError as error:
+        raise UsageError(f"the HF weights of {folder}: {error}") from None
+    model.load_state_dict(shard_for_rank(full, model), strict=False)
+    return hf_config

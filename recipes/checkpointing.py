@@ -31,7 +31,13 @@ import torch.distributed as dist
 from contract.errors import UsageError
 from models import cpu
 from models.checkpoint import write_files
-from models.checkpoint_folders import COMPLETE, mark_complete, resolve_checkpoint, step_folders
+from models.checkpoint_folders import (
+    COMPLETE,
+    TRAIN_STATE,
+    mark_complete,
+    resolve_checkpoint,
+    step_folders,
+)
 from models.dist_load import check_dist_checkpoint, load_blob
 from recipes.layout import Layout
 
@@ -137,9 +143,6 @@ def prune(ckpt_dir: Path, current: int, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-TRAIN_STATE = "train_state.json"
-
-
 def read_train_state(path: str | Path, dp: int) -> dict:
     """Read and validate a checkpoint before any heavy work: train_state.json, completion,
     the data-parallel size, and every state file (safe formats only).
@@ -224,8 +227,25 @@ def _restore_torch_adam_steps(optimizer, loaded: dict) -> None:
                 state["step"] = torch.tensor(step)
 
 
-def _sharded(model, optimizer, is_loading: bool) -> dict:
+def _trainable(model, model_sd: dict) -> dict:
+    """The entries of ``model_sd`` whose tensor trains (a checkpoint that holds only what
+    trains: adapters and unfrozen groups; the frozen base is referred to, not copied), with the
+    extra state of the modules they belong to."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    kept = {name: entry for name, entry in model_sd.items()
+            if isinstance(getattr(entry, "data", None), torch.Tensor)
+            and id(entry.data) in trainable}
+    modules = {entry.key.rsplit(".", 1)[0] for entry in kept.values()}
+    return kept | {name: entry for name, entry in model_sd.items()
+                   if name not in kept and not isinstance(getattr(entry, "data", None),
+                                                          torch.Tensor)
+                   and entry.key.rsplit(".", 1)[0] in modules}
+
+
+def _sharded(model, optimizer, is_loading: bool, trainable_only: bool = False) -> dict:
     model_sd = model.sharded_state_dict()
+    if trainable_only:
+        model_sd = _trainable(model, model_sd)
     return {"model": model_sd,
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                       metadata=OPTIMIZER_METADATA)}
@@ -233,13 +253,16 @@ def _sharded(model, optimizer, is_loading: bool) -> dict:
 
 def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_states: list,
                     layout: Layout, train_state: dict, config_yaml: str, keep_last: int = 2,
-                    model_files: dict[str, bytes] | None = None) -> Path:
+                    model_files: dict[str, bytes] | None = None, base: dict | None = None
+                    ) -> Path:
     """Write ``ckpt_dir/step_<N>/`` (collective: every rank calls it), mark it complete, update
     ``latest`` and keep the newest ``keep_last`` complete step folders (0: all).
 
     ``loader_states``: this rank's Energon loader states (one per virtual DP reader), in their
     plain form (``energon_tasks.loader_state.to_plain``).
     ``model_files``: what export needs besides weights (``models.checkpoint.model_record``).
+    ``base``: the frozen base the run started from (``recipes.model_setup.base_source``): the
+    checkpoint then holds only what trains (and its optimizer state) and records the base.
     """
     from megatron.core import dist_checkpointing
 
@@ -250,13 +273,15 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_state
         for sub in ("model_optim", "loader", "rng"):
             (step_dir / sub).mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False),
+    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False,
+                                     trainable_only=base is not None),
                             str(step_dir / "model_optim"))
     write_rank_state(step_dir, layout, loader_states)
     dist.barrier()
     if layout.rank == 0:
         record = {**train_state, "step": step,
-                  "layout": {k: getattr(layout, k) for k in ("world", "tp", "pp", "cp", "dp")}}
+                  "layout": {k: getattr(layout, k) for k in ("world", "tp", "pp", "cp", "dp")},
+                  **({"base": base} if base is not None else {})}
         (step_dir / TRAIN_STATE).write_text(json.dumps(record, indent=2))
         (step_dir / "config.yaml").write_text(config_yaml)
         write_files(step_dir, model_files or {})
@@ -277,11 +302,12 @@ def load_checkpoint(resume: dict, *, model, optimizer, rng: dict | None) -> None
     from models import dist_load
 
     step_dir = Path(resume["dir"])
+    partial = resume.get("base") is not None  # the base was loaded from its source already
     _prime_torch_adam_state(optimizer)
     try:
-        state = dist_load.load(_sharded(model, optimizer, is_loading=True),
-                               step_dir / "model_optim")
-        model.load_state_dict(state["model"])
+        state = dist_load.load(_sharded(model, optimizer, is_loading=True,
+                                        trainable_only=partial), step_dir / "model_optim")
+        model.load_state_dict(state["model"], strict=not partial)
         with torch.no_grad():  # the distributed optimizer copies into views of the parameters
             optimizer.load_state_dict(state["optimizer"])
         _restore_torch_adam_steps(optimizer, state["optimizer"])

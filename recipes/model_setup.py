@@ -1,9 +1,11 @@
 """How train.py gets its model: built for this rank's layout (``build_model``: the family's model,
 vision DP over CP inside, the CPU context-parallel attention where there is no GPU), the weights
 of ``model.hf`` imported at the run's layout once and cached (``import_hf_weights``), and the
-parameter groups the run freezes (``freeze``: ``model.freeze_*``, grouped by the family's
-``parameter_group``; a frozen parameter has ``requires_grad`` off before DDP and the optimizer
-are built, so it gets no gradient buffer, no reduction and no optimizer state).
+parameter groups the run freezes and the LoRA adapters it adds (``freeze``: ``model.freeze_*``,
+grouped by the family's ``parameter_group``, and ``model.peft=lora``: ``models.lora``; a frozen
+parameter has ``requires_grad`` off before DDP and the optimizer are built, so it gets no
+gradient buffer, no reduction and no optimizer state), and the frozen base a run's checkpoints
+refer to instead of holding it (``base_source``).
 """
 
 from __future__ import annotations
@@ -23,19 +25,64 @@ def build_model(cfg):
     return model
 
 
-def freeze(model, cfg) -> tuple[int, int]:
-    """Turn off ``requires_grad`` of the parameter groups ``cfg.freeze`` names (on this rank's
-    part of the model). Returns (parameters, trainable parameters) of this rank."""
+def freeze(model, cfg) -> tuple[int, int, int]:
+    """Add the LoRA adapters of ``cfg.lora`` (if any), then turn off ``requires_grad`` of the
+    parameter groups ``cfg.freeze`` names (on this rank's part of the model; adapters always
+    train). Returns (parameters, trainable parameters, adapted linears) of this rank.
+
+    Raises:
+        UsageError: ``model.lora`` names no linear of this model, or one LoRA cannot adapt.
+    """
     from models.families import family_of
+    from models.lora import add_adapters, is_adapter_key
 
     frozen, group = cfg.freeze.frozen(), family_of(cfg.model).parameter_group
+    adapted = []
+    if cfg.lora is not None:
+        try:
+            adapted = add_adapters(model, cfg.lora, group)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
     total = trainable = 0
     for name, param in model.named_parameters():
-        if group(name) in frozen:
+        if group(name) in frozen and not is_adapter_key(name):
             param.requires_grad_(False)
         total += param.numel()
         trainable += param.numel() if param.requires_grad else 0
-    return total, trainable
+    return total, trainable, len(adapted)
+
+
+def base_source(cfg) -> dict | None:
+    """The weights a run starts from, as its checkpoints record them when they hold only what
+    trains: ``{"hf": <model.hf>, "fingerprint": ...}`` or ``{"init_checkpoint": <folder>,
+    "fingerprint": ...}``; None when nothing is frozen (the checkpoint holds every weight) or the
+    run starts from random weights (the base has no source to refer to)."""
+    from models.hf_source import fingerprint, resolve
+
+    if not (cfg.lora is not None or cfg.freeze.frozen()):
+        return None
+    if cfg.hf:
+        return {"hf": cfg.hf, "fingerprint": fingerprint(resolve(cfg.hf, weights=True))}
+    if cfg.train.init_checkpoint:
+        from models.checkpoint import weights_fingerprint
+
+        folder = Path(cfg.train.init_checkpoint)
+        return {"init_checkpoint": str(folder), "fingerprint": weights_fingerprint(folder)}
+    return None
+
+
+def check_base(recorded: dict, cfg, checkpoint: str) -> None:
+    """The base this run loads is the one the checkpoint was trained on.
+
+    Raises:
+        UsageError: another source, or the same source whose files changed (one line).
+    """
+    now = base_source(cfg) or {}
+    if {k: v for k, v in now.items()} != recorded:
+        said = ", ".join(f"{k}={v}" for k, v in recorded.items())
+        got = ", ".join(f"{k}={v}" for k, v in now.items()) or "no base"
+        raise UsageError(f"checkpoint {checkpoint} holds only what trains on the base {said}; "
+                         f"this run's base is {got}: resume with the same base weights")
 
 
 def import_hf_weights(cfg, is_logger: bool) -> str:

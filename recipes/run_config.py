@@ -26,6 +26,7 @@ from energon_tasks.config import TaskEncoderConfig
 from models.families import PARAMETER_GROUPS, config_from_dict
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.qwen_vl.config import QwenVLModelConfig
+from models.lora import LoRAConfig
 from recipes.compatibility import compatibility_problems, profile_for
 
 
@@ -111,8 +112,10 @@ class CheckpointConfig:
 class FreezeConfig:
     """Which parameter groups do not train (Megatron-Bridge's names; the run config's model
     section: ``model.freeze_vision_model=true``). Nothing is frozen by default: every parameter
-    is fine-tuned. A frozen parameter gets no gradient, no optimizer state and no gradient
-    reduction, and stays bit-identical through training, checkpoints and export."""
+    is fine-tuned; under ``model.peft=lora`` every group is frozen by default (the adapters
+    train) and ``model.freeze_<group>=false`` trains that group in full next to them. A frozen
+    parameter gets no gradient, no optimizer state and no gradient reduction, and stays
+    bit-identical through training, checkpoints and export."""
 
     freeze_vision_model: bool = False  #: the vision tower (patch embedding, blocks)
     #: the projection into the LM: Qwen-VL's merger and DeepStack mergers, Nemotron's projector
@@ -140,6 +143,8 @@ class RunConfig:
     hf: str | None = None
     #: ``model.freeze_*``: the parameter groups that do not train
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    #: ``model.peft=lora`` + ``model.lora.*``: the LoRA adapters (None: no adapters)
+    lora: LoRAConfig | None = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -162,26 +167,50 @@ def _refine(base: dict, inline: dict) -> dict:
     return merged
 
 
+def _lora_section(raw: dict, errors: list[str]) -> LoRAConfig | None:
+    """``model.peft`` (``lora`` or ``none``) and ``model.lora.*`` (popped from ``raw``)."""
+    peft, lora = raw.pop("peft", None), raw.pop("lora", None)
+    if peft in (None, "none", False):
+        if lora:
+            errors.append("model.lora.* is set but model.peft is not: add model.peft=lora")
+        return None
+    if peft != "lora":
+        errors.append(f"model.peft must be lora or none, got {peft!r}")
+        return None
+    found = build_into(LoRAConfig, lora, "model.lora", errors)
+    if found is not None:
+        errors += found.problems(PARAMETER_GROUPS)
+    return found
+
+
 def _model_section(raw: Any, errors: list[str]):
-    """(the model config, its freeze switches); the model is None when it cannot be built."""
+    """(the model config, its freeze switches, its LoRA settings); the model is None when it
+    cannot be built."""
     raw = dict(raw or {})
-    freeze = build_into(FreezeConfig, {key: raw.pop(key) for key in list(raw)
-                                       if key.startswith("freeze_")}, "model", errors)
+    lora = _lora_section(raw, errors)
+    switches = {key: raw.pop(key) for key in list(raw) if key.startswith("freeze_")}
+    if lora is not None:  # under LoRA the base is frozen unless a switch says otherwise
+        switches = {f"freeze_{group}": True for group in PARAMETER_GROUPS} | switches
+    freeze = build_into(FreezeConfig, switches, "model", errors)
+    if lora is not None and freeze is not None:
+        errors += [f"model.lora.parts names {group}, which trains in full "
+                   f"(model.freeze_{group}=false): adapt it or train it, not both"
+                   for group in lora.parts if group not in freeze.frozen()]
     base = raw.pop("base", None)
     if base is not None:
         try:
             merged = yaml.safe_load(Path(base).read_text()) or {}
         except OSError as error:
             errors.append(f"model.base: cannot read {base}: {error.strerror}")
-            return None, freeze
+            return None, freeze, lora
         raw = _refine(merged, raw)  # inline keys refine the base
     try:
-        return config_from_dict(raw), freeze  # the family key picks the config class
+        return config_from_dict(raw), freeze, lora  # the family key picks the config class
     except ConfigError as error:
         errors += error.problems
     except (ValueError, TypeError) as error:
         errors.append(str(error))
-    return None, freeze
+    return None, freeze, lora
 
 
 def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str, dict] | None:
@@ -245,8 +274,9 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
                if key not in known]
     sections = {name: build_into(cls, raw.get(name), name, errors) or cls()
                 for name, cls in SECTIONS.items()}
-    model, freeze = (None, None) if hf_failed else _model_section(raw.get("model"), errors)
-    if freeze and len(freeze.frozen()) == len(PARAMETER_GROUPS):
+    model, freeze, lora = ((None, None, None) if hf_failed
+                           else _model_section(raw.get("model"), errors))
+    if freeze and lora is None and len(freeze.frozen()) == len(PARAMETER_GROUPS):
         errors.append("model.freeze_vision_model, freeze_vision_projection and "
                       "freeze_language_model are all true: nothing would train")
     task_encoder = _task_encoder_section(raw.get("task_encoder"), sections["parallel"].cp, errors)
@@ -258,7 +288,8 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
         errors.append("model.hf and train.init_checkpoint exclude each other")
     raise_problems(errors)
     return RunConfig(out=str(raw.get("out", "runs/train")), model=model,
-                     task_encoder=task_encoder, hf=hf and hf[0], freeze=freeze, **sections)
+                     task_encoder=task_encoder, hf=hf and hf[0], freeze=freeze, lora=lora,
+                     **sections)
 
 
 def _check_values(s: dict) -> list[str]:
@@ -333,6 +364,8 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
 def to_dict(config: RunConfig) -> dict:
     """The resolved config as plain data (what is logged and saved with checkpoints)."""
     model = {**config.model.to_dict(), **dataclasses.asdict(config.freeze)}
+    if config.lora is not None:
+        model |= {"peft": "lora", "lora": dataclasses.asdict(config.lora)}
     return {"out": config.out, "model": {"hf": config.hf, **model} if config.hf else model,
             "task_encoder": config.task_encoder.to_dict(),
             **{name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}}

@@ -79,10 +79,14 @@ def check_run(cfg: RunConfig, world: int) -> None:
     problems = family.layout_problems(cfg.model, p)
     if problems:
         raise UsageError("; ".join(problems))
-    if p.pp > 1 and cfg.freeze.freeze_language_model:
+    lm_adapters = cfg.lora is not None and "language_model" in cfg.lora.parts
+    if p.pp > 1 and cfg.freeze.freeze_language_model and not lm_adapters:
         raise UsageError("model.freeze_language_model with parallel.pp > 1: the pipeline stages "
                          "after the first hold only language-model layers, nothing would train "
                          "there (freeze the LM at parallel.pp=1)")
+    if cfg.lora is not None and p.tp > 1 and "in_proj" in cfg.lora.target_modules:
+        raise UsageError("model.lora.target_modules: in_proj (a Mamba mixer's, whose rows are "
+                         "split over TP part by part) takes adapters at parallel.tp=1 only")
     if p.cp > 1 and te_cfg.packing:
         raise UsageError("parallel.cp > 1 with task_encoder.packing is not supported yet "
                          "(packed rows need a per-segment CP split)")

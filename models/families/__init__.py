@@ -32,8 +32,8 @@ FAMILIES = tuple(PACKAGES)
 #: what a model's parameters are, for freezing (``ModelFamily.parameter_group``)
 PARAMETER_GROUPS = ("vision_model", "vision_projection", "language_model")
 #: keys of a run config's model section that are run settings, not the model's shape: the HF
-#: model a run starts from, and which parameter groups it freezes
-RUN_KEYS = ("hf", *(f"freeze_{group}" for group in PARAMETER_GROUPS))
+#: model a run starts from, which parameter groups it freezes, its LoRA adapters
+RUN_KEYS = ("hf", *(f"freeze_{group}" for group in PARAMETER_GROUPS), "peft", "lora")
 
 
 class ModelFamily(Protocol):
@@ -113,7 +113,8 @@ def config_module(family: str) -> ModuleType:
 def config_from_dict(raw: dict):
     """The model config of a YAML/JSON dict, by its ``family`` key (default qwen2_5_vl's
     module, which then names the missing/invalid family). The run settings a saved run config
-    names next to the full model (``RUN_KEYS``: ``hf``, the ``freeze_*`` switches) are not part
+    names next to the full model (``RUN_KEYS``: ``hf``, the ``freeze_*`` switches, the LoRA
+    settings) are not part
     of the model's shape and are left aside."""
     raw = {key: value for key, value in raw.items() if key not in RUN_KEYS}
     family = raw.get("family")

@@ -179,9 +179,11 @@ def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfi
 
 
 def ours_to_hf(sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
-               hub_layout: bool = True) -> dict[str, torch.Tensor]:
-    """Map our (TP=1) state dict to the published HF key layout (+ ``summary_idxs``)."""
+               hub_layout: bool = True, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Map our (TP=1) state dict to the published HF key layout (+ ``summary_idxs``);
+    ``only``: just these keys of ours (no ``summary_idxs``)."""
     del hub_layout  # one layout: the published one
-    out = hf_weights.ours_to_hf(sd, cfg, _as_model_names(expand_table(cfg), sd))
-    out[SUMMARY_IDXS] = torch.tensor(cfg.vision.summary_idxs, dtype=torch.long)
+    out = hf_weights.ours_to_hf(sd, cfg, _as_model_names(expand_table(cfg), sd), only=only)
+    if only is None:
+        out[SUMMARY_IDXS] = torch.tensor(cfg.vision.summary_idxs, dtype=torch.long)
     return out

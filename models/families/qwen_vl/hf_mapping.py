@@ -139,10 +139,11 @@ def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
 
 
 def ours_to_hf(sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
-               hub_layout: bool = True) -> dict[str, torch.Tensor]:
-    """Map our (TP=1) state dict to HF keys (the hub's prefixes when ``hub_layout``)."""
+               hub_layout: bool = True, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Map our (TP=1) state dict to HF keys (the hub's prefixes when ``hub_layout``, else the
+    names of transformers' modules); ``only``: just these keys of ours."""
     hub = functools.partial(to_hub_hf_key, family=cfg.family) if hub_layout else None
-    return hf_weights.ours_to_hf(sd, cfg, expand_table(cfg), hub_key=hub)
+    return hf_weights.ours_to_hf(sd, cfg, expand_table(cfg), hub_key=hub, only=only)
 
 
 def _canonical(cfg: QwenVLModelConfig):

@@ -1,0 +1,293 @@
+"""LoRA adapters on megatron-core's tensor-parallel linears: what ``model.peft=lora`` adds to a
+model, how it trains at any TP, how it is merged back into the base weights.
+
+This module owns the adapter (``LoRAAdapter``), where adapters go (``add_adapters``: the
+``model.lora`` settings, ``LoRAConfig``), their merge into the base weights (``merge_adapters``,
+for eval, generation and the merged export) and their factors in our (TP = 1) names
+(``adapter_factors``, for the HF PEFT export of ``models.convert``).
+
+An adapter of the linear ``<parent>.<name>`` is the sibling module ``<parent>.<name>_lora``
+(``lora_a``: in -> r, ``lora_b``: r -> out); a forward hook on the linear adds
+``alpha / r * B(A(dropout(x)))`` to its output. Laid out so that TP > 1 computes what TP = 1 does
+(Megatron-Bridge's layout, new-families.md):
+
+- column-parallel base (out sharded): A replicated, B sharded like the base's rows; A's output
+  enters the TP region (all-reduce of its gradient; under sequence parallelism, gathered over the
+  sequence);
+- row-parallel base (in sharded): A sharded like the base's columns, B replicated; A's partial
+  outputs are summed over TP (reduce-scattered over the sequence under sequence parallelism).
+
+A replicated factor whose gradient is computed on a sequence shard is marked
+``sequence_parallel`` (megatron all-reduces those over TP). A starts from a seeded Kaiming
+uniform draw (the seed from the adapter's global name, so every TP / PP layout starts equal), B
+at zero: step 1 computes the base model's loss. Sharded checkpoint entries carry each factor's
+own TP axis (``sharded_state_dict``).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+#: the base linears that get adapters by default: attention and MLP linears (megatron names)
+DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+#: parameter groups whose linears get adapters by default (the ViT only when asked)
+DEFAULT_PARTS = ("language_model",)
+SUFFIX = "_lora"  #: an adapter's module name: the base linear's name + SUFFIX
+
+
+@dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """``model.lora.*`` (with ``model.peft=lora``): the adapters of a run."""
+
+    rank: int = 16  #: r: the adapters' inner width
+    alpha: float = 32.0  #: the update is scaled by alpha / r
+    dropout: float = 0.0  #: dropout on the adapters' input (training only)
+    #: names of the linears that get adapters (megatron's: linear_qkv, linear_proj, linear_fc1,
+    #: linear_fc2; Nemotron's Mamba mixers: in_proj, out_proj)
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    #: parameter groups whose linears get adapters (language_model, vision_model,
+    #: vision_projection)
+    parts: list[str] = field(default_factory=lambda: list(DEFAULT_PARTS))
+    experts: bool = False  #: adapters on MoE experts' linears too (vLLM does not load those)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def problems(self, groups: tuple[str, ...]) -> list[str]:
+        """What is wrong with these settings (one line each)."""
+        out = []
+        if self.rank < 1:
+            out.append(f"model.lora.rank must be >= 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            out.append("model.lora.target_modules is empty: no linear would get an adapter")
+        unknown = [p for p in self.parts if p not in groups]
+        if unknown or not self.parts:
+            out.append(f"model.lora.parts must be a non-empty list of {list(groups)}, "
+                       f"got {self.parts}")
+        return out
+
+
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def _kind(base: nn.Module) -> str | None:
+    """``column`` / ``row`` for megatron's parallel linears (``plain`` for torch's), else None."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(base, ColumnParallelLinear):
+        return "column"
+    if isinstance(base, RowParallelLinear):
+        return "row"
+    if type(base).__name__ in ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear"):
+        return "column"
+    if type(base).__name__ == "TERowParallelLinear":
+        return "row"
+    return "plain" if isinstance(base, nn.Linear) else None
+
+
+def _features(base: nn.Module) -> tuple[int, int]:
+    """(in, out) features of the base linear on this rank."""
+    out_features, in_features = base.weight.shape
+    return in_features, out_features
+
+
+class LoRAAdapter(nn.Module):
+    """The adapter of one base linear (see the module docstring); ``global_name``: the base's
+    name at TP = PP = 1 (its layer numbered globally), which seeds A."""
+
+    def __init__(self, base: nn.Module, cfg: LoRAConfig, global_name: str, *, is_expert: bool):
+        super().__init__()
+        self.kind = _kind(base)
+        tp, tp_rank = (1, 0) if self.kind == "plain" or is_expert else _tp()
+        self.tp = tp
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and tp > 1
+        in_local, out_local = _features(base)
+        in_full = in_local * tp if self.kind == "row" else in_local
+        device, dtype = base.weight.device, base.weight.dtype
+        a_in = in_local if self.kind == "row" else in_full
+        b_out = out_local
+        self.lora_a = nn.Linear(a_in, cfg.rank, bias=False, device=device, dtype=dtype)
+        self.lora_b = nn.Linear(cfg.rank, b_out, bias=False, device=device, dtype=dtype)
+        self.scale, self.dropout = cfg.scale, nn.Dropout(cfg.dropout)
+        self.norm = _fused_norm(base)
+        with torch.no_grad():
+            full_a = _seeded_a(global_name, cfg.rank, in_full)
+            if self.kind == "row":
+                full_a = full_a.chunk(tp, dim=1)[tp_rank]
+            self.lora_a.weight.copy_(full_a)
+            self.lora_b.weight.zero_()
+        for factor, replicated in ((self.lora_a, self.kind != "row"),
+                                   (self.lora_b, self.kind == "row")):
+            weight = factor.weight
+            weight.tensor_model_parallel = not replicated and tp > 1
+            weight.partition_dim = 0 if factor is self.lora_b else 1
+            weight.partition_stride = 1
+            if replicated and self.sequence_parallel:
+                weight.sequence_parallel = True
+            if is_expert:
+                weight.allreduce = False  # experts reduce over the expert-DP group
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """alpha / r * B(A(x)) with x the base linear's input; the same layout as its output."""
+        from megatron.core import tensor_parallel as tpl
+
+        if self.norm is not None:
+            x = self.norm(x)
+        h = self.lora_a(self.dropout(x))
+        if self.kind == "column" and self.tp > 1:
+            h = (tpl.gather_from_sequence_parallel_region(h) if self.sequence_parallel
+                 else tpl.copy_to_tensor_model_parallel_region(h))
+        elif self.kind == "row" and self.tp > 1:
+            h = (tpl.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
+                 else tpl.reduce_from_tensor_model_parallel_region(h))
+        return self.lora_b(h) * self.scale
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Each factor sharded on its own TP axis (B's rows for a column base, A's columns for a
+        row base), the other replicated over TP."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axis = ({"lora_b.weight": 0} if self.kind == "column" else
+                {"lora_a.weight": 1} if self.kind == "row" else {})
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, axis if self.tp > 1 else {},
+                                                   sharded_offsets)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """The base weight's update on this rank: alpha / r * B @ A (TP = 1 only)."""
+        return (self.lora_b.weight.float() @ self.lora_a.weight.float()) * self.scale
+
+
+def _fused_norm(base: nn.Module):
+    """The layer norm a TransformerEngine ``LayerNormColumnParallelLinear`` applies to its input
+    before the matmul (the adapter must see the normalised input too), or None."""
+    weight = getattr(base, "layer_norm_weight", None)
+    if weight is None:
+        return None
+    bias = getattr(base, "layer_norm_bias", None)
+    eps = getattr(base, "eps", 1e-5)
+    kind = getattr(base, "normalization", "LayerNorm")
+
+    def norm(x):
+        if kind == "RMSNorm":
+            y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+            return (y * (1 + weight.float() if getattr(base, "zero_centered_gamma", False)
+                         else weight.float())).to(x.dtype)
+        return nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+    return norm
+
+
+def _seeded_a(name: str, rank: int, in_features: int) -> torch.Tensor:
+    """A's start: Kaiming uniform (torch's Linear init, as PEFT) from a generator seeded by the
+    adapter's global name: equal at every layout and on every rank."""
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    bound = 1.0 / math.sqrt(in_features)
+    return (torch.rand(rank, in_features, generator=generator) * 2 - 1) * bound
+
+
+def _hook(adapter: LoRAAdapter):
+    def add_delta(module, args, output):
+        delta = adapter.delta(args[0])
+        if isinstance(output, tuple):  # megatron's linears return (output, bias)
+            return (output[0] + delta.to(output[0].dtype), *output[1:])
+        return output + delta.to(output.dtype)
+
+    return add_delta
+
+
+def _global_name(model: nn.Module, name: str) -> str:
+    """``name`` with each ``layers.<i>`` numbered as at PP = 1 (megatron's 1-based
+    ``layer_number`` of the layer), so an adapter is seeded alike on every pipeline layout."""
+    parts = name.split(".")
+    for at in range(len(parts) - 1):
+        if parts[at] == "layers" and parts[at + 1].isdigit():
+            layer = model.get_submodule(".".join(parts[: at + 2]))
+            number = getattr(layer, "layer_number", None)
+            if isinstance(number, int):
+                parts[at + 1] = str(number - 1)
+    return ".".join(parts)
+
+
+def add_adapters(model: nn.Module, cfg: LoRAConfig, group_of) -> list[str]:
+    """Add an adapter to every linear of ``model`` named in ``cfg.target_modules`` whose
+    parameter group (``group_of(<name>.weight)``) is in ``cfg.parts`` (MoE experts' linears only
+    with ``cfg.experts``). Returns the adapted linears' names.
+
+    Raises:
+        ValueError: a targeted linear of a kind adapters do not support (e.g. grouped experts).
+    """
+    adapted = []
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in cfg.target_modules or group_of(f"{name}.weight") not in cfg.parts:
+            continue
+        is_expert = ".experts." in name
+        if is_expert and not cfg.experts:
+            continue
+        if _kind(module) is None or getattr(module, "weight", None) is None:
+            raise ValueError(f"model.lora.target_modules: {name} ({type(module).__name__}) "
+                             "is not a linear LoRA supports")
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if type(parent).__name__ == "MambaMixer" and leaf == "in_proj" and _tp()[0] > 1:
+            raise ValueError(f"model.lora.target_modules: {name} (a Mamba mixer's in_proj, "
+                             "whose rows are split over TP part by part) takes an adapter at "
+                             "parallel.tp=1 only")
+        adapter = LoRAAdapter(module, cfg, _global_name(model, name), is_expert=is_expert)
+        parent.add_module(leaf + SUFFIX, adapter)
+        module.register_forward_hook(_hook(adapter))
+        module.lora_adapter = [adapter]  # a list: not registered as a child a second time
+        adapted.append(name)
+    if not adapted:
+        raise ValueError(f"model.lora: no linear named {cfg.target_modules} in {cfg.parts}")
+    return adapted
+
+
+def is_adapter_key(key: str) -> bool:
+    """A state-dict key of an adapter factor."""
+    return f"{SUFFIX}.lora_a." in key or f"{SUFFIX}.lora_b." in key
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> int:
+    """Fold every adapter into its base weight (W += alpha / r * B @ A) and remove it (TP = 1:
+    eval, generation and the merged export load at TP = 1). Returns how many were merged."""
+    merged = 0
+    for name, module in list(model.named_modules()):
+        adapters = getattr(module, "lora_adapter", None)
+        if not adapters:
+            continue
+        adapter = adapters[0]
+        if adapter.tp > 1:
+            raise ValueError("merge_adapters runs at TP = 1")
+        module.weight.add_(adapter.merged_weight().to(module.weight.dtype))
+        module._forward_hooks.clear()
+        del module.lora_adapter
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        delattr(parent, name.rsplit(".", 1)[-1] + SUFFIX)
+        merged += 1
+    return merged
+
+
+def adapter_factors(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor,
+                                                                       torch.Tensor]]:
+    """base linear's weight key -> (A, B) of a TP = 1 state dict."""
+    out = {}
+    for key in state:
+        if key.endswith(f"{SUFFIX}.lora_a.weight"):
+            base = key[: -len(f"{SUFFIX}.lora_a.weight")]
+            out[f"{base}.weight"] = (state[key], state[f"{base}{SUFFIX}.lora_b.weight"])
+    return out

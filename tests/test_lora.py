@@ -1,0 +1,219 @@
+"""LoRA (``model.peft=lora``): the settings, the adapters on megatron's linears (B = 0 starts at
+the base model; merged equals adapted), and runs from tiny HF models of both families through
+train.py and ``models.convert``: the first loss equals the base model's, the checkpoint holds
+only what trains, resume is exact, TP = 2 equals TP = 1, and both exports (merged, and the HF
+PEFT folder that ``peft`` loads onto the base) give the same logits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from contract.errors import ConfigError
+from recipes.run_config import dump_yaml, load_run_config
+from tests.test_hf_journey import JOURNEYS, export, train_from_hf
+from tests.test_train import MANTIS_CFG, losses
+from tests.tiny_hf import build_tiny_hf_model
+
+LORA = ("model.peft=lora", "model.lora.rank=4", "model.lora.alpha=8")
+
+
+def test_settings_default_freeze_the_base_round_trip_and_refuse_nonsense():
+    cfg = load_run_config(MANTIS_CFG, ["model.peft=lora"])
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout) == (16, 32.0, 0.0)
+    assert cfg.lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert cfg.lora.parts == ["language_model"] and cfg.lora.experts is False
+    assert set(cfg.freeze.frozen()) == {"vision_model", "vision_projection", "language_model"}
+    cfg = load_run_config(MANTIS_CFG, [*LORA, "model.freeze_vision_projection=false"])
+    assert cfg.freeze.frozen() == ("vision_model", "language_model")  # the projector trains
+    again = load_run_config(None, stored=yaml.safe_load(dump_yaml(cfg)))  # eval.py's path
+    assert again.lora == cfg.lora and again.freeze == cfg.freeze
+    assert load_run_config(MANTIS_CFG).lora is None
+    for bad, said in ((["model.lora.rank=4"], "add model.peft=lora"),
+                      (["model.peft=qlora"], "model.peft must be lora or none"),
+                      (["model.peft=lora", "model.lora.rank=0"], "rank must be >= 1"),
+                      (["model.peft=lora", "model.lora.parts=[vit]"], "model.lora.parts"),
+                      (["model.peft=lora", "model.lora.rnk=3"], "did you mean model.lora.rank")):
+        with pytest.raises(ConfigError, match=said):
+            load_run_config(MANTIS_CFG, bad)
+
+
+def _tiny(family: str):
+    from models.families import build_model, config_module
+    from models.parallel import init_parallel
+    from tests.conftest import REPO
+
+    init_parallel()
+    torch.manual_seed(0)
+    cfg = config_module(family).load_yaml(REPO / "configs" / f"{family}_tiny.yaml")
+    return cfg, build_model(cfg, use_te=False).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni"])
+def test_adapters_start_at_the_base_and_merge_into_it(family):
+    """B = 0: the adapted model computes the base's logits; with B drawn at random, folding the
+    adapters into the weights (``merge_adapters``) computes what the adapted model does."""
+    from models.convert import our_logits
+    from models.families import get
+    from models.lora import LoRAConfig, add_adapters, merge_adapters
+
+    cfg, model = _tiny(family)
+    inputs = next(iter(get(family).verify_inputs(cfg).values()))  # an image and its text
+    base = our_logits(model, inputs)
+    adapted = add_adapters(model, LoRAConfig(rank=4, alpha=8), get(family).parameter_group)
+    assert adapted and all(n.startswith("language_model.") for n in adapted)
+    assert torch.equal(our_logits(model, inputs), base)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_b.weight"):
+                param.normal_(0, 0.05)
+    lora = our_logits(model, inputs)
+    assert (lora - base).abs().max() > 1e-3
+    assert merge_adapters(model) == len(adapted)
+    assert not any("_lora." in name for name, _ in model.named_parameters())
+    torch.testing.assert_close(our_logits(model, inputs), lora, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, mantis_out):
+    """A tiny HF Qwen2.5-VL; 3 LoRA steps with the projector trained in full (checkpoints at
+    steps 2 and 3), and 1 step of the base model from the same weights and data."""
+    root = tmp_path_factory.mktemp("lora")
+    hf = build_tiny_hf_model("qwen2_5_vl", root / "hf", pixels=JOURNEYS["qwen2_5_vl"][1])
+    cache = root / "cache"
+    train_from_hf("qwen2_5_vl", hf, root / "base", cache, mantis_out, "train.steps=1")
+    proc = train_from_hf("qwen2_5_vl", hf, root / "run", cache, mantis_out, *LORA,
+                         "model.freeze_vision_projection=false", "train.steps=3",
+                         "checkpoint.interval=2", "train.keep_checkpoints=0")
+    return {"root": root, "hf": hf, "cache": cache, "stdout": proc.stdout}
+
+
+def _checkpoint_keys(step) -> list[str]:
+    from models.dist_load import read_metadata
+
+    return sorted(read_metadata(step / "model_optim").state_dict_metadata)
+
+
+@pytest.mark.slow
+def test_lora_run_starts_at_the_base_and_saves_only_what_trains(lora_run):
+    root = lora_run["root"]
+    assert losses(root / "run")[0] == losses(root / "base")[0]  # B = 0: the base model's loss
+    assert "LoRA r 4 alpha 8 on 8 linears" in lora_run["stdout"]
+    assert "checkpoints hold what trains" in lora_run["stdout"]
+    step = root / "run" / "checkpoints" / "step_000003"
+    keys = _checkpoint_keys(step)
+    model_keys = [k for k in keys if not k.startswith("optimizer.")]
+    assert model_keys and all("_lora." in k or k.startswith("vision.merger.")
+                              for k in model_keys), model_keys
+    assert any(k.startswith("vision.merger.") for k in model_keys)  # trained in full: saved
+    assert not any("word_embeddings" in k or "linear_qkv.weight" in k for k in keys)
+    base = json.loads((step / "train_state.json").read_text())["base"]
+    assert base["hf"] == str(lora_run["hf"]) and base["fingerprint"]
+
+
+@pytest.mark.slow
+def test_lora_resume_is_exact_and_checks_its_base(lora_run, mantis_out, tmp_path):
+    from tests.test_hf_journey import FAST, train
+    from tests.test_train import error_line
+
+    root = lora_run["root"]
+    out = tmp_path / "resumed"
+    shutil.copytree(root / "run" / "checkpoints" / "step_000002",
+                    out / "checkpoints" / "step_000002")
+    args = (str(JOURNEYS["qwen2_5_vl"][0]), f"data.path={mantis_out}/metadataset.yaml",
+            f"out={out}", f"train.hf_import_cache={lora_run['cache']}", *FAST, *LORA,
+            "model.freeze_vision_projection=false", "train.steps=3")
+    proc = train(*args, f"model.hf={lora_run['hf']}", "--resume",
+                 str(out / "checkpoints" / "step_000002"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert losses(out) == losses(root / "run")[2:]  # bit-exact on CPU
+    other = build_tiny_hf_model("qwen2_5_vl", tmp_path / "other", seed=1,
+                                pixels=JOURNEYS["qwen2_5_vl"][1])
+    proc = train(*args, f"model.hf={other}", "--resume", str(out / "checkpoints" / "step_000002"))
+    assert proc.returncode == 2
+    assert "holds only what trains on the base" in error_line(proc)
+
+
+@pytest.mark.slow
+def test_merged_and_peft_exports_give_the_same_logits(lora_run, tmp_path):
+    """The merged export loads in transformers with our logits; the PEFT folder loads with peft
+    onto the base HF model and gives the merged export's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from models.checkpoint import read_checkpoint
+    from models.convert import hf_logits, main
+    from models.verify_inputs import hf_inputs, make_inputs
+    from tests.test_hf_journey import LOGITS_TOLERANCE, logits_diff
+
+    run = lora_run["root"] / "run"
+    merged = export(run, tmp_path / "merged")
+    assert max(logits_diff(run, merged).values()) <= LOGITS_TOLERANCE
+    assert main(["mcore-to-hf", "--mcore", str(run), "--out", str(tmp_path / "peft"),
+                 "--adapter"]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    assert "model.language_model.layers.0.self_attn.q_proj" in config["target_modules"]
+    assert config["modules_to_save"]  # the projector trained in full
+    def hf(folder):
+        return AutoModelForImageTextToText.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+    peft_model = PeftModel.from_pretrained(hf(lora_run["hf"]), tmp_path / "peft").eval()
+    full, cfg = hf(merged), read_checkpoint(run).model_config
+    for inputs in make_inputs(cfg).values():  # images (the trained projector), video, text
+        want = hf_logits(full, hf_inputs(cfg, inputs))
+        assert (hf_logits(peft_model, hf_inputs(cfg, inputs)) - want).abs().max() \
+            <= LOGITS_TOLERANCE
+    assert main(["mcore-to-hf", "--mcore", str(lora_run["root"] / "base"), "--out",
+                 str(tmp_path / "x"), "--adapter"]) == 2
+
+
+@pytest.mark.slow
+def test_tp2_lora_equals_tp1_on_nemotron(tmp_path, mantis_out):
+    """Nemotron-Omni (Mamba + attention + MLP LM) with adapters on its attention, MLP and Mamba
+    output projections: 3 steps at TP = 2 (column and row adapters sharded) give TP = 1's
+    losses, and both checkpoints merge to the same weights; a Mamba in_proj adapter is refused
+    at TP = 2 in one line."""
+    from tests.test_hf_journey import state
+
+    hf = build_tiny_hf_model("nemotron_omni", tmp_path / "hf", pixels=(16384, 16384))
+    targets = ("model.lora.target_modules="
+               "[linear_qkv,linear_proj,linear_fc1,linear_fc2,out_proj]")
+    runs = {}
+    for tp in (1, 2):
+        runs[tp] = tmp_path / f"tp{tp}"
+        train_from_hf("nemotron_omni", hf, runs[tp], tmp_path / "cache", mantis_out, *LORA,
+                      targets, "train.steps=3", "train.lr=1e-2", f"parallel.tp={tp}",
+                      nproc=tp, plain=tp > 1)
+    one, two = losses(runs[1]), losses(runs[2])
+    assert one[0] != one[-1]  # the adapters trained
+    torch.testing.assert_close(two, one, rtol=2e-4, atol=0)
+    merged = {tp: state(runs[tp]) for tp in runs}
+    for key, value in merged[1].items():
+        torch.testing.assert_close(merged[2][key], value, rtol=1e-3, atol=1e-5, msg=key)
+    from tests.test_train import error_line, train
+
+    proc = train(str(JOURNEYS["nemotron_omni"][0]), f"model.hf={hf}", *LORA,
+                 f"data.path={mantis_out}/metadataset.yaml", f"out={tmp_path / 'x'}",
+                 f"train.hf_import_cache={tmp_path / 'cache'}", "parallel.tp=2",
+                 "model.lora.target_modules=[in_proj]", nproc=2)
+    assert proc.returncode == 2 and "in_proj" in error_line(proc)
+
+
+@pytest.mark.slow
+def test_lora_under_pp2_equals_pp1(mantis_out, tmp_path):
+    """LoRA with a frozen LM split over two pipeline stages (each stage's layers adapted, seeded
+    by their global layer numbers) gives the PP = 1 losses from the same base, which the
+    checkpoints refer to (``train.init_checkpoint``)."""
+    from tests.test_train import pp2_and_pp1_losses
+
+    pp2_and_pp1_losses(MANTIS_CFG, mantis_out, tmp_path, "checkpoint.save_final=true",
+                       shared=(*LORA, "train.lr=1e-2"))
+    state = json.loads((tmp_path / "pp2" / "checkpoints" / "step_000003" /
+                        "train_state.json").read_text())
+    assert state["base"]["init_checkpoint"] == str(tmp_path / "init")
