@@ -1,0 +1,136 @@
+"""slurm/prepare.sbatch and slurm/train.sbatch submitted as they are to a real one-node SLURM
+started on this machine (Debian's slurm-wlm + munge, ``slurm/local_cluster.sh``): a 3-task
+conversion array equals the one-machine conversion byte for byte, a training job runs, and a
+requeued training job resumes exactly. Dry runs check the scripts' parameters without SLURM.
+Skipped (with the reason) where SLURM cannot be had: not root, or the packages do not install.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import REPO, read_samples, run_cli
+from tests.converters.test_pipeline import _same_output
+from tests.test_train import FAST, MANTIS_CFG, losses, records
+
+SLURM = REPO / "slurm"
+
+
+def _dry(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SLURM / script), *args], cwd=REPO, text=True,
+                          capture_output=True, env={**os.environ, "VLM_DRY_RUN": "1", **env})
+
+
+def test_scripts_map_their_parameters_dry_run():
+    proc = _dry("prepare.sbatch", "mantis", "src", "out", "--shard-size", "4",
+                SLURM_ARRAY_TASK_COUNT="3", SLURM_ARRAY_TASK_ID="2", SLURM_CPUS_PER_TASK="16")
+    assert proc.returncode == 0, proc.stderr
+    assert ("-m converters mantis --source src --out out --num-partitions 3 "
+            "--partition-index 2 --workers 16 --shard-size 4") in proc.stdout
+    proc = _dry("prepare.sbatch", "mantis", "src", "out", "--workers", "3")
+    assert "--num-partitions 1 --partition-index 0 --workers 3" in proc.stdout
+    proc = _dry("prepare.sbatch", "coco", "src", "out")
+    assert proc.returncode == 2 and "dataset must be mantis, infovqa or llava-video" in proc.stderr
+    assert _dry("prepare.sbatch", "mantis").returncode == 2
+    proc = _dry("train.sbatch", "configs/train_qwen_vl_mantis.yaml", "train.steps=5",
+                SLURM_NNODES="4", SLURM_JOB_ID="77", GPUS_PER_NODE="8", MASTER_ADDR="node1")
+    assert proc.returncode == 0, proc.stderr
+    assert ("-m recipes.launch --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d "
+            "--rdzv-endpoint node1:20077 --rdzv-id 77 train.py "
+            "configs/train_qwen_vl_mantis.yaml train.steps=5 train.auto_resume=true"
+            ) in proc.stdout
+    proc = _dry("train.sbatch", "configs/train_qwen_vl_mantis.yaml", VLM_PYTHON="/no/python")
+    assert proc.returncode == 2 and "no venv python at /no/python" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """SLURM_CONF of a running one-node cluster (torn down after the module)."""
+    where = tmp_path_factory.mktemp("slurm")
+    up = subprocess.run(["bash", str(SLURM / "local_cluster.sh"), "up", str(where)],
+                        capture_output=True, text=True, timeout=900)
+    if up.returncode == 3:
+        pytest.skip(f"no SLURM here: {up.stderr.strip()}")
+    assert up.returncode == 0, up.stderr
+    env = {**os.environ, "SLURM_CONF": str(where / "slurm.conf")}
+    yield env
+    subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True)
+    subprocess.run(["bash", str(SLURM / "local_cluster.sh"), "down", str(where)],
+                   capture_output=True, timeout=60)
+
+
+def _submit(env: dict, *args: str) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def _queued(env: dict, job: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i"], env=env, text=True,
+                         capture_output=True).stdout
+    return bool(out.strip())
+
+
+def _wait(env: dict, job: str, timeout: float = 600) -> None:
+    end = time.monotonic() + timeout
+    while _queued(env, job):
+        assert time.monotonic() < end, f"job {job} still queued after {timeout} s"
+        time.sleep(1)
+
+
+@pytest.mark.slow
+def test_prepare_array_equals_one_machine(slurm, sources, mantis_out, tmp_path):
+    """The 3-task array equals the same 3 partitions converted one after the other here, byte
+    for byte (shards, their indexes, rejects, metadataset.yaml), and holds the very samples of
+    the unpartitioned conversion (shard boundaries follow the partitions)."""
+    options = ("--shard-size", "4", "--val-fraction", "0.2", "--workers", "1")
+    out, here = tmp_path / "out", tmp_path / "here"
+    job = _submit(slurm, "--array=0-2", "--cpus-per-task=1", f"--output={tmp_path}/%a.log",
+                  "slurm/prepare.sbatch", "mantis", str(sources["mantis"]), str(out), *options)
+    for index in range(3):
+        run_cli("converters", "mantis", "--source", str(sources["mantis"]), "--out", str(here),
+                "--num-partitions", "3", "--partition-index", str(index), *options)
+    _wait(slurm, job)
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("*.log")))
+    assert (out / "summary.json").is_file(), logs[-3000:]
+    assert logs.count("partition done") == 2  # two tasks left it to the one that finalized
+    _same_output(here, out)
+    assert (out / "metadataset.yaml").read_bytes() == (here / "metadataset.yaml").read_bytes()
+    assert read_samples(out) == read_samples(mantis_out)
+
+
+@pytest.mark.slow
+def test_train_job_then_a_requeue_resumes_exactly(slurm, mantis_out, tmp_path):
+    """The same run three ways: train.py here, a SLURM job, and a SLURM job requeued (SIGTERM:
+    checkpoint, exit; the requeued job auto-resumes) after its second step: equal losses."""
+    from tests.test_train import ok, train
+
+    args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=30",
+            *FAST]
+    ok(train(*args, f"out={tmp_path / 'here'}"))
+    job = _submit(slurm, "--cpus-per-task=2", f"--output={tmp_path}/job.log",
+                  "slurm/train.sbatch", *args, f"out={tmp_path / 'job'}")
+    _wait(slurm, job)
+    assert losses(tmp_path / "job") == losses(tmp_path / "here"), \
+        (tmp_path / "job.log").read_text()[-3000:]
+    requeued = tmp_path / "requeued"
+    job = _submit(slurm, "--cpus-per-task=2", f"--output={tmp_path}/requeued.log",
+                  "slurm/train.sbatch", *args, f"out={requeued}")
+    end = time.monotonic() + 300
+    while not ((requeued / "metrics.jsonl").is_file() and len(records(requeued)) >= 2):
+        assert time.monotonic() < end and _queued(slurm, job), \
+            (tmp_path / "requeued.log").read_text()[-3000:]
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", job], env=slurm, check=True, capture_output=True)
+    _wait(slurm, job)
+    log = (tmp_path / "requeued.log").read_text()
+    assert "stopped by SIGTERM" in log and "(restart 1)" in log, log[-3000:]
+    assert [r["step"] for r in records(requeued)] == list(range(1, 31))
+    assert losses(requeued) == losses(tmp_path / "here")
+    shutil.rmtree(requeued / "checkpoints", ignore_errors=True)
