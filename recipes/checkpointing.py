@@ -339,11 +339,13 @@ def _check_finite(model, step_dir: Path) -> None:
 def _together(action, step_dir: Path, work: Path, first: bool) -> None:
     """Run ``action`` (None: nothing on this rank), then agree over every rank whether a write
     failed anywhere: then the partial folder is removed and every rank raises RunFailure."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     failure = None
     try:
         if action is not None:
             action()
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError, CheckpointException) as error:
         failure = _write_failure(error)
         if failure is None:
             raise
@@ -354,34 +356,42 @@ def _together(action, step_dir: Path, work: Path, first: bool) -> None:
     if first:
         shutil.rmtree(work, ignore_errors=True)
     newest = newest_complete(step_dir.parent)
-    raise RunFailure(f"saving checkpoint {step_dir.name} failed ({failure or 'on another rank'}); "
-                     f"{newest or 'no checkpoint'} is still the newest")
+    free = shutil.disk_usage(step_dir.parent).free / 2**30
+    raise RunFailure(f"saving checkpoint {step_dir.name} failed ({failure or 'on another rank'}; "
+                     f"{free:.1f} GiB free there); {newest or 'no checkpoint'} is still the newest")
 
 
 def _write_failure(error: BaseException) -> str | None:
-    """What an exception of a save says went wrong with a write (``OSError`` or one wrapped by
-    torch's DCP), or None when it is no write failure (a bug: it propagates)."""
+    """What an exception of a save says went wrong with a write: an ``OSError`` (raised here or
+    wrapped by torch's DCP writer), or a failure of DCP's writer (its workers report a full disk
+    or a file-size limit as their own error); None when it is neither (a bug: it propagates)."""
     import errno
     import os
 
-    seen, todo = set(), [error]
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen, todo, writer = set(), [error], None
     while todo:
         current = todo.pop()
-        if id(current) in seen or current is None:
+        if current is None or id(current) in seen:
             continue
         seen.add(id(current))
         if isinstance(current, OSError):
             if not current.errno:
                 return str(current)
             return f"{errno.errorcode.get(current.errno, '')}: {os.strerror(current.errno)}"
+        if isinstance(current, CheckpointException):
+            for value in current.failures.values():
+                inner = value[0] if isinstance(value, tuple) else value
+                writer = writer or f"the checkpoint writer failed: {_first_line(inner)}"
+                todo.append(inner)
         todo += [current.__cause__, current.__context__]
-        for value in getattr(current, "failures", {}).values():  # DCP's CheckpointException
-            todo.append(value[0] if isinstance(value, tuple) else value)
-        text = str(current)
-        for marker in ("No space left on device", "File too large", "Disk quota exceeded"):
-            if marker in text:
-                return marker
-    return None
+    return writer
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _replace(work: Path, step_dir: Path) -> None:
