@@ -109,7 +109,9 @@ def _size_problem(step_dir: Path, name: str, entry) -> str | None:
         return f"{name}: missing (recorded at save)"
     size = path.stat().st_size
     if size != entry.get("size"):
-        return f"{name}: {size} bytes, {entry.get('size')} recorded at save (truncated?)"
+        recorded = entry.get("size")
+        what = "truncated" if isinstance(recorded, int) and size < recorded else "changed"
+        return f"{name}: {size} bytes, {recorded} recorded at save ({what})"
     return None
 
 
