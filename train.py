@@ -10,18 +10,22 @@ A recipe, top to bottom:
 
 Steps (``train()``, one function each): load the config -> resolve the run plan before any
 process group (``recipes.run_plan``: every check, the run guard, tokenizer, task encoder, a first
-batch, the model config with its token ids; frozen) -> start_run (distributed setup, run folder,
+batch, the model config with its token ids; frozen) -> start_run (``<out>/train.lock``,
+distributed setup, the checksums of the checkpoint to resume, run folder,
 ``<out>/config.yaml`` = the config every checkpoint stores) -> build_loaders ->
 build_model_and_optimizer -> restore -> announce -> train_loop (next_batches, optimizer_step,
 validation_loss, checkpoint_or_stop on SIGINT / SIGTERM) -> teardown. The pieces live in
 recipes/: run_config.py (the config), run_plan.py, layout.py (TP x PP x CP x EP x DP), data.py
 (tokenizer and data checks), model_setup.py (the model, ``model.hf`` imports), forward.py (one
-forward / optimizer step over the batch contract, 1F1B under PP, validation), schedule.py (LR,
-loss normalisation), metrics.py, checkpointing.py (the training checkpoint, safe state files,
-retention) and run_folder.py (the run guard, stop signals).
+forward / optimizer step over the batch contract, 1F1B under PP, validation, non-finite steps
+skipped), schedule.py (LR, loss normalisation), metrics.py, checkpointing.py (the training
+checkpoint: atomic, checksummed, safe state files, retention) and run_folder.py (the run guard,
+the lock, abandoned checkpoints, stop signals).
 Every input problem (config, data, layout, checkpoint, an ``out`` that holds a run) is one line on
-stderr and exit code 2, before the model is built. SIGINT / SIGTERM save a checkpoint after the
-current step and exit 0.
+stderr and exit code 2, before the model is built (a checkpoint's checksums: after the process
+group). SIGINT / SIGTERM save a checkpoint after the current step and exit 0. A failed save,
+``train.max_nonfinite_steps`` non-finite steps in a row or non-finite weights: one line, exit 1,
+the previous checkpoint still the newest.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ import torch
 from contract.cli import run_click
 from contract.errors import UsageError
 from models import cpu
-from models.checkpoint_folders import newest_complete
 from recipes.checkpointing import (
     load_checkpoint,
     read_rank_state,
@@ -265,7 +268,7 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
             meter.add_batch(batch, cfg.model)
         done = step + 1
         guard.update(stepped, done, batches, float(loss_sum) / max(total_tokens, 1), grad_norm,
-                     newest_complete(run.ckpt_dir))
+                     run.ckpt_dir)
         if done % cfg.log.interval == 0 or done == t.steps:
             logger.log({"step": done, "loss": float(loss_sum) / max(total_tokens, 1),
                         "lr": lr, "grad_norm": float(grad_norm or 0.0),

@@ -422,7 +422,8 @@ def verify_checkpoint(step_dir: Path) -> str | None:
         return None
     if found and found[0] == position:
         return found[1]
-    return check_hashes(step_dir, (position, len(names)))[1]  # the finder's file, named here
+    again = check_hashes(step_dir, (position, len(names)))  # the finder's file, named here
+    return again[1] if again else f"{names[position]}: differs (found by another rank)"
 
 
 def earlier_complete(step_dir: Path) -> list[Path]:

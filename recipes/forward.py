@@ -183,10 +183,11 @@ class NonFiniteGuard:
         self.limit, self.count, self.streak = limit, 0, 0
 
     def update(self, stepped: bool, done: int, batches, loss: float, grad_norm,
-               newest_checkpoint) -> None:
+               ckpt_dir) -> None:
         """Raises RunFailure: the ``limit``-th non-finite step in a row, naming the step, its
         loss and grad norm, the sample keys of this rank's batches and the newest checkpoint."""
         from contract.errors import RunFailure
+        from models.checkpoint_folders import newest_complete
 
         if stepped:
             self.streak = 0
@@ -200,7 +201,8 @@ class NonFiniteGuard:
         raise RunFailure(f"step {done}: loss {loss} / grad norm {grad_norm} not finite for "
                          f"{self.streak} steps in a row (train.max_nonfinite_steps={self.limit}); "
                          f"samples of the batch: {shown}; the last checkpoint: "
-                         f"{newest_checkpoint or 'none'} (no update was applied since it)")
+                         f"{newest_complete(ckpt_dir) or 'none'} (no update was applied since "
+                         "it)")
 
 
 def _flat(keys):

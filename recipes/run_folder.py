@@ -34,6 +34,7 @@ from models.checkpoint_folders import (
     complete_folders,
     point_latest,
     step_folders,
+    step_of,
 )
 
 METRICS = "metrics.jsonl"
@@ -135,15 +136,16 @@ def prepare_run_folder(out: Path, ckpt_dir: Path, clear: str, resume: dict | Non
 
 
 def abandon_after(step_dir: Path, ckpt_dir: Path) -> str:
-    """Resuming from ``step_dir`` of this run's ``ckpt_dir``: the later step folders are renamed
-    ``step_N.abandoned`` (complete ones; nothing resumes from them) or deleted (incomplete ones),
-    and ``latest`` names ``step_dir``. Returns the renamed names, comma-separated (a checkpoint
-    of another folder leaves this one as it is)."""
-    if step_dir.parent.resolve() != Path(ckpt_dir).resolve():
+    """Resuming from ``step_dir`` (of this run or another): this run's later step folders (in
+    ``ckpt_dir``) are renamed ``step_N.abandoned`` (complete ones; nothing resumes from them) or
+    deleted (incomplete ones), and ``latest`` names ``step_dir`` when it is one of this run's.
+    Returns the renamed names, comma-separated."""
+    resumed = step_of(step_dir)
+    if resumed is None:
         return ""
     renamed = []
-    for _, path in step_folders(ckpt_dir):
-        if path.name <= step_dir.name:
+    for step, path in step_folders(ckpt_dir):
+        if step <= resumed:
             continue
         if (path / "COMPLETE").is_file():
             target = path.with_name(path.name + ABANDONED)
@@ -152,7 +154,8 @@ def abandon_after(step_dir: Path, ckpt_dir: Path) -> str:
             renamed.append(target.name)
         else:
             shutil.rmtree(path, ignore_errors=True)
-    point_latest(ckpt_dir, step_dir)
+    if step_dir.parent.resolve() == Path(ckpt_dir).resolve():
+        point_latest(ckpt_dir, step_dir)
     return ", ".join(renamed)
 
 

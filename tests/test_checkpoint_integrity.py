@@ -166,3 +166,40 @@ def test_a_second_train_into_a_live_out_is_refused(mantis_out, tmp_path):
     proc = train(*base, "train.steps=1", "--overwrite")
     ok(proc)
     assert "taking over the stale lock" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_kill_mid_save_leaves_the_previous_checkpoint_newest(mantis_out, tmp_path):
+    """kill -9 while a step folder is being written (seen as ``step_N.partial``): no ``step_N``
+    appears, the automatic resume takes the previous complete checkpoint, the stale lock is
+    taken over with one line and the leftover is removed by the next save."""
+    import time
+
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    base = args(mantis_out, out)
+    proc = runner.launch("train.py", *base, "train.steps=400", "checkpoint.interval=1",
+                         "train.keep_checkpoints=0", stdout=runner.DEVNULL,
+                         stderr=runner.DEVNULL)
+    partial, deadline = None, time.monotonic() + 240
+    try:
+        while partial is None and proc.poll() is None and time.monotonic() < deadline:
+            found = [p for p in ckpts.glob("step_*.partial")] if ckpts.is_dir() else []
+            if found and any(ckpts.glob("step_0*[0-9]")):  # a save after a complete one
+                proc.kill()
+                partial = found[0]
+            time.sleep(0.001)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+    assert partial is not None, "no save was caught in progress"
+    killed = int(partial.name.split("_")[1].split(".")[0])
+    assert not (ckpts / f"step_{killed:06d}").exists() and partial.exists()
+    newest = sorted(p.name for p in ckpts.glob("step_*") if p.name[5:].isdigit())[-1]
+    assert int(newest[5:]) == killed - 1
+    ok(resumed := train(*base, f"train.steps={killed}", "checkpoint.interval=1",
+                        "train.auto_resume=true"))
+    assert f"resuming from {ckpts / newest} (step {killed - 1}" in resumed.stdout
+    assert "taking over the stale lock" in resumed.stdout
+    assert (ckpts / f"step_{killed:06d}").is_dir() and not list(ckpts.glob("*.partial"))
