@@ -76,6 +76,11 @@ def test_damaged_checkpoints_are_named_and_auto_resume_falls_back(four, mantis_o
     assert "__0_1.distcp: " in line and "recorded at save (truncated)" in line, line
     line = main_error(capsys, *base, "--resume", str(step[3]))
     assert "common.pt: missing" in line, line
+    from models.convert import main as convert_main  # the export checks the sizes too
+
+    export = ["mcore-to-hf", "--mcore", str(step[4]), "--out", str(tmp_path / "hf")]
+    assert convert_main(export) == 2
+    assert "__0_1.distcp: " in capsys.readouterr().err
     line = error_line(train(*base, "--resume", str(step[2])))  # hashed after the process group
     assert "model_optim/__0_0.distcp: sha256 differs" in line, line
     # a leftover of a save killed midway: never resumed from, removed by the next save
