@@ -10,18 +10,22 @@ A recipe, top to bottom:
 
 Steps (``train()``, one function each): load the config -> resolve the run plan before any
 process group (``recipes.run_plan``: every check, the run guard, tokenizer, task encoder, a first
-batch, the model config with its token ids; frozen) -> start_run (distributed setup, run folder,
+batch, the model config with its token ids; frozen) -> start_run (``<out>/train.lock``,
+distributed setup, the checksums of the checkpoint to resume, run folder,
 ``<out>/config.yaml`` = the config every checkpoint stores) -> build_loaders ->
 build_model_and_optimizer -> restore -> announce -> train_loop (next_batches, optimizer_step,
 validation_loss, checkpoint_or_stop on SIGINT / SIGTERM) -> teardown. The pieces live in
 recipes/: run_config.py (the config), run_plan.py, layout.py (TP x PP x CP x EP x DP), data.py
 (tokenizer and data checks), model_setup.py (the model, ``model.hf`` imports), forward.py (one
-forward / optimizer step over the batch contract, 1F1B under PP, validation), schedule.py (LR,
-loss normalisation), metrics.py, checkpointing.py (the training checkpoint, safe state files,
-retention) and run_folder.py (the run guard, stop signals).
+forward / optimizer step over the batch contract, 1F1B under PP, validation, non-finite steps
+skipped), schedule.py (LR, loss normalisation), metrics.py, checkpointing.py (the training
+checkpoint: atomic, checksummed, safe state files, retention) and run_folder.py (the run guard,
+the lock, abandoned checkpoints, stop signals).
 Every input problem (config, data, layout, checkpoint, an ``out`` that holds a run) is one line on
-stderr and exit code 2, before the model is built. SIGINT / SIGTERM save a checkpoint after the
-current step and exit 0.
+stderr and exit code 2, before the model is built (a checkpoint's checksums: after the process
+group). SIGINT / SIGTERM save a checkpoint after the current step and exit 0. A failed save,
+``train.max_nonfinite_steps`` non-finite steps in a row or non-finite weights: one line, exit 1,
+the previous checkpoint still the newest.
 """
 
 from __future__ import annotations
@@ -40,13 +44,18 @@ import torch
 from contract.cli import run_click
 from contract.errors import UsageError
 from models import cpu
-from recipes.checkpointing import load_checkpoint, read_rank_state, save_checkpoint
-from recipes.forward import optimizer_step, validation_loss
+from recipes.checkpointing import (
+    load_checkpoint,
+    read_rank_state,
+    save_checkpoint,
+    verified_resume,
+)
+from recipes.forward import NonFiniteGuard, optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
 from recipes.metrics import MetricsLogger, StepMeter
 from recipes.model_setup import base_source, build_model, check_base, freeze, import_hf_weights
 from recipes.run_config import ConfigError, load_run_config, to_dict
-from recipes.run_folder import StopSignal, prepare_run_folder
+from recipes.run_folder import StopSignal, lock_run, prepare_run_folder
 from recipes.run_plan import RunPlan, resolve_plan, save_run_tokenizer
 from recipes.schedule import loss_tokens, lr_at, step_token_total
 
@@ -80,7 +89,7 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     cfg = load_run_config(config, overrides)
     quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
     plan = resolve_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume_from, overwrite)
-    run = start_run(plan)
+    plan, run = start_run(plan, automatic=resume_from in (None, "latest"))
     loaders = build_loaders(plan, run)
     trainee = build_model_and_optimizer(plan, run)
     start = restore(plan, run, trainee, loaders)
@@ -108,11 +117,17 @@ class Run:
         return self.layout.rank == 0
 
 
-def start_run(plan: RunPlan) -> Run:
-    """The distributed setup, then the run folder (an earlier run cleared or trimmed, the
-    resolved config written, a built tokenizer saved) by rank 0."""
+def start_run(plan: RunPlan, automatic: bool) -> tuple[RunPlan, Run]:
+    """The run lock, the distributed setup, the checksums of the checkpoint to resume (each rank
+    a share; an automatic resume falls back to the previous intact one), then the run folder (an
+    earlier run cleared or trimmed, the resolved config written, a built tokenizer saved) by
+    rank 0."""
+    from dataclasses import replace
+
     cfg, p = plan.config, plan.config.parallel
+    lock_run(Path(cfg.out))
     layout = init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
+    plan = replace(plan, resume=verified_resume(plan.resume, automatic, layout.dp))
     run = Run(Path(cfg.out), cfg.checkpoint_dir, layout, StopSignal())
     if run.is_logger:
         prepare_run_folder(run.out, run.ckpt_dir, plan.clear, plan.resume)
@@ -120,7 +135,7 @@ def start_run(plan: RunPlan) -> Run:
         save_run_tokenizer(plan)
         print(f"[train] resolved config: {run.out / 'config.yaml'}", flush=True)
     torch.distributed.barrier()
-    return run
+    return plan, run
 
 
 def build_loaders(plan: RunPlan, run: Run) -> list:
@@ -253,25 +268,28 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
     cfg, layout = plan.config, run.layout
     t, model = cfg.train, trainee.model
     iterators = [iter(loader) for loader in loaders]
-    meter = StepMeter()
+    meter, guard = StepMeter(), NonFiniteGuard(t.max_nonfinite_steps)
     for step in range(start, t.steps):
         step_start = time.perf_counter()
         batches, wait = next_batches(iterators, t.grad_accum)
         total_tokens = step_token_total(sum(loss_tokens(b) for b in batches))
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                    total_steps=t.steps)
-        loss_sum, grad_norm = optimizer_step(layout, model, trainee.optimizer, batches, lr,
-                                             total_tokens, cfg.data.blank_media)
+        loss_sum, grad_norm, stepped = optimizer_step(layout, model, trainee.optimizer, batches,
+                                                      lr, total_tokens, cfg.data.blank_media)
         meter.time += time.perf_counter() - step_start
         meter.wait += wait
         meter.steps += 1
         for batch in batches:
             meter.add_batch(batch, cfg.model)
         done = step + 1
+        guard.update(stepped, done, batches, float(loss_sum) / max(total_tokens, 1), grad_norm,
+                     run.ckpt_dir)
         if done % cfg.log.interval == 0 or done == t.steps:
             logger.log({"step": done, "loss": float(loss_sum) / max(total_tokens, 1),
                         "lr": lr, "grad_norm": float(grad_norm or 0.0),
-                        "loss_tokens": total_tokens, **meter.summary(layout)})
+                        "loss_tokens": total_tokens, "nonfinite_steps": guard.count,
+                        **meter.summary(layout)})
             meter.reset()
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
             tick = time.perf_counter()

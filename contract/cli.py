@@ -16,18 +16,19 @@
 ``prog`` is the command's short name (``converters``, ``train.py``, ``models.convert``); help and
 usage text show how to run it (``python -m converters`` for a module).
 
-Under torchrun every rank meets the same user error (train.py checks its inputs before any
-process group, the same way on every rank): rank 0 prints the line at once, the other ranks
-wait ``PEER_GRACE_S`` first, by which time the launcher has ended them, so the line is printed
-once (train.py's checks before its process group); an error only a later rank meets is still
-printed, after the wait, and so is the same line of a rank that outlives the wait (train.py
-takes SIGTERM as a stop request once its run has started). ``recipes.launch`` (the
-project's torchrun) then exits with the rank's code without a traceback of its own.
+Under torchrun every rank meets the same user error or run failure (train.py checks its inputs
+before any process group, the same way on every rank; a failed save or a non-finite stop is
+agreed by a collective): rank 0 prints the line at once, the other ranks wait ``PEER_GRACE_S``
+first, with SIGTERM back at its default, so the launcher ending them then ends them silently and
+the line is printed once; an error only a later rank meets is still printed, after the wait.
+``recipes.launch`` (the project's torchrun) then exits with the rank's code without a traceback
+of its own.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -76,6 +77,7 @@ def run_click(command: click.Command, prog: str, argv: list[str] | None = None,
         _say(f"{prog}: aborted")
         return 130
     except RunFailure as failure:
+        _peer_wait()
         _say(error_line(prog, str(failure)))
         return failure.exit_code
     except click.ClickException as error:
@@ -84,7 +86,14 @@ def run_click(command: click.Command, prog: str, argv: list[str] | None = None,
         message = str(error)
     else:
         return result if isinstance(result, int) else 0
-    if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 says it (module docstring)
-        time.sleep(PEER_GRACE_S)
+    _peer_wait()
     _say(error_line(prog, message))
     return 2
+
+
+def _peer_wait() -> None:
+    """Under torchrun, a rank other than 0 waits before it says its error; the launcher's
+    SIGTERM (rank 0 failed first) ends it silently meanwhile (module docstring)."""
+    if os.environ.get("RANK", "0") != "0":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(PEER_GRACE_S)

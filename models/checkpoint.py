@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.errors import UsageError
-from models.checkpoint_folders import TRAIN_STATE, resolve_checkpoint
+from models.checkpoint_folders import COMPLETE, TRAIN_STATE, check_sizes, resolve_checkpoint
 from models.dist_load import check_dist_checkpoint
 from models.families import build_model, config_from_dict
 
@@ -147,6 +147,9 @@ def read_checkpoint(path: str | Path) -> ModelCheckpoint:
                                     _hf_files(path))
         else:
             step = resolve_checkpoint(path)
+            damaged = check_sizes(step) if (step / COMPLETE).is_file() else None
+            if damaged:  # before anything of it is read (the checksums: train.py's resume)
+                raise UsageError(f"checkpoint {step} failed its checks: {damaged}")
             config = step / "config.yaml"
             if not (step / "model_optim" / "metadata.json").is_file() or not config.is_file():
                 raise UsageError(

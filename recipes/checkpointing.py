@@ -14,6 +14,13 @@ unpickler with torch's own allowlist). The dist checkpoint is read only through
 pickle where a state file should be, a folder of an older format) with one line. ``prune`` keeps
 the newest N complete step folders.
 
+Integrity (the folder rules are ``models.checkpoint_folders``'): a save writes ``step_N.partial``,
+hashes its files (each rank a share), writes the manifest ``COMPLETE`` last and renames the folder
+``step_N``; an ``OSError`` on the way (a full disk, a file-size limit) is a ``RunFailure`` whose
+line names the checkpoint that stays the newest. ``read_train_state`` checks every recorded file's
+size before anything is read (every rank: stat only); ``verify_checkpoint`` (collective) hashes
+each rank's share of the files and agrees on the first one that differs.
+
 Raises ``contract.errors.UsageError`` (one line; train.py exits 2) for every bad checkpoint.
 """
 
@@ -28,15 +35,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from contract.errors import UsageError
+from contract.errors import RunFailure, UsageError
 from models import cpu
 from models.checkpoint import write_files
 from models.checkpoint_folders import (
     COMPLETE,
+    PARTIAL,
     TRAIN_STATE,
-    mark_complete,
+    check_hashes,
+    check_sizes,
+    checkpoint_files,
+    complete_folders,
+    hash_files,
+    manifest,
+    newest_complete,
+    partial_dir,
+    point_latest,
     resolve_checkpoint,
     step_folders,
+    step_name,
+    write_manifest,
 )
 from models.dist_load import check_dist_checkpoint, load_blob
 from recipes.layout import Layout
@@ -133,13 +151,20 @@ def read_rank_state(step_dir: Path, layout: Layout) -> tuple[list, dict | None]:
 
 
 def prune(ckpt_dir: Path, current: int, keep: int) -> None:
-    """Keep the newest ``keep`` complete step folders up to ``current`` (0: all); delete older
-    ones, half-written ones, and those after ``current`` (an abandoned continuation)."""
+    """Keep the newest ``keep`` complete step folders up to ``current`` (0: all), ``current``
+    always (the one just saved and hashed: the last that passed the checks); delete older ones,
+    half-written ones (and ``.partial`` leftovers of killed saves). ``.abandoned`` folders are
+    left to their owner."""
     kept = 0
     for step, path in reversed(step_folders(ckpt_dir)):
-        if step <= current and (path / COMPLETE).is_file() and (keep == 0 or kept < keep):
+        if step == current or (step < current and (path / COMPLETE).is_file()
+                               and (keep == 0 or kept < keep)):
             kept += 1
             continue
+        if step > current:  # a later folder: abandon_after renamed the complete ones
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+    for path in Path(ckpt_dir).glob(f"step_*{PARTIAL}"):
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -161,11 +186,14 @@ def read_train_state(path: str | Path, dp: int) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UsageError(f"checkpoint {path} is unreadable ({type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''})") from None
-    if not (step_dir / "model_optim" / "metadata.json").is_file():
-        raise UsageError(f"checkpoint {step_dir} is unreadable (no model_optim/metadata.json)")
     if not (step_dir / COMPLETE).is_file():
         raise UsageError(f"checkpoint {step_dir} is incomplete (no {COMPLETE} marker: its save "
                          "was interrupted); resume from an earlier one")
+    problem = check_sizes(step_dir)
+    if problem:
+        raise UsageError(f"checkpoint {step_dir} failed its checks: {problem}")
+    if not (step_dir / "model_optim" / "metadata.json").is_file():
+        raise UsageError(f"checkpoint {step_dir} is unreadable (no model_optim/metadata.json)")
     if saved_dp != dp:
         raise UsageError(f"checkpoint {step_dir} was saved with data-parallel size {saved_dp}, "
                          f"this run has {dp}: the Energon loader state cannot be "
@@ -255,41 +283,173 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_state
                     layout: Layout, train_state: dict, config_yaml: str, keep_last: int = 2,
                     model_files: dict[str, bytes] | None = None, base: dict | None = None
                     ) -> Path:
-    """Write ``ckpt_dir/step_<N>/`` (collective: every rank calls it), mark it complete, update
-    ``latest`` and keep the newest ``keep_last`` complete step folders (0: all).
+    """Write ``ckpt_dir/step_<N>/`` (collective: every rank calls it) atomically: into
+    ``step_<N>.partial``, hashed, its manifest ``COMPLETE`` last, then renamed; point ``latest``
+    at it and keep the newest ``keep_last`` complete step folders (0: all).
 
     ``loader_states``: this rank's Energon loader states (one per virtual DP reader), in their
     plain form (``energon_tasks.loader_state.to_plain``).
     ``model_files``: what export needs besides weights (``models.checkpoint.model_record``).
     ``base``: the frozen base the run started from (``recipes.model_setup.base_source``): the
     checkpoint then holds only what trains (and its optimizer state) and records the base.
+
+    Raises:
+        RunFailure: a write failed (a full disk, a file-size limit): the partial folder is
+            removed, the newest complete checkpoint is still the newest.
     """
     from megatron.core import dist_checkpointing
 
-    step_dir = ckpt_dir / f"step_{step:06d}"
-    if layout.rank == 0:
-        if step_dir.exists():
-            shutil.rmtree(step_dir)
+    step_dir, work = ckpt_dir / step_name(step), partial_dir(ckpt_dir, step)
+
+    def begin():
+        shutil.rmtree(work, ignore_errors=True)  # a killed save's leftover
         for sub in ("model_optim", "loader", "rng"):
-            (step_dir / sub).mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False,
-                                     trainable_only=base is not None),
-                            str(step_dir / "model_optim"))
-    write_rank_state(step_dir, layout, loader_states)
-    dist.barrier()
-    if layout.rank == 0:
+            (work / sub).mkdir(parents=True, exist_ok=True)
+
+    def rank_files():
+        dist_checkpointing.save(_sharded(model, optimizer, is_loading=False,
+                                         trainable_only=base is not None),
+                                str(work / "model_optim"))
+        write_rank_state(work, layout, loader_states)
+
+    def run_files():
         record = {**train_state, "step": step,
                   "layout": {k: getattr(layout, k) for k in ("world", "tp", "pp", "cp", "dp")},
                   **({"base": base} if base is not None else {})}
-        (step_dir / TRAIN_STATE).write_text(json.dumps(record, indent=2))
-        (step_dir / "config.yaml").write_text(config_yaml)
-        write_files(step_dir, model_files or {})
-        mark_complete(step_dir, step)  # last: a folder without it is never resumed from
-        (ckpt_dir / "latest").write_text(step_dir.name + "\n")
+        (work / TRAIN_STATE).write_text(json.dumps(record, indent=2))
+        (work / "config.yaml").write_text(config_yaml)
+        write_files(work, model_files or {})
+
+    hashes = [None] * dist.get_world_size()
+
+    def hash_share():
+        names = checkpoint_files(work)
+        share = hash_files(work, names[dist.get_rank()::dist.get_world_size()])
+        dist.all_gather_object(hashes, share)  # our own {name: size, sha256}, not file bytes
+
+    def finish():
+        write_manifest(work, step, {k: v for part in hashes for k, v in part.items()})
+        _replace(work, step_dir)
+        point_latest(ckpt_dir, step_dir)
         prune(ckpt_dir, step, keep_last)
-    dist.barrier()
+
+    first = layout.rank == 0
+    _check_finite(model, step_dir)
+    for action, mine in ((begin, first), (rank_files, True), (run_files, first),
+                         (hash_share, True), (finish, first)):
+        _together(action if mine else None, step_dir, work, first)
     return step_dir
+
+
+def _check_finite(model, step_dir: Path) -> None:
+    """Collective: every rank's parameters are finite, or no rank saves.
+
+    Raises:
+        RunFailure: a weight is NaN or infinite (the newest checkpoint stays the newest).
+    """
+    finite = all(bool(torch.isfinite(q).all()) for q in model.parameters())
+    flag = torch.tensor([not finite], dtype=torch.int64, device=cpu.compute_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag.item()):
+        raise RunFailure(f"the weights are not finite: checkpoint {step_dir.name} not saved; "
+                         f"{newest_complete(step_dir.parent) or 'no checkpoint'} is still the "
+                         "newest")
+
+
+def _together(action, step_dir: Path, work: Path, first: bool) -> None:
+    """Run ``action`` (None: nothing on this rank), then agree over every rank whether a write
+    failed anywhere: then the partial folder is removed and every rank raises RunFailure."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    failure = None
+    try:
+        if action is not None:
+            action()
+    except (OSError, RuntimeError, CheckpointException) as error:
+        failure = _write_failure(error)
+        if failure is None:
+            raise
+    flag = torch.tensor([failure is not None], dtype=torch.int64, device=cpu.compute_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not int(flag.item()):
+        return
+    if first:
+        shutil.rmtree(work, ignore_errors=True)
+    newest = newest_complete(step_dir.parent)
+    free = shutil.disk_usage(step_dir.parent).free / 2**30
+    raise RunFailure(f"saving checkpoint {step_dir.name} failed ({failure or 'on another rank'}; "
+                     f"{free:.1f} GiB free there); {newest or 'no checkpoint'} is still the newest")
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """What an exception of a save says went wrong with a write: an ``OSError`` (raised here or
+    wrapped by torch's DCP writer), or a failure of DCP's writer (its workers report a full disk
+    or a file-size limit as their own error); None when it is neither (a bug: it propagates)."""
+    import errno
+    import os
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen, todo, writer = set(), [error], None
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            if not current.errno:
+                return str(current)
+            return f"{errno.errorcode.get(current.errno, '')}: {os.strerror(current.errno)}"
+        if isinstance(current, CheckpointException):
+            for value in current.failures.values():
+                inner = value[0] if isinstance(value, tuple) else value
+                writer = writer or f"the checkpoint writer failed: {_first_line(inner)}"
+                todo.append(inner)
+        todo += [current.__cause__, current.__context__]
+    return writer
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _replace(work: Path, step_dir: Path) -> None:
+    """Rename ``work`` to ``step_dir``; an existing ``step_dir`` (the same step saved again)
+    is moved aside first and deleted after."""
+    aside = step_dir.with_name(step_dir.name + ".replaced")
+    if step_dir.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        step_dir.rename(aside)
+    work.rename(step_dir)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def verify_checkpoint(step_dir: Path) -> str | None:
+    """Collective: hash this rank's share of a step folder's recorded files (every
+    world-size-th one) and agree on the first that differs: its problem line, the same on
+    every rank; None when every file matches."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    found = check_hashes(step_dir, (rank, world))
+    names = sorted(manifest(step_dir) or {})
+    first = torch.tensor([found[0] if found else len(names)], dtype=torch.int64,
+                         device=cpu.compute_device())
+    if world > 1:
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    position = int(first.item())
+    if position >= len(names):
+        return None
+    if found and found[0] == position:
+        return found[1]
+    again = check_hashes(step_dir, (position, len(names)))  # the finder's file, named here
+    return again[1] if again else f"{names[position]}: differs (found by another rank)"
+
+
+def earlier_complete(step_dir: Path) -> list[Path]:
+    """The complete step folders before ``step_dir`` in its checkpoints folder, newest first."""
+    step_dir = Path(step_dir)
+    return [p for p in reversed(complete_folders(step_dir.parent)) if p.name < step_dir.name]
 
 
 def load_checkpoint(resume: dict, *, model, optimizer, rng: dict | None) -> None:
@@ -319,3 +479,30 @@ def load_checkpoint(resume: dict, *, model, optimizer, rng: dict | None) -> None
         raise UsageError(f"checkpoint {step_dir} cannot be loaded: {type(error).__name__}: "
                          f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
                          ) from None
+
+
+def verified_resume(resume: dict | None, automatic: bool, dp: int) -> dict | None:
+    """Collective, after the process group: the checkpoint to resume (``read_train_state``'s
+    result) once its files match their recorded checksums (``verify_checkpoint``: each rank hashes
+    a share). An automatic resume (``--resume`` without a value, ``train.auto_resume``) falls back
+    to the previous intact checkpoint and says so in one line.
+
+    Raises:
+        UsageError: a checkpoint named on the command line, or none left, fails its checks.
+    """
+    import os
+
+    while resume is not None:
+        problem = verify_checkpoint(Path(resume["dir"]))
+        if problem is None:
+            return resume
+        line = f"checkpoint {resume['dir']} failed its checks: {problem}"
+        earlier = [p for p in earlier_complete(Path(resume["dir"])) if check_sizes(p) is None]
+        if not automatic or not earlier:
+            raise UsageError(line + ("" if not automatic else
+                                     "; no earlier intact checkpoint to resume from"))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[train] {line}: resuming from the previous intact checkpoint {earlier[0]}",
+                  flush=True)
+        resume = read_train_state(earlier[0], dp)
+    return None

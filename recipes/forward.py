@@ -2,7 +2,8 @@
 micro-batch (``forward_step``; the vision-signal control blanks the pixels), megatron's 1F1B
 schedule under pipeline parallelism (``pipeline_step``), the loss summed over DP x CP
 (``reduce_loss``), one optimizer step over a step's micro-batches (``optimizer_step``: the loss
-normalised by the step's supervised tokens, see ``recipes.schedule``) and the validation loss
+normalised by the step's supervised tokens, see ``recipes.schedule``; a non-finite loss or
+gradient norm skips the update and zeroes the gradients) and the validation loss
 (``validation_loss``: the same batches every time, the RNG state left as it was).
 """
 
@@ -120,8 +121,11 @@ def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
 def optimizer_step(layout, model, optimizer, batches, lr: float, total_tokens: int,
                    blank_media: bool = False):
     """Forward and backward over the step's micro-batches (1F1B schedule under PP), then the
-    optimizer step (clipped to ``train.clip_grad``). Returns the step's loss sum (over every
-    rank) and the grad norm."""
+    optimizer step (clipped to ``train.clip_grad``) unless the loss sum (over every rank) or the
+    gradient norm is not finite: then no update, the gradients zeroed. Returns (the step's loss
+    sum over every rank, the grad norm, whether the optimizer stepped): the same on every rank."""
+    import math
+
     from megatron.core.distributed import finalize_model_grads
 
     for group in optimizer.param_groups:
@@ -140,6 +144,70 @@ def optimizer_step(layout, model, optimizer, batches, lr: float, total_tokens: i
             (token_loss * scale / max(total_tokens, 1)).backward()
             loss_sum += token_loss.detach().double().cpu()
     finalize_model_grads([model])
-    _ok, grad_norm, _zeros = optimizer.step()  # clips to train.clip_grad first
     reduce_loss(loss_sum, layout)
-    return loss_sum, grad_norm
+    stepped, grad_norm = _step_if_finite(optimizer, math.isfinite(float(loss_sum)))
+    if not stepped:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+    return loss_sum, grad_norm, stepped
+
+
+def _step_if_finite(optimizer, loss_finite: bool) -> tuple[bool, float | None]:
+    """megatron's ``optimizer.step()`` in its parts (prepare the main grads, their norm, clip
+    by that norm, step) with a stop before the update when the loss or the norm is not finite
+    (the norm is a collective: every rank sees the same). Returns (stepped, grad norm)."""
+    import math
+
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    with torch.no_grad():
+        found_inf = optimizer.prepare_grads()  # fp16 loss scaling's own check (off in bf16)
+        grad_norm = float(optimizer.get_grad_norm())
+        if found_inf or not loss_finite or not math.isfinite(grad_norm):
+            return False, grad_norm
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+            if opt.config.clip_grad > 0.0 and params:
+                clip_grad_by_total_norm_fp32(
+                    params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                    use_decoupled_grad=getattr(
+                        opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+        return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+class NonFiniteGuard:
+    """Counts the steps ``optimizer_step`` skipped (``count``: logged as ``nonfinite_steps``) and
+    stops the run after ``limit`` in a row (``train.max_nonfinite_steps``)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count, self.streak = limit, 0, 0
+
+    def update(self, stepped: bool, done: int, batches, loss: float, grad_norm,
+               ckpt_dir) -> None:
+        """Raises RunFailure: the ``limit``-th non-finite step in a row, naming the step, its
+        loss and grad norm, the sample keys of this rank's batches and the newest checkpoint."""
+        from contract.errors import RunFailure
+        from models.checkpoint_folders import newest_complete
+
+        if stepped:
+            self.streak = 0
+            return
+        self.count += 1
+        self.streak += 1
+        if self.streak < self.limit:
+            return
+        keys = [str(k) for batch in batches for k in _flat(batch.__key__)]
+        shown = ", ".join(keys[:8]) + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else "")
+        raise RunFailure(f"step {done}: loss {loss} / grad norm {grad_norm} not finite for "
+                         f"{self.streak} steps in a row (train.max_nonfinite_steps={self.limit}); "
+                         f"samples of the batch: {shown}; the last checkpoint: "
+                         f"{newest_complete(ckpt_dir) or 'none'} (no update was applied since "
+                         "it)")
+
+
+def _flat(keys):
+    if isinstance(keys, (list, tuple)):
+        for key in keys:
+            yield from _flat(key)
+    else:
+        yield keys

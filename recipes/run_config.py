@@ -90,6 +90,9 @@ class TrainConfig:
     #: otherwise start at step 0 (replacing what an earlier attempt logged)
     auto_resume: bool = False
     keep_checkpoints: int = 2  #: newest complete checkpoints kept (0: all)
+    #: a step whose loss or gradient norm is not finite is skipped (no update); this many in a
+    #: row stop the run (one line naming the step and its samples)
+    max_nonfinite_steps: int = 3
 
 
 @dataclass(kw_only=True, slots=True)
@@ -298,7 +301,8 @@ def _check_values(s: dict) -> list[str]:
         ("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
         ("train.grad_accum", t.grad_accum), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
         ("parallel.cp", p.cp), ("data.virtual_dp", d.virtual_dp),
-        ("log.interval", s["log"].interval), ("train.eval_batches", t.eval_batches))
+        ("log.interval", s["log"].interval), ("train.eval_batches", t.eval_batches),
+        ("train.max_nonfinite_steps", t.max_nonfinite_steps))
         if value < 1]
     problems += [f"{name} must be >= 0, got {value}" for name, value in (
         ("train.eval_interval", t.eval_interval), ("train.keep_checkpoints", t.keep_checkpoints))

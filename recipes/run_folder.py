@@ -4,8 +4,12 @@ This module owns the run guard (``plan_start``: an ``out`` that holds a run (met
 is refused unless the run resumes (``--resume``, ``auto_resume``: the newest complete checkpoint)
 or ``--overwrite`` clears it; ``prepare_run_folder`` then deletes the earlier run (``clear_run``)
 or drops the metrics records of steps after the one resumed from (``trim_metrics``), so each step
-is logged once) and ``StopSignal`` (SIGINT / SIGTERM ask for a checkpoint and a clean exit at the
-next step boundary; every rank agrees on that boundary with a MAX all-reduce once per step).
+is logged once, and renames the later step folders ``.abandoned``), the run lock (``lock_run``:
+``<out>/train.lock``, the converters' ``RunLock``: a second train.py into a live ``out`` is refused
+in one line), the automatic resume's choice (``plan_start``: the newest complete checkpoint whose
+files are all there at their recorded sizes; each one passed over is one line) and
+``StopSignal`` (SIGINT / SIGTERM ask for a checkpoint and a clean exit at the next step
+boundary; every rank agrees on that boundary with a MAX all-reduce once per step).
 
 Raises ``contract.errors.UsageError`` (one line; train.py exits 2) for every bad start.
 """
@@ -24,10 +28,59 @@ import torch.distributed as dist
 
 from contract.errors import UsageError
 from models import cpu
-from models.checkpoint_folders import newest_complete, step_folders
+from models.checkpoint_folders import (
+    ABANDONED,
+    check_sizes,
+    complete_folders,
+    point_latest,
+    step_folders,
+    step_of,
+)
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
+LOCK = "train.lock"
+
+
+def lock_run(out: Path):
+    """Rank 0 (``RANK`` 0 or unset): take ``<out>/train.lock`` for this process's lifetime
+    (released at exit; after a kill -9 it is stale and taken over). Returns the lock, or None
+    on the other ranks.
+
+    Raises:
+        UsageError: a live train.py holds it (one line naming its pid and host).
+    """
+    import atexit
+
+    from converters.lock import LockedError, RunLock
+
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    lock = RunLock(Path(out) / LOCK, what=f"run folder {out}",
+                   notify=lambda line: print(f"[train] {line}", flush=True))
+    try:
+        lock.acquire()
+    except LockedError as error:
+        raise UsageError(str(error)) from None
+    atexit.register(lock.release)
+    return lock
+
+
+def _say(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[train] {line}", flush=True)
+
+
+def newest_intact(ckpt_dir: Path) -> Path | None:
+    """The newest complete step folder whose recorded files are all there at their sizes;
+    each newer one passed over is one line."""
+    for path in reversed(complete_folders(ckpt_dir)):
+        problem = check_sizes(path)
+        if problem is None:
+            return path
+        _say(f"checkpoint {path} failed its checks ({problem}): passed over, trying the "
+             "previous one")
+    return None
 
 
 def run_contents(out: Path, ckpt_dir: Path) -> str:
@@ -55,7 +108,7 @@ def plan_start(out: Path, ckpt_dir: Path, resume: str | None, overwrite: bool,
     if resume and overwrite:
         raise UsageError("--resume and --overwrite exclude each other")
     if resume == "latest" or (resume is None and auto_resume):
-        newest = newest_complete(ckpt_dir)
+        newest = newest_intact(ckpt_dir)
         if newest is None and resume == "latest":
             raise UsageError(f"--resume: no complete checkpoint in {ckpt_dir}")
         resume = str(newest) if newest else None
@@ -74,18 +127,45 @@ def prepare_run_folder(out: Path, ckpt_dir: Path, clear: str, resume: dict | Non
         print(f"[train] starting again in {out} (deleted {clear})", flush=True)
     if resume:
         dropped = trim_metrics(out, resume["step"])
+        abandoned = abandon_after(Path(resume["dir"]), ckpt_dir)
+        aside = f"; later checkpoints set aside as {ABANDONED}: {abandoned}" if abandoned else ""
         print(f"[train] resuming from {resume['dir']} (step {resume['step']}"
-              f"{f'; {dropped} later metrics records dropped' if dropped else ''})", flush=True)
+              f"{f'; {dropped} later metrics records dropped' if dropped else ''}{aside})",
+              flush=True)
     out.mkdir(parents=True, exist_ok=True)
+
+
+def abandon_after(step_dir: Path, ckpt_dir: Path) -> str:
+    """Resuming from ``step_dir`` (of this run or another): this run's later step folders (in
+    ``ckpt_dir``) are renamed ``step_N.abandoned`` (complete ones; nothing resumes from them) or
+    deleted (incomplete ones), and ``latest`` names ``step_dir`` when it is one of this run's.
+    Returns the renamed names, comma-separated."""
+    resumed = step_of(step_dir)
+    if resumed is None:
+        return ""
+    renamed = []
+    for step, path in step_folders(ckpt_dir):
+        if step <= resumed:
+            continue
+        if (path / "COMPLETE").is_file():
+            target = path.with_name(path.name + ABANDONED)
+            shutil.rmtree(target, ignore_errors=True)
+            path.rename(target)
+            renamed.append(target.name)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    if step_dir.parent.resolve() == Path(ckpt_dir).resolve():
+        point_latest(ckpt_dir, step_dir)
+    return ", ".join(renamed)
 
 
 def clear_run(out: Path, ckpt_dir: Path) -> None:
     """Delete what an earlier run wrote (metrics, TensorBoard events, checkpoints)."""
     (out / METRICS).unlink(missing_ok=True)
     shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
-    for _, path in step_folders(ckpt_dir):
+    for path in Path(ckpt_dir).glob("step_*"):  # step, .partial and .abandoned folders
         shutil.rmtree(path, ignore_errors=True)
-    (Path(ckpt_dir) / "latest").unlink(missing_ok=True)
+    point_latest(ckpt_dir, None)
 
 
 def trim_metrics(out: Path, step: int) -> int:

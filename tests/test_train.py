@@ -242,6 +242,8 @@ def test_refusals_of_run_folders_and_checkpoints(mantis_reference, mantis_out, t
     """One line, exit 2, before the model is built: an out that holds a run (without --resume /
     --overwrite), a pickle planted where a state file should be (never unpickled), a checkpoint
     whose save did not complete."""
+    from tests.test_checkpoint_integrity import reseal
+
     data = f"data.path={mantis_out}/metadataset.yaml"
     line = refusal(capsys, data, f"out={mantis_reference}", *FAST)
     assert "holds a run" in line and "--resume" in line and "--overwrite" in line
@@ -256,6 +258,7 @@ def test_refusals_of_run_folders_and_checkpoints(mantis_reference, mantis_out, t
         step = tmp_path / state_file.split("/")[0] / "step_000002"
         shutil.copytree(mantis_reference / "checkpoints" / "step_000002", step)
         (step / state_file).write_bytes(pickle.dumps(Planted()))
+        reseal(step)  # the checksums match: the restricted reader refuses it
         line = refusal(capsys, data, f"out={tmp_path / 'out'}", "--resume", str(step))
         assert "refused" in line and state_file.split("/")[-1] in line, line
     from models.convert import main as convert_main
@@ -327,6 +330,9 @@ def test_resume_refuses_other_dp_size(mantis_reference, mantis_out, tmp_path, ca
     state = json.loads((step / "train_state.json").read_text())
     state["layout"]["dp"] = 2
     (step / "train_state.json").write_text(json.dumps(state))
+    from tests.test_checkpoint_integrity import reseal
+
+    reseal(step)  # an edit its checksums record: the DP check is what refuses it
     line = main_error(capsys, str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
                       f"out={tmp_path}", "--resume", str(step))
     assert "data-parallel size 2" in line
