@@ -206,7 +206,13 @@ def mcore_to_hf(mcore: Path, out: Path) -> None:
     from an import folder or a train.py run / step folder, whatever TP / PP / EP it was saved
     with (loaded here at TP = PP = EP = 1)."""
     from models.checkpoint import HF_JSON, load_model, read_checkpoint
-    from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES, copy_files, tokenizer_token_ids
+    from models.hf_source import (
+        PROCESSOR_FILES,
+        SPECIAL_IDS,
+        TOKENIZER_FILES,
+        copy_files,
+        tokenizer_token_ids,
+    )
     from models.hf_weights import is_our_key, write_hf_folder
     from models.parallel import init_parallel
 
@@ -221,6 +227,7 @@ def mcore_to_hf(mcore: Path, out: Path) -> None:
     tokenizer = _recorded_tokenizer(files)
     if source is None and tokenizer is not None:  # the ids of the run's own tokenizer
         ids = tokenizer_token_ids(tokenizer)
+        ids = {key: ids.get(key) for key in SPECIAL_IDS}  # None: the tokenizer has none
         config.update(ids)
         config["text_config"].update(ids)
     write_hf_folder(out, config, mapping_module(cfg).ours_to_hf(sd, cfg))

@@ -78,7 +78,8 @@ def processor_files(cfg: config.NemotronOmniModelConfig, task_encoder: dict) -> 
              **{key: task_encoder[key] for key in ("video_target_num_patches",
                                                    "video_maintain_aspect_ratio")
                 if task_encoder.get(key) is not None}}
-    processor = {"processor_class": "NemotronH_Omni_Reasoning_V3Processor"}
+    processor = {"processor_class": "NemotronH_Omni_Reasoning_V3Processor",  # + its audio part
+                 "feature_extractor": {"feature_extractor_type": "ParakeetFeatureExtractor"}}
     return {"preprocessor_config.json": image, "video_preprocessor_config.json": video,
             "processor_config.json": processor}
 
