@@ -213,3 +213,17 @@ def test_make_eval_checks_family_and_dataset(exports, capsys):
             f"eval.py: error: --ckpt {run} is qwen2_5_vl trained on mantis, but "
             f"configs/{config}.yaml is {wanted}"), err
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["family"] == "qwen2_5_vl"
+
+
+def test_make_install_brings_what_the_snippet_needs():
+    """``make install`` installs the ``hf`` extra: transformers and accelerate (``device_map=
+    "auto"``), no torchvision (it would replace the CPU torch)."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = [re.split(r"[<>=~ \[]", dep)[0] for dep in extras["hf"]]
+    assert {"transformers", "accelerate"} <= set(names) and "torchvision" not in names
+    plan = subprocess.run(["make", "-n", "-B", "install"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout
+    assert "pip install -q -e '.[test,hf]'" in plan
