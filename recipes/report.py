@@ -118,7 +118,7 @@ def plot(path: Path, runs: dict[str, list[dict]], validation: dict[str, list[dic
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
     paired = {name for pair in pairs for name in pair}
     panels: dict[str, list[str]] = {}
@@ -144,6 +144,7 @@ def plot(path: Path, runs: dict[str, list[dict]], validation: dict[str, list[dic
                         linewidth=0.8)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.set_ylabel("loss per supervised token")
         ax.set_yscale("log")
         low, high = ax.get_ylim()  # under a decade: a tick on every integer multiple
