@@ -227,3 +227,27 @@ def test_make_install_brings_what_the_snippet_needs():
     plan = subprocess.run(["make", "-n", "-B", "install"], cwd=REPO, capture_output=True,
                           text=True, check=True).stdout
     assert "pip install -q -e '.[test,hf]'" in plan
+
+
+def test_readme_snippet_opens_images_as_training_does(tmp_path):
+    """The image the README's snippet hands the processor is the one training decodes: EXIF
+    orientation applied (a photo stored on its side is seen upright), RGB."""
+    import numpy as np
+
+    from energon_tasks.decode import decode_image
+
+    snippet = readme_snippet()
+    found = re.search(r"images=\[(.*?)\], return_tensors", snippet)
+    assert found, snippet
+    photo = rotated_photo(tmp_path / "photo.jpg")
+    imports = "\n".join(line for line in snippet.splitlines() if line.startswith(("import ",
+                                                                                   "from ")))
+    scope: dict = {}
+    exec(compile(imports.replace("AutoModelForImageTextToText, AutoProcessor", "AutoConfig"),
+                 "README.md", "exec"), scope)  # noqa: S102 - the README's own lines
+    image = eval(found.group(1).replace('"photo.jpg"', repr(str(photo))), scope)  # noqa: S307
+    assert image.mode == "RGB" and image.size == (48, 96)  # (width, height): upright
+    trained = decode_image(photo.read_bytes(), size=(48, 96), max_source_pixels=10**6,
+                           draft=False).pixels  # the planned size of the stored 96 x 48
+    assert trained.shape == (96, 48, 3)
+    assert np.abs(trained.astype(int) - np.asarray(image).astype(int)).max() <= 2
