@@ -251,3 +251,15 @@ def test_readme_snippet_opens_images_as_training_does(tmp_path):
                            draft=False).pixels  # the planned size of the stored 96 x 48
     assert trained.shape == (96, 48, 3)
     assert np.abs(trained.astype(int) - np.asarray(image).astype(int)).max() <= 2
+
+
+def test_conversion_ends_naming_the_dataset_it_wrote(sources, tmp_path):
+    """The converter's last line names the folder it wrote and the file training reads."""
+    from tests.conftest import run_cli
+
+    out = tmp_path / "mantis"
+    proc = run_cli("converters", "mantis", "--source", str(sources["mantis"]), "--out", str(out),
+                   "--shard-size", "8")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"[converters] wrote the Energon dataset to {out} (train on "
+                           f"{out / 'metadataset.yaml'};"), last
