@@ -1,8 +1,10 @@
 """Tokenizers of the task encoders: the real one by hub id / path, and a tiny local one for tests.
 
 This module owns how a tokenizer is obtained (``load_tokenizer``, which checks the special tokens
-of the model family) and the test tokenizer (``build_test_tokenizer``; the name ``test``): a
-byte-level BPE trained on a few strings, with the Qwen special tokens (ids 0-6) and the
+of the model family and gives a tokenizer without a chat template the ChatML one the task encoder
+writes, ``chat_template``, so checkpoints and exports carry it) and the test tokenizer
+(``build_test_tokenizer``; the name ``test``): a byte-level BPE trained on a few strings, with
+the Qwen special tokens (ids 0-6) and the
 Nemotron-Omni ones (``<img>``, ``</img>``, ``<image>``, appended after training: ids 418-420, 421
 tokens in all), saved as a folder ``transformers.AutoTokenizer`` loads without any network
 access. One test tokenizer serves both families.

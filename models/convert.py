@@ -202,9 +202,12 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
 
 
 def mcore_to_hf(mcore: Path, out: Path) -> None:
-    """Write an HF model folder (config.json, model.safetensors, tokenizer and processor files)
-    from an import folder or a train.py run / step folder, whatever TP / PP / EP it was saved
-    with (loaded here at TP = PP = EP = 1)."""
+    """Write an HF model folder (config.json, model.safetensors, tokenizer and processor files,
+    generation_config.json) from an import folder or a train.py run / step folder, whatever TP /
+    PP / EP it was saved with (loaded here at TP = PP = EP = 1). A run that named no HF model:
+    config.json made from our config with the bos / eos / pad ids of the tokenizer it recorded,
+    a generation config with that eos, the family's processor files from the run's
+    ``task_encoder`` pixel settings (``processor_files``)."""
     from models.checkpoint import HF_JSON, load_model, read_checkpoint
     from models.hf_source import (
         PROCESSOR_FILES,
@@ -233,9 +236,8 @@ def mcore_to_hf(mcore: Path, out: Path) -> None:
     write_hf_folder(out, config, mapping_module(cfg).ours_to_hf(sd, cfg))
     copied = copy_files(files, Path(out), TOKENIZER_FILES + PROCESSOR_FILES) if files else []
     if "generation_config.json" not in copied and tokenizer is not None:
-        ids = tokenizer_token_ids(tokenizer)
         (Path(out) / "generation_config.json").write_text(json.dumps(
-            {**ids, "eos_token_id": ids.get("eos_token_id"), "do_sample": False}, indent=2))
+            {**tokenizer_token_ids(tokenizer), "do_sample": False}, indent=2))  # stops at eos
     if not any(name in copied for name in PROCESSOR_FILES):  # a run that named no HF model
         for name, content in get_family(cfg.family).processor_files(
                 cfg, (found.run_config or {}).get("task_encoder") or {}).items():
