@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,hf]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -119,8 +119,9 @@ $(EXPORT_TARGETS): export-%: $(STAMP)
 #     folder or a step folder, whose stored run config is used; or an hf-to-mcore import, which
 #     takes configs/train_<family>_<dataset>.yaml), CONFIG= (a YAML refining it), DATA=, SPLIT=
 #     (default val), LIMIT= (val conversations), OUT= (predictions.jsonl + scores.json; default
-#     eval_<step> beside the checkpoint), ARGS=.
-EVAL_ARGS = --ckpt $(CKPT) --split $(or $(SPLIT),val) $(if $(LIMIT),--limit $(LIMIT)) $(if $(OUT),--out $(OUT)) $(if $(DATA),data.path=$(DATA)) $(ARGS)
+#     eval_<step> beside the checkpoint), ARGS=. The checkpoint must be of the target's family
+#     and trained on its dataset (--expect: one line otherwise).
+EVAL_ARGS = --ckpt $(CKPT) --expect $(call run_config,$*) --split $(or $(SPLIT),val) $(if $(LIMIT),--limit $(LIMIT)) $(if $(OUT),--out $(OUT)) $(if $(DATA),data.path=$(DATA)) $(ARGS)
 EVAL_USAGE = usage: make $@ CKPT=<run folder | checkpoints folder | step folder | hf-to-mcore import> [DATA=] [SPLIT=] [LIMIT=] [OUT=] [CONFIG=] [ARGS=]
 
 $(EVAL_TARGETS): eval-%: $(STAMP)

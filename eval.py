@@ -51,6 +51,7 @@ class Args:
     turns: str = "all"
     blank_media: bool = False
     progress_every: float = 30.0
+    expect: str | None = None  #: a train config whose family and dataset the checkpoint must have
 
 
 def default_out(found, split: str, blank: bool) -> Path:
@@ -86,6 +87,8 @@ def load_config(args: Args):
     from recipes.run_config import load_run_config
 
     found = read_checkpoint(args.ckpt)
+    if args.expect:
+        check_expected(found, args.expect)
     if found.run_config is None and args.config is None:
         raise UsageError(f"--ckpt {args.ckpt} is an hf-to-mcore import, which stores no run "
                          "config: give one (e.g. configs/train_qwen_vl_infovqa.yaml)")
@@ -93,6 +96,40 @@ def load_config(args: Args):
     check_data_path(cfg.data.path)
     check_split(cfg.data.path, args.split)
     return found, cfg
+
+
+def dataset_name(data_path: str) -> str:
+    """The dataset a data path holds: its converter's name (``summary.json`` beside
+    ``metadataset.yaml``), else the folder's name."""
+    folder = Path(data_path)
+    folder = folder.parent if folder.suffix in (".yaml", ".yml") else folder
+    try:
+        return str(json.loads((folder / "summary.json").read_text())["dataset"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return folder.name
+
+
+def check_expected(found, expect: str) -> None:
+    """``--expect CONFIG`` (what ``make eval-<family>-<dataset>`` passes): the checkpoint's model
+    is of CONFIG's family package and was trained on CONFIG's dataset (an hf-to-mcore import:
+    the family only).
+
+    Raises:
+        UsageError: one line naming both.
+    """
+    from models.families import PACKAGES
+    from recipes.run_config import load_run_config
+
+    target = load_run_config(expect)
+    family, data = target.model.family, target.data.path
+    ours = found.model_config.family
+    trained = dataset_name(found.run_config["data"]["path"]) if found.run_config else None
+    wanted = dataset_name(data)
+    if PACKAGES.get(ours) != PACKAGES.get(family) or trained not in (None, wanted):
+        got = f"{ours}" + (f" trained on {trained}" if trained else "")
+        raise UsageError(f"--ckpt {found.path} is {got}, but {expect} is {family} on {wanted}: "
+                         "use the make eval target of the checkpoint's family and dataset (or "
+                         "eval.py without --expect to evaluate across)")
 
 
 def build_encoder_and_model(cfg, found, args: Args, out: Path):
@@ -203,6 +240,8 @@ USAGE = ("--ckpt CKPT is required: a train.py run folder, its checkpoints folder
               help="Zero every pixel row (the vision-signal control; also data.blank_media=true).")
 @click.option("--progress-every", type=float, default=30.0, show_default=True,
               help="Seconds between progress lines when stdout is not a terminal.")
+@click.option("--expect", help="A train config: refuse a checkpoint of another family or "
+                               "trained on another dataset (make eval-<family>-<dataset>).")
 def cli(args: tuple[str, ...], ckpt: str | None, **options) -> None:
     """Answer the val questions of a checkpoint greedily and score them. CONFIG (a run config
     YAML) refines the config stored with a train.py checkpoint (required for an hf-to-mcore

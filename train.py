@@ -343,6 +343,12 @@ def teardown(run: Run, logger, quiet) -> None:
     logger.close()
     if run.is_logger and quiet.summary("log.all_warnings=true"):
         print(f"[train] {quiet.summary('log.all_warnings=true')}", flush=True)
+    if run.is_logger:  # the last line: what the run wrote and where
+        latest = run.ckpt_dir / "latest"
+        step = run.ckpt_dir / latest.read_text().strip() if latest.is_file() else None
+        saved = (f"checkpoint {step} (export: python -m models.convert mcore-to-hf --mcore "
+                 f"{run.out} --out <folder>)" if step else "no checkpoint saved")
+        print(f"[train] done: metrics {run.out / 'metrics.jsonl'}, {saved}", flush=True)
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

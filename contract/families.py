@@ -75,5 +75,6 @@ def family_of_hf_model_type(model_type: str) -> str:
     for family, hf_type in HF_MODEL_TYPES.items():
         if hf_type == model_type:
             return family
-    raise ValueError(f"model_type must be one of {sorted(HF_MODEL_TYPES.values())}, got "
-                     f"{model_type!r}")
+    supported = ", ".join(f"{family} (model_type {hf_type})"
+                          for family, hf_type in HF_MODEL_TYPES.items())
+    raise ValueError(f"model_type {model_type!r} is no supported family; supported: {supported}")

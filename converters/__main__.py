@@ -118,6 +118,9 @@ def _report(out: Path, summary: dict | None) -> None:
     if summary["rejected_by_reason"].get("internal_error"):
         click.echo(f"warning: {summary['rejected_by_reason']['internal_error']} rows hit an "
                    f"unexpected error, see {out}/rejects.jsonl", err=True)
+    click.echo(f"[converters] wrote the Energon dataset to {out} (train on "
+               f"{out / 'metadataset.yaml'}; rejects.jsonl, summary.json, stats.json, "
+               "stats_histograms.png beside it)", err=True)
 
 
 @click.group()

@@ -101,10 +101,11 @@ def write_stats(out: Path, records: list[dict], conversion: dict, dataset: str =
 #: series name -> (panel title, x axis label, counts (integer bins), log x)
 PANELS = {
     "images_per_sample": ("images per sample", "images", True, False),
-    "megapixels_per_image": ("image size", "megapixels per image (log)", False, True),
+    "megapixels_per_image": ("image size", "megapixels per image (MP, log scale)", False,
+                             True),
     "videos_per_sample": ("videos per sample", "videos", True, False),
-    "video_duration_s": ("video duration", "seconds", False, False),
-    "video_frames": ("video frames", "frames", True, False),
+    "video_duration_s": ("video duration", "seconds per video", False, False),
+    "video_frames": ("video frames", "frames per video", True, False),
     "text_tokens_approx": ("text tokens (approx., 4 chars / token)", "tokens per sample", False,
                            False),
     **{f"visual_tokens_{model}": (f"visual tokens, {model} default budget",
@@ -141,7 +142,7 @@ def _plot(path: Path, series: dict[str, list], dataset: str) -> None:
         ax.hist(data, bins=_bins(data, counts, log), color="#4477aa")
         if log and data.min() > 0:
             ax.set_xscale("log")
-        ax.set_title(f"{title}\nn = {data.size}, median {np.median(data):.4g}", fontsize=9)
+        ax.set_title(f"{title}\nn = {data.size}, median {np.median(data):.3g}", fontsize=9)
         if counts and data.max() - data.min() <= 10:  # few values: a tick on each
             ax.set_xticks(range(int(data.min()), int(data.max()) + 1))
         elif counts:

@@ -112,24 +112,41 @@ def predict(dataset_dir: Path, split: str, encoder) -> dict:
             "_values": tokens}
 
 
+def _integer_bins(values: list[int]) -> np.ndarray:
+    """Bin edges for integer counts: one bin per integer, or an integer width that gives at
+    most 40 bins; edges at half-integers so each bar is centred on the counts it holds."""
+    low, high = (min(values), max(values)) if values else (0, 0)
+    step = max(1, -(-(high - low + 1) // 40))
+    return np.arange(low, high + step + 1, step) - 0.5
+
+
 def write_histograms(report: dict, out: Path) -> Path:
-    """One PNG with the text / visual / total token histograms of the kept samples."""
+    """One PNG with the text / visual / total token histograms of the kept samples: integer
+    bins, axis labels with units, n and median per panel; the title names the dataset, the
+    split, the model (task encoder profile) and the sequence length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for axis, (name, values) in zip(axes, report["_values"].items(), strict=True):
-        axis.hist(values or [0], bins=30, color="#4878a8")
-        axis.set_title(f"{name} tokens per kept sample")
-        axis.set_xlabel("tokens")
-    axes[0].set_ylabel("samples")
-    figure.suptitle(f"{report['dataset']} [{report['split']}]  seq_length "
-                    f"{report['config']['seq_length']}")
+        axis.hist(values or [0], bins=_integer_bins(values), color="#4878a8")
+        median = f"{np.median(values):g}" if values else "-"
+        axis.set_title(f"{name} tokens per kept sample\nn = {len(values)}, median {median}",
+                       fontsize=9)
+        axis.set_xlabel("tokens per sample")
+        axis.set_ylabel("samples")
+        axis.xaxis.get_major_locator().set_params(integer=True)
+        axis.yaxis.get_major_locator().set_params(integer=True)
+        axis.grid(alpha=0.3)
+    config = report["config"]
+    figure.suptitle(f"{Path(report['dataset']).name} [{report['split']}], model "
+                    f"{config['model']}: seq_length {config['seq_length']}, max_visual_tokens "
+                    f"{config['max_visual_tokens']}", fontsize=10)
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=80)
+    figure.savefig(out, dpi=80, metadata={"Software": None})
     plt.close(figure)
     return out
 
@@ -206,7 +223,13 @@ def inspect(dataset_dir, split, as_json, plots, model, tokenizer, config, **knob
     report.pop("_values")
     if as_json:
         click.echo(json.dumps(report, indent=2))
-        return
+    else:
+        _print_report(dataset_dir, split, report)
+    if plots:  # the last line says where the picture went (stderr: --json stays JSON)
+        click.echo(f"[inspect] wrote the token histograms to {plots}", err=True)
+
+
+def _print_report(dataset_dir: Path, split: str, report: dict) -> None:
     click.echo(f"{dataset_dir} [{split}]: {report['counters'].get('samples', 0)} samples")
     for name, count in report["counters"].items():
         click.echo(f"  {name:28s} {count}")

@@ -1,8 +1,10 @@
 """Tokenizers of the task encoders: the real one by hub id / path, and a tiny local one for tests.
 
 This module owns how a tokenizer is obtained (``load_tokenizer``, which checks the special tokens
-of the model family) and the test tokenizer (``build_test_tokenizer``; the name ``test``): a
-byte-level BPE trained on a few strings, with the Qwen special tokens (ids 0-6) and the
+of the model family and gives a tokenizer without a chat template the ChatML one the task encoder
+writes, ``chat_template``, so checkpoints and exports carry it) and the test tokenizer
+(``build_test_tokenizer``; the name ``test``): a byte-level BPE trained on a few strings, with
+the Qwen special tokens (ids 0-6) and the
 Nemotron-Omni ones (``<img>``, ``</img>``, ``<image>``, appended after training: ids 418-420, 421
 tokens in all), saved as a folder ``transformers.AutoTokenizer`` loads without any network
 access. One test tokenizer serves both families.
@@ -96,7 +98,27 @@ def load_tokenizer(name_or_path: str, model: str | None = None, *, hint: str = L
     missing = [token for token in required if token not in vocab]
     if missing:
         raise ValueError(f"tokenizer {name_or_path!r} lacks special tokens {missing}")
+    if not tokenizer.chat_template:  # the layout the task encoder trains on, so exports keep it
+        tokenizer.chat_template = chat_template(model or QWEN2_5_VL)
     return tokenizer
+
+
+def chat_template(model: str) -> str:
+    """The ChatML chat template of the conversations the task encoder of ``model`` writes
+    (``<|im_start|>role\\n ... <|im_end|>\\n``), for a tokenizer that has none (the test one):
+    string contents, or lists of ``{"type": "text"}`` / ``{"type": "image"}`` /
+    ``{"type": "video"}`` items, media written as the profile's hooks say
+    (``CHAT_MEDIA``: where transformers' processor of the family expands them)."""
+    media = get_profile(model).hooks.CHAT_MEDIA
+    item = ("{%- if item['type'] == 'text' %}{{ item['text'] }}"
+            + "".join(f"{{%- elif item['type'] == '{kind}' %}}{token}"
+                      for kind, token in media.items())
+            + "{%- endif %}")
+    return ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+            "{%- if message['content'] is string %}{{ message['content'] }}"
+            "{%- else %}{%- for item in message['content'] %}" + item + "{%- endfor %}"
+            "{%- endif %}{{ '<|im_end|>\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def _from_cache_or_hub(hub_id: str):

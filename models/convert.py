@@ -32,11 +32,11 @@ import torch
 from contract.errors import UsageError
 from models.families import (
     build_model,
-    config_from_hf,
     config_module,
     hf_model_class,
     mapping_module,
 )
+from models.families import get as get_family
 from models.sharding import load_hf_weights
 from models.verify_inputs import hf_inputs, make_inputs
 
@@ -122,11 +122,12 @@ def resolve_hf(path_or_id: str) -> Path:
 
 def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
     from models.checkpoint import model_record, save_checkpoint
+    from models.hf_source import model_config_of
     from models.parallel import init_parallel
 
     folder = resolve_hf(hf)
     with refused(f"--hf {hf}"):
-        cfg = config_from_hf(json.loads((folder / "config.json").read_text()))  # family first
+        cfg = model_config_of(folder)  # family first
     init_parallel(tp=tp, pp=pp)
     model = build_model(cfg, use_te=False)
     hf_config = load_hf_weights(model, cfg, folder)
@@ -175,13 +176,22 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
 
 
 def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False) -> None:
-    """Write an HF model folder (config.json, model.safetensors, tokenizer and processor files)
-    from an import folder or a train.py run / step folder, whatever TP / PP / EP it was saved
-    with (loaded here at TP = PP = EP = 1). A LoRA run's adapters are merged into the weights
-    (W + alpha / r * B @ A); ``adapter``: write its HF PEFT folder instead
+    """Write an HF model folder (config.json, model.safetensors, tokenizer and processor files,
+    generation_config.json) from an import folder or a train.py run / step folder, whatever TP /
+    PP / EP it was saved with (loaded here at TP = PP = EP = 1). A run that named no HF model:
+    config.json made from our config with the bos / eos / pad ids of the tokenizer it recorded,
+    a generation config with that eos, the family's processor files from the run's
+    ``task_encoder`` pixel settings (``processor_files``). A LoRA run's adapters are merged into
+    the weights (W + alpha / r * B @ A); ``adapter``: write its HF PEFT folder instead
     (``write_peft_folder``)."""
     from models.checkpoint import HF_JSON, load_model, read_checkpoint
-    from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES, copy_files
+    from models.hf_source import (
+        PROCESSOR_FILES,
+        SPECIAL_IDS,
+        TOKENIZER_FILES,
+        copy_files,
+        tokenizer_token_ids,
+    )
     from models.hf_weights import is_our_key, write_hf_folder
     from models.parallel import init_parallel
 
@@ -200,9 +210,32 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False) -> None:
                    if p and p.is_file()), None)
     config = (json.loads(source.read_text()) if source is not None
               else config_module(cfg.family).to_hf_dict(cfg))
+    tokenizer = _recorded_tokenizer(files)
+    if source is None and tokenizer is not None:  # the ids of the run's own tokenizer
+        ids = tokenizer_token_ids(tokenizer)
+        ids = {key: ids.get(key) for key in SPECIAL_IDS}  # None: the tokenizer has none
+        config.update(ids)
+        config["text_config"].update(ids)
     write_hf_folder(out, config, mapping_module(cfg).ours_to_hf(sd, cfg))
-    if files is not None:
-        copy_files(files, Path(out), TOKENIZER_FILES + PROCESSOR_FILES)
+    copied = copy_files(files, Path(out), TOKENIZER_FILES + PROCESSOR_FILES) if files else []
+    if "generation_config.json" not in copied and tokenizer is not None:
+        (Path(out) / "generation_config.json").write_text(json.dumps(
+            {**tokenizer_token_ids(tokenizer), "do_sample": False}, indent=2))  # stops at eos
+    if not any(name in copied for name in PROCESSOR_FILES):  # a run that named no HF model
+        for name, content in get_family(cfg.family).processor_files(
+                cfg, (found.run_config or {}).get("task_encoder") or {}).items():
+            (Path(out) / name).write_text(json.dumps(content, indent=2))
+
+
+def _recorded_tokenizer(files: Path | None):
+    """The tokenizer a checkpoint recorded (``hf/``), or None."""
+    from models.hf_source import TOKENIZER_FILES
+
+    if files is None or not any((files / name).is_file() for name in TOKENIZER_FILES[:2]):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(files))
 
 
 def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
@@ -294,7 +327,7 @@ def _layout_options(function):
 
 
 def _run(command: str, args: list[str], ranks: int, work, progress_every: float,
-         all_warnings: bool) -> None:
+         all_warnings: bool, wrote: str = "") -> None:
     """``work()`` in this process, or this command again under torch.distributed.run with
     ``ranks`` processes; rank 0 reports a heartbeat and the end on stderr (an error stays the
     one line ``main`` prints)."""
@@ -313,6 +346,8 @@ def _run(command: str, args: list[str], ranks: int, work, progress_every: float,
         work()
     click.echo(f"[convert] {command}: done in {format_duration(progress.elapsed())}"
                f"{'; ' + quiet.summary('--all-warnings') if quiet.count else ''}", err=True)
+    if wrote:  # the last line: what was written and where
+        click.echo(f"[convert] {command}: {wrote}", err=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -329,7 +364,8 @@ def cli() -> None:
 def hf_to_mcore_command(hf: str, out: Path, tp: int, pp: int, **console) -> None:
     """Import HF weights into a megatron dist checkpoint (loads at any TP / PP)."""
     _run("hf-to-mcore", ["--hf", hf, "--out", str(out), "--tp", str(tp), "--pp", str(pp)],
-         tp * pp, lambda: hf_to_mcore(hf, out, tp, pp), **console)
+         tp * pp, lambda: hf_to_mcore(hf, out, tp, pp), **console,
+         wrote=f"wrote the megatron checkpoint {out} (loads at any TP / PP)")
 
 
 @cli.command("mcore-to-hf")
@@ -344,7 +380,12 @@ def hf_to_mcore_command(hf: str, out: Path, tp: int, pp: int, **console) -> None
 def mcore_to_hf_command(mcore: Path, out: Path, adapter: bool, **console) -> None:
     """Export a megatron dist checkpoint as a Hugging Face model folder (a LoRA run's adapters
     merged into the weights, or with --adapter its PEFT folder)."""
-    _run("mcore-to-hf", [], 1, lambda: mcore_to_hf(mcore, out, adapter), **console)
+    wrote = (f"wrote the HF PEFT adapter folder {out} (adapter_config.json, "
+             "adapter_model.safetensors)" if adapter else
+             f"wrote the Hugging Face model folder {out} (config.json, model.safetensors, "
+             "tokenizer with chat template, processor and generation configs)")
+    _run("mcore-to-hf", [], 1, lambda: mcore_to_hf(mcore, out, adapter), **console,
+         wrote=wrote)
 
 
 @cli.command("verify")

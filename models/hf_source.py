@@ -6,7 +6,9 @@ what identifies its weights (``fingerprint``: config + weight file names, sizes 
 cached import is reused only for the same weights), what the model's own processor files set for
 the task encoder (``task_encoder_settings``: tokenizer, image / video pixel limits, Nemotron-Omni
 video patches, and the patch / merge sizes the geometry must have) and which of its files travel
-with checkpoints and exports (``TOKENIZER_FILES``, ``PROCESSOR_FILES``, ``copy_files``).
+with checkpoints and exports (``TOKENIZER_FILES``, ``PROCESSOR_FILES``, ``copy_files``), and
+whether the model's special-token ids fit its tokenizer (``special_token_problems``: an eos id
+outside the vocabulary never stops ``generate``; ``tokenizer_token_ids`` for exports).
 
 Pixel settings: each family reads the keys its transformers processors save
 (``processor_settings`` of its package, ``models.families``). A processor config may also sit
@@ -79,6 +81,23 @@ def hf_config(folder: Path) -> dict:
     return read_json(folder / "config.json")
 
 
+def model_config_of(folder: Path):
+    """Our model config of the folder's config.json (the family from its ``model_type``).
+
+    Raises:
+        HFSourceError: a model_type no family imports, or a config the family cannot read
+            (one line naming the file and the supported families).
+    """
+    from models.families import config_from_hf
+
+    try:
+        return config_from_hf(hf_config(folder))
+    except HFSourceError:
+        raise
+    except (ValueError, TypeError, KeyError) as error:
+        raise HFSourceError(f"{folder / 'config.json'}: {error}") from None
+
+
 def default_import_cache() -> Path:
     """Where imports of ``model.hf`` weights are cached by default: next to the hub cache."""
     from huggingface_hub import constants
@@ -131,3 +150,46 @@ def copy_files(folder: Path, out: Path, names: tuple[str, ...]) -> list[str]:
             shutil.copyfile(folder / name, out / name)
             copied.append(name)
     return copied
+
+
+#: the special-token ids of an HF config (top level, ``text_config``, ``generation_config.json``)
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def tokenizer_token_ids(tokenizer) -> dict[str, int]:
+    """The bos / eos / pad ids a tokenizer defines (those it has)."""
+    ids = {key: getattr(tokenizer, key, None) for key in SPECIAL_IDS}
+    return {key: value for key, value in ids.items() if isinstance(value, int)}
+
+
+def _ids(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def special_token_problems(folder: Path, tokenizer) -> list[str]:
+    """What is wrong with the bos / eos / pad ids of ``folder``'s config.json (and its
+    ``text_config``, and ``generation_config.json``) for ``tokenizer``: an id outside the
+    tokenizer's vocabulary, or eos ids none of which is the tokenizer's eos token (``generate``
+    would not stop where training ends a turn). One line each, naming the file and the key."""
+    size = len(tokenizer)
+    sections = [(folder / "config.json", "", hf_config(folder))]
+    sections.append((folder / "config.json", "text_config.",
+                     sections[0][2].get("text_config") or {}))
+    if (folder / "generation_config.json").is_file():
+        sections.append((folder / "generation_config.json", "",
+                         read_json(folder / "generation_config.json")))
+    problems, eos = [], set()
+    for path, prefix, values in sections:
+        for key in SPECIAL_IDS:
+            ids = _ids(values.get(key))
+            bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < size]
+            if bad:
+                problems.append(f"{path}: {prefix}{key} {values[key]} is outside the "
+                                f"tokenizer's {size} tokens")
+            if key == "eos_token_id":
+                eos.update(ids)
+    wanted = getattr(tokenizer, "eos_token_id", None)
+    if eos and isinstance(wanted, int) and wanted not in eos:
+        problems.append(f"{folder / 'config.json'}: eos_token_id {sorted(eos)} does not include "
+                        f"the tokenizer's eos token {tokenizer.eos_token!r} (id {wanted})")
+    return problems

@@ -112,12 +112,13 @@ def plot(path: Path, runs: dict[str, list[dict]], validation: dict[str, list[dic
          info: dict[str, tuple[str, str]], pairs: list[tuple[str, str]]) -> None:
     """One panel per dataset (training loss solid, validation loss dashed with markers, one
     colour per family) and one for the vision-signal pairs (with media solid, blanked dashed,
-    one colour per family); legends beside the panels; log loss axis with 1-2-5 ticks."""
+    one colour per family); legends beside the panels; log loss axis with 1-2-5 ticks (every
+    integer multiple when the panel spans under a decade)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
     paired = {name for pair in pairs for name in pair}
     panels: dict[str, list[str]] = {}
@@ -143,9 +144,12 @@ def plot(path: Path, runs: dict[str, list[dict]], validation: dict[str, list[dic
                         linewidth=0.8)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.set_ylabel("loss per supervised token")
         ax.set_yscale("log")
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        low, high = ax.get_ylim()  # under a decade: a tick on every integer multiple
+        subs = (1.0, 2.0, 5.0) if high / low > 10 else tuple(float(k) for k in range(1, 10))
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)

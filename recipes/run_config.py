@@ -223,8 +223,7 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
     configured one does not feed the model's family, ``task_encoder.model``; a
     ``task_encoder.*`` key given on the command line keeps its value. Edits ``raw`` in place;
     returns (source, the processors' patch / merge sizes) or None when ``model.hf`` is unset."""
-    from models.families import config_from_hf
-    from models.hf_source import HFSourceError, hf_config, resolve, task_encoder_settings
+    from models.hf_source import HFSourceError, model_config_of, resolve, task_encoder_settings
 
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("hf"):
@@ -235,7 +234,7 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
         return None
     try:
         folder = resolve(source, weights=False)
-        base = config_from_hf(hf_config(folder)).to_dict()
+        base = model_config_of(folder).to_dict()
         values, geometry = task_encoder_settings(folder, base["family"])
     except (HFSourceError, ValueError, TypeError) as error:
         errors.append(str(error))

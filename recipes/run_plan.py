@@ -129,6 +129,12 @@ def _with_token_ids(cfg: RunConfig, tokenizer, encoder):
     check_compatible(model, cfg.task_encoder, tokenizer=tokenizer, encoder=encoder,
                      weights=cfg.hf and f"model.hf {cfg.hf}",
                      token_ids=("image_token_id",) if cfg.hf else ())
+    if cfg.hf:  # the model's bos / eos / pad ids must be its tokenizer's (generate stops)
+        from models.hf_source import resolve, special_token_problems
+
+        problems = special_token_problems(resolve(cfg.hf, weights=False), tokenizer)
+        if problems:
+            raise UsageError(f"model.hf {cfg.hf}: {'; '.join(problems)}")
     return dataclasses.replace(model, image_token_id=encoder.image_pad,
                                video_token_id=encoder.video_pad,
                                vision_start_token_id=encoder.vision_start,

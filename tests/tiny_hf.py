@@ -164,4 +164,10 @@ def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int],
     tokenizer = AutoTokenizer.from_pretrained(out)
     tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(out)
+    ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}  # the test tokenizer's, as a hub model's
+    config = json.loads((out / "config.json").read_text())
+    config["text_config"].update(ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(ids, indent=2))
     return out

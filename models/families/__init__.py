@@ -72,6 +72,10 @@ class ModelFamily(Protocol):
         """(task encoder values, geometry) that the model's processor configs set
         (``models.hf_source.task_encoder_settings``)."""
 
+    def processor_files(self, cfg, task_encoder: dict) -> dict[str, dict]:
+        """File name -> JSON of the transformers processor files an export writes when the run
+        named no HF model (from the run config's ``task_encoder`` section and ``cfg``)."""
+
     def vision_geometry(self, cfg) -> dict[str, int]:
         """``patch_size`` / ``merge_size`` / ``temporal_patch_size`` of the model's tower (the
         task encoder's geometry must have the same)."""

@@ -35,8 +35,11 @@ def test_inspect_agrees_with_the_loader(request, make_encoder, tokenizer_dir, ca
     code = main(["inspect", str(dataset), "--model", model, "--tokenizer", str(tokenizer_dir),
                  "--json", "--plots", str(plots), *cli_knobs(knobs)])
     assert code == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
     assert plots.stat().st_size > 1000
+    assert captured.err.strip().splitlines()[-1] == \
+        f"[inspect] wrote the token histograms to {plots}"  # the last line says where
     predicted = report["counters"]
     if fixture == "mantis_out":  # the knobs exercise the policy on this data
         assert predicted.get("resized") and predicted.get("turns_cut")

@@ -59,6 +59,9 @@ class NemotronOmniHooks:
         "vision_start": "<img>", "vision_end": "</img>",
         "image_pad": "<image>", "video_pad": "<image>",
     }
+    #: what the chat template writes for an image / a video content item (transformers'
+    #: processor expands it to ``<img>`` + visual tokens + ``</img>`` groups)
+    CHAT_MEDIA = {"image": "<image>", "video": "<video>"}
 
     def __init__(self, encoder) -> None:
         self.encoder, self.geometry = encoder, encoder.geometry

@@ -55,6 +55,10 @@ class QwenVLHooks:
         "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>",
         "image_pad": "<|image_pad|>", "video_pad": "<|video_pad|>",
     }
+    #: what the chat template writes for an image / a video content item (where transformers'
+    #: processor expands the pad token to the visual tokens)
+    CHAT_MEDIA = {"image": "<|vision_start|><|image_pad|><|vision_end|>",
+                  "video": "<|vision_start|><|video_pad|><|vision_end|>"}
 
     def __init__(self, encoder) -> None:
         self.encoder, self.geometry = encoder, encoder.geometry

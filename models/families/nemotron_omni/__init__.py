@@ -20,7 +20,8 @@ from models.families.nemotron_omni.verify_inputs import hf_inputs, verify_inputs
 
 __all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
            "model_class", "num_experts", "parameter_group", "patch_embed_flops",
-           "processor_settings", "verify_inputs", "vision_flops", "vision_geometry"]
+           "processor_files", "processor_settings", "verify_inputs", "vision_flops",
+           "vision_geometry"]
 
 
 def model_class() -> type:
@@ -58,6 +59,29 @@ def processor_settings(image: dict, video: dict) -> tuple[dict, dict]:
         if video.get(key) is not None:
             values[key] = video[key]
     return values, geometry
+
+
+def processor_files(cfg: config.NemotronOmniModelConfig, task_encoder: dict) -> dict[str, dict]:
+    """The processor files of an export whose run named no HF model (the inverse of
+    ``processor_settings``): transformers' Nemotron-Omni image processor with the run's pixel
+    limits as patch counts, its video processor with the run's patches per frame, the
+    processor class; the tower's patch size, pixel shuffle and normalisation."""
+    patch, v = cfg.vision.patch_size, cfg.vision
+    common = {"patch_size": patch, "downsample_ratio": cfg.downsample_ratio,
+              "image_mean": list(v.norm_mean), "image_std": list(v.norm_std),
+              "do_rescale": True, "do_normalize": True, "do_convert_rgb": True}
+    image = {"image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor", **common}
+    for ours, theirs in (("min_pixels", "min_num_patches"), ("max_pixels", "max_num_patches")):
+        if task_encoder.get(ours):
+            image[theirs] = max(1, int(task_encoder[ours]) // patch ** 2)
+    video = {"video_processor_type": "NemotronH_Omni_Reasoning_V3VideoProcessor", **common,
+             **{key: task_encoder[key] for key in ("video_target_num_patches",
+                                                   "video_maintain_aspect_ratio")
+                if task_encoder.get(key) is not None}}
+    processor = {"processor_class": "NemotronH_Omni_Reasoning_V3Processor",  # + its audio part
+                 "feature_extractor": {"feature_extractor_type": "ParakeetFeatureExtractor"}}
+    return {"preprocessor_config.json": image, "video_preprocessor_config.json": video,
+            "processor_config.json": processor}
 
 
 def vision_geometry(cfg: config.NemotronOmniModelConfig) -> dict[str, int]:

@@ -22,7 +22,8 @@ from models.families.qwen_vl.verify_inputs import hf_inputs, verify_inputs
 
 __all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
            "model_class", "num_experts", "parameter_group", "patch_embed_flops",
-           "processor_settings", "verify_inputs", "vision_flops", "vision_geometry"]
+           "processor_files", "processor_settings", "verify_inputs", "vision_flops",
+           "vision_geometry"]
 
 
 def model_class() -> type:
@@ -57,6 +58,33 @@ def processor_settings(image: dict, video: dict) -> tuple[dict, dict]:
             values[f"{prefix}max_pixels"] = int(high)
     geometry = {k: image[k] for k in ("patch_size", "merge_size") if image.get(k)}
     return values, geometry
+
+
+def processor_files(cfg: config.QwenVLModelConfig, task_encoder: dict) -> dict[str, dict]:
+    """The processor files of an export whose run named no HF model (the inverse of
+    ``processor_settings``): transformers' Qwen2-VL image processor and the family's video
+    processor with the run's pixel limits and the tower's geometry, the processor class, and the
+    normalisation the task encoder used (CLIP's on 2.5, 0.5 on 3)."""
+    from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    qwen3 = cfg.variant.text_v3
+    mean, std = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)) if qwen3 else (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+    common = {**vision_geometry(cfg), "image_mean": list(mean), "image_std": list(std),
+              "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+              "do_normalize": True, "do_convert_rgb": True}
+
+    def limits(low, high) -> dict:
+        size = {k: v for k, v in (("shortest_edge", low), ("longest_edge", high)) if v}
+        return {"min_pixels": low, "max_pixels": high, "size": size} if size else {}
+
+    image = {"image_processor_type": "Qwen2VLImageProcessor", **common,
+             **limits(task_encoder.get("min_pixels"), task_encoder.get("max_pixels"))}
+    video = {"video_processor_type": "Qwen3VLVideoProcessor" if qwen3 else
+             "Qwen2VLVideoProcessor", **common,
+             **limits(task_encoder.get("video_min_pixels"), task_encoder.get("video_max_pixels"))}
+    processor = {"processor_class": "Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor"}
+    return {"preprocessor_config.json": image, "video_preprocessor_config.json": video,
+            "processor_config.json": processor}
 
 
 def vision_geometry(cfg: config.QwenVLModelConfig) -> dict[str, int]:
