@@ -111,7 +111,8 @@ def _report(out: Path, summary: dict | None) -> None:
                    "finish (or `python -m converters finalize --out ...`)")
         return
     shown = {k: summary.get(k) for k in ("rows_read", "rows_written", "samples_written",
-                                         "rejected", "rejected_by_reason", "fixups_by_kind",
+                                         "rejected", "rejected_by_reason", "ids_from_row",
+                                         "fixups_by_kind",
                                          "samples_by_split", "skipped_configs", "shards",
                                          "conversion")}
     click.echo(json.dumps(shown, indent=1))
