@@ -115,3 +115,41 @@ def test_help_texts_say_what_the_caps_do():
 @pytest.mark.parametrize("command", ["mantis", "infovqa", "llava-video"])
 def test_every_command_has_the_restart_flag(command):
     assert "--restart" in run_cli("converters", command, "--help").stdout
+
+
+def test_source_changed_since_the_failed_run_is_refused_unless_restart(tmp_path):
+    rows = [h.mantis_row("x", "<image>x", ["a.png"])]
+    source = h.write_mantis(tmp_path / "s", {"cfg": {"rows": rows, "zip": []}})
+    out = tmp_path / "out"
+    line = one_error_line(_convert("mantis", source, out, check=False), 1)
+    assert "no sample written" in line  # the image is missing: the run failed, shards recorded
+    h.write_mantis(tmp_path / "s", {"cfg": {"rows": rows, "zip": [("a.png", h.png())]}})
+    line = one_error_line(_convert("mantis", source, out, check=False), 2)
+    assert f"--source {source} changed since the interrupted run" in line
+    assert "cfg/train_images.zip" in line and "--restart" in line
+    _convert("mantis", source, out, "--restart")
+    s = summary(out)
+    assert s["samples_written"] == 1 and s["rejected"] == 0
+    _convert("mantis", source, out)  # unchanged since: the same command is accepted again
+    line = one_error_line(_convert("mantis", source, out, "--restart", "--num-partitions", "2",
+                                   check=False), 2)
+    assert "--restart" in line and "--num-partitions" in line
+
+
+def test_videos_over_the_pixel_cap_or_cut_before_a_keyframe_are_rejected(tmp_path):
+    records = [h.video_record("ok", "v/ok.mp4"), h.video_record("huge", "v/huge.avi"),
+               h.video_record("cut", "v/cut.mkv"), h.video_record("wide", "v/ok2.mp4")]
+    source = h.write_llava_video(tmp_path / "s", {"cfg": {"records": records, "extracted": {
+        "v/ok.mp4": h.clip(), "v/ok2.mp4": h.clip(seconds=0.5),
+        "v/huge.avi": h.mjpeg_claiming(12000, 12000), "v/cut.mkv": h.cut_clip()}}})
+    out = tmp_path / "out"
+    _convert("llava-video", source, out)
+    reasons = {r["id"]: (r["reason"], r["detail"]) for r in _rejects(out)}
+    assert reasons["huge"] == ("video_too_large", "v/huge.avi: 12000x12000 frames (its first "
+                               "frame's header) are over --max-video-pixels 89478485")
+    assert reasons["cut"][0] == "no_leading_keyframe"
+    assert set(reasons) == {"huge", "cut"} and summary(out)["samples_written"] == 2
+    low = tmp_path / "low"
+    line = one_error_line(_convert("llava-video", source, low, "--max-video-pixels", "700",
+                                   check=False), 1)  # 32x24 = 768 pixels: every clip is over
+    assert "(video_too_large=4)" in line
