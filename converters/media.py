@@ -10,8 +10,9 @@ Nothing a header claims is trusted:
   from the packets' timestamps, within `max_video_frames` / `max_video_seconds`; its frame size
   must be within `max_video_pixels` (stream parameters and, for MJPEG, the first frame's JPEG
   header, checked before any decode; the decoder itself refuses larger frames) and its first
-  packet a keyframe; then its first and last frames are decoded. The stored frame count, duration and rate are the measured ones; when
-  the container claimed another frame count the sample records the fixup `video_frames_measured`.
+  packet a keyframe; then its first and last frames are decoded. The stored frame count, duration
+  and rate are the measured ones; when the container claimed another frame count the sample
+  records the fixup `video_frames_measured`.
 
 `MediaError.reason` is the reject reason recorded for the row.
 """
