@@ -59,8 +59,9 @@ def common_options(dataset: str, hub_id: str):
                               "(K.json always has it; ~2 ms per image at the final step)."),
             click.option("--max-image-pixels", default=DEFAULT_LIMITS.max_image_pixels,
                          show_default=True, type=click.IntRange(1),
-                         help="Reject images with more pixels (decided from the header, "
-                              "before decoding)."),
+                         help="Reject images with more pixels (the size PIL reads from the "
+                              "header is checked before decoding, and the image must then "
+                              "decode whole)."),
             click.option("--max-member-bytes", default=DEFAULT_LIMITS.max_member_bytes,
                          show_default=True, type=click.IntRange(1),
                          help="Reject archive members / files larger than this without reading "
@@ -71,6 +72,14 @@ def common_options(dataset: str, hub_id: str):
             click.option("--max-video-seconds", default=DEFAULT_LIMITS.max_video_seconds,
                          show_default=True, type=click.FloatRange(min=0, min_open=True),
                          help="Reject videos lasting longer (measured from the packets)."),
+            click.option("--restart", is_flag=True,
+                         help="Discard what an earlier (interrupted) run left in --out and "
+                              "convert from scratch, e.g. after the source changed."),
+            click.option("--max-video-pixels", default=DEFAULT_LIMITS.max_video_pixels,
+                         show_default=True, type=click.IntRange(1),
+                         help="Reject videos whose frames have more pixels (read from the "
+                              "stream, and for MJPEG from the first frame's JPEG header, "
+                              "before decoding; the decoder is capped too)."),
             click.option("--progress-interval", default=DEFAULT_EVERY_S, show_default=True,
                          type=click.FloatRange(min=0),
                          help="Seconds between progress lines when stderr is not a terminal."),
@@ -111,7 +120,8 @@ def _report(out: Path, summary: dict | None) -> None:
                    "finish (or `python -m converters finalize --out ...`)")
         return
     shown = {k: summary.get(k) for k in ("rows_read", "rows_written", "samples_written",
-                                         "rejected", "rejected_by_reason", "fixups_by_kind",
+                                         "rejected", "rejected_by_reason", "ids_from_row",
+                                         "fixups_by_kind",
                                          "samples_by_split", "skipped_configs", "shards",
                                          "conversion")}
     click.echo(json.dumps(shown, indent=1))
@@ -136,16 +146,17 @@ def dataset_command(dataset: str, hub_id: str, *extra_options):
         def command(source, revision, out, configs, splits, workers, num_partitions,
                     partition_index, val_fraction, shard_size, energon_media_metadata,
                     max_image_pixels, max_member_bytes, max_video_frames, max_video_seconds,
-                    progress_interval, **extra):
+                    max_video_pixels, restart, progress_interval, **extra):
             limits = Limits(max_image_pixels=max_image_pixels, max_member_bytes=max_member_bytes,
                             max_video_frames=max_video_frames,
-                            max_video_seconds=max_video_seconds)
+                            max_video_seconds=max_video_seconds,
+                            max_video_pixels=max_video_pixels)
 
             def make_source():  # under the partition's lock
                 from converters.hub import Source
                 from converters.pipeline import recorded_source
 
-                recorded, binds = recorded_source(out)
+                recorded, binds = recorded_source(out)  # none after --restart
                 opened = Source(source, out / ".work" / "datasets_cache", revision,
                                 recorded=recorded, recorded_binds=binds)
                 return fn(opened, out, _csv(configs), _csv(splits), limits=limits, **extra)
@@ -153,7 +164,7 @@ def dataset_command(dataset: str, hub_id: str, *extra_options):
             _run(make_source, out, workers=workers, num_partitions=num_partitions,
                  partition_index=partition_index, val_fraction=val_fraction,
                  shard_size=shard_size, energon_media_metadata=energon_media_metadata,
-                 progress_interval=progress_interval)
+                 progress_interval=progress_interval, restart=restart)
 
         for option in reversed(extra_options):
             command = option(command)

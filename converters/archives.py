@@ -247,11 +247,18 @@ class FrameFolders:
         self.root = root.resolve()
         self.unsafe: list[str] = []
 
+    def _folder(self, name: str) -> Path | None:
+        return next((f for f in (self.root / name, self.root / posixpath.basename(name))
+                     if f.is_dir()), None)
+
+    def has(self, name: str) -> bool:
+        """A folder for `name` exists (as given or by its last component)."""
+        return self._folder(name) is not None
+
     def read(self, name: str, max_bytes: int) -> bytes | None:
         from energon_tasks.sample_format import pack_frames
 
-        folder = next((f for f in (self.root / name, self.root / posixpath.basename(name))
-                       if f.is_dir()), None)
+        folder = self._folder(name)
         if folder is None:
             return None
         if not inside(self.root, folder):

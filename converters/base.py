@@ -9,11 +9,12 @@ workers, shards, resume, accounting, energon prepare) is the pipeline's job.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from contract.errors import UsageError
-from energon_tasks.sample_format import CanonicalSample
+from energon_tasks.sample_format import CanonicalSample, sample_key
 
 Target = Literal["train", "val", "test", "carve"]
 
@@ -64,6 +65,65 @@ class Unit:
     key: str  #: the output sample key
     rows: list[int]  #: source row indices (InfoVQA groups several questions of one image)
     ids: list[str]  #: source ids of those rows
+    ids_from_row: int = 0  #: how many of `ids` were made from the row position (`row_id`)
+
+
+#: Nesting (objects and arrays) a source record may have; deeper records are `bad_record`
+#: rejects (Python's JSON and repr recurse, so a deeper one would be a RecursionError).
+MAX_RECORD_DEPTH = 64
+
+
+def nesting_depth(value, cap: int = MAX_RECORD_DEPTH) -> int:
+    """Depth of nested dicts / lists / tuples (a scalar is 0), counted without recursion and
+    stopping once it exceeds `cap` (then `cap + 1`)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, (list, tuple)):
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        if deepest > cap:
+            return deepest
+        stack.extend((child, depth) for child in item)
+    return deepest
+
+
+def depth_problem(record) -> str | None:
+    """Why a record is too deeply nested to be data, or None."""
+    if nesting_depth(record) > MAX_RECORD_DEPTH:
+        return f"the record is nested deeper than {MAX_RECORD_DEPTH} levels"
+    return None
+
+
+def row_id(value, row: int, content) -> tuple[str, bool]:
+    """The source id of a row as text, and whether it was made from the row position.
+
+    A null or empty id becomes `row<N>-<8 hex digits of the SHA-1 of the row's content>`: stable
+    across runs, distinct per row, never `None` (`content` is the row, or anything that stands
+    for it; it is serialised as JSON, non-JSON values by their repr)."""
+    text = "" if value is None else str(value)
+    if text.strip():
+        return text, False
+    try:
+        blob = json.dumps(content, sort_keys=True, default=repr).encode("utf-8", "surrogatepass")
+    except (RecursionError, ValueError, TypeError):
+        blob = repr(type(content)).encode()
+    return f"row{row}-{hashlib.sha1(blob).hexdigest()[:8]}", True
+
+
+def row_units(dataset: str, split: SourceSplit, ids: list, content_of) -> list[Unit]:
+    """One unit per row, keyed by its source id (`row_id` for null / empty ones; `content_of(row)`
+    gives what stands for the row, read only for those)."""
+    units = []
+    for row, value in enumerate(ids):
+        text, made = row_id(value, row, content_of(row) if value in (None, "") or not str(
+            value).strip() else None)
+        units.append(Unit(key=sample_key(dataset, split.config, split.split, row, text),
+                          rows=[row], ids=[text], ids_from_row=int(made)))
+    return units
 
 
 @dataclass(slots=True, kw_only=True)

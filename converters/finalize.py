@@ -89,6 +89,8 @@ def _summarize(out: Path, records: list[dict], options: dict) -> dict:
         "samples_written": sum(r["samples_written"] for r in records),
         "rejected": rejected,
         "rejected_by_reason": dict(sorted(reasons.items())),
+        #: rows whose null / empty source id was made from the row position (converters.base)
+        "ids_from_row": sum(r.get("ids_from_row", 0) for r in records),
         "fixups_by_kind": dict(sorted(fixups.items())),
         "samples_by_split": {s: by_split[s] for s in SPLITS if by_split[s]},
         "by_config": {c: dict(sorted(v.items())) for c, v in sorted(by_config.items())},

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -111,8 +112,14 @@ class Source:
         return str(self.local) if self.local else self.location
 
     def fingerprint(self) -> dict:
-        """Where the rows come from: the location and, for a hub id, the pinned commit."""
-        return {"location": self.location, "revision": self.revision}
+        """Where the rows come from: the location and, for a hub id, the pinned commit (which
+        fixes every file); for a local folder, `files`: a fingerprint of each annotation file
+        and archive (`file_fingerprints`), so that a source changed since an interrupted run
+        is told apart from the one it planned."""
+        doc = {"location": self.location, "revision": self.revision}
+        if self.local:
+            doc["files"] = file_fingerprints(self.local)
+        return doc
 
     def config_names(self) -> list[str]:
         try:
@@ -240,6 +247,43 @@ class Source:
                 raise UsageError(f"--source {self.location}: cannot list its files at "
                                  f"{self.revision} ({_hub_failure(exc)})") from None
         return self._listing
+
+
+#: the files of a local source whose change changes the plan: annotations, cards, archives
+FINGERPRINTED_SUFFIXES = (".parquet", ".arrow", ".json", ".jsonl", ".csv", ".txt", ".md", ".zip",
+                          ".tar", ".gz", ".tgz")
+#: files up to this size are hashed whole; larger ones (archives) by size, head and tail
+_WHOLE_HASH_BYTES = 64 * 1024 * 1024
+_EDGE_BYTES = 1024 * 1024
+
+
+def _file_digest(path: Path) -> str:
+    size = path.stat().st_size
+    digest = hashlib.sha1(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= _WHOLE_HASH_BYTES:
+            for block in iter(lambda: f.read(_EDGE_BYTES), b""):
+                digest.update(block)
+        else:
+            digest.update(f.read(_EDGE_BYTES))
+            f.seek(size - _EDGE_BYTES)
+            digest.update(f.read(_EDGE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def file_fingerprints(root: Path) -> dict[str, str]:
+    """relative path -> content fingerprint of every annotation file, card and archive under a
+    local source (`FINGERPRINTED_SUFFIXES`; hidden folders skipped): SHA-1 of the whole file up
+    to 64 MiB, else of its size, first and last MiB. Content, not mtimes: a copy or a `touch`
+    changes nothing."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if any(p.startswith(".") for p in rel.parts) or not path.is_file() or \
+                not path.name.lower().endswith(FINGERPRINTED_SUFFIXES):
+            continue
+        found[rel.as_posix()] = _file_digest(path)
+    return found
 
 
 def open_data_file(url: str):

@@ -18,7 +18,7 @@ import hashlib
 import datasets
 
 from contract.console import phase
-from converters.base import Built, Reject, SourceSplit, Unit, reject_all
+from converters.base import Built, Reject, SourceSplit, Unit, reject_all, row_id
 from converters.hub import Source, open_splits, resolve_configs
 from converters.media import DEFAULT_LIMITS, Limits, MediaError, image_media, probe_image
 from energon_tasks.sample_format import (
@@ -114,11 +114,16 @@ class InfoVQASource:
 
     def units(self, split: SourceSplit) -> list[Unit]:
         table = self._tables[(split.config, split.split)]
+        digests = _image_digests(table)
         if "questionId" in table.column_names:
-            ids = [str(i) for i in table.data.column("questionId").to_pylist()]
+            questions = (table.data.column("question").to_pylist()
+                         if "question" in table.column_names else [None] * len(table))
+            made = [row_id(value, row, [digests[row], questions[row]]) for row, value in
+                    enumerate(table.data.column("questionId").to_pylist())]
+            ids, from_row = [m[0] for m in made], [m[1] for m in made]
         else:
             ids = [f"{split.split}-{row}" for row in range(len(table))]
-        digests = _image_digests(table)
+            from_row = [False] * len(table)
         if self.one_question_per_sample:
             groups = {row: [row] for row in range(len(table))}
         else:
@@ -127,7 +132,8 @@ class InfoVQASource:
                 groups.setdefault(digest, []).append(row)
         return [Unit(key=sample_key(DATASET, split.config, split.split, rows[0],
                                     f"info_{digests[rows[0]]}"),
-                     rows=rows, ids=[ids[r] for r in rows]) for rows in groups.values()]
+                     rows=rows, ids=[ids[r] for r in rows],
+                     ids_from_row=sum(from_row[r] for r in rows)) for rows in groups.values()]
 
     def build(self, split: SourceSplit, unit: Unit) -> Built:
         table = self._tables[(split.config, split.split)]

@@ -19,6 +19,7 @@ several videos is rejected `several_videos`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -30,12 +31,15 @@ import yaml
 from contract.console import phase
 from converters.archives import FolderMembers, FrameFolders, TarGzMembers
 from converters.base import (
+    MAX_RECORD_DEPTH,
     Built,
     SourceSplit,
     Unit,
     UsageError,
     check_config_folders,
+    depth_problem,
     reject_all,
+    row_units,
     target_of,
 )
 from converters.hub import Source, open_data_file, reraise_full_disk, resolve_configs
@@ -58,7 +62,6 @@ from energon_tasks.sample_format import (
     CanonicalSample,
     SourceRef,
     Turn,
-    sample_key,
 )
 
 HUB_ID = "lmms-lab/LLaVA-Video-178K"
@@ -124,15 +127,63 @@ def _one_video(value) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+@dataclass(slots=True, frozen=True)
+class _TooDeep:
+    """A record of an annotation file nested beyond `MAX_RECORD_DEPTH`, kept unparsed."""
+
+    digest: str  #: SHA-1 of its text (what its row id is made from)
+    problem: str
+
+
+def _row_content(record):
+    return record.digest if isinstance(record, _TooDeep) else record
+
+
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{},]')
+
+
+def _split_top_array(text: str) -> list:
+    """The elements of a JSON array, each parsed on its own; one nested beyond the depth cap is
+    a `_TooDeep` (so one hostile record is a reject, never a RecursionError of the file)."""
+    records, depth, deepest, start = [], 0, 0, None
+    for match in _TOKENS.finditer(text):
+        token = match.group(0)
+        if token in "[{":
+            depth += 1
+            if depth == 1:
+                if token != "[":
+                    raise json.JSONDecodeError("expected an array", text, match.start())
+                start = match.end()
+            deepest = max(deepest, depth)
+        elif token in "]}" or (token == "," and depth == 1):
+            if depth == 1 and text[start:match.start()].strip():
+                chunk = text[start:match.start()]
+                if deepest - 1 > MAX_RECORD_DEPTH:
+                    digest = hashlib.sha1(chunk.encode("utf-8", "surrogatepass")).hexdigest()
+                    records.append(_TooDeep(digest, f"the record is nested deeper than "
+                                                    f"{MAX_RECORD_DEPTH} levels"))
+                else:
+                    records.append(json.loads(chunk))
+                start, deepest = match.end(), 1
+            if token != ",":
+                depth -= 1
+    return records
+
+
 def _read_json_records(url: str) -> list:
-    """The records of one annotation file read with the `json` module.
+    """The records of one annotation file read with the `json` module (a file whose nesting is
+    too deep for it is split into its records, each parsed on its own).
 
     Raises:
         UsageError: the file is not UTF-8 JSON holding an array (names the file).
     """
     try:
         with open_data_file(url) as f:
-            records = json.loads(f.read().decode("utf-8"))
+            text = f.read().decode("utf-8")
+        try:
+            records = json.loads(text)
+        except RecursionError:
+            records = _split_top_array(text)
     except (UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
         raise UsageError(f"annotation file {url} cannot be parsed: {type(exc).__name__}: "
                          f"{str(exc)[:160]}") from None
@@ -143,11 +194,15 @@ def _read_json_records(url: str) -> list:
 
 
 def _record_problem(record) -> str | None:
-    """Why a record is unusable as data (not an object, no id, text that is not Unicode)."""
+    """Why a record is unusable as data (not an object, nested beyond `MAX_RECORD_DEPTH`, text
+    that is not Unicode). A record without an id is data: it gets one from its row (`row_id`)."""
+    if isinstance(record, _TooDeep):
+        return record.problem
     if not isinstance(record, dict):
         return f"the record is a {type(record).__name__}, not an object"
-    if record.get("id") is None:
-        return "the record has no id"
+    deep = depth_problem(record)
+    if deep:
+        return deep
     if not _valid_text(json.dumps(record, ensure_ascii=False, default=str)):
         return "the record holds text that is not valid Unicode (a lone surrogate)"
     return None
@@ -340,9 +395,32 @@ class LlavaVideoSource:
             ids = [rec.get("id") if isinstance(rec, dict) else None for rec in table]
         else:
             ids = table["id"] if "id" in table.column_names else [None] * len(table)
-        ids = ["" if i is None else str(i) for i in ids]
-        return [Unit(key=sample_key(DATASET, split.config, split.split, row, i),
-                     rows=[row], ids=[i]) for row, i in enumerate(ids)]
+        units = row_units(DATASET, split, ids, lambda row: _row_content(table[row]))
+        self._check_frames_found(split, table)
+        return units
+
+    #: rows looked at to tell a `--frames-root` that matches nothing
+    FRAMES_CHECK_ROWS = 200
+
+    def _check_frames_found(self, split: SourceSplit, table) -> None:
+        """A `--frames-root` where none of the first rows' frame folders is (e.g. one level too
+        high) is a UsageError naming the path tried, not a run of `missing_video` rejects."""
+        members = self._videos.get(split.config)
+        if not isinstance(members, FrameFolders) or not len(table):
+            return
+        from converters.archives import safe_member_name
+
+        paths = []
+        for row in range(min(len(table), self.FRAMES_CHECK_ROWS)):
+            record = table[row]
+            path = _one_video(record.get("video")) if isinstance(record, dict) else None
+            name = safe_member_name(path) if path else None
+            if name:
+                paths.append(name)
+        if paths and not any(members.has(p) for p in paths):
+            raise UsageError(f"--frames-root {self.frames_root}: none of the first {len(paths)} "
+                             f"videos of {split.config}/{split.split} is there (tried "
+                             f"{self.frames_root / paths[0]}); pass the folder that holds them")
 
     def _open_videos(self, config: str):
         if config not in self._videos:

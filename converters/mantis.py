@@ -2,23 +2,26 @@
 
 Rows come from `load_dataset(source, config, split=...)` and hold only image paths; the images
 are read member by member from `<config>/<split>_images.zip`, or from the part zips listed in
-`<config>/<split>_images_zips.txt`, never extracted. One row = one sample.
+`<config>/<split>_images_zips.txt`, never extracted; an entry that embeds its bytes (`{bytes,
+path}`, as `datasets` stores an Image feature) is read from the row. One row = one sample.
 
 Repairs and rejects, as Mantis's own trainer treats its data:
 - fewer `<image>` than images: the missing placeholders are prepended to the first user turn
   (fixup `prepended_image_placeholders`);
-- more placeholders than images, `images=None` with placeholders, an image entry that is not
-  `{path: str}` (`bad_record`), a missing, unsafe, oversized or unreadable member, an image that
-  does not decode or is over the pixel cap, a malformed conversation: the row is rejected with
-  that reason.
+- more placeholders than images, `images=None` with placeholders, an image entry that is
+  neither `{path: str}` nor `{bytes, path}` with the bytes embedded (`bad_record`), a missing,
+  unsafe, oversized or unreadable member, an image that does not decode or is over the pixel
+  cap, a malformed conversation: the row is rejected with that reason.
 A table without the `id`, `images` and `conversation` columns is a one-line error before any
 shard is written. Image formats are detected from the bytes (some `.png` members are JPEG).
 """
 
 from __future__ import annotations
 
+import datasets
+
 from converters.archives import ZipMembers
-from converters.base import Built, SourceSplit, Unit, UsageError, reject_all
+from converters.base import Built, SourceSplit, Unit, UsageError, reject_all, row_units
 from converters.hub import Source, open_splits, resolve_configs
 from converters.media import (
     DEFAULT_LIMITS,
@@ -33,7 +36,6 @@ from energon_tasks.sample_format import (
     CanonicalSample,
     SourceRef,
     Turn,
-    sample_key,
 )
 
 HUB_ID = "TIGER-Lab/Mantis-Instruct"
@@ -71,6 +73,23 @@ def prepend_missing_placeholders(turns: list[Turn], n_images: int) -> int:
     return max(0, missing)
 
 
+def _embedded(image: dict) -> bytes | None:
+    """The bytes of an images entry that embeds them (`{bytes, path}`, what `datasets` stores
+    for an Image feature), else None."""
+    data = image.get("bytes")
+    return bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) and data else None
+
+
+def _undecoded(table):
+    """The table with an `images` column of Image features left as `{bytes, path}` (never
+    decoded by `datasets`)."""
+    feature = getattr(table, "features", {}).get("images")
+    inner = getattr(feature, "feature", None)
+    if isinstance(inner, datasets.Image) and inner.decode:
+        return table.cast_column("images", datasets.List(datasets.Image(decode=False)))
+    return table
+
+
 class MantisSource:
     """Mantis-Instruct opened for conversion (see module docstring)."""
 
@@ -81,8 +100,9 @@ class MantisSource:
         self.source = source
         self.limits = limits
         self.configs = resolve_configs(source, configs)
-        self._splits, self._tables = open_splits(source, self.configs, splits,
-                                                 required=REQUIRED_COLUMNS)
+        self._splits, self._tables = open_splits(
+            source, self.configs, splits, lambda c, s: _undecoded(source.load(c, s)),
+            required=REQUIRED_COLUMNS)
         self._members: dict[tuple[str, str], ZipMembers] = {}
 
     def fingerprint(self) -> dict:
@@ -94,9 +114,9 @@ class MantisSource:
 
     def units(self, split: SourceSplit) -> list[Unit]:
         self._open_images(split)  # index the zips before workers fork
-        ids = self._tables[(split.config, split.split)].data.column("id").to_pylist()
-        return [Unit(key=sample_key(DATASET, split.config, split.split, row, str(i)),
-                     rows=[row], ids=[str(i)]) for row, i in enumerate(ids)]
+        table = self._tables[(split.config, split.split)]
+        return row_units(DATASET, split, table.data.column("id").to_pylist(),
+                         lambda row: table[row])
 
     def _open_images(self, split: SourceSplit) -> ZipMembers:
         key = (split.config, split.split)
@@ -132,10 +152,10 @@ class MantisSource:
             return reject_all(split, unit, "images_none_with_placeholders",
                               f"{n_placeholders} <image> and images=None")
         images = images or []
-        if not all(isinstance(i, dict) and isinstance(i.get("path"), str) and i["path"]
-                   for i in images):
-            return reject_all(split, unit, "bad_record",
-                              f"an images entry is not {{path: str}}: {str(images)[:120]}")
+        if not all(isinstance(i, dict) and (_embedded(i) is not None or (
+                isinstance(i.get("path"), str) and i["path"])) for i in images):
+            return reject_all(split, unit, "bad_record", "an images entry is neither {path: str} "
+                              f"nor {{bytes, path}} with bytes: {str(images)[:120]}")
         if n_placeholders > len(images):
             return reject_all(split, unit, "too_many_placeholders",
                               f"{n_placeholders} <image> for {len(images)} images")
@@ -144,10 +164,17 @@ class MantisSource:
         members = self._open_images(split)
         media, parts = [], {}
         for index, image in enumerate(images):
-            path = image["path"]
+            path, embedded = image.get("path"), _embedded(image)
             try:
-                _, _, probed = fetch_media(members, path, probe_image, "missing_image",
-                                           "the image zip", self.limits)
+                if embedded is not None:  # `datasets` Image feature: the bytes are in the row
+                    path = path or f"embedded image {index}"
+                    if len(embedded) > self.limits.max_member_bytes:
+                        raise MediaError("member_too_large", f"{path}: {len(embedded)} bytes > "
+                                         f"--max-member-bytes {self.limits.max_member_bytes}")
+                    probed = probe_image(embedded, path, self.limits)
+                else:
+                    _, _, probed = fetch_media(members, path, probe_image, "missing_image",
+                                               "the image zip", self.limits)
             except MediaError as err:
                 return reject_all(split, unit, err.reason, err.detail)
             entry, data = image_media(index, probed, path)

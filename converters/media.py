@@ -7,9 +7,12 @@ Nothing a header claims is trusted:
   do not decode by extension are re-encoded losslessly to PNG and the original format recorded.
   16-bit, CMYK, palette and other modes are kept as stored (the loader converts them to RGB).
 - a video is demuxed packet by packet (no decoding) to count its frames and measure its duration
-  from the packets' timestamps, within `max_video_frames` / `max_video_seconds`; then its first and
-  last frames are decoded. The stored frame count, duration and rate are the measured ones; when
-  the container claimed another frame count the sample records the fixup `video_frames_measured`.
+  from the packets' timestamps, within `max_video_frames` / `max_video_seconds`; its frame size
+  must be within `max_video_pixels` (stream parameters and, for MJPEG, the first frame's JPEG
+  header, checked before any decode; the decoder itself refuses larger frames) and its first
+  packet a keyframe; then its first and last frames are decoded. The stored frame count, duration
+  and rate are the measured ones; when the container claimed another frame count the sample
+  records the fixup `video_frames_measured`.
 
 `MediaError.reason` is the reject reason recorded for the row.
 """
@@ -45,6 +48,8 @@ class Limits:
     #: frames and seconds of one video (LLaVA-Video-178K's longest clips are 3 minutes)
     max_video_frames: int = 300_000
     max_video_seconds: float = 3 * 3600.0
+    #: pixels of one video frame (PIL's decompression-bomb limit for an image, 89,478,485)
+    max_video_pixels: int = Image.MAX_IMAGE_PIXELS or 89_478_485
 
     def fingerprint(self) -> dict:
         return asdict(self)
@@ -120,6 +125,30 @@ def _video_error(reason: str, name: str, exc: BaseException) -> MediaError:
     return MediaError(reason, f"{name}: {type(exc).__name__}: {exc}")
 
 
+def _check_pixels(name: str, width: int, height: int, limits: Limits, where: str) -> None:
+    if width * height > limits.max_video_pixels:
+        raise MediaError("video_too_large", f"{name}: {width}x{height} frames ({where}) are over "
+                         f"--max-video-pixels {limits.max_video_pixels}")
+
+
+def _first_packet_checks(packet, codec: str, name: str, limits: Limits) -> None:
+    """The clip starts on a keyframe (else no loader decodes its first frames), and an MJPEG
+    frame's size is read from its JPEG header (nothing decoded) before any decode."""
+    if not packet.is_keyframe:
+        raise MediaError("no_leading_keyframe", f"{name}: the first packet is not a keyframe "
+                         "(a cut clip: its first frames reference frames it does not hold)")
+    if codec in ("mjpeg", "jpeg2000", "png"):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                size = Image.open(io.BytesIO(bytes(packet))).size
+        except Image.DecompressionBombError:
+            size = (limits.max_video_pixels + 1, 1)
+        except Exception:  # noqa: BLE001 - the decode below reports a damaged frame
+            return
+        _check_pixels(name, *size, limits, "its first frame's header")
+
+
 def _count_packets(container, stream, name: str, limits: Limits) -> tuple[int, float]:
     """(video packets, seconds they span) by demuxing only; caps checked as it goes."""
     count, low, high = 0, None, None
@@ -127,6 +156,8 @@ def _count_packets(container, stream, name: str, limits: Limits) -> tuple[int, f
     for packet in container.demux(stream):
         if not packet.size:  # the demuxer's flush packet
             continue
+        if not count:
+            _first_packet_checks(packet, stream.codec_context.name, name, limits)
         count += 1
         if count > limits.max_video_frames:
             raise MediaError("video_too_long", f"{name}: more than --max-video-frames "
@@ -166,7 +197,10 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
     Raises:
         MediaError: "unreadable_video" (cannot open, demux or decode), "zero_frame_video" (no
             video stream or no frame), "too_few_frames" (one frame), "video_too_long" (over the
-            frame or duration cap).
+            frame or duration cap), "video_too_large" (frames over `max_video_pixels`: from the
+            stream parameters and, for MJPEG, the first frame's JPEG header, before decoding;
+            the decoder is capped too), "no_leading_keyframe" (the first packet is not a
+            keyframe).
     """
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
@@ -176,6 +210,11 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
             if not container.streams.video:
                 raise MediaError("zero_frame_video", f"{name}: no video stream")
             stream = container.streams.video[0]
+            _check_pixels(name, stream.codec_context.width, stream.codec_context.height,
+                          limits, "as the stream parameters say")
+            # the decoder refuses frames over the cap before allocating them (a stream whose
+            # parameters understate the size)
+            stream.codec_context.options = {"max_pixels": str(limits.max_video_pixels)}
             claimed = int(stream.frames or 0)
             frames, seconds = _count_packets(container, stream, name, limits)
             if frames == 0 and claimed:
@@ -190,6 +229,7 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
             first = next(container.decode(stream), None)
             if first is None:
                 raise MediaError("unreadable_video", f"{name}: the first frame does not decode")
+            _check_pixels(name, first.width, first.height, limits, "decoded")
             if _last_frame(container, stream) is None:
                 raise MediaError("unreadable_video", f"{name}: the last frame does not decode")
             rate = float(stream.average_rate or stream.guessed_rate or 0)

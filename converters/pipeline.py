@@ -12,8 +12,10 @@ SIGTERM stop the workers at once and end the run with `Interrupted`; a full disk
 `OutOfSpace`; a worker that dies ends it with `WorkerDied`. Whatever stopped it, a completed shard
 is recorded by its sidecar and nothing else counts, so the same command resumes and finishes with
 the output of an uninterrupted run. The options that change the output are recorded once the
-source is planned; a later run with other options is refused once a shard exists (before that,
-an attempt that failed leaves nothing that blocks the corrected command).
+source is planned; a later run with other options, or of a local source whose annotation files
+or archives changed (their fingerprints are among the options), is refused once a shard exists
+(before that, an attempt that failed leaves nothing that blocks the corrected command);
+`--restart` discards the earlier run and converts from scratch.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class Options:
     #: about 2 ms per image in `energon prepare`
     energon_media_metadata: bool = False
     progress_interval: float = DEFAULT_EVERY_S  #: seconds between progress lines (no TTY)
+    #: discard what an earlier run left in `out` (shards, accounting, caches) and start over
+    restart: bool = False
 
     def check(self) -> None:
         problems = []
@@ -84,6 +88,10 @@ class Options:
             problems.append("--val-fraction must be in [0, 1)")
         if self.shard_size < 1:
             problems.append("--shard-size must be >= 1")
+        if self.restart and self.num_partitions > 1:
+            problems.append("--restart converts one partition from scratch and cannot discard "
+                            "the shards of the others: with --num-partitions > 1 remove --out "
+                            "and rerun every partition")
         if problems:
             raise UsageError("; ".join(problems))
 
@@ -239,6 +247,14 @@ def _check_options(out: Path, fingerprint: dict, *, write: bool) -> None:
     if previous is not None and _has_shards(out):
         known = previous if write else {k: previous[k] for k in fingerprint if k in previous}
         changed = _differences(known, fingerprint)
+        files = [c.split(":", 1)[0][len("source.files."):] for c in changed
+                 if c.startswith("source.files.")]
+        if files:
+            raise UsageError(f"--source {fingerprint['source'].get('location')} changed since "
+                             f"the interrupted run into --out {out} ({len(files)} file(s): "
+                             f"{', '.join(files[:3])}{', ...' if len(files) > 3 else ''}); "
+                             "rerun with --restart to convert it from scratch, or use another "
+                             "--out")
         if changed:
             raise UsageError(f"--out {out} holds a conversion made with other options "
                              f"({'; '.join(changed)}); rerun with those, or use another --out")
@@ -259,7 +275,25 @@ def precheck(opts: Options) -> None:
     """Argument checks that need no source: run before opening it (which can be slow)."""
     opts.check()
     check_output(opts.out)
-    _check_options(opts.out, _option_fingerprint(opts), write=False)
+    if not opts.restart:
+        _check_options(opts.out, _option_fingerprint(opts), write=False)
+
+
+def discard_earlier_run(out: Path) -> None:
+    """`--restart`: remove what an earlier conversion left in `out` (shards, their accounting,
+    the recorded options, the finalized outputs, the caches of `.work/`); the lock files stay.
+    Held under the (single) partition's lock."""
+    import shutil
+
+    for name in ("shards", ".nv-meta"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("summary.json", "rejects.jsonl", "stats.json", "metadataset.yaml"):
+        (out / name).unlink(missing_ok=True)
+    for path in (out / ".work").iterdir() if (out / ".work").is_dir() else ():
+        if path.suffix == ".lock":
+            continue
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    phase(f"--restart: discarded the earlier conversion in {out}")
 
 
 def _remove_partials(out: Path, partition: int) -> None:
@@ -290,6 +324,8 @@ def convert(make_source: Callable[[], SourceDataset], opts: Options) -> dict | N
     with interruptible(), disk_errors(), RunLock(
             work / f"partition-{opts.partition_index:03d}.lock",
             f"partition {opts.partition_index} of --out {opts.out}", notify=phase):
+        if opts.restart:
+            discard_earlier_run(opts.out)
         _remove_partials(opts.out, opts.partition_index)
         phase(f"planning: reading the source (partition {opts.partition_index + 1} of "
               f"{opts.num_partitions})")

@@ -119,7 +119,7 @@ def write_shard(out: Path, source: SourceDataset, splits: list[SourceSplit],
     rejects: list[dict] = []
     fixups: Counter = Counter()
     stats: list[dict] = []
-    rows_read = rows_written = samples = bytes_out = 0
+    rows_read = rows_written = samples = bytes_out = ids_from_row = 0
     try:
         tar = tarfile.open(partial, "w", format=tarfile.GNU_FORMAT)
     except OSError:
@@ -130,6 +130,7 @@ def write_shard(out: Path, source: SourceDataset, splits: list[SourceSplit],
             split = splits[split_index]
             built = _build_safely(source, split, unit)
             rows_read += len(unit.rows)
+            ids_from_row += unit.ids_from_row
             rejects.extend(r.to_dict() for r in built.rejects)
             if built.sample is None:
                 continue
@@ -152,6 +153,7 @@ def write_shard(out: Path, source: SourceDataset, splits: list[SourceSplit],
         "target": target,
         "rows_read": rows_read,
         "rows_written": rows_written,
+        "ids_from_row": ids_from_row,
         "samples_written": samples,
         "rejects": rejects,
         "fixups": dict(sorted(fixups.items())),

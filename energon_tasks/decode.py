@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 import tarfile
 import warnings
 from collections.abc import Sequence
@@ -84,6 +85,13 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
+#: What PIL raises for damaged bytes, EXIF included (its EXIF parser and `exif_transpose` raise
+#: struct.error, ArithmeticError and RecursionError besides the usual ones): a counted skip.
+_IMAGE_ERRORS = (Image.DecompressionBombError, OSError, SyntaxError, ValueError, TypeError,
+                 EOFError, IndexError, KeyError, MemoryError, struct.error, ArithmeticError,
+                 RecursionError, AttributeError)
+
+
 def decode_image(
     data: bytes, *, size: tuple[int, int], max_source_pixels: int, name: str = "image",
     draft: bool = True, resize: str = "pil",
@@ -110,27 +118,32 @@ def decode_image(
         raise ValueError(f"resize {resize!r}: expected one of {IMAGE_RESIZES}")
     height, width = size
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # PIL warns per damaged EXIF tag: the skip says it
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-        source_w, source_h = image.size
-        if source_w * source_h > max_source_pixels:
-            raise MediaError("source_too_large", f"{name}: {source_w}x{source_h} pixels "
-                             f"> max_source_pixels {max_source_pixels}")
-        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
-        scale = 1
-        if draft and image.format == "JPEG":
-            image.draft(None, (width, height))  # PIL keeps the result >= the requested size
-            scale = max(1, source_w // image.size[0])
-        image = _to_rgb(ImageOps.exif_transpose(image) if orientation != 1 else image)
-        if orientation in _ROTATING:
-            height, width = width, height
-        return DecodedImage(pixels=_resized(image, width, height, resize), draft_scale=scale)
+            warnings.simplefilter("ignore", UserWarning)
+            return _decode_image(data, width, height, max_source_pixels, name, draft, resize)
     except MediaError:
         raise
-    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError, TypeError,
-            EOFError, IndexError, KeyError, MemoryError) as error:
+    except _IMAGE_ERRORS as error:
         raise MediaError("undecodable_image", f"{name}: {type(error).__name__}: {error}") from None
+
+
+def _decode_image(data: bytes, width: int, height: int, max_source_pixels: int, name: str,
+                  draft: bool, resize: str) -> DecodedImage:
+    image = Image.open(io.BytesIO(data))
+    source_w, source_h = image.size
+    if source_w * source_h > max_source_pixels:
+        raise MediaError("source_too_large", f"{name}: {source_w}x{source_h} pixels "
+                         f"> max_source_pixels {max_source_pixels}")
+    orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+    scale = 1
+    if draft and image.format == "JPEG":
+        image.draft(None, (width, height))  # PIL keeps the result >= the requested size
+        scale = max(1, source_w // image.size[0])
+    image = _to_rgb(ImageOps.exif_transpose(image) if orientation != 1 else image)
+    if orientation in _ROTATING:
+        height, width = width, height
+    return DecodedImage(pixels=_resized(image, width, height, resize), draft_scale=scale)
 
 
 def _resized(image: Image.Image, width: int, height: int, resize: str) -> np.ndarray:

@@ -92,6 +92,40 @@ def one_frame_clip() -> bytes:
     return moving_square_clip("left", "red", size=(32, 24), fps=8, seconds=1 / 8)
 
 
+def cut_clip(drop: int = 1) -> bytes:
+    """A clip remuxed (no re-encoding) without its first `drop` packets: it starts on a frame
+    that references the dropped keyframe."""
+    out = io.BytesIO()
+    with av.open(io.BytesIO(clip(seconds=2.0)), "r") as src, \
+            av.open(out, "w", format="matroska") as dst:
+        stream = dst.add_stream_from_template(src.streams.video[0])
+        packets = [p for p in src.demux(src.streams.video[0]) if p.size]
+        for packet in packets[drop:]:
+            packet.stream = stream
+            dst.mux(packet)
+    return out.getvalue()
+
+
+def mjpeg_claiming(width: int, height: int) -> bytes:
+    """A two-frame 16x16 MJPEG AVI whose frames' JPEG headers (SOF0) and stream say
+    `width` x `height` (nothing that large is ever encoded)."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="avi") as container:
+        stream = container.add_stream("mjpeg", rate=2)
+        stream.width, stream.height, stream.pix_fmt = 16, 16, "yuvj420p"
+        for value in (90, 160):
+            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), value, np.uint8), "rgb24")
+            for packet in stream.encode(frame.reformat(format="yuvj420p")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    data = bytearray(out.getvalue())
+    at = 0
+    while (at := data.find(b"\xff\xc0", at + 1)) != -1:  # SOF0: FFC0 len(2) prec(1) H(2) W(2)
+        data[at + 5:at + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
 def broken_moov_clip() -> bytes:
     """An mp4 whose moov atom (the index) is overwritten with junk."""
     data = bytearray(clip())

@@ -346,3 +346,31 @@ def test_video_skips_non_reference_frames_before_a_pick(b_frame_clip):
     # each pick is the last frame of its 30-frame GOP: 30 frames from its keyframe without
     # skipping; the B-frames nothing references are not decoded
     assert video.seeks == 3 and video.decoded_frames < 3 * 30 * 0.8
+
+
+def test_fuzzed_exif_is_a_skip_never_a_traceback():
+    """400 JPEGs with damaged EXIF (orientation kept, so exif_transpose runs on the rest): each
+    decodes or raises MediaError(undecodable_image); struct.error & co. never escape."""
+    import random
+
+    pixels = np.random.default_rng(0).integers(0, 255, (24, 32, 3), np.uint8)
+    exif = Image.Exif()
+    exif[0x0112], exif[0x010F] = 6, "maker"
+    exif[0x8769] = {0x9003: "2020:01:01 00:00:00", 0xA002: 32}
+    exif[0x0132], exif[0x011A] = "2020:01:01", (72, 1)
+    blob = exif.tobytes()
+    rng = random.Random(0)
+    outcomes = {"decoded": 0, "undecodable_image": 0}
+    for _ in range(400):
+        damaged = bytearray(blob)
+        for _ in range(rng.randint(1, 12)):
+            damaged[rng.randrange(8, len(damaged))] = rng.randrange(256)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, "JPEG", exif=bytes(damaged))
+        try:
+            decode_image(buf.getvalue(), size=(24, 32), max_source_pixels=BIG, name="k.jpg")
+            outcomes["decoded"] += 1
+        except MediaError as error:
+            assert error.reason == "undecodable_image" and error.detail.startswith("k.jpg: ")
+            outcomes["undecodable_image"] += 1
+    assert sum(outcomes.values()) == 400 and outcomes["decoded"]
