@@ -1,9 +1,10 @@
-"""The Qwen-VL family package: Qwen2.5-VL and Qwen3-VL (dense), the ``ModelFamily`` of both.
+"""The Qwen-VL family package: Qwen2.5-VL, Qwen3-VL (dense) and Qwen3-VL MoE (Qwen3-VL with MoE
+layers in the LM), the ``ModelFamily`` of the three.
 
 - ``config.py``: shapes (``QwenVLModelConfig``), what differs between the two (``VARIANTS``), HF
   config in and out;
 - ``vision.py``: the ViT (window attention on 2.5, learned positions + DeepStack on 3);
-- ``model.py``: ``QwenVL``, the tower + the M-RoPE ``GPTModel`` (DeepStack hooks);
+- ``model.py``: ``QwenVL``, the tower + the M-RoPE ``GPTModel`` (DeepStack hooks; MoE layers);
 - ``hf_mapping.py``: the literal HF weight tables; ``verify_inputs.py``: the inputs of ``verify``;
 - ``flops.py``: the FLOP formulas.
 
@@ -71,8 +72,9 @@ def layout_problems(cfg: config.QwenVLModelConfig, parallel) -> list[str]:
 
 
 def num_experts(cfg: config.QwenVLModelConfig) -> int:
-    """0: the dense Qwen-VL LMs have no MoE layers."""
-    return 0
+    """The experts of each MoE layer (Qwen3-VL MoE); 0 for the dense LMs or when every layer is
+    dense (``mlp_only_layers``)."""
+    return cfg.lm.num_experts if any(cfg.lm.moe_layers) else 0
 
 
 def parameter_group(name: str) -> str:
