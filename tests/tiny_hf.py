@@ -14,7 +14,8 @@ TOKENS = dict(image_token_id=290, video_token_id=291, vision_start_token_id=292,
 
 
 def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | None = None,
-                  max_positions: int = 512, vision_depth: int = 3, seed: int = 0) -> Path:
+                  max_positions: int = 512, vision_depth: int = 3, seed: int = 0,
+                  moe: dict | None = None) -> Path:
     """Save a tiny fp32 HF model of ``family`` (weights perturbed well beyond the default init).
 
     Args:
@@ -23,6 +24,7 @@ def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | No
         out: folder to save to.
         vocab, tokens, max_positions, vision_depth: shape knobs (defaults: the parity tests').
         seed: weight seed.
+        moe: ``TINY_MOE`` keys to change (qwen3_vl_moe).
     """
     import transformers as tf
 
@@ -41,14 +43,14 @@ def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | No
             **tokens)
         cls = tf.Qwen2_5_VLForConditionalGeneration
     else:
-        moe = family == "qwen3_vl_moe"
+        moe_keys, moe = moe, family == "qwen3_vl_moe"
         config = (tf.Qwen3VLMoeConfig if moe else tf.Qwen3VLConfig)(
             text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, max_position_embeddings=max_positions,
                              rope_parameters={**rope, "mrope_section": [4, 2, 2],
                                               "mrope_interleaved": True},
-                             **(TINY_MOE if moe else {})),
+                             **({**TINY_MOE, **(moe_keys or {})} if moe else {})),
             vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=48,
                                num_heads=2,
                                out_hidden_size=64, patch_size=16, num_position_embeddings=16,

@@ -1,0 +1,202 @@
+"""Qwen3-VL MoE (``qwen3_vl_moe``) on megatron-core against transformers'
+``Qwen3VLMoeForConditionalGeneration`` on tiny models (4 experts of width 48, top-2, hidden 64:
+H, I and 2I all differ; layer 1 dense through ``mlp_only_layers``): logits in both expert layouts
+(transformers' ``save_pretrained`` one and the published one) and with per-expert keys, the
+one-line refusal of any other expert shape, the export in the published layout (transformers
+loads it, weights equal), the aux loss against transformers', FLOPs against FlopCounterMode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import REPO
+from tests.tiny_hf import build_tiny_hf
+
+TOL = 1e-4
+EXPERTS = "model.language_model.layers.{i}.mlp.experts."
+
+
+@pytest.fixture(scope="module")
+def moe_hf(tmp_path_factory) -> Path:
+    return build_tiny_hf("qwen3_vl_moe", tmp_path_factory.mktemp("moe_hf") / "hf")
+
+
+def relayout(src: Path, out: Path, change) -> Path:
+    """A copy of the HF folder ``src`` whose weights are ``change(state dict)``."""
+    out.mkdir(parents=True)
+    (out / "config.json").write_text((src / "config.json").read_text())
+    save_file(change(load_file(str(src / "model.safetensors"))), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def published(sd: dict) -> dict:
+    """transformers' (E, 2I, H) / (E, H, I) experts as the published (E, H, 2I) / (E, I, H)."""
+    return {k: v.transpose(1, 2).contiguous() if k.endswith(("gate_up_proj", "down_proj")) else v
+            for k, v in sd.items()}
+
+
+def per_expert(sd: dict) -> dict:
+    """The fused experts as per-expert ``gate_proj`` / ``up_proj`` / ``down_proj`` keys."""
+    out = {}
+    for key, value in sd.items():
+        if key.endswith("experts.gate_up_proj"):
+            prefix = key[:-len("gate_up_proj")]
+            for e, w in enumerate(value):
+                gate, up = w.chunk(2)
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
+        elif key.endswith("experts.down_proj"):
+            prefix = key[:-len("down_proj")]
+            for e, w in enumerate(value):
+                out[f"{prefix}{e}.down_proj.weight"] = w.clone()
+        else:
+            out[key] = value
+    return out
+
+
+def imported(hf: Path, out: Path) -> Path:
+    from models.convert import hf_to_mcore
+
+    hf_to_mcore(str(hf), out, tp=1, pp=1)
+    return out
+
+
+def test_logits_match_transformers_in_every_layout(moe_hf, tmp_path):
+    """The save_pretrained layout, the published layout and per-expert keys import to the same
+    weights, whose logits equal transformers' (one image, interleaved images, a video)."""
+    from models.convert import verify
+
+    shapes = load_file(str(moe_hf / "model.safetensors"))
+    assert tuple(shapes[EXPERTS.format(i=0) + "gate_up_proj"].shape) == (4, 96, 64)
+    assert EXPERTS.format(i=1) + "gate_up_proj" not in shapes  # mlp_only_layers: dense
+    report = verify(moe_hf, imported(moe_hf, tmp_path / "a"))
+    assert set(report) == {"one_image", "images_interleaved", "video"}
+    for name, row in report.items():
+        assert row["max_abs_logit_diff"] <= TOL, (name, row)
+    for name, change in (("published", published), ("per_expert", per_expert)):
+        folder = relayout(moe_hf, tmp_path / f"{name}_hf", change)
+        for case, row in verify(moe_hf, imported(folder, tmp_path / name)).items():
+            assert row["max_abs_logit_diff"] <= TOL, (name, case, row)
+
+
+def test_other_expert_shape_refused(moe_hf, tmp_path):
+    from contract.errors import UsageError
+    from models.convert import hf_to_mcore
+
+    def broken(sd):
+        key = EXPERTS.format(i=0) + "down_proj"
+        return {**sd, key: sd[key][:, :, :40].contiguous()}
+
+    folder = relayout(moe_hf, tmp_path / "bad", broken)
+    with pytest.raises(UsageError, match=r"layers\.0\.mlp\.experts\.gate_up_proj / down_proj have "
+                                         r"shapes \(4, 96, 64\) / \(4, 64, 40\): expected the "
+                                         r"published layout \(4, 64, 96\) / \(4, 48, 64\)"):
+        hf_to_mcore(str(folder), tmp_path / "out", tp=1, pp=1)
+
+
+def test_export_is_the_published_layout_transformers_loads(moe_hf, tmp_path):
+    """hf-to-mcore -> mcore-to-hf: the experts in the published layout (E, H, 2I) / (E, I, H),
+    every other tensor as saved; transformers loads the export with the original weights."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from models.convert import mcore_to_hf
+
+    mcore_to_hf(imported(moe_hf, tmp_path / "mcore"), tmp_path / "export")
+    before = load_file(str(moe_hf / "model.safetensors"))
+    after = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    want = published(before)
+    for key in before:
+        assert torch.equal(after[key], want[key]), key
+    assert tuple(after[EXPERTS.format(i=2) + "down_proj"].shape) == (4, 48, 64)
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl_moe"
+    ours = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "export").state_dict()
+    theirs = Qwen3VLMoeForConditionalGeneration.from_pretrained(moe_hf).state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_aux_loss_equals_transformers(tmp_path):
+    """One MoE layer (layers 1, 2 dense): the aux-loss term our training forward adds (megatron's
+    router, logged by ``models.moe_aux``) equals ``router_aux_loss_coef * aux_loss`` of
+    transformers (``output_router_logits=True``) on the same tokens; its gradient reaches the
+    router."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from models import moe_aux
+    from models.checkpoint import load_checkpoint
+    from models.verify_inputs import hf_inputs, make_inputs
+
+    hf = build_tiny_hf("qwen3_vl_moe", tmp_path / "hf", moe={"mlp_only_layers": [1, 2]})
+    model, cfg = load_checkpoint(imported(hf, tmp_path / "mcore"), use_te=False)
+    assert cfg.lm.moe_layers == [True, False, False]
+    inputs = make_inputs(cfg)["images_interleaved"]
+    hf_model = Qwen3VLMoeForConditionalGeneration.from_pretrained(hf).eval()
+    with torch.no_grad():
+        out = hf_model(**hf_inputs(cfg, inputs), output_router_logits=True)
+    want = cfg.lm.router_aux_loss_coef * float(out.aux_loss)
+    model.train()
+    moe_aux.set_backward_scale(model, 1, 1)
+    loss, mask = model(**inputs, labels=inputs["input_ids"])
+    (loss.sum() / mask.sum()).backward()
+    got = moe_aux.step_metrics(model, 1)["moe_aux_loss"]
+    assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (got, want)
+    assert moe_aux.step_metrics(model, 1)["moe_aux_loss"] == 0.0  # cleared after a step
+    router = model.language_model.decoder.layers[0].mlp.router.weight
+    assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+def test_tiny_config_trains():
+    """configs/qwen3_vl_moe_tiny.yaml builds (MoE layers 0 and 2, dense 1) and its loss falls
+    within a few CPU steps; every expert gets a gradient."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from models.families import build_model
+    from models.families.qwen_vl.config import load_yaml
+    from models.parallel import init_parallel
+    from models.verify_inputs import make_inputs
+    from tests.models.conftest import train_steps
+
+    cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml", ["lm.max_position_embeddings=512"])
+    init_parallel()
+    torch.manual_seed(0)
+    model = build_model(cfg, use_te=False).train()
+    kinds = [isinstance(layer.mlp, MoELayer) for layer in model.language_model.decoder.layers]
+    assert kinds == [True, False, True]
+    losses = train_steps(model, make_inputs(cfg)["images_interleaved"])
+    assert losses[-1] < losses[0]
+    experts = [p for n, p in model.named_parameters() if ".local_experts." in n]
+    assert len(experts) == 2 * 4 * 2 and all(p.grad is not None for p in experts)
+
+
+def test_flops_count_active_experts(moe_hf):
+    """``models.flops``' LM formula (router + the top-k experts per token) equals torch's
+    FlopCounterMode on transformers' model within 1e-3 (its eager expert loop runs only the
+    experts a token picked; the grouped-mm one is not counted by FlopCounterMode); the dense MLP
+    of layer 1 counts at full width."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from models.families import config_from_hf, family_of
+
+    cfg = config_from_hf(json.loads((moe_hf / "config.json").read_text()))
+    lm = Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        moe_hf, attn_implementation="eager", experts_implementation="eager").eval()
+    length = 48
+    ids = torch.randint(0, 280, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        lm(input_ids=ids)
+    measured = counter.get_total_flops()
+    # the eager attention computes the whole L x L score matrix; the formula counts causal pairs
+    full_pairs = length * length - length * (length + 1) // 2
+    q = cfg.lm.num_heads * cfg.lm.head_dim
+    formula = family_of(cfg).lm_flops(cfg.lm, length, [length]) + \
+        cfg.lm.num_layers * 4 * q * full_pairs
+    assert abs(formula - measured) / measured <= 1e-3, (formula, measured)
