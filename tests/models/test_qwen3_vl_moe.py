@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import REPO
@@ -200,3 +201,28 @@ def test_flops_count_active_experts(moe_hf):
     formula = family_of(cfg).lm_flops(cfg.lm, length, [length]) + \
         cfg.lm.num_layers * 4 * q * full_pairs
     assert abs(formula - measured) / measured <= 1e-3, (formula, measured)
+
+
+@pytest.mark.slow
+def test_train_from_hf_logs_aux_loss_and_exports(tmp_path, mantis_out):
+    """make train-qwen-vl-mantis HF=<a Qwen3-VL MoE folder>: the family comes from the folder's
+    model_type; the run logs the aux-loss term on its own; its export gives transformers our
+    logits (the HF journey of tests/test_hf_journey.py for this family)."""
+    from tests.test_hf_journey import export, logits_diff
+    from tests.test_train import FAST, MANTIS_CFG, ok, train
+    from tests.tiny_hf import build_tiny_hf_model
+
+    hf = build_tiny_hf_model("qwen3_vl_moe", tmp_path / "hf", pixels=(3136, 6272))
+    run = tmp_path / "run"
+    ok(train(str(MANTIS_CFG), f"model.hf={hf}", f"data.path={mantis_out}/metadataset.yaml",
+             f"out={run}", f"train.hf_import_cache={tmp_path / 'cache'}", "train.steps=3",
+             *FAST, "checkpoint.save_final=true"))
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["model"]["family"] == "qwen3_vl_moe"
+    assert resolved["task_encoder"]["model"] == "qwen3_vl_moe"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    aux = [r["moe_aux_loss"] for r in records if "loss" in r and "step" in r
+           and "moe_aux_loss" in r]
+    assert len(aux) == 3 and all(0 < a < 1e-2 for a in aux), records
+    diffs = logits_diff(run, export(run, tmp_path / "export"))
+    assert max(diffs.values()) <= TOL, diffs
