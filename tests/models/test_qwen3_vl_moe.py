@@ -226,3 +226,37 @@ def test_train_from_hf_logs_aux_loss_and_exports(tmp_path, mantis_out):
     assert len(aux) == 3 and all(0 < a < 1e-2 for a in aux), records
     diffs = logits_diff(run, export(run, tmp_path / "export"))
     assert max(diffs.values()) <= TOL, diffs
+
+
+@pytest.mark.slow
+def test_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path):
+    """configs/train_qwen3_vl_moe_mantis.yaml at EP=2 (2 experts per rank over the 2 DP ranks,
+    fixed-length micro-batches) gives the DP=2 losses and aux-loss terms from the same initial
+    weights (written at EP=1, resharded on load), and an EP=2 checkpoint resumes exactly."""
+    from tests import runner
+    from tests.test_train import FAST, losses, ok, train
+
+    config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
+    init = tmp_path / "init"
+    ok(runner.run("tests/init_checkpoint.py", config, str(init), timeout=300))
+    args = [config, f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
+            "train.micro_batch_size=1", "task_encoder.fixed_length=true",
+            "task_encoder.seq_length=768", f"train.init_checkpoint={init}", *FAST]
+    ok(train(*args, f"out={tmp_path / 'dp2'}", nproc=2))
+    ok(train(*args, "parallel.ep=2", "checkpoint.interval=2", f"out={tmp_path / 'ep2'}", nproc=2))
+    ep2, dp2 = losses(tmp_path / "ep2"), losses(tmp_path / "dp2")
+    assert ep2[-1] < ep2[0]
+    for a, b in zip(ep2, dp2, strict=True):
+        assert abs(a - b) < 1e-4
+
+    def aux(run):
+        return [json.loads(line).get("moe_aux_loss")
+                for line in (run / "metrics.jsonl").read_text().splitlines()
+                if "grad_norm" in json.loads(line)]
+
+    for a, b in zip(aux(tmp_path / "ep2"), aux(tmp_path / "dp2"), strict=True):
+        assert a is not None and abs(a - b) < 1e-7
+    step = tmp_path / "ep2" / "checkpoints" / "step_000002"
+    ok(train(*args, "parallel.ep=2", f"out={tmp_path / 'resumed'}", "--resume", str(step),
+             nproc=2))
+    assert losses(tmp_path / "resumed") == ep2[2:]  # bit-exact on CPU
