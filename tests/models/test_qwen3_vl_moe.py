@@ -260,3 +260,34 @@ def test_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path):
     ok(train(*args, "parallel.ep=2", f"out={tmp_path / 'resumed'}", "--resume", str(step),
              nproc=2))
     assert losses(tmp_path / "resumed") == ep2[2:]  # bit-exact on CPU
+
+
+#: config -> (published total parameters in billions, as rounded on the model cards; active B)
+PUBLISHED = {"qwen3_vl_30b_a3b": (31.07, 3.0), "qwen3_vl_235b_a22b": (236.0, 22.0)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_shapes_on_the_meta_device(name):
+    """configs/qwen3_vl_30b_a3b.yaml / qwen3_vl_235b_a22b.yaml built on the meta device (no
+    memory): total parameters equal the published ones (31.07 B: 31,070,754,032; ~236 B:
+    235,670,022,896); the active ones (everything but the 120 experts a token skips per layer:
+    3,891,664,112 / 22,767,151,856) are the A3B / A22B of the names plus the tower and the
+    vocabulary matrices."""
+    from models.families import model_class
+    from models.families.qwen_vl.config import load_yaml
+    from models.parallel import init_parallel
+
+    cfg = load_yaml(REPO / "configs" / f"{name}.yaml")
+    init_parallel()
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, use_te=False)
+    total = sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for n, p in model.named_parameters()
+                 if ".local_experts.0." in n) // cfg.lm.num_layers
+    active = total - (cfg.lm.num_experts - cfg.lm.experts_per_token) * expert * cfg.lm.num_layers
+    want_total, want_active = PUBLISHED[name]
+    assert round(total / 1e9, 2 if want_total < 100 else 0) == want_total, total
+    # the names count the LM's active weights; ours add the vision tower and both untied
+    # vocabulary matrices (about 0.4 B + 2 x 0.3 B / 2 x 0.6 B)
+    assert want_active <= active / 1e9 < want_active + 2, active
