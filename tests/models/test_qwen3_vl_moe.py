@@ -291,3 +291,26 @@ def test_published_shapes_on_the_meta_device(name):
     # the names count the LM's active weights; ours add the vision tower and both untied
     # vocabulary matrices (about 0.4 B + 2 x 0.3 B / 2 x 0.6 B)
     assert want_active <= active / 1e9 < want_active + 2, active
+
+
+def test_untested_layouts_refused_in_one_line(tmp_path, capsys):
+    """TP / PP / CP with the MoE layers: train.py refuses before building anything (one line,
+    exit 2); EP and DP pass the family's check."""
+    from types import SimpleNamespace
+
+    from models.families import get
+    from models.families.qwen_vl.config import load_yaml
+
+    cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml")
+    family = get(cfg.family)
+    assert family.layout_problems(cfg, SimpleNamespace(tp=1, pp=1, cp=1, ep=2)) == []
+    problems = family.layout_problems(cfg, SimpleNamespace(tp=2, pp=1, cp=2, ep=1))
+    assert problems == ["parallel.tp 2, parallel.cp 2 with model.family 'qwen3_vl_moe' (MoE "
+                        "layers) is not supported yet: data and expert parallelism "
+                        "(parallel.ep) are"]
+    import train
+
+    config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
+    assert train.main([config, "parallel.pp=2", f"data.path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parallel.pp 2 with model.family 'qwen3_vl_moe'" in err, err
