@@ -314,3 +314,21 @@ def test_untested_layouts_refused_in_one_line(tmp_path, capsys):
     assert train.main([config, "parallel.pp=2", f"data.path={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "parallel.pp 2 with model.family 'qwen3_vl_moe'" in err, err
+
+
+def test_greedy_tokens_equal_transformers_generate(moe_hf, tmp_path):
+    """models.generate (megatron's KV cache, MoE layers in the decode steps) gives transformers'
+    ``generate`` tokens on one image, interleaved images and a video."""
+    from models.checkpoint import load_checkpoint
+    from models.convert import load_hf_model
+    from models.generate import greedy_generate
+    from models.verify_inputs import hf_inputs, make_inputs
+    from tests.models.test_nemotron_omni import _hf_greedy, _prompt
+
+    never = 10 ** 6  # outside the vocabulary: never generated
+    model, cfg = load_checkpoint(imported(moe_hf, tmp_path / "mcore"), use_te=False)
+    hf = load_hf_model(moe_hf)
+    for name, case in make_inputs(cfg).items():
+        ours = greedy_generate(model, [_prompt(case)], eos_id=never, max_new_tokens=6)[0]
+        theirs = _hf_greedy(hf, hf_inputs(cfg, case), 6, never)
+        assert len(ours) == 6 and ours == theirs, (name, ours, theirs)
