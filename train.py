@@ -43,7 +43,7 @@ import torch
 
 from contract.cli import run_click
 from contract.errors import UsageError
-from models import cpu
+from models import cpu, moe_aux
 from recipes.checkpointing import (
     load_checkpoint,
     read_rank_state,
@@ -277,6 +277,7 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
                    total_steps=t.steps)
         loss_sum, grad_norm, stepped = optimizer_step(layout, model, trainee.optimizer, batches,
                                                       lr, total_tokens, cfg.data.blank_media)
+        aux = moe_aux.step_metrics(model, len(batches))  # MoE: the aux-loss term, on its own
         meter.time += time.perf_counter() - step_start
         meter.wait += wait
         meter.steps += 1
@@ -288,7 +289,7 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
         if done % cfg.log.interval == 0 or done == t.steps:
             logger.log({"step": done, "loss": float(loss_sum) / max(total_tokens, 1),
                         "lr": lr, "grad_norm": float(grad_norm or 0.0),
-                        "loss_tokens": total_tokens, "nonfinite_steps": guard.count,
+                        "loss_tokens": total_tokens, "nonfinite_steps": guard.count, **aux,
                         **meter.summary(layout)})
             meter.reset()
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):

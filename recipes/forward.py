@@ -15,6 +15,7 @@ import torch
 
 from contract.batch import VLMBatch
 from contract.errors import UsageError
+from models import moe_aux
 from recipes.checkpointing import rng_state, set_rng_state
 from recipes.schedule import loss_tokens, step_token_total
 
@@ -139,6 +140,7 @@ def optimizer_step(layout, model, optimizer, batches, lr: float, total_tokens: i
                                  scale / max(total_tokens, 1))
     else:
         loss_sum = torch.zeros(1, dtype=torch.float64)
+        moe_aux.set_backward_scale(model, len(batches), layout.cp)  # MoE: as megatron's schedule
         for batch in batches:
             token_loss = forward_step(model, batch, blank_media).float().sum()
             (token_loss * scale / max(total_tokens, 1)).backward()

@@ -1,6 +1,7 @@
-"""Tiny random-weight Qwen2.5-VL / Qwen3-VL / Nemotron-Omni models built with transformers (no
-download), shared by the model parity tests, the evaluation tests and the HF journey tests
-(``build_tiny_hf_model``: a whole model folder with tokenizer and processor files)."""
+"""Tiny random-weight Qwen2.5-VL / Qwen3-VL / Qwen3-VL MoE / Nemotron-Omni models built with
+transformers (no download), shared by the model parity tests, the evaluation tests and the HF
+journey tests (``build_tiny_hf_model``: a whole model folder with tokenizer and processor
+files)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ TOKENS = dict(image_token_id=290, video_token_id=291, vision_start_token_id=292,
 
 
 def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | None = None,
-                  max_positions: int = 512, vision_depth: int = 3, seed: int = 0) -> Path:
+                  max_positions: int = 512, vision_depth: int = 3, seed: int = 0,
+                  moe: dict | None = None) -> Path:
     """Save a tiny fp32 HF model of ``family`` (weights perturbed well beyond the default init).
 
     Args:
-        family: "qwen2_5_vl" or "qwen3_vl".
+        family: "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe" (``TINY_MOE``'s experts; layer 1
+            dense through ``mlp_only_layers``).
         out: folder to save to.
         vocab, tokens, max_positions, vision_depth: shape knobs (defaults: the parity tests').
         seed: weight seed.
+        moe: ``TINY_MOE`` keys to change (qwen3_vl_moe).
     """
     import transformers as tf
 
@@ -39,19 +43,29 @@ def build_tiny_hf(family: str, out: Path, *, vocab: int = 300, tokens: dict | No
             **tokens)
         cls = tf.Qwen2_5_VLForConditionalGeneration
     else:
-        config = tf.Qwen3VLConfig(
+        moe_keys, moe = moe, family == "qwen3_vl_moe"
+        config = (tf.Qwen3VLMoeConfig if moe else tf.Qwen3VLConfig)(
             text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, max_position_embeddings=max_positions,
                              rope_parameters={**rope, "mrope_section": [4, 2, 2],
-                                              "mrope_interleaved": True}),
+                                              "mrope_interleaved": True},
+                             **({**TINY_MOE, **(moe_keys or {})} if moe else {})),
             vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=48,
                                num_heads=2,
                                out_hidden_size=64, patch_size=16, num_position_embeddings=16,
                                deepstack_visual_indexes=[0, 1]),
             **tokens)
-        cls = tf.Qwen3VLForConditionalGeneration
+        cls = (tf.Qwen3VLMoeForConditionalGeneration if moe
+               else tf.Qwen3VLForConditionalGeneration)
     return save_perturbed(cls, config, out, seed)
+
+
+#: the tiny Qwen3-VL MoE LM's experts (also configs/qwen3_vl_moe_tiny.yaml's): 4 experts of
+#: width 48, top-2 (H 64, I 48 and 2I 96 all differ, so a transposed expert tensor shows); layer 1
+#: is a dense MLP (``mlp_only_layers``)
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                mlp_only_layers=[1], decoder_sparse_step=1, router_aux_loss_coef=0.001)
 
 
 NEMOTRON_TOKENS = dict(image_token_id=420, video_token_id=421)
@@ -151,7 +165,7 @@ def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int],
     else:
         build_tiny_hf(family, out, vocab=448, tokens=TEST_TOKENIZER_QWEN, max_positions=2048,
                       seed=seed)
-        patch = 14 if family == "qwen2_5_vl" else 16
+        patch = 14 if family == "qwen2_5_vl" else 16  # qwen3_vl(_moe): Qwen3-VL's processor
         geometry = {"patch_size": patch, "temporal_patch_size": 2, "merge_size": 2}
         image = {"image_processor_type": "Qwen2VLImageProcessor", **geometry,
                  "min_pixels": pixels[0], "max_pixels": pixels[1],

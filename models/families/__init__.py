@@ -4,9 +4,10 @@ A family package (``models/families/<package>/``) holds everything one architect
 model config (``config.py``), model (``model.py``, + its tower), HF weight table
 (``hf_mapping.py``), the generated inputs of ``verify`` (``verify_inputs.py``) and its FLOP
 formulas (``flops.py``). Its ``__init__`` is the package's public face, the ``ModelFamily``
-Protocol below; a package may serve several family names (``qwen_vl``: ``qwen2_5_vl`` and
-``qwen3_vl``). Nothing outside a package compares anything with a family name: what differs is
-asked of ``family_of(cfg)`` / ``get(name)``; ``build_model(cfg)`` is the model of a config.
+Protocol below; a package may serve several family names (``qwen_vl``: ``qwen2_5_vl``,
+``qwen3_vl`` and ``qwen3_vl_moe``). Nothing outside a package compares anything with a family
+name: what differs is asked of ``family_of(cfg)`` / ``get(name)``; ``build_model(cfg)`` is the
+model of a config.
 
 Families are named in ``contract.families`` (the names the data side's ``energon_tasks.profiles``
 uses too, with the HF ``model_type`` of each and which profiles feed which family).
@@ -26,6 +27,7 @@ from contract import families as F
 PACKAGES = {
     F.QWEN2_5_VL: "models.families.qwen_vl",
     F.QWEN3_VL: "models.families.qwen_vl",
+    F.QWEN3_VL_MOE: "models.families.qwen_vl",
     F.NEMOTRON_OMNI: "models.families.nemotron_omni",
 }
 FAMILIES = tuple(PACKAGES)

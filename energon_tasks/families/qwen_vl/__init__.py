@@ -1,4 +1,5 @@
-"""The Qwen-VL family package of the data side: Qwen2.5-VL and Qwen3-VL (dense).
+"""The Qwen-VL family package of the data side: Qwen2.5-VL, Qwen3-VL (dense) and Qwen3-VL MoE
+(whose processor is Qwen3-VL's: its profile has the Qwen3-VL geometry and hooks).
 
 - ``geometry.py``: every size the processors impose (``QwenVLGeometry``: resize, grids, token
   counts, frame picks, pixel rows), equal to transformers';
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from contract import families as F
 from energon_tasks.families import Profile
-from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL
+from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE
 from energon_tasks.families.qwen_vl.hooks import QwenVLHooks
 
 PROFILES = (
@@ -21,4 +22,6 @@ PROFILES = (
             hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen2.5-VL-7B-Instruct"),
     Profile(name=F.QWEN3_VL, family=F.PROFILES[F.QWEN3_VL], geometry=QWEN3_VL,
             hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen3-VL-8B-Instruct"),
+    Profile(name=F.QWEN3_VL_MOE, family=F.PROFILES[F.QWEN3_VL_MOE], geometry=QWEN3_VL_MOE,
+            hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen3-VL-30B-A3B-Instruct"),
 )

@@ -20,6 +20,7 @@ reproduce qwen-vl-utils' float32 ``torch.linspace``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -388,3 +389,5 @@ QWEN3_VL = QwenVLGeometry(
     video_resize="clip_volume",
     frame_sampling="transformers_qwen3",
 )
+#: Qwen3-VL MoE reads Qwen3-VL's processor: the same geometry under its own profile name
+QWEN3_VL_MOE = dataclasses.replace(QWEN3_VL, name="qwen3_vl_moe")

@@ -1,9 +1,10 @@
-"""The Qwen-VL family package: Qwen2.5-VL and Qwen3-VL (dense), the ``ModelFamily`` of both.
+"""The Qwen-VL family package: Qwen2.5-VL, Qwen3-VL (dense) and Qwen3-VL MoE (Qwen3-VL with MoE
+layers in the LM), the ``ModelFamily`` of the three.
 
 - ``config.py``: shapes (``QwenVLModelConfig``), what differs between the two (``VARIANTS``), HF
   config in and out;
 - ``vision.py``: the ViT (window attention on 2.5, learned positions + DeepStack on 3);
-- ``model.py``: ``QwenVL``, the tower + the M-RoPE ``GPTModel`` (DeepStack hooks);
+- ``model.py``: ``QwenVL``, the tower + the M-RoPE ``GPTModel`` (DeepStack hooks; MoE layers);
 - ``hf_mapping.py``: the literal HF weight tables; ``verify_inputs.py``: the inputs of ``verify``;
 - ``flops.py``: the FLOP formulas.
 
@@ -94,13 +95,24 @@ def vision_geometry(cfg: config.QwenVLModelConfig) -> dict[str, int]:
 
 
 def layout_problems(cfg: config.QwenVLModelConfig, parallel) -> list[str]:
-    """None: megatron's GPTModel takes every layout train.py checks."""
+    """Dense: none (megatron's GPTModel takes every layout train.py checks). With MoE layers
+    (Qwen3-VL MoE) only data and expert parallelism are checked equal to one process so far:
+    TP, PP and CP are refused rather than run unverified (the router's token counts and aux
+    loss under sequence / context sharing, DeepStack with a pipeline split)."""
+    if not num_experts(cfg):
+        return []
+    used = [f"parallel.{name} {getattr(parallel, name)}" for name in ("tp", "pp", "cp")
+            if getattr(parallel, name) > 1]
+    if used:
+        return [f"{', '.join(used)} with model.family {cfg.family!r} (MoE layers) is not "
+                "supported yet: data and expert parallelism (parallel.ep) are"]
     return []
 
 
 def num_experts(cfg: config.QwenVLModelConfig) -> int:
-    """0: the dense Qwen-VL LMs have no MoE layers."""
-    return 0
+    """The experts of each MoE layer (Qwen3-VL MoE); 0 for the dense LMs or when every layer is
+    dense (``mlp_only_layers``)."""
+    return cfg.lm.num_experts if any(cfg.lm.moe_layers) else 0
 
 
 def parameter_group(name: str) -> str:

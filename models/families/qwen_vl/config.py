@@ -1,4 +1,5 @@
-"""Model shapes of Qwen2.5-VL and Qwen3-VL (dense): vision tower, language model, special tokens.
+"""Model shapes of Qwen2.5-VL, Qwen3-VL (dense) and Qwen3-VL MoE: vision tower, language model
+(MoE fields: experts, top-k, expert width, which layers are MoE, the aux loss), special tokens.
 
 This module owns the typed model config (``QwenVLModelConfig`` = ``VisionConfig`` + ``LMConfig``
 + token ids), what differs between the two families (``VARIANTS``: HF defaults and layout, how
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contract.families import QWEN2_5_VL, QWEN3_VL
+from contract.families import QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE
 from models.model_config import build_model_config, load_model_yaml
 from models.model_config import hf_value as _get
 from models.recompute import check_mode
@@ -35,6 +36,7 @@ class Variant:
     gated_mlp: bool  #: 2.5: gated SiLU MLP; 3: plain MLP
     windowed: bool  #: 2.5: window attention except ``fullatt_block_indexes``; 3: full attention
     learned_positions: bool  #: 3: interpolated position table, patch bias, DeepStack
+    moe: bool = False  #: the LM's MLPs are MoE layers (Qwen3-VL MoE), dense where the config says
 
 
 VARIANTS = {
@@ -46,6 +48,10 @@ VARIANTS = {
                       mrope_section=(24, 20, 20), text_v3=True, vision_act="gelu_pytorch_tanh",
                       vision_norm="LayerNorm", gated_mlp=False, windowed=False,
                       learned_positions=True),
+    QWEN3_VL_MOE: Variant(architecture="Qwen3VLMoeForConditionalGeneration",
+                          mrope_section=(24, 20, 20), text_v3=True,
+                          vision_act="gelu_pytorch_tanh", vision_norm="LayerNorm", gated_mlp=False,
+                          windowed=False, learned_positions=True, moe=True),
 }
 FAMILIES = tuple(VARIANTS)
 
@@ -91,11 +97,25 @@ class LMConfig:
     qk_norm: bool = False  #: Qwen3: RMSNorm on q and k per head
     tie_embeddings: bool = False
     max_position_embeddings: int = 128000
+    # MoE (Qwen3-VL MoE; 0 experts: every MLP dense, of intermediate_size)
+    num_experts: int = 0  #: routed experts per MoE layer (no shared expert)
+    experts_per_token: int = 0  #: top-k (HF num_experts_per_tok)
+    moe_intermediate_size: int = 0  #: expert MLP width
+    decoder_sparse_step: int = 1  #: layer i is MoE iff (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  #: ... and i is not listed here
+    #: load-balancing aux loss weight (HF router_aux_loss_coef; 0 = off)
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def moe_layers(self) -> list[bool]:
+        """Per layer: MoE (True) or dense MLP, as transformers' Qwen3-VL MoE decides it."""
+        return [self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0 for i in range(self.num_layers)]
 
 
 @dataclass(kw_only=True, slots=True)
 class QwenVLModelConfig:
-    family: str  #: "qwen2_5_vl" or "qwen3_vl"
+    family: str  #: "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe"
     vision: VisionConfig
     lm: LMConfig
     image_token_id: int = 151655
@@ -112,6 +132,16 @@ class QwenVLModelConfig:
         if sum(self.lm.mrope_section) * 2 != self.lm.head_dim:
             raise ValueError(f"lm.mrope_section {self.lm.mrope_section} must sum to head_dim/2 = "
                              f"{self.lm.head_dim // 2}")
+        moe = self.lm.num_experts > 0
+        if moe != self.variant.moe:
+            raise ValueError(f"lm.num_experts {self.lm.num_experts}: family {self.family!r} "
+                             f"{'needs' if self.variant.moe else 'has no'} experts")
+        if moe and not (0 < self.lm.experts_per_token <= self.lm.num_experts
+                        and self.lm.moe_intermediate_size > 0 and self.lm.decoder_sparse_step > 0):
+            raise ValueError(f"lm.experts_per_token {self.lm.experts_per_token} must be in 1.."
+                             f"{self.lm.num_experts}, lm.moe_intermediate_size "
+                             f"{self.lm.moe_intermediate_size} and lm.decoder_sparse_step "
+                             f"{self.lm.decoder_sparse_step} positive")
         if self.vision.out_hidden_size != self.lm.hidden_size:
             raise ValueError(f"vision.out_hidden_size {self.vision.out_hidden_size} != "
                              f"lm.hidden_size {self.lm.hidden_size}")
@@ -135,7 +165,7 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
     """Build from a Hugging Face Qwen2.5-VL / Qwen3-VL config (``config.json`` dict or object).
 
     Raises:
-        ValueError: the config is not a Qwen2.5-VL or Qwen3-VL (dense) config.
+        ValueError: the config is not a Qwen2.5-VL, Qwen3-VL or Qwen3-VL MoE config.
     """
     model_type = _get(hf, "model_type")
     if model_type not in FAMILIES:
@@ -163,6 +193,7 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
         qkv_bias=bool(_get(text, "attention_bias", False)) if qwen3 else True,
         qk_norm=qwen3, tie_embeddings=bool(tie),
         max_position_embeddings=_get(text, "max_position_embeddings", 128000),
+        **(_moe_fields(text) if variant.moe else {}),
     )
     vrope = _get(vis, "rope_parameters") or {}
     vision = VisionConfig(
@@ -190,6 +221,20 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
     )
 
 
+def _moe_fields(text: Any) -> dict:
+    """The MoE fields of our ``LMConfig`` from a Qwen3-VL MoE ``text_config`` (transformers'
+    defaults where a key is absent; transformers 5.x writes ``num_experts`` as
+    ``num_local_experts``; ``norm_topk_prob``, which hub configs still carry, is always
+    true in transformers' model and is not read)."""
+    experts = _get(text, "num_experts") or _get(text, "num_local_experts")  # 5.x saves the latter
+    return dict(num_experts=experts or 60,
+                experts_per_token=_get(text, "num_experts_per_tok", 4),
+                moe_intermediate_size=_get(text, "moe_intermediate_size", 1408),
+                decoder_sparse_step=_get(text, "decoder_sparse_step", 1) or 1,
+                mlp_only_layers=list(_get(text, "mlp_only_layers", None) or []),
+                router_aux_loss_coef=float(_get(text, "router_aux_loss_coef", 0.001)))
+
+
 def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
     """A Hugging Face ``config.json`` dict for ``cfg`` (used by export when none was stored)."""
     v, t, variant = cfg.vision, cfg.lm, cfg.variant
@@ -206,6 +251,11 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
             "tie_word_embeddings": t.tie_embeddings}
     if qwen3:
         text["attention_bias"] = t.qkv_bias
+    if variant.moe:
+        text.update(num_experts=t.num_experts, num_experts_per_tok=t.experts_per_token,
+                    moe_intermediate_size=t.moe_intermediate_size,
+                    decoder_sparse_step=t.decoder_sparse_step, mlp_only_layers=t.mlp_only_layers,
+                    router_aux_loss_coef=t.router_aux_loss_coef, norm_topk_prob=True)
     vision = {"model_type": f"{cfg.family}_vision",
               "depth": v.depth, "hidden_size": v.hidden_size,
               "intermediate_size": v.intermediate_size, "num_heads": v.num_heads,

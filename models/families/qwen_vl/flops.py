@@ -17,10 +17,15 @@ def patch_embed_flops(model_cfg: QwenVLModelConfig, grids) -> float:
 
 def lm_flops(lm, tokens: float, lengths: list[int]) -> float:
     """Forward FLOPs of the Qwen2 / Qwen3 decoder over ``tokens`` real tokens in sequences of
-    ``lengths`` (attention projections, gated MLP, output layer, causal attention)."""
+    ``lengths`` (attention projections, gated MLP, output layer, causal attention). A MoE layer
+    (Qwen3-VL MoE) counts its router and only the ``experts_per_token`` experts each token
+    runs (the routing weights' multiply and the sums of the expert outputs are not counted)."""
     q, kv = lm.num_heads * lm.head_dim, lm.num_kv_heads * lm.head_dim
-    per_token = 2 * (lm.num_layers * (lm.hidden_size * (2 * q + 2 * kv)
-                                      + 3 * lm.hidden_size * lm.intermediate_size)
+    dense = 3 * lm.hidden_size * lm.intermediate_size
+    moe = lm.hidden_size * (lm.num_experts
+                            + 3 * lm.experts_per_token * lm.moe_intermediate_size)
+    mlp = sum(moe if m else dense for m in lm.moe_layers)
+    per_token = 2 * (lm.num_layers * lm.hidden_size * (2 * q + 2 * kv) + mlp
                      + lm.hidden_size * lm.vocab_size)
     return per_token * tokens + lm.num_layers * 4 * q * causal_pairs(lengths)
 

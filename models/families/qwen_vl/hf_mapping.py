@@ -1,4 +1,5 @@
-"""Hugging Face <-> our weight names for Qwen2.5-VL and Qwen3-VL: the literal mapping tables.
+"""Hugging Face <-> our weight names for Qwen2.5-VL, Qwen3-VL and Qwen3-VL MoE: the literal
+mapping tables.
 
 This module owns the tables (HF key template -> our key template, and which part of a fused
 tensor it is: the part names of ``models.hf_weights``), the hub's legacy Qwen2.5-VL key prefixes,
@@ -7,11 +8,22 @@ and the family's three conversions (``hf_to_ours``, ``hf_to_ours_stage`` for one
 checked; the first offender named in a one-line ``ValueError``) over these tables. Our keys are
 the state-dict keys of ``QwenVL`` (this package's ``model``) built with the local (non-TE) spec at
 TP=1; megatron's ``sharded_state_dict`` maps them to the TE names inside distributed checkpoints.
+
+Qwen3-VL MoE layers (``lm.moe_layers``): the router ``mlp.gate.weight`` (E, H) and the experts.
+The table names the experts one by one (``mlp.experts.{e}.gate_proj / up_proj / down_proj``, the
+per-expert layout, which is also read as is); the fused 3-D tensors of a checkpoint are split into
+them first (``split_fused_experts``), in either layout, told apart by shape: the published
+checkpoints' x@W layout, gate_up (E, H, 2I) and down (E, I, H), or transformers' ``save_pretrained``
+layout (E, 2I, H) / (E, H, I) (gate_up is ambiguous only when H = 2I, down only when H = I; never
+both, so one of the two decides). Any other shape is one ``ValueError`` naming the key, its shape
+and both layouts. Export writes the published layout (``fuse_experts``), which transformers and
+vLLM load.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -80,7 +92,21 @@ QWEN3_VL = {
        (f"vision.deepstack_mergers.{{j}}.{k}", None)
        for k in _MERGER3},
 }
-TABLES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
+#: a Qwen3-VL MoE layer's MLP: router + experts one by one ({e}); replaces the dense MLP rows
+MOE_LAYER = {
+    L + "mlp.gate.weight": (OL + "mlp.router.weight", None),
+    L + "mlp.experts.{e}.gate_proj.weight":
+        (OL + "mlp.experts.local_experts.{e}.linear_fc1.weight", "gate"),
+    L + "mlp.experts.{e}.up_proj.weight":
+        (OL + "mlp.experts.local_experts.{e}.linear_fc1.weight", "up"),
+    L + "mlp.experts.{e}.down_proj.weight":
+        (OL + "mlp.experts.local_experts.{e}.linear_fc2.weight", None),
+}
+DENSE_MLP = tuple(L + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+TABLES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL}
+#: the fused expert tensors of a Qwen3-VL MoE checkpoint (no ``.weight`` suffix)
+FUSED = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts\.)"
+                   r"(gate_up_proj|down_proj)$")
 #: Qwen2.5-VL checkpoints on the hub use the legacy prefixes (transformers < 4.52 layout).
 LEGACY_PREFIXES = {
     "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
@@ -90,11 +116,20 @@ LEGACY_PREFIXES = {
 def expand_table(cfg: QwenVLModelConfig) -> dict[str, tuple[str, str | None]]:
     """The table with {i}/{j} filled in for this model's layer counts (tied lm_head dropped)."""
     out = {}
-    for hf, (ours, part) in TABLES[cfg.family].items():
+    moe = cfg.lm.moe_layers
+    rows = dict(TABLES[cfg.family])
+    if any(moe):
+        rows.update(MOE_LAYER)
+    for hf, (ours, part) in rows.items():
         if hf == "lm_head.weight" and cfg.lm.tie_embeddings:
             continue
         if "{j}" in hf:
             reps = [{"j": j} for j in range(len(cfg.vision.deepstack_visual_indexes))]
+        elif hf in MOE_LAYER:
+            reps = [{"i": i, "e": e} for i in range(cfg.lm.num_layers) if moe[i]
+                    for e in range(cfg.lm.num_experts)]
+        elif hf in DENSE_MLP:
+            reps = [{"i": i} for i in range(cfg.lm.num_layers) if not moe[i]]
         elif hf.startswith("model.language_model.layers"):
             reps = [{"i": i} for i in range(cfg.lm.num_layers)]
         elif hf.startswith("model.visual.blocks"):
@@ -120,6 +155,74 @@ def to_hub_hf_key(key: str, family: str) -> str:
     return key
 
 
+# ------------------------------------------------------------------ fused experts
+def split_fused_experts(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig
+                        ) -> dict[str, torch.Tensor]:
+    """``hf_sd`` with each MoE layer's fused ``gate_up_proj`` / ``down_proj`` replaced by the
+    per-expert keys of the table (layout decided by shape: module docstring).
+
+    Raises:
+        ValueError: a fused tensor of a shape neither layout has (key, shape, both layouts
+            named), or a layer with only one of the two.
+    """
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    out = {}
+    for key, value in hf_sd.items():
+        match = FUSED.match(key)
+        if match:
+            fused.setdefault(match.group(1), {})[match.group(2)] = value
+        else:
+            out[key] = value
+    t = cfg.lm
+    e, h, i = t.num_experts, t.hidden_size, t.moe_intermediate_size
+    layouts = {"published": {"gate_up_proj": (e, h, 2 * i), "down_proj": (e, i, h)},
+               "transformers": {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}}
+    for prefix, pair in fused.items():
+        if set(pair) != {"gate_up_proj", "down_proj"}:
+            missing = ({"gate_up_proj", "down_proj"} - set(pair)).pop()
+            raise ValueError(f"HF checkpoint lacks {prefix + missing!r} (it has "
+                             f"{prefix + next(iter(pair))!r})")
+        fits = [name for name, shapes in layouts.items()
+                if all(tuple(pair[k].shape) == shapes[k] for k in shapes)]
+        if not fits:
+            shapes = {k: tuple(v.shape) for k, v in pair.items()}
+            raise ValueError(f"{prefix}gate_up_proj / down_proj have shapes "
+                             f"{shapes['gate_up_proj']} / {shapes['down_proj']}: expected the "
+                             f"published layout {layouts['published']['gate_up_proj']} / "
+                             f"{layouts['published']['down_proj']} or transformers' "
+                             f"{layouts['transformers']['gate_up_proj']} / "
+                             f"{layouts['transformers']['down_proj']} (E, H, I = {e}, {h}, {i})")
+        gate_up, down = pair["gate_up_proj"], pair["down_proj"]
+        if fits[0] == "published":  # x @ W: to the (out, in) of a linear
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        for n in range(e):
+            gate, up = gate_up[n].chunk(2, dim=0)
+            out[f"{prefix}{n}.gate_proj.weight"] = gate
+            out[f"{prefix}{n}.up_proj.weight"] = up
+            out[f"{prefix}{n}.down_proj.weight"] = down[n]
+    return out
+
+
+def fuse_experts(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig
+                 ) -> dict[str, torch.Tensor]:
+    """The per-expert keys of each MoE layer as the published fused tensors: gate_up
+    (E, H, 2I) = [gate; up]^T per expert, down (E, I, H)."""
+    if not any(cfg.lm.moe_layers):
+        return hf_sd
+    out = {k: v for k, v in hf_sd.items() if ".mlp.experts." not in k}
+    for i, moe in enumerate(cfg.lm.moe_layers):
+        if not moe:
+            continue
+        prefix = L.format(i=i) + "mlp.experts."
+        experts = range(cfg.lm.num_experts)
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat(
+            [hf_sd[f"{prefix}{n}.gate_proj.weight"], hf_sd[f"{prefix}{n}.up_proj.weight"]]).T
+            for n in experts]).contiguous()
+        out[prefix + "down_proj"] = torch.stack(
+            [hf_sd[f"{prefix}{n}.down_proj.weight"].T for n in experts]).contiguous()
+    return out
+
+
 # ------------------------------------------------------------------ conversions
 def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
                expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
@@ -128,14 +231,15 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
     Raises:
         ValueError: see ``models.hf_weights.hf_to_ours``.
     """
-    return hf_weights.hf_to_ours(hf_sd, cfg, expected, expand_table(cfg), _canonical(cfg))
+    return hf_weights.hf_to_ours(split_fused_experts(hf_sd, cfg), cfg, expected,
+                                 expand_table(cfg), _canonical(cfg))
 
 
 def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
                      expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """``hf_to_ours`` for one pipeline stage (``models.hf_weights.hf_to_ours_stage``)."""
-    return hf_weights.hf_to_ours_stage(hf_sd, cfg, expected, expand_table(cfg),
-                                       canonical=_canonical(cfg))
+    return hf_weights.hf_to_ours_stage(split_fused_experts(hf_sd, cfg), cfg, expected,
+                                       expand_table(cfg), canonical=_canonical(cfg))
 
 
 def ours_to_hf(sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
@@ -143,7 +247,8 @@ def ours_to_hf(sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
     """Map our (TP=1) state dict to HF keys (the hub's prefixes when ``hub_layout``, else the
     names of transformers' modules); ``only``: just these keys of ours."""
     hub = functools.partial(to_hub_hf_key, family=cfg.family) if hub_layout else None
-    return hf_weights.ours_to_hf(sd, cfg, expand_table(cfg), hub_key=hub, only=only)
+    out = hf_weights.ours_to_hf(sd, cfg, expand_table(cfg), hub_key=hub, only=only)
+    return out if only is not None else fuse_experts(out, cfg)  # some keys: no expert fusing
 
 
 def _canonical(cfg: QwenVLModelConfig):

@@ -8,6 +8,14 @@ features added to the outputs of the first LM layers, through forward hooks on t
 ``TransformerLayer`` modules, because ``GPTModel`` has no per-layer input), and the loss on the
 batch contract (docs/batch_contract.md; labels are unshifted, the model shifts).
 
+Qwen3-VL MoE: the same model, its LM MLPs megatron ``MoELayer``s where ``lm.moe_layers`` says
+(``moe_layer_freq`` = that list; dense MLPs elsewhere): transformers' router (fp32 softmax over all
+experts, top-k, renormalised: megatron's top-k then softmax over the selected logits), no shared
+expert, experts as megatron's ``SequentialMLP`` on CPU and grouped GEMM with TransformerEngine.
+The load-balancing aux loss is megatron's (attached to the router's output: its gradient joins the
+loss's; logged per layer in megatron's tracker, ``models.moe_metrics``) with the weight
+``moe_aux_loss_weight`` gives it.
+
 Qwen3-VL's interleaved M-RoPE (t/h/w frequencies interleaved, ``mrope_interleaved``) is expressed
 with megatron's chunked ``mrope_section``: a section list of 1-wide chunks cycling t, h, w (zero-
 width chunks keep the cycle aligned), which megatron's ``MultimodalRotaryEmbedding`` applies as is.
@@ -25,6 +33,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models.cpu import use_te_by_default
 from models.families.qwen_vl.config import QwenVLModelConfig
 from models.families.qwen_vl.vision import QwenVisionEncoder
 from models.multimodal import LanguageModelRunner, scatter_visual
@@ -61,7 +70,7 @@ def megatron_mrope_section(section: list[int], interleaved: bool) -> list[int]:
     return chunks
 
 
-def lm_transformer_config(cfg: QwenVLModelConfig) -> TransformerConfig:
+def lm_transformer_config(cfg: QwenVLModelConfig, use_te: bool = False) -> TransformerConfig:
     t = cfg.lm
     config = TransformerConfig(
         num_layers=t.num_layers, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
@@ -78,14 +87,53 @@ def lm_transformer_config(cfg: QwenVLModelConfig) -> TransformerConfig:
         # rerun of those layers in backward would not repeat: Qwen3-VL's LM takes selective
         **transformer_config_kwargs(cfg.recompute,
                                     block_recompute=not cfg.vision.deepstack_visual_indexes),
+        **moe_config_kwargs(cfg, use_te),
     )
     config.mrope_section = megatron_mrope_section(t.mrope_section, t.mrope_interleaved)
     return config
 
 
-def lm_layer_spec(cfg: QwenVLModelConfig, use_te: bool):
+def moe_aux_loss_weight(lm) -> float:
+    """megatron's ``moe_aux_loss_coeff`` that gives transformers' aux-loss term.
+
+    transformers: ``coef * E * sum_e f_e * P_e`` once, with f_e the top-k picks of expert e per
+    token and P_e its mean router probability, both pooled over every MoE layer's tokens.
+    megatron: per MoE layer ``coeff * E * sum_e (f_e / k) * P_e``, the layers' terms summed. So
+    ``coeff = coef * k / (MoE layers)``: equal to transformers' with one MoE layer, and the mean of
+    the per-layer terms (not the pooled product) with several.
+    """
+    layers = sum(lm.moe_layers)
+    return lm.router_aux_loss_coef * lm.experts_per_token / max(layers, 1)
+
+
+def moe_config_kwargs(cfg: QwenVLModelConfig, use_te: bool) -> dict:
+    """TransformerConfig fields of the MoE layers (none for a dense LM)."""
+    t = cfg.lm
+    if not t.num_experts:
+        return {}
+    weight = moe_aux_loss_weight(t)
+    return dict(
+        num_moe_experts=t.num_experts, moe_router_topk=t.experts_per_token,
+        moe_ffn_hidden_size=t.moe_intermediate_size,
+        moe_layer_freq=[int(m) for m in t.moe_layers],
+        moe_router_score_function="softmax", moe_router_pre_softmax=False,
+        moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss" if weight > 0 else "none",
+        moe_aux_loss_coeff=weight, moe_grouped_gemm=use_te,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+
+
+def lm_layer_spec(cfg: QwenVLModelConfig, use_te: bool, config: TransformerConfig):
+    """The LM's layer spec; with MoE layers a block spec (one layer spec per layer of this
+    pipeline stage, MoE or dense by ``moe_layer_freq``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    if cfg.lm.num_experts:
+        block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                 normalization="RMSNorm")
+        if not use_te:
+            block.layer_specs = [with_packed_attention(s) for s in block.layer_specs]
+        return block
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.lm.qk_norm)
     return with_packed_attention(specs.get_gpt_layer_local_spec(qk_layernorm=cfg.lm.qk_norm,
@@ -103,12 +151,13 @@ class QwenVL(LanguageModelRunner, MegatronModule):
             vision_dp_over_cp: share the vision encoder's work over the context-parallel ranks
                 (models/vision_dp.py); None = on when CP > 1. Inactive is reported once, loudly.
         """
-        config = lm_transformer_config(cfg)
+        use_te = use_te_by_default() if use_te is None else use_te
+        config = lm_transformer_config(cfg, use_te)
         super().__init__(config=config)
-        use_te = self._init_stage(cfg, use_te)
+        self._init_stage(cfg, use_te)
         self.vision = QwenVisionEncoder(cfg, use_te=use_te) if self.pre_process else None
         self.language_model = GPTModel(
-            config=config, transformer_layer_spec=lm_layer_spec(cfg, use_te),
+            config=config, transformer_layer_spec=lm_layer_spec(cfg, use_te, config),
             vocab_size=cfg.lm.vocab_size, max_sequence_length=cfg.lm.max_position_embeddings,
             pre_process=self.pre_process, post_process=self.post_process,
             share_embeddings_and_output_weights=cfg.lm.tie_embeddings,
