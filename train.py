@@ -45,6 +45,7 @@ from recipes.forward import optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
 from recipes.metrics import MetricsLogger, StepMeter
 from recipes.model_setup import build_model, freeze, import_hf_weights
+from recipes.resume import reconcile
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.run_folder import StopSignal, prepare_run_folder
 from recipes.run_plan import RunPlan, resolve_plan, save_run_tokenizer
@@ -77,13 +78,17 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     """The recipe: each step below is one function of this file, in this order."""
     from contract.console import KnownWarnings
 
-    cfg = load_run_config(config, overrides)
+    resumed = reconcile(load_run_config(config, overrides), config, overrides, resume_from,
+                        overwrite)  # --resume: the checkpoint's model, each change checked
+    cfg = resumed.config
     quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
     plan = resolve_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume_from, overwrite)
     run = start_run(plan)
+    for note in resumed.notes if run.is_logger else ():
+        print(f"[train] resume: {note}", flush=True)
     loaders = build_loaders(plan, run)
     trainee = build_model_and_optimizer(plan, run)
-    start = restore(plan, run, trainee, loaders)
+    start = restore(plan, run, trainee, loaders, resumed.fresh_loader)
     announce(plan, run, trainee, start)
     logger = MetricsLogger(run.out, enabled=run.is_logger, tensorboard=cfg.log.tensorboard,
                            wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
@@ -158,6 +163,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from models.checkpoint import load_weights, model_record
+    from models.checkpoint_folders import weights_folder
     from models.hf_source import resolve
 
     cfg, t = plan.config, plan.config.train
@@ -169,7 +175,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
     model = build_model(cfg)
     if init and plan.resume is None:
-        load_weights(model, init)
+        load_weights(model, weights_folder(init), init)
     _total, trainable = freeze(model, cfg)
     if bf16:
         from megatron.core.transformer.module import Float16Module
@@ -190,16 +196,16 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
                    model_files)
 
 
-def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders) -> int:
-    """With a checkpoint to resume: model, optimizer, RNG and loader states. Returns the step
-    the loop starts at."""
+def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders, fresh_loader: bool) -> int:
+    """With a checkpoint to resume: model, optimizer, RNG and loader states (not those with
+    ``fresh_loader``: another data path). Returns the step the loop starts at."""
     if plan.resume is None:
         return 0
     from energon_tasks.loader_state import LoaderStateError, from_plain
 
     resume = plan.resume
     plain, rng = read_rank_state(Path(resume["dir"]), run.layout)
-    if len(plain) != len(loaders):
+    if len(plain) != len(loaders) and not fresh_loader:
         raise UsageError(f"checkpoint {resume['dir']} holds {len(plain)} loader states per "
                          f"rank, data.virtual_dp is {len(loaders)}")
     try:
@@ -207,7 +213,7 @@ def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders) -> int:
     except LoaderStateError as error:
         raise UsageError(f"checkpoint {resume['dir']}: loader state refused ({error})") from None
     load_checkpoint(resume, model=trainee.model.module, optimizer=trainee.optimizer, rng=rng)
-    for loader, state in zip(loaders, states, strict=True):
+    for loader, state in zip(loaders, [] if fresh_loader else states, strict=False):
         loader.restore_state_rank(state)
     return resume["step"]
 
