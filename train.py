@@ -39,6 +39,7 @@ import torch
 
 from contract.cli import run_click
 from contract.errors import UsageError
+from contract.lifetime import WithParent, die_with_parent
 from models import cpu
 from recipes.checkpointing import load_checkpoint, read_rank_state, save_checkpoint
 from recipes.forward import optimizer_step, validation_loss
@@ -78,11 +79,14 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     """The recipe: each step below is one function of this file, in this order."""
     from contract.console import KnownWarnings
 
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank of torchrun: it ends with torchrun
+        die_with_parent()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     resumed = reconcile(load_run_config(config, overrides), config, overrides, resume_from,
-                        overwrite)  # --resume: the checkpoint's model, each change checked
+                        overwrite, world)  # --resume: the checkpoint's model, changes checked
     cfg = resumed.config
     quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
-    plan = resolve_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume_from, overwrite)
+    plan = resolve_plan(cfg, world, resume_from, overwrite)
     run = start_run(plan)
     for note in resumed.notes if run.is_logger else ():
         print(f"[train] resume: {note}", flush=True)
@@ -142,6 +146,7 @@ def build_loaders(plan: RunPlan, run: Run) -> list:
         seed_offset=cfg.data.seed_offset, split_part=cfg.data.split_part) for v in range(virtual)]
     for loader in loaders:
         run.stop.protect_workers(loader)
+        loader.worker_init_fn = WithParent(loader.worker_init_fn)  # a kill -9 leaves none
     return loaders
 
 

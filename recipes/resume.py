@@ -8,6 +8,7 @@ checkpoint is honoured or refused in one line:
 - the model (``model.*``, ``model.hf``, ``model.base``) given on the command line with another
   value than the checkpoint's: refused, naming both (without it the checkpoint's model is used,
   so ``<out>/config.yaml`` is never rewritten with a model the weights are not of);
+- (then the checkpoint is checked: ``recipes.checkpointing.read_train_state``)
 - the parallel layout (``parallel.tp`` / ``pp`` / ``cp`` / ``ep``): refused, naming
   ``train.init_checkpoint=<step folder>`` (a new run from the checkpoint's weights, which
   dist_checkpointing reshards; the optimizer state is saved ``dp_reshardable``, which megatron-core
@@ -34,6 +35,7 @@ import yaml
 
 from contract.errors import UsageError
 from models.checkpoint_folders import resolve_checkpoint
+from recipes.checkpointing import read_train_state
 from recipes.run_config import RunConfig, load_run_config, to_dict
 from recipes.run_folder import plan_start
 
@@ -79,7 +81,7 @@ def stored_config(step_dir: Path) -> dict | None:
 
 
 def reconcile(cfg: RunConfig, config: str, overrides: tuple[str, ...], resume_from: str | None,
-              overwrite: bool) -> Resumed:
+              overwrite: bool, world: int) -> Resumed:
     """The config ``cfg`` (``config`` + ``overrides`` as loaded) of a run that resumes, rebuilt
     on its checkpoint's model, with each change against the checkpoint honoured or refused (see
     the module docstring); a run that does not resume: ``cfg`` unchanged.
@@ -115,10 +117,10 @@ def reconcile(cfg: RunConfig, config: str, overrides: tuple[str, ...], resume_fr
             raise UsageError(f"--resume {step_dir}: its model has {key}={_at(then, key)}, the "
                              f"command line gives {key}={_at(now, key)}: a checkpoint resumes "
                              f"with its own model (drop {key}=)")
-    return _changes(ours, stored, step_dir)
+    return _changes(ours, stored, step_dir, world)
 
 
-def _changes(cfg: RunConfig, stored: dict, step_dir: Path) -> Resumed:
+def _changes(cfg: RunConfig, stored: dict, step_dir: Path, world: int) -> Resumed:
     now = to_dict(cfg)
     layout = [(k, _at(stored, k) or 1, _at(now, k)) for k in LAYOUT_KEYS
               if (_at(stored, k) or 1) != _at(now, k)]
@@ -129,6 +131,8 @@ def _changes(cfg: RunConfig, stored: dict, step_dir: Path) -> Resumed:
                          "optimizer state reshards over DP only; start a new run from its weights "
                          f"with train.init_checkpoint={step_dir} (optimizer and data position "
                          "start fresh), or resume at the saved layout")
+    p = cfg.parallel  # a foreign, planted or half-written checkpoint is refused before the rest
+    read_train_state(step_dir, world // (p.tp * p.pp * p.cp))
     notes = []
     fresh = _at(stored, "data.path") != _at(now, "data.path")
     if fresh:

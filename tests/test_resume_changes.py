@@ -81,3 +81,18 @@ def test_init_checkpoint_takes_the_step_folder(mantis_out, tmp_path, step):
                  "train.steps=1", f"train.init_checkpoint={init}", *FAST))
         runs[name] = losses(out)
     assert runs["step"] == runs["model_optim"]
+
+
+@pytest.mark.slow
+def test_a_reader_that_skips_everything_ends_in_one_line(mantis_out, tmp_path):
+    """2 of the 38 mantis lookalike samples fit in 32 tokens: the probe finds one, then a loader
+    worker (data.num_workers=1) meets max_skips_in_a_row skips in a row: one line, exit 2,
+    never a reader that spins while the other ranks wait."""
+    from tests.test_train import error_line
+
+    line = error_line(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                            f"out={tmp_path}", "train.steps=200", "log.tensorboard=false",
+                            "data.num_workers=1", "task_encoder.seq_length=32",
+                            "task_encoder.max_skips_in_a_row=20"))
+    assert "20 samples in a row skipped by one data reader" in line, line
+    assert "skipped_too_long=" in line and "max_skips_in_a_row" in line, line
