@@ -8,11 +8,11 @@ checkpoint is honoured or refused in one line:
 - the model (``model.*``, ``model.hf``, ``model.base``) given on the command line with another
   value than the checkpoint's: refused, naming both (without it the checkpoint's model is used,
   so ``<out>/config.yaml`` is never rewritten with a model the weights are not of);
-- (then the checkpoint is checked: ``recipes.checkpointing.read_train_state``)
 - the parallel layout (``parallel.tp`` / ``pp`` / ``cp`` / ``ep``): refused, naming
   ``train.init_checkpoint=<step folder>`` (a new run from the checkpoint's weights, which
   dist_checkpointing reshards; the optimizer state is saved ``dp_reshardable``, which megatron-core
-  0.16 reshards over DP only). A changed DP stays ``recipes.checkpointing``'s refusal;
+  0.16 reshards over DP only). Then the checkpoint is checked (``read_train_state``: a planted,
+  foreign or half-written one is refused before the rest; a changed DP stays its refusal);
 - ``data.path``: honoured; the loader starts fresh on the new data (the saved loader state
   holds positions in the old dataset's shards) and the run says so;
 - the loader's shape (``data.num_workers``, ``shuffle_buffer_size``, ``max_samples_per_sequence``,
