@@ -43,6 +43,7 @@ import torch
 
 from contract.cli import run_click
 from contract.errors import UsageError
+from contract.lifetime import WithParent, die_with_parent
 from models import cpu, moe_aux
 from recipes.checkpointing import (
     load_checkpoint,
@@ -54,6 +55,7 @@ from recipes.forward import NonFiniteGuard, optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
 from recipes.metrics import MetricsLogger, StepMeter
 from recipes.model_setup import base_source, build_model, check_base, freeze, import_hf_weights
+from recipes.resume import reconcile
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.run_folder import StopSignal, lock_run, prepare_run_folder
 from recipes.run_plan import RunPlan, resolve_plan, save_run_tokenizer
@@ -86,13 +88,20 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     """The recipe: each step below is one function of this file, in this order."""
     from contract.console import KnownWarnings
 
-    cfg = load_run_config(config, overrides)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank of torchrun: it ends with torchrun
+        die_with_parent()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    resumed = reconcile(load_run_config(config, overrides), config, overrides, resume_from,
+                        overwrite, world)  # --resume: the checkpoint's model, changes checked
+    cfg = resumed.config
     quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
-    plan = resolve_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume_from, overwrite)
+    plan = resolve_plan(cfg, world, resume_from, overwrite)
     plan, run = start_run(plan, automatic=resume_from in (None, "latest"))
+    for note in resumed.notes if run.is_logger else ():
+        print(f"[train] resume: {note}", flush=True)
     loaders = build_loaders(plan, run)
     trainee = build_model_and_optimizer(plan, run)
-    start = restore(plan, run, trainee, loaders)
+    start = restore(plan, run, trainee, loaders, resumed.fresh_loader)
     announce(plan, run, trainee, start)
     logger = MetricsLogger(run.out, enabled=run.is_logger, tensorboard=cfg.log.tensorboard,
                            wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
@@ -152,6 +161,7 @@ def build_loaders(plan: RunPlan, run: Run) -> list:
         seed_offset=cfg.data.seed_offset, split_part=cfg.data.split_part) for v in range(virtual)]
     for loader in loaders:
         run.stop.protect_workers(loader)
+        loader.worker_init_fn = WithParent(loader.worker_init_fn)  # a kill -9 leaves none
     return loaders
 
 
@@ -178,6 +188,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from models.checkpoint import load_weights, model_record
+    from models.checkpoint_folders import weights_folder
     from models.hf_source import resolve
 
     cfg, t = plan.config, plan.config.train
@@ -194,7 +205,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
     model = build_model(cfg)
     if init and load_init:
-        load_weights(model, init)
+        load_weights(model, weights_folder(init), init)
     _total, trainable, adapted = freeze(model, cfg)
     if bf16:
         from megatron.core.transformer.module import Float16Module
@@ -217,16 +228,16 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
                    model_files, adapted, base)
 
 
-def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders) -> int:
-    """With a checkpoint to resume: model, optimizer, RNG and loader states. Returns the step
-    the loop starts at."""
+def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders, fresh_loader: bool) -> int:
+    """With a checkpoint to resume: model, optimizer, RNG and loader states (not those with
+    ``fresh_loader``: another data path). Returns the step the loop starts at."""
     if plan.resume is None:
         return 0
     from energon_tasks.loader_state import LoaderStateError, from_plain
 
     resume = plan.resume
     plain, rng = read_rank_state(Path(resume["dir"]), run.layout)
-    if len(plain) != len(loaders):
+    if len(plain) != len(loaders) and not fresh_loader:
         raise UsageError(f"checkpoint {resume['dir']} holds {len(plain)} loader states per "
                          f"rank, data.virtual_dp is {len(loaders)}")
     try:
@@ -234,7 +245,7 @@ def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders) -> int:
     except LoaderStateError as error:
         raise UsageError(f"checkpoint {resume['dir']}: loader state refused ({error})") from None
     load_checkpoint(resume, model=trainee.model.module, optimizer=trainee.optimizer, rng=rng)
-    for loader, state in zip(loaders, states, strict=True):
+    for loader, state in zip(loaders, [] if fresh_loader else states, strict=False):
         loader.restore_state_rank(state)
     return resume["step"]
 

@@ -20,7 +20,6 @@ or archives changed (their fingerprints are among the options), is refused once 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import json
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from contract.console import DEFAULT_EVERY_S, Progress, phase
 from contract.errors import RunFailure
+from contract.lifetime import die_with_parent
 from converters.base import SourceDataset, SourceSplit, Unit, UsageError, config_folder
 from converters.lock import RunLock
 from converters.writer import ShardSpec, shard_done, write_json_atomic, write_shard
@@ -139,14 +139,12 @@ def _run_one(spec: ShardSpec) -> dict:
     return write_shard(state["out"], state["source"], state["splits"], spec)
 
 
-def _worker_init() -> None:
-    """Workers leave SIGINT / SIGTERM to the parent (which stops them) and die with it."""
+def _worker_init(parent: int) -> None:
+    """Workers leave SIGINT / SIGTERM to the parent (which stops them) and die with it (a kill
+    -9 of the converter leaves no orphan that keeps writing: ``contract.lifetime``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:  # Linux: SIGKILL when the parent dies, e.g. by kill -9 (no orphan keeps writing)
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent(parent)
 
 
 @contextmanager
@@ -170,7 +168,7 @@ def _write_all(pending: list[ShardSpec], workers: int, on_done: Callable[[dict],
             on_done(_run_one(spec))
         return
     executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                   initializer=_worker_init)
+                                   initializer=_worker_init, initargs=(os.getpid(),))
     try:
         futures = [executor.submit(_run_one, spec) for spec in pending]
         for future in as_completed(futures):

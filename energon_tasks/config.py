@@ -64,6 +64,9 @@ class TaskEncoderConfig:
     fixed_length: bool = False  #: pad every batch to seq_length (pipeline parallel)
     context_parallel_size: int = 1  #: lengths are padded to a multiple of 2 * CP when CP > 1
     packing: bool = False  #: pack several samples per row (Energon packing hooks)
+    #: samples skipped in a row by one reader (budget, media) that end the run in one line
+    #: (``TooManySkips``) instead of a reader that never yields and ranks that wait on it
+    max_skips_in_a_row: int = 1000
     packing_buffer_size: int = 64  #: samples Energon buffers before each packing selection
     max_source_pixels: int = 89_478_485  #: decompression-bomb cap on stored pixels (PIL default)
     #: "exact" (pixel values equal to the transformers processor's) or "fast" (JPEG draft decode:

@@ -33,6 +33,7 @@ from typing import Any
 from megatron.energon import Sample, StandardWebdatasetFactory, edataclass
 from megatron.energon.errors import log_exception
 
+from contract.errors import UsageError
 from energon_tasks.sample_format import CanonicalSample
 
 log = logging.getLogger("energon_tasks.skips")
@@ -195,6 +196,8 @@ def drain_skips() -> dict[str, int]:
 def skip_handler(error: Exception, sample: Any, sources=None) -> None:
     """Energon error handler of our loaders: damaged samples are one counted line; anything
     else keeps Energon's own report (a traceback: it is a bug, not bad data)."""
+    if isinstance(error, UsageError):  # e.g. task_encoder.max_skips_in_a_row: the run ends
+        raise error
     if isinstance(error, DamagedSample):
         record_skip(error.key, error.reason, error.detail)
     else:

@@ -36,7 +36,7 @@ from megatron.energon import Cooker, DefaultTaskEncoder, SkipSample, stateless
 
 from contract.batch import EncodedSample, VLMBatch
 from contract.constants import IGNORE_INDEX, VISUAL_KINDS
-from contract.errors import MediaError
+from contract.errors import MediaError, UsageError
 from energon_tasks import budget
 from energon_tasks.collate import collate, pack_samples
 from energon_tasks.config import TaskEncoderConfig
@@ -76,6 +76,20 @@ class TurnTokens:
         return len(self.header) + sum(map(len, self.pieces)) + len(self.footer)
 
 
+class TooManySkips(UsageError):
+    """``task_encoder.max_skips_in_a_row`` samples skipped in a row by one reader: a user error
+    (one line, exit 2) that Energon's error handler passes on (``skip_handler``). Raised in a
+    DataLoader worker, torch rebuilds it in the main process from the worker's traceback text
+    (``TooManySkips("Caught TooManySkips in DataLoader worker ...")``): the one line is then the
+    traceback's last line, taken back here."""
+
+    def __init__(self, message: str):
+        if message.startswith("Caught "):
+            last = message.strip().splitlines()[-1]
+            message = last.split(": ", 1)[-1]
+        super().__init__(message)
+
+
 class VLMTaskEncoder(DefaultTaskEncoder):
     """Energon task encoder for VLM SFT (see the module docstring for stages), composed with the
     hooks of ``config.model``'s profile (``self.hooks``).
@@ -109,6 +123,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         self.newline = self.encode_text("\n")
         self._pending: Counter = Counter()  # counters since the last batch (this process)
         self._totals: Counter = Counter()  # counters since creation (this process)
+        self._in_a_row: Counter = Counter()  # skip reasons since the last encoded sample
 
     # ---- text ---------------------------------------------------------------------------------
 
@@ -258,6 +273,22 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         """Forget the counters so far (train.py's probe of the first batch is not training)."""
         self._pending.clear()
         self._totals.clear()
+        self._in_a_row.clear()
+
+    def _skipped(self, reason: str) -> None:
+        """One more sample skipped in a row by this reader.
+
+        Raises:
+            TooManySkips: ``max_skips_in_a_row`` reached (the reasons counted in the line).
+        """
+        self._in_a_row[f"skipped_{reason}"] += 1
+        limit = self.config.max_skips_in_a_row
+        if limit and sum(self._in_a_row.values()) >= limit:
+            reasons = ", ".join(f"{k}={v}" for k, v in sorted(self._in_a_row.items()))
+            raise TooManySkips(f"{limit} samples in a row skipped by one data reader ({reasons}): "
+                               "its share of data.path yields nothing; raise task_encoder."
+                               "seq_length / max_visual_tokens / max_num_images, or "
+                               "task_encoder.max_skips_in_a_row")
 
     # ---- Energon hooks ------------------------------------------------------------------------
 
@@ -274,13 +305,16 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         if plan.skip:
             self._count(plan.counters())
             record_skip(key, plan.skip, plan.detail, count=False)  # counted in the plan's counters
+            self._skipped(plan.skip)
             raise SkipSample(plan.detail)
         try:
             pixels = self.decode_media(plan, conversation, sample.media_bytes)
         except MediaError as error:
             self._count({"samples": 1, f"skipped_{error.reason}": 1})
             record_skip(key, error.reason, error.detail, count=False)
+            self._skipped(error.reason)
             raise SkipSample(f"sample {key}: {error}") from None
+        self._in_a_row.clear()
         self._count(plan.counters())
         base = {name: getattr(sample, name)
                 for name in ("__key__", "__restore_key__", "__subflavors__", "__sources__")}

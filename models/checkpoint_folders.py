@@ -176,3 +176,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if step_folders(path):
         return newest_complete(path) or path
     return path
+
+
+def weights_folder(path: str | Path) -> Path:
+    """The dist checkpoint of weights at ``path``: a train.py run, checkpoints or step folder
+    (the step its run printed) -> its ``model_optim``; anything else (an import folder,
+    ``<step>/model_optim`` itself) as given."""
+    step = resolve_checkpoint(path)
+    return step / "model_optim" if (step / "model_optim").is_dir() else Path(path)

@@ -7,6 +7,7 @@ PEFT folder that ``peft`` loads onto the base) give the same logits."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -131,9 +132,14 @@ def test_lora_resume_is_exact_and_checks_its_base(lora_run, mantis_out, tmp_path
                  str(out / "checkpoints" / "step_000002"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert losses(out) == losses(root / "run")[2:]  # bit-exact on CPU
-    other = build_tiny_hf_model("qwen2_5_vl", tmp_path / "other", seed=1,
-                                pixels=JOURNEYS["qwen2_5_vl"][1])
-    proc = train(*args, f"model.hf={other}", "--resume", str(out / "checkpoints" / "step_000002"))
+    weights = next(lora_run["hf"].glob("*.safetensors"))  # the base's files change
+    times = weights.stat()
+    os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns + 10**9))
+    try:
+        proc = train(*args, f"model.hf={lora_run['hf']}", "--resume",
+                     str(out / "checkpoints" / "step_000002"))
+    finally:
+        os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))
     assert proc.returncode == 2
     assert "holds only what trains on the base" in error_line(proc)
 
