@@ -57,7 +57,7 @@ from recipes.metrics import MetricsLogger, StepMeter
 from recipes.model_setup import base_source, build_model, check_base, freeze, import_hf_weights
 from recipes.resume import reconcile
 from recipes.run_config import ConfigError, load_run_config, to_dict
-from recipes.run_folder import StopSignal, lock_run, prepare_run_folder
+from recipes.run_folder import SKIP_LOG, StopSignal, lock_run, prepare_run_folder
 from recipes.run_plan import RunPlan, resolve_plan, save_run_tokenizer
 from recipes.schedule import loss_tokens, lr_at, step_token_total
 
@@ -148,10 +148,13 @@ def start_run(plan: RunPlan, automatic: bool) -> tuple[RunPlan, Run]:
 
 
 def build_loaders(plan: RunPlan, run: Run) -> list:
-    """One train loader per virtual DP rank of this replica (the plan's task encoder)."""
+    """One train loader per virtual DP rank of this replica (the plan's task encoder); the keys
+    of the samples they skip go to ``<out>/skipped_samples.jsonl`` (once per replica)."""
+    from energon_tasks.energon_dataset import SKIP_LOG_ENV
     from energon_tasks.loader import get_train_loader
 
     cfg, layout = plan.config, run.layout
+    os.environ[SKIP_LOG_ENV] = str(run.out / SKIP_LOG) if layout.first_in_replica else ""
     virtual = cfg.data.virtual_dp
     loaders = [get_train_loader(
         cfg.data.path, task_encoder=plan.encoder, batch_size=cfg.train.micro_batch_size,

@@ -12,9 +12,12 @@ converted dataset:
   caller passes, a sample whose member is missing or whose bytes do not match their checksum raises
   `DamagedSample`, and a tar member or header that cannot be read becomes a `DamagedSample` of that
   position instead of stopping the loader.
-- The skip log: `skip_handler` (the loaders' error handler) writes one line per damaged sample with
-  its key and reason and counts it; `drain_skips()` hands the counts to the task encoder's batch
-  counters (`skipped_<reason>`).
+- The skip log: `skip_handler` (the loaders' error handler) records each damaged sample with its
+  key and reason and counts it; `drain_skips()` hands the counts to the task encoder's batch
+  counters (`skipped_<reason>`). Under train.py a key is appended once per process (epochs
+  repeat samples) to the file `$VLM_SKIP_LOG` names (`<out>/skipped_samples.jsonl`, written by
+  the first rank of each DP replica, empty on the others, inherited by loader workers); the
+  other tools (inspect, preview, eval) log one line per skip.
 
 Why a factory class rather than CrudeWebdataset + cooker, a `field_map` or a `sample_loader.py`:
 `energon info` needs a `sample_type`, `lint` / `preview` need samples without a task encoder, a
@@ -26,7 +29,9 @@ carries no code in the dataset folder, and is the same for Energon's tools and o
 # No `from __future__ import annotations`: Energon's config parser reads the factory's
 # signature annotations as types (`sample_type` must be a real `type[...]`).
 import hashlib
+import json
 import logging
+import os
 from collections import Counter
 from typing import Any
 
@@ -176,14 +181,24 @@ def _unused_sample_loader(sample: dict) -> dict:  # load_sample is overridden
 # ---- the skip log ----------------------------------------------------------------------------
 
 _SKIPS: Counter = Counter()
+_RECORDED: set[str] = set()
+#: the file the skipped samples' keys are appended to (unset: logged; empty: not recorded here)
+SKIP_LOG_ENV = "VLM_SKIP_LOG"
 
 
 def record_skip(key: str, reason: str, detail: str = "", *, count: bool = True) -> None:
-    """Log one skipped sample (its key and reason); `count`: also count it for the batch
-    counters (the task encoder counts its own budget skips itself)."""
+    """Record one skipped sample (its key and reason: see the module docstring); `count`: also
+    count it for the batch counters (the task encoder counts its own budget skips itself)."""
     if count:
         _SKIPS[f"skipped_{reason}"] += 1
-    log.warning("skipped sample %s: %s%s", key, reason, f" ({detail})" if detail else "")
+    path = os.environ.get(SKIP_LOG_ENV)
+    if path is None:
+        log.warning("skipped sample %s: %s%s", key, reason, f" ({detail})" if detail else "")
+    elif path and key not in _RECORDED:
+        _RECORDED.add(key)
+        line = json.dumps({"key": key, "reason": reason, "detail": detail}) + "\n"
+        with open(path, "a", encoding="utf-8") as file:  # one short line: one append
+            file.write(line)
 
 
 def drain_skips() -> dict[str, int]:

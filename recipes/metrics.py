@@ -130,6 +130,9 @@ class MetricsLogger:
             self.wandb.log(scalars, step=record["step"])
 
     def log(self, record: dict) -> None:
+        """A training record: metrics.jsonl (+ TensorBoard / W&B) and the step line, whose
+        ``skipped`` counts this interval's skipped samples per reason (their keys:
+        ``<out>/skipped_samples.jsonl``)."""
         if not self.enabled:
             return
         budget = record.get("budget", {})
@@ -139,8 +142,7 @@ class MetricsLogger:
               f"{record['samples_per_s']:.1f} samp/s {record['tokens_per_s']:.0f} tok/s "
               f"{record['visual_tokens_per_s']:.0f} vis/s {record['images_per_s']:.1f} img/s "
               f"{record['tflops_per_s']:.4f} TFLOP/s mem {record['peak_mem_gb']:.2f}GB "
-              f"skipped {sum(v for k, v in budget.items() if k.startswith('skipped_'))} "
-              f"{self._timing(record['step'])}", flush=True)
+              f"skipped {_skips(budget)}{self._timing(record['step'])}", flush=True)
         flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         flat.update({f"budget/{k}": v for k, v in budget.items()})
         self._write(record, flat)
@@ -162,3 +164,12 @@ class MetricsLogger:
                 self.tb.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+def _skips(budget: dict) -> str:
+    """``N`` or ``N (reason n, ...)`` of an interval's ``skipped_<reason>`` counters, + a space."""
+    counts = {k.removeprefix("skipped_"): v for k, v in sorted(budget.items())
+              if k.startswith("skipped_") and v}
+    total = sum(counts.values())
+    reasons = ", ".join(f"{reason} {n}" for reason, n in counts.items())
+    return f"{total} ({reasons}) " if total else "0 "

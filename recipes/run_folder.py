@@ -39,6 +39,7 @@ from models.checkpoint_folders import (
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
+SKIP_LOG = "skipped_samples.jsonl"  #: key, reason, detail of each sample the loaders skipped
 LOCK = "train.lock"
 
 
@@ -160,8 +161,9 @@ def abandon_after(step_dir: Path, ckpt_dir: Path) -> str:
 
 
 def clear_run(out: Path, ckpt_dir: Path) -> None:
-    """Delete what an earlier run wrote (metrics, TensorBoard events, checkpoints)."""
+    """Delete what an earlier run wrote (metrics, skip log, TensorBoard events, checkpoints)."""
     (out / METRICS).unlink(missing_ok=True)
+    (out / SKIP_LOG).unlink(missing_ok=True)
     shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
     for path in Path(ckpt_dir).glob("step_*"):  # step, .partial and .abandoned folders
         shutil.rmtree(path, ignore_errors=True)

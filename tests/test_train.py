@@ -510,3 +510,22 @@ def test_eval_reads_the_run_config_from_the_checkpoint(mantis_reference, tmp_pat
     assert scores["data"] == stored["data"]["path"]
     assert scores["task_encoder"]["tokenizer"] == "test"
     assert "[eval] 2/2 conversations" in proc.stdout
+
+
+@pytest.mark.slow
+def test_skipped_samples_are_summarised_per_reason_and_keyed_once(mantis_out, tmp_path):
+    """Over several epochs the step line counts each interval's skips per reason, and the skipped
+    samples' keys are written once to <out>/skipped_samples.jsonl (no line per skip)."""
+    import re
+
+    proc = train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={tmp_path}",
+                 "train.steps=60", "log.interval=20", *FAST)
+    ok(proc)
+    skips = [json.loads(line) for line in
+             (tmp_path / "skipped_samples.jsonl").read_text().splitlines()]
+    keys = [skip["key"] for skip in skips]
+    assert keys and len(keys) == len(set(keys)), keys  # once per run, not per epoch
+    assert {skip["reason"] for skip in skips} == {"too_many_images"}
+    assert "skipped sample" not in proc.stderr
+    counted = [int(n) for n in re.findall(r"skipped \d+ \(too_many_images (\d+)\)", proc.stdout)]
+    assert len(counted) >= 2 and sum(counted) > len(keys)  # later epochs skip them again
