@@ -90,7 +90,7 @@ def reconcile(cfg: RunConfig, config: str, overrides: tuple[str, ...], resume_fr
         UsageError / ConfigError: a refused change (one line naming both values).
     """
     found, _ = plan_start(Path(cfg.out), cfg.checkpoint_dir, resume_from, overwrite,
-                          cfg.train.auto_resume)
+                          cfg.train.auto_resume, say=False)  # the plan says it, next
     if found is None:
         return Resumed(cfg)
     step_dir = resolve_checkpoint(found)
@@ -122,6 +122,8 @@ def reconcile(cfg: RunConfig, config: str, overrides: tuple[str, ...], resume_fr
 
 def _changes(cfg: RunConfig, stored: dict, step_dir: Path, world: int) -> Resumed:
     now = to_dict(cfg)
+    p = cfg.parallel  # a foreign, planted or half-written checkpoint is refused before the rest
+    read_train_state(step_dir, world // (p.tp * p.pp * p.cp))
     layout = [(k, _at(stored, k) or 1, _at(now, k)) for k in LAYOUT_KEYS
               if (_at(stored, k) or 1) != _at(now, k)]
     if layout:
@@ -131,8 +133,6 @@ def _changes(cfg: RunConfig, stored: dict, step_dir: Path, world: int) -> Resume
                          "optimizer state reshards over DP only; start a new run from its weights "
                          f"with train.init_checkpoint={step_dir} (optimizer and data position "
                          "start fresh), or resume at the saved layout")
-    p = cfg.parallel  # a foreign, planted or half-written checkpoint is refused before the rest
-    read_train_state(step_dir, world // (p.tp * p.pp * p.cp))
     notes = []
     fresh = _at(stored, "data.path") != _at(now, "data.path")
     if fresh:

@@ -72,15 +72,16 @@ def _say(line: str) -> None:
         print(f"[train] {line}", flush=True)
 
 
-def newest_intact(ckpt_dir: Path) -> Path | None:
+def newest_intact(ckpt_dir: Path, say: bool = True) -> Path | None:
     """The newest complete step folder whose recorded files are all there at their sizes;
-    each newer one passed over is one line."""
+    each newer one passed over is one line (``say``)."""
     for path in reversed(complete_folders(ckpt_dir)):
         problem = check_sizes(path)
         if problem is None:
             return path
-        _say(f"checkpoint {path} failed its checks ({problem}): passed over, trying the "
-             "previous one")
+        if say:
+            _say(f"checkpoint {path} failed its checks ({problem}): passed over, trying the "
+                 "previous one")
     return None
 
 
@@ -96,9 +97,10 @@ def run_contents(out: Path, ckpt_dir: Path) -> str:
 
 
 def plan_start(out: Path, ckpt_dir: Path, resume: str | None, overwrite: bool,
-               auto_resume: bool) -> tuple[str | None, str]:
+               auto_resume: bool, say: bool = True) -> tuple[str | None, str]:
     """Where a run starts: (the checkpoint to resume from, or None; what of an earlier run to
-    delete first, "" for nothing). ``resume`` is ``--resume``'s value ("latest" without one).
+    delete first, "" for nothing). ``resume`` is ``--resume``'s value ("latest" without one);
+    ``say``: name each checkpoint passed over (``newest_intact``).
 
     Raises:
         UsageError: ``out`` holds a run and neither ``--resume`` nor ``--overwrite`` (nor
@@ -109,7 +111,7 @@ def plan_start(out: Path, ckpt_dir: Path, resume: str | None, overwrite: bool,
     if resume and overwrite:
         raise UsageError("--resume and --overwrite exclude each other")
     if resume == "latest" or (resume is None and auto_resume):
-        newest = newest_intact(ckpt_dir)
+        newest = newest_intact(ckpt_dir, say)
         if newest is None and resume == "latest":
             raise UsageError(f"--resume: no complete checkpoint in {ckpt_dir}")
         resume = str(newest) if newest else None
