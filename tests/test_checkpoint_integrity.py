@@ -178,6 +178,8 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_newest(mantis_out, tmp_p
     """kill -9 while a step folder is being written (seen as ``step_N.partial``): no ``step_N``
     appears, the automatic resume takes the previous complete checkpoint, the stale lock is
     taken over with one line and the leftover is removed by the next save."""
+    import os
+    import signal
     import time
 
     out = tmp_path / "run"
@@ -191,8 +193,12 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_newest(mantis_out, tmp_p
         while partial is None and proc.poll() is None and time.monotonic() < deadline:
             found = [p for p in ckpts.glob("step_*.partial")] if ckpts.is_dir() else []
             if found and any(ckpts.glob("step_0*[0-9]")):  # a save after a complete one
-                proc.kill()
-                partial = found[0]
+                os.kill(proc.pid, signal.SIGSTOP)  # frozen: the save cannot finish meanwhile
+                if found[0].exists():
+                    proc.kill()
+                    partial = found[0]
+                else:  # it finished between the look and the stop: catch the next one
+                    os.kill(proc.pid, signal.SIGCONT)
             time.sleep(0.001)
     finally:
         if proc.poll() is None:
