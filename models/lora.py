@@ -116,9 +116,8 @@ class LoRAAdapter(nn.Module):
         in_full = in_local * tp if self.kind == "row" else in_local
         device, dtype = base.weight.device, base.weight.dtype
         a_in = in_local if self.kind == "row" else in_full
-        b_out = out_local
         self.lora_a = nn.Linear(a_in, cfg.rank, bias=False, device=device, dtype=dtype)
-        self.lora_b = nn.Linear(cfg.rank, b_out, bias=False, device=device, dtype=dtype)
+        self.lora_b = nn.Linear(cfg.rank, out_local, bias=False, device=device, dtype=dtype)
         self.scale, self.dropout = cfg.scale, nn.Dropout(cfg.dropout)
         self.norm = _fused_norm(base)
         with torch.no_grad():

@@ -78,7 +78,7 @@ def check_base(recorded: dict, cfg, checkpoint: str) -> None:
         UsageError: another source, or the same source whose files changed (one line).
     """
     now = base_source(cfg) or {}
-    if {k: v for k, v in now.items()} != recorded:
+    if now != recorded:
         said = ", ".join(f"{k}={v}" for k, v in recorded.items())
         got = ", ".join(f"{k}={v}" for k, v in now.items()) or "no base"
         raise UsageError(f"checkpoint {checkpoint} holds only what trains on the base {said}; "
