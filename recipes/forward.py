@@ -199,12 +199,42 @@ class NonFiniteGuard:
         if self.streak < self.limit:
             return
         keys = [str(k) for batch in batches for k in _flat(batch.__key__)]
-        shown = ", ".join(keys[:8]) + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else "")
         raise RunFailure(f"step {done}: loss {loss} / grad norm {grad_norm} not finite for "
                          f"{self.streak} steps in a row (train.max_nonfinite_steps={self.limit}); "
-                         f"samples of the batch: {shown}; the last checkpoint: "
+                         f"samples of the batch: {_keys_of_every_rank(keys)}; the last checkpoint: "
                          f"{newest_complete(ckpt_dir) or 'none'} (no update was applied since "
                          "it)")
+
+
+def _keys_of_every_rank(keys: list[str], shown_per_rank: int = 8) -> str:
+    """The step's sample keys of every rank, for the one line rank 0 prints: ``rank R: k, k``
+    per rank whose keys differ from a lower rank's (TP / CP / PP peers hold the same batch).
+    Every rank calls this at the same step (the skip decision is the same on every rank); the
+    keys travel as UTF-8 bytes in a tensor (gathered, never pickled)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return _shown(keys, shown_per_rank)
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = torch.tensor(list("\n".join(keys).encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device)
+             for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], device=device))
+    longest = int(max(sizes).item())
+    gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(gathered, torch.nn.functional.pad(data, (0, longest - data.numel())))
+    parts, seen = [], []
+    for rank, (size, blob) in enumerate(zip(sizes, gathered)):
+        rank_keys = bytes(blob[:int(size.item())].tolist()).decode().split("\n")
+        if rank_keys not in seen:
+            seen.append(rank_keys)
+            parts.append(f"rank {rank}: {_shown(rank_keys, shown_per_rank)}")
+    return " | ".join(parts)
+
+
+def _shown(keys: list[str], limit: int) -> str:
+    return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _flat(keys):

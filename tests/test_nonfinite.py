@@ -3,7 +3,7 @@ a real input path: the config) gives non-finite losses and gradient norms; each 
 skipped (no update, counted as ``nonfinite_steps``), ``train.max_nonfinite_steps`` in a row stop
 the run with one line naming the step and the batch's sample keys, and the checkpoints saved in
 between hold the last finite weights. Infinite weights (``train.lr=.inf``) are never saved.
-Under the project's torchrun (NPROC=2) the stop is printed once."""
+Under the project's torchrun (NPROC=2) the stop is printed once and names both ranks' samples."""
 
 from __future__ import annotations
 
@@ -77,3 +77,10 @@ def test_nonfinite_stop_under_torchrun_is_printed_once(mantis_out, tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300)
     line = failure_line(proc)
     assert "not finite for 3 steps in a row" in line, line
+    # the line names the samples of both data-parallel ranks (rank 1's would be lost otherwise:
+    # only rank 0 prints), each rank's keys real and the two ranks' batches different
+    named = line.split("samples of the batch: ")[1].split("; the last checkpoint")[0]
+    per_rank = dict(part.split(": ", 1) for part in named.split(" | "))
+    assert sorted(per_rank) == ["rank 0", "rank 1"], named
+    keys = [set(part.split(" (+")[0].split(", ")) for part in per_rank.values()]
+    assert keys[0] != keys[1] and keys[0] | keys[1] <= sample_keys(mantis_out), named
