@@ -1,7 +1,7 @@
 """Every process ends with its run (contract/lifetime.py): a ``kill -9`` of train.py (loader
 workers at data.num_workers=2) or of torchrun (its ranks and their workers) leaves no process of
 its tree alive 2 s later; found by scanning /proc. (A converter's shard workers call the same
-``die_with_parent``; a tiny conversion ends too fast to be killed mid-way.)"""
+``die_with_parent``: tests/converters/test_faults.py kills a converter mid-conversion.)"""
 
 from __future__ import annotations
 

@@ -103,6 +103,33 @@ def test_a_signal_to_the_group_with_two_workers_ends_in_seconds_and_resumes(
 
 
 @pytest.mark.slow
+def test_kill_9_of_the_converter_alone_ends_its_workers_and_the_rerun_matches(
+        sources, mantis_out, tmp_path):
+    """kill -9 of the converter's own process (not its group: nothing else is signalled) while
+    two shard workers write: the workers die with it (contract.lifetime), none keeps writing,
+    and the same command then resumes to the uninterrupted output."""
+    out = tmp_path / "killed-parent"
+    proc = _start(_cmd(sources, out, "--workers", "2"))
+    assert _wait_for(lambda: _sidecars(out) >= 1
+                     and len(psutil.Process(proc.pid).children()) >= 2, proc)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=5)
+    for worker in alive:  # leave nothing behind for the next tests
+        worker.kill()
+    assert len(workers) >= 2 and not alive, alive
+    written = sorted(p.stat().st_mtime_ns for p in (out / ".work").rglob("*") if p.is_file())
+    time.sleep(0.5)
+    assert written == sorted(p.stat().st_mtime_ns for p in (out / ".work").rglob("*")
+                             if p.is_file())  # no orphan still writing
+    rerun = _run(_cmd(sources, out, "--workers", "2"))
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "taking over the stale lock" in rerun.stderr
+    same_output(mantis_out, out)
+
+
+@pytest.mark.slow
 def test_a_second_run_into_an_out_in_use_is_refused(sources, mantis_out, tmp_path):
     out = tmp_path / "busy"
     first = _start(_cmd(sources, out))
