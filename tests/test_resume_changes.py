@@ -84,15 +84,17 @@ def test_init_checkpoint_takes_the_step_folder(mantis_out, tmp_path, step):
 
 
 @pytest.mark.slow
-def test_a_reader_that_skips_everything_ends_in_one_line(mantis_out, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_reader_that_skips_everything_ends_in_one_line(mantis_out, tmp_path, nproc):
     """2 of the 38 mantis lookalike samples fit in 32 tokens: the probe finds one, then a loader
     worker (data.num_workers=1) meets max_skips_in_a_row skips in a row: one line, exit 2,
-    never a reader that spins while the other ranks wait."""
+    never a reader that spins while the other ranks wait (DP=2: the rank whose reader gives up
+    ends the run, the peer waiting in a collective is stopped; a hang would time out)."""
     from tests.test_train import error_line
 
     line = error_line(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
                             f"out={tmp_path}", "train.steps=200", "log.tensorboard=false",
                             "data.num_workers=1", "task_encoder.seq_length=32",
-                            "task_encoder.max_skips_in_a_row=20"))
+                            "task_encoder.max_skips_in_a_row=20", nproc=nproc, timeout=180))
     assert "20 samples in a row skipped by one data reader" in line, line
     assert "skipped_too_long=" in line and "max_skips_in_a_row" in line, line
