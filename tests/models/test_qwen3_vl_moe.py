@@ -293,9 +293,48 @@ def test_published_shapes_on_the_meta_device(name):
     assert want_active <= active / 1e9 < want_active + 2, active
 
 
-def test_untested_layouts_refused_in_one_line(tmp_path, capsys):
-    """TP / PP / CP with the MoE layers: train.py refuses before building anything (one line,
-    exit 2); EP and DP pass the family's check."""
+#: 4 LM layers (MoE, dense, MoE, MoE: two per pipeline stage, DeepStack's two on the first)
+FOUR_LAYERS = ("model.lm.num_layers=4",)
+
+
+@pytest.mark.slow
+def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
+    """The MoE model at DP = 2 (distributed optimizer), PP = 2 (1F1B, MoE layers on both stages)
+    and CP = 2 (each rank routes its zig-zag share; megatron's router counts tokens over the CP
+    group) gives one process's losses, gradient norms and aux-loss terms over 3 steps from the
+    same initial weights, every run reading the data as 2 DP ranks."""
+    from tests import runner
+    from tests.test_train import FAST, ok, records
+
+    config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
+    init = tmp_path / "init"
+    ok(runner.run("tests/init_checkpoint.py", config, str(init), *FOUR_LAYERS, timeout=300))
+    args = [config, f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
+            "train.micro_batch_size=1", "task_encoder.fixed_length=true",
+            "task_encoder.seq_length=768", f"train.init_checkpoint={init}", *FOUR_LAYERS, *FAST]
+    runs = {"one": (1, ["data.virtual_dp=2"]), "dp2": (2, []),
+            "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
+            "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"])}
+    for name, (nproc, extra) in runs.items():
+        ok(runner.run("train.py", *args, *extra, f"out={tmp_path / name}", nproc=nproc,
+                      timeout=600))
+
+    def steps(name):
+        return [(r["loss"], r["grad_norm"], r["moe_aux_loss"])
+                for r in records(tmp_path / name, "grad_norm")]
+
+    one = steps("one")
+    assert len(one) == 3 and one[-1][0] < one[0][0]
+    for name in ("dp2", "pp2", "cp2"):
+        for got, want in zip(steps(name), one, strict=True):
+            assert abs(got[0] - want[0]) < 1e-4, (name, steps(name), one)
+            assert abs(got[1] - want[1]) < 1e-4 * want[1], (name, steps(name), one)
+            assert abs(got[2] - want[2]) < 1e-7, (name, steps(name), one)
+
+
+def test_tp_refused_in_one_line(tmp_path, capsys):
+    """TP with the MoE layers (megatron needs sequence parallelism there): train.py refuses
+    before building anything (one line, exit 2); EP, PP and CP pass the family's check."""
     from types import SimpleNamespace
 
     from models.families import get
@@ -303,17 +342,17 @@ def test_untested_layouts_refused_in_one_line(tmp_path, capsys):
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml")
     family = get(cfg.family)
-    assert family.layout_problems(cfg, SimpleNamespace(tp=1, pp=1, cp=1, ep=2)) == []
-    problems = family.layout_problems(cfg, SimpleNamespace(tp=2, pp=1, cp=2, ep=1))
-    assert problems == ["parallel.tp 2, parallel.cp 2 with model.family 'qwen3_vl_moe' (MoE "
-                        "layers) is not supported yet: data and expert parallelism "
-                        "(parallel.ep) are"]
+    assert family.layout_problems(cfg, SimpleNamespace(tp=1, pp=2, cp=2, ep=2)) == []
+    problems = family.layout_problems(cfg, SimpleNamespace(tp=2, pp=1, cp=1, ep=1))
+    assert problems == ["parallel.tp 2 with model.family 'qwen3_vl_moe' (MoE layers) is not "
+                        "supported yet (megatron's MoE layers need sequence parallelism under "
+                        "TP): use parallel.ep, pp or cp"]
     import train
 
     config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
-    assert train.main([config, "parallel.pp=2", f"data.path={tmp_path}"]) == 2
+    assert train.main([config, "parallel.tp=2", f"data.path={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "parallel.pp 2 with model.family 'qwen3_vl_moe'" in err, err
+    assert err.count("\n") == 1 and "parallel.tp 2 with model.family 'qwen3_vl_moe'" in err, err
 
 
 def test_greedy_tokens_equal_transformers_generate(moe_hf, tmp_path):

@@ -96,16 +96,14 @@ def vision_geometry(cfg: config.QwenVLModelConfig) -> dict[str, int]:
 
 def layout_problems(cfg: config.QwenVLModelConfig, parallel) -> list[str]:
     """Dense: none (megatron's GPTModel takes every layout train.py checks). With MoE layers
-    (Qwen3-VL MoE) only data and expert parallelism are checked equal to one process so far:
-    TP, PP and CP are refused rather than run unverified (the router's token counts and aux
-    loss under sequence / context sharing, DeepStack with a pipeline split)."""
-    if not num_experts(cfg):
-        return []
-    used = [f"parallel.{name} {getattr(parallel, name)}" for name in ("tp", "pp", "cp")
-            if getattr(parallel, name) > 1]
-    if used:
-        return [f"{', '.join(used)} with model.family {cfg.family!r} (MoE layers) is not "
-                "supported yet: data and expert parallelism (parallel.ep) are"]
+    (Qwen3-VL MoE): DP, EP, PP and CP are checked equal to one process; TP is refused: megatron's
+    MoE layers need sequence parallelism under TP, which this LM does not run (its norms are
+    torch's on CPU, which refuse it, and the visual scatter and DeepStack work on whole
+    sequences)."""
+    if num_experts(cfg) and parallel.tp > 1:
+        return [f"parallel.tp {parallel.tp} with model.family {cfg.family!r} (MoE layers) is not "
+                "supported yet (megatron's MoE layers need sequence parallelism under TP): use "
+                "parallel.ep, pp or cp"]
     return []
 
 
