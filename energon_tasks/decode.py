@@ -148,19 +148,55 @@ def _decode_image(data: bytes, width: int, height: int, max_source_pixels: int, 
 
 def _resized(image: Image.Image, width: int, height: int, resize: str) -> np.ndarray:
     """(height, width, 3) pixels of an RGB image: PIL bicubic (uint8), or torch's antialiased
-    bicubic on the float32 (C, H, W) tensor, which is what torchvision's ``resize`` runs on a
-    float32 tensor (the Nemotron-Omni processor resizes in float32 to keep the overshoot)."""
+    bicubic in float32 (``_torch_resized``; the Nemotron-Omni processor resizes in float32 to
+    keep the overshoot)."""
     if resize == "pil":
         if image.size != (width, height):
             image = image.resize((width, height), Image.BICUBIC)
         return np.asarray(image, dtype=np.uint8)
-    pixels = np.array(image, dtype=np.uint8)
+    pixels = np.asarray(image, dtype=np.uint8)
     if image.size == (width, height):
         return pixels.astype(np.float32)
-    tensor = torch.from_numpy(pixels).permute(2, 0, 1).contiguous()[None].float()
-    out = torch.nn.functional.interpolate(tensor, size=(height, width), mode="bicubic",
-                                          align_corners=False, antialias=True)
-    return out[0].permute(1, 2, 0).numpy()
+    return _torch_resized(pixels, height, width)
+
+
+#: source rows per band of the horizontal pass (a band's float rows stay in the cache)
+_BAND_ROWS = 128
+
+
+def _torch_resized(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(height, width, 3) float32 of uint8 (H, W, 3) pixels: bit for bit
+    ``F.interpolate(float32 (1, 3, H, W), (height, width), "bicubic", antialias=True)``, what
+    torchvision's ``resize`` runs on a float32 tensor, at about half its cost on one core.
+
+    torch's antialiased kernel is separable: the horizontal pass (weights from the widths
+    only), then the vertical one (weights from the heights only), each output value a sum over
+    one row or one column. So each channel is resized alone, its horizontal pass over bands of
+    ``_BAND_ROWS`` source rows (converted to float32 band by band, never the whole image) and
+    its vertical pass over the whole plane: the same sums in the same order, on data that stays
+    in the cache. The result is a view of a (3, height, width) array (channel planes).
+    """
+    source_h, source_w = pixels.shape[:2]
+    interpolate = torch.nn.functional.interpolate
+    out = np.empty((3, height, width), dtype=np.float32)
+    rows = torch.empty((1, 1, source_h, width), dtype=torch.float32)
+    for channel in range(3):
+        if source_w == width:
+            rows[0, 0] = torch.from_numpy(pixels[:, :, channel].astype(np.float32))
+        else:
+            for first in range(0, source_h, _BAND_ROWS):
+                last = min(first + _BAND_ROWS, source_h)
+                band = torch.from_numpy(pixels[first:last, :, channel].astype(np.float32))
+                rows[:, :, first:last] = interpolate(band[None, None], size=(last - first, width),
+                                                     mode="bicubic", align_corners=False,
+                                                     antialias=True)
+        plane = torch.from_numpy(out[channel])
+        if source_h == height:
+            plane.copy_(rows[0, 0])
+        else:
+            plane.copy_(interpolate(rows, size=(height, width), mode="bicubic",
+                                    align_corners=False, antialias=True)[0, 0])
+    return out.transpose(1, 2, 0)
 
 
 def decode_video_frames(

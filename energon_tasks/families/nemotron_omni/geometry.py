@@ -434,9 +434,9 @@ class NemotronOmniGeometry:
         target = out.reshape(slots, gh, gw, step, channels, p, p)
         for slot in range(slots * step):
             frame = source[min(slot, count - 1)]  # the last frame also fills the padding
-            if frames.dtype == np.float32:
-                target[slot // step, :, :, slot % step] = _normalize(
-                    kind, frame, self.image_mean, self.image_std)
+            if frames.dtype == np.float32:  # straight into the output, no temporaries
+                _normalize(kind, frame, self.image_mean, self.image_std,
+                           out=target[slot // step, :, :, slot % step])
                 continue
             for channel in range(channels):
                 target[slot // step, :, :, slot % step, channel] = table[channel][
@@ -477,16 +477,22 @@ def _normalization_table(kind: str, mean: tuple, std: tuple) -> np.ndarray:
     return table
 
 
-def _normalize(kind: str, values: np.ndarray, mean: tuple, std: tuple) -> np.ndarray:
+def _normalize(kind: str, values: np.ndarray, mean: tuple, std: tuple,
+               out: np.ndarray | None = None) -> np.ndarray:
     """float32 values 0..255, channels on axis -3 -> the processor's normalised values (the float
-    ops of ``NemotronOmniGeometry.normalization_table``)."""
+    ops of ``NemotronOmniGeometry.normalization_table``), written into ``out`` when given."""
     mean32 = np.asarray(mean, dtype=np.float32)[:, None, None]
     std32 = np.asarray(std, dtype=np.float32)[:, None, None]
+    if out is None:
+        out = np.empty(np.broadcast_shapes(values.shape, mean32.shape), dtype=np.float32)
     if kind == "image":
         scale = np.float32(1.0 / (1.0 / 255))  # transformers: mean * (1.0 / rescale_factor)
-        return (values - mean32 * scale) / (std32 * scale)
+        np.subtract(values, mean32 * scale, out=out)
+        return np.divide(out, std32 * scale, out=out)
     if kind == "video":
-        return (values / np.float32(255.0) - mean32) / std32
+        np.divide(values, np.float32(255.0), out=out)
+        np.subtract(out, mean32, out=out)
+        return np.divide(out, std32, out=out)
     raise ValueError(f"kind {kind!r}: need 'image' or 'video'")
 
 
