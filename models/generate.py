@@ -123,46 +123,6 @@ def _cat(tensors: list):
     return torch.cat(items, 0)
 
 
-def _fast_decoder(lm, pos: torch.Tensor, kwarg: dict):
-    """A decode step that skips ``GPTModel.forward``'s per-step preprocessing, or None.
-
-    ``GPTModel.forward`` recomputes the M-RoPE table from the (3, B, L) positions at every step
-    and makes the [B, 1, V] logits contiguous. Here the table of the whole run (prompt and every
-    generated position, known in advance) is computed once; megatron's attention slices it itself
-    (queries ``[offset:offset + 1]``, cached keys ``[:offset + 1]``), so the decoder gets the same
-    rotary values as through ``GPTModel.forward``. Then the model's own decoder (its layers, final
-    norm, DeepStack hooks) and output layer run as ``GPTModel.forward`` runs them. Only for the
-    plain layout this was checked for (GPTModel with M-RoPE, no MTP / flash decode / MLA / local
-    CUDA graphs, no CP or sequence parallel); anything else (e.g. Nemotron's MambaModel) returns
-    None and goes through ``language_model(...)``.
-    """
-    try:
-        from megatron.core.models.gpt import GPTModel
-    except ImportError:  # pragma: no cover
-        return None
-    cfg = getattr(lm, "config", None)
-    if not (isinstance(lm, GPTModel) and getattr(lm, "position_embedding_type", None) == "mrope"
-            and hasattr(lm, "mrope_section") and hasattr(lm, "rotary_pos_emb")
-            and getattr(lm, "pre_process", False) and getattr(lm, "post_process", False)
-            and not getattr(lm, "mtp_process", False) and not getattr(cfg, "flash_decode", False)
-            and not getattr(cfg, "multi_latent_attention", False)
-            and not getattr(cfg, "sequence_parallel", False)
-            and getattr(cfg, "context_parallel_size", 1) == 1
-            and getattr(cfg, "mtp_num_layers", None) is None
-            and getattr(cfg, "cuda_graph_impl", "none") != "local"):
-        return None
-    rotary = lm.rotary_pos_emb(pos, lm.mrope_section)  # (L_total, B, 1, D)
-    weight = (lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights
-              else None)
-
-    def step(emb, mask):
-        hidden = lm.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=rotary, **kwarg)
-        logits, _ = lm.output_layer(hidden[-1:], weight=weight, runtime_gather_output=True)
-        return logits[-1]  # (B, V)
-
-    return step
-
-
 @torch.inference_mode()
 def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], max_new_tokens: int,
                     pad_id: int = 0, stats: GenerationStats | None = None) -> list[list[int]]:
@@ -181,19 +141,9 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
         The generated token ids of each prompt (without the stop token).
     """
     qwen = _unwrap(model)
-    lm = qwen.language_model
-    lengths = [int(p.input_ids.numel()) for p in prompts]
-    groups = _row_groups(lm, lengths)
-    if len(groups) > 1:  # Mamba layers (module docstring)
-        out: list[list[int]] = [[] for _ in prompts]
-        for rows in groups:
-            group = greedy_generate(model, [prompts[row] for row in rows], eos_id=eos_id,
-                                    max_new_tokens=max_new_tokens, pad_id=pad_id, stats=stats)
-            for row, tokens in zip(rows, group):
-                out[row] = tokens
-        return out
     with _inference_mode():
-        return _generate(qwen, lm, prompts, lengths, eos_id, max_new_tokens, pad_id, stats)
+        return _generate(qwen, qwen.language_model, prompts, eos_id, max_new_tokens, pad_id,
+                         stats)
 
 
 def _left_padded(prompts: list[Prompt], lengths: list[int], pad_id: int, max_new_tokens: int):
@@ -214,71 +164,114 @@ def _left_padded(prompts: list[Prompt], lengths: list[int], pad_id: int, max_new
     return ids, pos, valid
 
 
-def _decode(lm, logits, context, kwarg: dict, pos, hidden, width: int, eos: set[int],
-            max_new_tokens: int) -> tuple[list[list[int]], int]:
-    """(tokens per row, forwards) of the greedy decode after the prefill's ``logits`` (B, V):
-    one token per live row per step. ``hidden``: the key-padding mask (B, 1, 1, W + N), True =
-    hidden; None without left padding (every cached token is attended to, no mask is passed)."""
-    if hasattr(context, "enable_decode_mode"):
-        context.enable_decode_mode()
-    fast = _fast_decoder(lm, pos, kwarg)
+def _decode(first, step, eos: set[int], max_new_tokens: int) -> tuple[list[list[int]], int]:
+    """(tokens per row, forwards) of the greedy decode after the prefill's ``first`` logits
+    (B, V): ``step(tokens (B,)) -> logits (B, V)`` feeds one token per row (rows that stopped
+    too: the batch keeps its shape)."""
+    logits = first
     out: list[list[int]] = [[] for _ in range(logits.shape[0])]
     live = list(range(logits.shape[0]))  # rows that have not stopped yet
     forwards = 0
-    for step in range(max_new_tokens):
+    for index in range(max_new_tokens):
         token = logits.argmax(-1)  # (B,)
         values = token.tolist()  # the one host sync per step
         live = [row for row in live if values[row] not in eos]
         for row in live:
             out[row].append(values[row])
-        if not live or step == max_new_tokens - 1:
+        if not live or index == max_new_tokens - 1:
             break
-        length = width + step + 1
-        # plain token embedding: a generated context-token id must not be read as a visual slot
-        emb = lm.embedding(input_ids=token[:, None], position_ids=None)
-        mask = None if hidden is None else hidden[..., :length]
-        if fast is not None:
-            logits = fast(emb, mask)
-        else:
-            logits = lm(input_ids=None, position_ids=pos[:, :, :length], attention_mask=mask,
-                        decoder_input=emb, runtime_gather_output=True, **kwarg)[:, -1]
-        context.sequence_len_offset += 1
+        logits = step(token)
         forwards += 1
     return out, forwards
 
 
-def _generate(qwen, lm, prompts: list[Prompt], lengths: list[int], eos_id, max_new_tokens: int,
-              pad_id: int, stats: GenerationStats | None) -> list[list[int]]:
-    """``greedy_generate`` of one batch (left-padded to the longest prompt): one prefill (all
-    prompt tokens, vision encoded once), then the decode."""
+def _megatron_step(lm, context, kwarg: dict, pos, valid, width: int):
+    """megatron's own decode step over one prefill group (``language_model(...)`` on the new
+    token's embedding; the context holds keys before RoPE and the Mamba states). ``pos`` /
+    ``valid``: the group's (3, b, W + N) positions and (b, W + N) real-token mask."""
+    if hasattr(context, "enable_decode_mode"):
+        context.enable_decode_mode()
+    hidden = None if bool(valid[:, :width].all()) else ~valid[:, None, None, :]
+
+    def step(token):
+        length = context.sequence_len_offset + 1
+        # plain token embedding: a generated context-token id must not be read as a visual slot
+        emb = lm.embedding(input_ids=token[:, None], position_ids=None)
+        mask = None if hidden is None else hidden[..., :length]
+        logits = lm(input_ids=None, position_ids=pos[:, :, :length], attention_mask=mask,
+                    decoder_input=emb, runtime_gather_output=True, **kwarg)[:, -1]
+        context.sequence_len_offset += 1
+        return logits
+
+    return step
+
+
+def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_id: int,
+              stats: GenerationStats | None) -> list[list[int]]:
+    """``greedy_generate``: the prefill of each row group (``_row_groups``; all prompt tokens,
+    vision encoded once), then the lean decode of all rows (``models.decode_step``) or, where
+    it does not cover the model, megatron's decode step per group."""
+    from models import decode_step
+
     device = next(qwen.parameters()).device
     eos = {eos_id} if isinstance(eos_id, int) else set(eos_id)
     start = time.perf_counter()
-    batch, width = len(prompts), max(lengths)
+    lengths = [int(p.input_ids.numel()) for p in prompts]
+    width = max(lengths)
     ids, pos, valid = (t.to(device) for t in _left_padded(prompts, lengths, pad_id,
                                                            max_new_tokens))
+    kwarg_name = _context_kwarg(lm)
+    groups, firsts = [], []
+    for rows in _row_groups(lm, lengths):
+        span = max(lengths[row] for row in rows)  # the group's own left-padded width
+        cols = slice(width - span, None)
+        groups.append((_prefill(qwen, [prompts[row] for row in rows], ids[rows, width - span:],
+                                pos[:, rows, cols], valid[rows, cols], span, max_new_tokens,
+                                kwarg_name, device), rows, span))
+        firsts.append(groups[-1][0][1])
+    prefill_seconds = time.perf_counter() - start
+    contexts = [(context, rows, span) for (context, _), rows, span in groups]
+    first = torch.empty(len(prompts), firsts[0].shape[-1], dtype=firsts[0].dtype, device=device)
+    for (_, rows, _), logits in zip(groups, firsts):
+        first[rows] = logits
+    decoder = decode_step.build(lm, contexts, pos, valid, width)
+    if decoder is not None:
+        out, forwards = _decode(first, decoder, eos, max_new_tokens)
+    else:  # megatron's own decode step, group by group
+        out, forwards = [[] for _ in prompts], 0
+        for context, rows, span in contexts:
+            cols = slice(width - span, None)
+            step = _megatron_step(lm, context, {kwarg_name: context}, pos[:, rows, cols],
+                                  valid[rows, cols], span)
+            tokens, n = _decode(first[rows], step, eos, max_new_tokens)
+            for row, t in zip(rows, tokens):
+                out[row] = t
+            forwards += n
+    if stats is not None:
+        stats.prompts += len(prompts)
+        stats.prompt_tokens += sum(lengths)
+        stats.generated_tokens += sum(len(o) for o in out)
+        stats.forwards += len(groups) + forwards
+        stats.seconds += time.perf_counter() - start
+        stats.prefill_seconds += prefill_seconds
+        stats.extra["lean_decode"] = decoder is not None
+    return out
 
+
+def _prefill(qwen, prompts: list[Prompt], ids, pos, valid, width: int, max_new_tokens: int,
+             kwarg_name: str, device):
+    """(megatron context, last-position logits (b, V)) of one group's prefill: ``ids`` (b, w)
+    left-padded, ``pos`` / ``valid`` the group's (3, b, w + N) positions and (b, w + N) mask."""
     def media(name):
         value = _cat([getattr(p, name) for p in prompts])
         return None if value is None else value.to(device)
 
-    context = _make_context(batch, width + max_new_tokens)
-    kwarg = {_context_kwarg(lm): context}
+    context = _make_context(len(prompts), width + max_new_tokens)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (B, 1, L, L), True = hidden
+    mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (b, 1, w, w), True = hidden
     logits = qwen.prefill(ids, pos[:, :, :width], mask, media("pixel_values"),
                           media("image_grid_thw"), media("pixel_values_videos"),
-                          media("video_grid_thw"), media("visual_kinds"), **kwarg)
+                          media("video_grid_thw"), media("visual_kinds"),
+                          **{kwarg_name: context})
     context.sequence_len_offset += width
-    prefill_seconds = time.perf_counter() - start
-    hidden = ~valid[:, None, None, :] if width != min(lengths) else None
-    out, forwards = _decode(lm, logits[:, -1], context, kwarg, pos, hidden, width, eos,
-                            max_new_tokens)
-    if stats is not None:
-        stats.prompts += batch
-        stats.prompt_tokens += sum(lengths)
-        stats.generated_tokens += sum(len(o) for o in out)
-        stats.forwards += 1 + forwards
-        stats.seconds += time.perf_counter() - start
-        stats.prefill_seconds += prefill_seconds
-    return out
+    return context, logits[:, -1]
