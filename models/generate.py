@@ -1,38 +1,29 @@
-"""Greedy generation for every family's model with a KV cache (megatron-core static inference
-context).
+"""Greedy generation for every family's model: the megatron prefill, then a lean decode step.
 
-``greedy_generate(model, prompts, eos_id=..., max_new_tokens=...)`` runs one batched prefill over
-left-padded prompts (vision encoded once, DeepStack applied there), then one single-token forward
-per step that reads the keys/values of earlier tokens from megatron's ``StaticInferenceContext``
-(no full forward over the sequence per new token). Masks: prefill is causal and hides the left
-padding; each decode step attends to every real token so far (a key-padding mask only when the
-batch is padded). M-RoPE: a generated token gets the same position on all three axes,
-``max(prompt positions) + 1`` for the first and +1 per step after (what HF's ``rope_deltas`` do).
+``greedy_generate(model, prompts, eos_id=..., max_new_tokens=...)`` left-pads the prompts to the
+longest and runs the model's own prefill (``LanguageModelRunner.prefill``: vision encoded once,
+DeepStack applied there, the LM over every prompt token with megatron's
+``StaticInferenceContext``; causal mask hiding the padding) per row group (``_row_groups``: all
+rows at once, except with Mamba layers, which have no padding mask: one prefill per prompt
+length). Then every row decodes in one batch through ``models.decode_step``: one token per row
+per step in plain torch over the model's own weights, keys cached after RoPE (rotated once),
+Mamba conv / SSM states per row, no megatron per-token machinery. Where that module does not
+cover the model (it says which parts it covers: e.g. TP > 1), each group decodes with
+megatron's own step (``language_model(...)`` on the context, which re-rotates the cached keys
+every step). M-RoPE: a generated token gets the same position on all three axes,
+``max(prompt positions) + 1`` for the first and +1 per step after (what HF's ``rope_deltas``
+do). One host sync per step (``tolist`` of the B new tokens) decides which rows stopped; the
+batch stops when all have. Runs under ``torch.inference_mode``.
 
-Per-step cost: everything that does not change during the run is built once (the (3, B, L)
-positions and the padding mask of prompt + every generated token; steps slice prefixes). megatron
-keeps cached keys before RoPE and rotates them with the rotary table of the whole sequence at each
-step; for the Qwen-VL GPTModel the table of the whole run is computed once and the decode step
-calls the model's own decoder and output layer (``_fast_decoder``: bitwise the logits of
-``language_model(...)``, which would recompute the table and copy the logits every step); other
-language models (Nemotron's MambaModel) go through ``language_model(...)``.
-
-Recurrent (Mamba) layers: megatron's mixer keeps each row's conv and SSM state in the same
-inference context (filled by the prefill, updated in place by every decode step). It has no
-padding mask, so a left pad would enter the state: with Mamba layers, prompts of unequal
-length are generated in groups of equal length (each group one batched run; same tokens as
-alone). megatron >= 0.17's static-batching decode step hands the mixer's (1, B, d) projection to
+megatron >= 0.17's static-batching Mamba decode step hands the mixer's (1, B, d) projection to
 a step that reads it as (B, s, d): right for one row only, so there rows run one at a time
-(``_row_groups``). One host sync per step
-(``tolist`` of the B new tokens) decides which rows stopped; the batch stops when all have. Runs
-under ``torch.inference_mode`` (no autograd bookkeeping).
-
-Written against megatron-core 0.16.1 (``inference_context=``, ``StaticInferenceContext``) with
-guards for the older/newer names (``inference_params=`` / ``InferenceParams``); >= 0.19 reads
-the process-wide ``InferenceMode`` flag (its Mamba mixer uses the context only when it is set),
-which is set for the run as megatron's engines do. Needs a layer spec
-whose attention takes an explicit mask (the local spec; ``models.checkpoint.load_checkpoint(...,
-use_te=False)``). TP > 1: megatron gathers the vocab-parallel logits (``runtime_gather_output``).
+(``_row_groups``; only the fallback decode needs it). Written against megatron-core 0.16.1
+(``inference_context=``, ``StaticInferenceContext``) with guards for the older/newer names
+(``inference_params=`` / ``InferenceParams``); >= 0.19 reads the process-wide ``InferenceMode``
+flag (its Mamba mixer uses the context only when it is set), which is set for the run as
+megatron's engines do. Needs a layer spec whose attention takes an explicit mask (the local
+spec; ``models.checkpoint.load_checkpoint(..., use_te=False)``). TP > 1: megatron's decode step
+(it gathers the vocab-parallel logits, ``runtime_gather_output``).
 """
 
 from __future__ import annotations
