@@ -288,7 +288,7 @@ def mamba_layer(layer, prefilled: Prefilled) -> LayerDecoder:
                + (dt[..., None] * xs)[..., None] * per_head(b)[:, :, None])
         states["ssm"] = ssm
         y = (ssm.to(x.dtype) @ per_head(c)[..., None]).squeeze(-1)
-        y = (y + mixer.D.to(x.dtype)[:, None] * xs).reshape(batch, inner)
+        y = (y + mixer.D.to(x.dtype).reshape(heads, -1) * xs).reshape(batch, inner)
         y = gated_norm(y, z) if gated_norm is not None else y * mixer.act(z)
         return x + F.linear(y, w_out, b_out)
 

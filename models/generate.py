@@ -85,20 +85,57 @@ def _inference_mode():
         contextlib.nullcontext()
 
 
+def _mamba_mixers(lm) -> list:
+    try:
+        from megatron.core.ssm.mamba_mixer import MambaMixer
+    except ImportError:  # pragma: no cover
+        return []
+    return [m for m in lm.modules() if isinstance(m, MambaMixer)]
+
+
 def _row_groups(lm, lengths: list[int]) -> list[list[int]]:
     """The prompts (row indices) that run as one batch: all of them, except with Mamba layers
-    (megatron's ``mamba_state_shapes_per_request``): equal lengths together, and one row at a
-    time on megatron >= 0.17 (module docstring)."""
+    on megatron >= 0.17 (one row at a time; module docstring)."""
     from megatron.core import __version__
     from packaging.version import Version
 
-    shapes = getattr(getattr(lm, "decoder", None), "mamba_state_shapes_per_request", None)
-    if shapes is None or shapes() is None:
-        return [list(range(len(lengths)))]
-    if Version(__version__) >= Version("0.17"):
+    if _mamba_mixers(lm) and Version(__version__) >= Version("0.17"):
         return [[row] for row in range(len(lengths))]
-    return [[row for row, n in enumerate(lengths) if n == length]
-            for length in sorted(set(lengths))]
+    return [list(range(len(lengths)))]
+
+
+@contextlib.contextmanager
+def _padded_mamba_prefill(lm, keep: torch.Tensor):
+    """Left padding that does not reach the Mamba states (what transformers' Mamba2 does with
+    its attention mask): on the prefill's pad tokens, each mixer's ``in_proj`` gets a zero input
+    (so z, x, B, C are 0: the conv window of the first real tokens sees zeros, as from a zero
+    state) and its dt output is set to -1e4 (softplus(dt + dt_bias) = 0: the SSM state is
+    neither decayed nor written). ``keep`` (b, w): True on real tokens. No-op without padding
+    or Mamba layers."""
+    mixers = _mamba_mixers(lm) if not bool(keep.all()) else []
+    keep_lb = keep.transpose(0, 1)[..., None]  # (w, b, 1): megatron's sequence-first layout
+    handles = []
+
+    def zero_pads(_module, args):
+        return (args[0] * keep_lb.to(args[0].dtype), *args[1:])
+
+    def no_step_on_pads(mixer):
+        def hook(_module, _args, output):
+            out, bias = output
+            dt = out[..., -mixer.nheads_local_tp:]
+            out = torch.cat([out[..., :-mixer.nheads_local_tp],
+                             dt.masked_fill(~keep_lb, -1e4)], dim=-1)
+            return out, bias
+        return hook
+
+    try:
+        for mixer in mixers:
+            handles.append(mixer.in_proj.register_forward_pre_hook(zero_pads))
+            handles.append(mixer.in_proj.register_forward_hook(no_step_on_pads(mixer)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _unwrap(model):
@@ -260,9 +297,10 @@ def _prefill(qwen, prompts: list[Prompt], ids, pos, valid, width: int, max_new_t
     context = _make_context(len(prompts), width + max_new_tokens)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (b, 1, w, w), True = hidden
-    logits = qwen.prefill(ids, pos[:, :, :width], mask, media("pixel_values"),
-                          media("image_grid_thw"), media("pixel_values_videos"),
-                          media("video_grid_thw"), media("visual_kinds"),
-                          **{kwarg_name: context})
+    with _padded_mamba_prefill(qwen.language_model, valid[:, :width]):
+        logits = qwen.prefill(ids, pos[:, :, :width], mask, media("pixel_values"),
+                              media("image_grid_thw"), media("pixel_values_videos"),
+                              media("video_grid_thw"), media("visual_kinds"),
+                              **{kwarg_name: context})
     context.sequence_len_offset += width
     return context, logits[:, -1]
