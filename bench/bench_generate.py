@@ -1,20 +1,31 @@
-"""Generation throughput of models/generate.py side by side with transformers' `generate`.
+"""Greedy generation of models/generate.py side by side with transformers' `generate`, and where
+the time of a decode step goes.
 
-The same tiny random Qwen2.5-VL (built with transformers, imported with `models.convert
-hf-to-mcore`) answers the same prompts (text + one image + text), greedy, a fixed number of new
-tokens (no early stop), on CPU in one process with one intra-op thread. Time is CPU time of this
-process (`time.process_time`: robust to other load on a shared machine); the two generators run
-alternately in each repeat (after one warm-up each) and the median of `--repeats` is reported, at
-batch 1 and batch 4 (prompts of equal length, so no padding). Reported: samples/s and generated
-tokens/s, and transformers' time / ours (>= 1: ours is not slower); the generated tokens are
-checked to be identical.
+For each family's tiny random model (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE built with transformers;
+Nemotron-Omni with the hybrid LM "M*E-": Mamba2, attention, MoE with a shared expert, MLP;
+imported with `models.convert hf-to-mcore`) the same prompts (text + one image + text, of
+unequal length: 1 to 10 extra text tokens) are answered greedily, a fixed number of new tokens
+(no early stop), on CPU in one process with one intra-op thread, at batch 1 and batch 4
+(transformers: left-padded with its attention mask; ours: left-padded, and with Mamba layers
+one prefill per prompt length, then one batched decode). Time is CPU time of this process
+(`time.process_time`, robust to other load on a shared machine); the generators alternate in
+each repeat (after one warm-up each) and the median of `--repeats` is reported.
+
+Reported per model and batch: transformers' time / ours (the speed-up), our share of prefill;
+per decode step (batch 4): CPU ms and Python function calls (cProfile) of our lean step,
+megatron's own decode step (`language_model(...)` with its static inference context, what
+models/generate.py falls back to) and transformers' step, and the share of megatron's step spent
+re-rotating cached keys. Tokens: ours at batch 4 equal transformers' at batch 1, row by row.
 
 Usage: python bench/bench_generate.py --out bench_out/generate
 """
 
 from __future__ import annotations
 
+import cProfile
+import inspect
 import json
+import pstats
 import statistics
 import subprocess
 import sys
@@ -27,40 +38,77 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-NEVER = 151645  # an id outside the tiny vocabulary: generation runs to max_new_tokens
+NEVER = 10 ** 6  # an id outside the tiny vocabularies: generation runs to max_new_tokens
+MODELS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "nemotron_omni")
+#: Nemotron's bench LM: every layer kind; MoE widths as small as the rest of the tiny model
+NEMOTRON = dict(pattern="M*E-", text=dict(moe_intermediate_size=96,
+                                          moe_shared_expert_intermediate_size=96))
 
 
-def make_prompts(cfg, n: int, seed: int = 0):
-    """n prompts: 6 text tokens, one 8x8-patch image, 5 text tokens."""
-    from models.generate import Prompt
-    from models.mrope import mrope_positions
+def build(name: str, out: Path):
+    """(model, cfg, hf) of one tiny model (converted in a subprocess: megatron's checkpoint
+    writer keeps a process of its own)."""
+    from models.checkpoint import load_checkpoint
+    from models.convert import load_hf_model
+    from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni
+
+    hf_dir = out / name / "hf"
+    if name == "nemotron_omni":
+        build_tiny_nemotron_omni(hf_dir, **NEMOTRON)
+    else:
+        build_tiny_hf(name, hf_dir, max_positions=2048, vision_depth=2)
+    subprocess.run([sys.executable, "-m", "models.convert", "hf-to-mcore", "--hf", str(hf_dir),
+                    "--out", str(out / name / "mcore")], cwd=REPO, check=True,
+                   capture_output=True)
+    model, cfg = load_checkpoint(out / name / "mcore", use_te=False)
+    return model, cfg, load_hf_model(hf_dir)
+
+
+def make_cases(cfg, n: int, seed: int = 0) -> list[dict]:
+    """n single-row inputs: the family's one-image verify case + 1, 4, 7 or 10 text tokens."""
+    from models.verify_inputs import make_inputs
 
     g = torch.Generator().manual_seed(seed)
-    v, merge = cfg.vision, cfg.vision.spatial_merge_size
-    grid = torch.tensor([[1, 8, 8]])
-    prompts = []
-    for _ in range(n):
-        ids = torch.cat([torch.randint(8, 280, (6,), generator=g),
-                         torch.tensor([cfg.vision_start_token_id]),
-                         torch.full((int(grid.prod()) // merge**2,), cfg.image_token_id),
-                         torch.tensor([cfg.vision_end_token_id]),
-                         torch.randint(8, 280, (5,), generator=g)])
-        pixels = torch.randn(int(grid.prod()),
-                             v.in_channels * v.temporal_patch_size * v.patch_size**2, generator=g)
-        positions = mrope_positions(ids, list(grid), {cfg.image_token_id}, merge)[:, 0]
-        prompts.append(Prompt(ids, positions, pixels, grid))
-    return prompts
+    case = make_inputs(cfg, seed)["one_image"]
+    low = min(t for t in (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
+                          cfg.lm.vocab_size) if t >= 0)
+    cases = []
+    for i in range(n):
+        extra = 1 + 3 * (i % 4)
+        ids = torch.cat([case["input_ids"], torch.randint(8, low, (1, extra), generator=g)], 1)
+        pos = case["position_ids"]
+        more = pos.amax() + 1 + torch.arange(extra)
+        cases.append(dict(case, input_ids=ids,
+                          position_ids=torch.cat([pos, more.expand(3, 1, -1)], -1)))
+    return cases
 
 
-def hf_generate(hf, prompts, image_token: int, new: int) -> list[list[int]]:
-    """transformers' greedy generate over prompts of equal length (no padding needed)."""
-    ids = torch.stack([p.input_ids for p in prompts])
-    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                      pixel_values=torch.cat([p.pixel_values for p in prompts]),
-                      image_grid_thw=torch.cat([p.image_grid_thw for p in prompts]),
-                      mm_token_type_ids=(ids == image_token).int(), do_sample=False,
+def _prompt(case: dict):
+    from models.generate import Prompt
+
+    return Prompt(case["input_ids"][0], case["position_ids"][:, 0], case["pixel_values"],
+                  case["image_grid_thw"])
+
+
+def hf_generate(hf, cfg, cases: list[dict], new: int) -> list[list[int]]:
+    """transformers' greedy generate over the rows, left-padded (its attention mask hides the
+    padding); the token types its M-RoPE reads where its forward takes them."""
+    from models.verify_inputs import hf_inputs
+
+    rows = [hf_inputs(cfg, c) for c in cases]
+    width = max(r["input_ids"].shape[1] for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        n = r["input_ids"].shape[1]
+        ids[i, width - n:], mask[i, width - n:] = r["input_ids"][0], 1
+    kwargs = {k: torch.cat([r[k] for r in rows]) for k in rows[0]
+              if k not in ("input_ids", "position_ids")}
+    if "mm_token_type_ids" in inspect.signature(hf.forward).parameters:
+        kwargs["mm_token_type_ids"] = (ids == cfg.image_token_id).int() * mask
+    out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs, do_sample=False,
                       max_new_tokens=new, min_new_tokens=new, eos_token_id=NEVER, pad_token_id=0)
-    return out[:, ids.shape[1]:].tolist()
+    return out[:, width:].tolist()
 
 
 def median_cpu_times(fns: dict, repeats: int) -> dict:
@@ -76,57 +124,113 @@ def median_cpu_times(fns: dict, repeats: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def per_step(fn, new: int) -> dict:
+    """CPU ms and Python calls of one decode step of ``fn(max_new_tokens)``: the difference of a
+    run of ``new`` tokens and a run of 1 (prefill only), per step; and the share of the steps'
+    time in megatron's rotary function."""
+    def profiled(n):
+        prof = cProfile.Profile()
+        start = time.process_time()
+        prof.runcall(fn, n)
+        seconds = time.process_time() - start
+        stats = pstats.Stats(prof)
+        rotary = sum(v[3] for k, v in stats.stats.items()
+                     if k[2] == "_apply_rotary_pos_emb_bshd")
+        return seconds, stats.total_calls, rotary
+
+    fn(2)  # warm-up
+    plain = {}
+    for n in (1, new):
+        runs = []
+        for _ in range(3):
+            start = time.process_time()
+            fn(n)
+            runs.append(time.process_time() - start)
+        plain[n] = statistics.median(runs)
+    (_, calls1, rot1), (_, calls, rot) = profiled(1), profiled(new)
+    step = (plain[new] - plain[1]) / (new - 1)
+    return {"ms": round(step * 1e3, 3), "python_calls": round((calls - calls1) / (new - 1)),
+            "rotary_share": round((rot - rot1) / (new - 1) / step, 3) if step > 0 else None}
+
+
+def bench_model(name: str, out: Path, n_prompts: int, new: int, repeats: int) -> dict:
+    from models import decode_step
+    from models.generate import GenerationStats, greedy_generate
+
+    model, cfg, hf = build(name, out)
+    cases = make_cases(cfg, n_prompts)
+    prompts = [_prompt(c) for c in cases]
+
+    def ours(batch, n=new, stats=None):
+        for k in range(0, len(prompts), batch):
+            greedy_generate(model, prompts[k:k + batch], eos_id=NEVER, max_new_tokens=n,
+                            stats=stats)
+
+    def theirs(batch, n=new):
+        for k in range(0, len(cases), batch):
+            hf_generate(hf, cfg, cases[k:k + batch], n)
+
+    alone = [hf_generate(hf, cfg, [c], new)[0] for c in cases[:4]]
+    same = greedy_generate(model, prompts[:4], eos_id=NEVER, max_new_tokens=new) == alone
+    result = {"identical_tokens": same}
+    with torch.no_grad():
+        for b in (1, 4):
+            s = median_cpu_times({"ours": lambda b=b: ours(b), "hf": lambda b=b: theirs(b)},
+                                 repeats)
+            stats = GenerationStats()
+            ours(b, stats=stats)
+            result[f"batch{b}"] = {"ours_s": round(s["ours"], 4), "hf_s": round(s["hf"], 4),
+                                   "speedup": round(s["hf"] / s["ours"], 2),
+                                   "prefill_share": round(stats.prefill_seconds
+                                                          / stats.seconds, 2)}
+        steps = {"lean": per_step(lambda n: ours(4, n), new),
+                 "hf": per_step(lambda n: theirs(4, n), new)}
+        build_lean = decode_step.build
+        decode_step.build = lambda *a, **k: None  # megatron's own decode step
+        try:
+            steps["megatron"] = per_step(lambda n: ours(4, n), new)
+            steps["megatron_batch1"] = per_step(lambda n: ours(1, n), new)
+        finally:
+            decode_step.build = build_lean
+    batches = len(prompts) // 4
+    result["step_batch4"] = {k: {**v, "ms": round(v["ms"] / batches, 3),
+                                 "python_calls": v["python_calls"] // batches}
+                             for k, v in steps.items() if k != "megatron_batch1"}
+    result["megatron_step_batch1_ms"] = round(steps["megatron_batch1"]["ms"] / len(prompts), 3)
+    return result
+
+
 @click.command()
 @click.option("--out", default="bench_out/generate", type=click.Path(path_type=Path))
+@click.option("--models", "names", default=",".join(MODELS), show_default=True)
 @click.option("--prompts", "n_prompts", default=8, show_default=True)
 @click.option("--new-tokens", default=32, show_default=True)
-@click.option("--repeats", default=7, show_default=True)
-def main(out: Path, n_prompts: int, new_tokens: int, repeats: int) -> None:
-    from models.checkpoint import load_checkpoint
-    from models.convert import load_hf_model
-    from models.generate import greedy_generate
+@click.option("--repeats", default=5, show_default=True)
+def main(out: Path, names: str, n_prompts: int, new_tokens: int, repeats: int) -> None:
     from models.parallel import init_parallel
-    from tests.tiny_hf import build_tiny_hf
 
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir = build_tiny_hf("qwen2_5_vl", out / "hf", max_positions=2048, vision_depth=2)
-    subprocess.run([sys.executable, "-m", "models.convert", "hf-to-mcore", "--hf", str(hf_dir),
-                    "--out", str(out / "mcore")], cwd=REPO, check=True, capture_output=True)
     init_parallel()
-    model, cfg = load_checkpoint(out / "mcore", use_te=False)
-    hf = load_hf_model(hf_dir)
-    prompts = make_prompts(cfg, n_prompts)
-
-    def ours(batch: int):
-        for k in range(0, len(prompts), batch):
-            greedy_generate(model, prompts[k:k + batch], eos_id=NEVER, max_new_tokens=new_tokens)
-
-    def theirs(batch: int):
-        for k in range(0, len(prompts), batch):
-            hf_generate(hf, prompts[k:k + batch], cfg.image_token_id, new_tokens)
-
-    same = (greedy_generate(model, prompts[:4], eos_id=NEVER, max_new_tokens=new_tokens)
-            == hf_generate(hf, prompts[:4], cfg.image_token_id, new_tokens))
-    seconds = {}
-    with torch.no_grad():
-        for b in (1, 4):
-            seconds.update(median_cpu_times({f"ours_batch{b}": lambda b=b: ours(b),
-                                             f"transformers_batch{b}": lambda b=b: theirs(b)},
-                                            repeats))
-    rows = {name: {"cpu_seconds": round(s, 3), "samples_per_s": round(n_prompts / s, 2),
-                   "tokens_per_s": round(n_prompts * new_tokens / s, 1)}
-            for name, s in seconds.items()}
-    result = {"prompts": n_prompts, "new_tokens": new_tokens, "identical_tokens": same,
-              "timing": f"CPU time, median of {repeats}, alternating", "runs": rows,
-              **{f"speedup_batch{b}": round(seconds[f"transformers_batch{b}"]
-                                            / seconds[f"ours_batch{b}"], 2) for b in (1, 4)}}
-    (out / "generate.json").write_text(json.dumps(result, indent=1))
-    click.echo("| generator | samples/s (CPU time) | generated tokens/s |\n|---|---|---|")
-    for name, r in rows.items():
-        click.echo(f"| {name} | {r['samples_per_s']} | {r['tokens_per_s']} |")
-    click.echo(f"\nours / transformers: {result['speedup_batch1']}x at batch 1, "
-               f"{result['speedup_batch4']}x at batch 4; tokens identical (4 prompts): {same}")
+    results = {name: bench_model(name, out, n_prompts, new_tokens, repeats)
+               for name in names.split(",")}
+    (out / "generate.json").write_text(json.dumps(
+        {"prompts": n_prompts, "new_tokens": new_tokens,
+         "timing": f"CPU time, one thread, median of {repeats}, alternating",
+         "models": results}, indent=1))
+    click.echo("| model | batch 1: transformers / ours | batch 4: transformers / ours | "
+               "our prefill share (b1 / b4) | tokens equal |\n|---|---|---|---|---|")
+    for name, r in results.items():
+        click.echo(f"| {name} | {r['batch1']['speedup']}x | {r['batch4']['speedup']}x | "
+                   f"{r['batch1']['prefill_share']} / {r['batch4']['prefill_share']} | "
+                   f"{r['identical_tokens']} |")
+    click.echo("\n| model | decode step (batch 4) | CPU ms | Python calls | rotary share |\n"
+               "|---|---|---|---|---|")
+    for name, r in results.items():
+        for kind, s in r["step_batch4"].items():
+            click.echo(f"| {name} | {kind} | {s['ms']} | {s['python_calls']} | "
+                       f"{s['rotary_share']} |")
+        click.echo(f"| {name} | megatron, batch 1 | {r['megatron_step_batch1_ms']} | | |")
 
 
 if __name__ == "__main__":

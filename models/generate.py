@@ -1,38 +1,29 @@
-"""Greedy generation for every family's model with a KV cache (megatron-core static inference
-context).
+"""Greedy generation for every family's model: the megatron prefill, then a lean decode step.
 
-``greedy_generate(model, prompts, eos_id=..., max_new_tokens=...)`` runs one batched prefill over
-left-padded prompts (vision encoded once, DeepStack applied there), then one single-token forward
-per step that reads the keys/values of earlier tokens from megatron's ``StaticInferenceContext``
-(no full forward over the sequence per new token). Masks: prefill is causal and hides the left
-padding; each decode step attends to every real token so far (a key-padding mask only when the
-batch is padded). M-RoPE: a generated token gets the same position on all three axes,
-``max(prompt positions) + 1`` for the first and +1 per step after (what HF's ``rope_deltas`` do).
+``greedy_generate(model, prompts, eos_id=..., max_new_tokens=...)`` left-pads the prompts to the
+longest and runs the model's own prefill (``LanguageModelRunner.prefill``: vision encoded once,
+DeepStack applied there, the LM over every prompt token with megatron's
+``StaticInferenceContext``; causal mask hiding the padding) per row group (``_row_groups``: all
+rows at once, except with Mamba layers, which have no padding mask: one prefill per prompt
+length). Then every row decodes in one batch through ``models.decode_step``: one token per row
+per step in plain torch over the model's own weights, keys cached after RoPE (rotated once),
+Mamba conv / SSM states per row, no megatron per-token machinery. Where that module does not
+cover the model (it says which parts it covers: e.g. TP > 1), each group decodes with
+megatron's own step (``language_model(...)`` on the context, which re-rotates the cached keys
+every step). M-RoPE: a generated token gets the same position on all three axes,
+``max(prompt positions) + 1`` for the first and +1 per step after (what HF's ``rope_deltas``
+do). One host sync per step (``tolist`` of the B new tokens) decides which rows stopped; the
+batch stops when all have. Runs under ``torch.inference_mode``.
 
-Per-step cost: everything that does not change during the run is built once (the (3, B, L)
-positions and the padding mask of prompt + every generated token; steps slice prefixes). megatron
-keeps cached keys before RoPE and rotates them with the rotary table of the whole sequence at each
-step; for the Qwen-VL GPTModel the table of the whole run is computed once and the decode step
-calls the model's own decoder and output layer (``_fast_decoder``: bitwise the logits of
-``language_model(...)``, which would recompute the table and copy the logits every step); other
-language models (Nemotron's MambaModel) go through ``language_model(...)``.
-
-Recurrent (Mamba) layers: megatron's mixer keeps each row's conv and SSM state in the same
-inference context (filled by the prefill, updated in place by every decode step). It has no
-padding mask, so a left pad would enter the state: with Mamba layers, prompts of unequal
-length are generated in groups of equal length (each group one batched run; same tokens as
-alone). megatron >= 0.17's static-batching decode step hands the mixer's (1, B, d) projection to
+megatron >= 0.17's static-batching Mamba decode step hands the mixer's (1, B, d) projection to
 a step that reads it as (B, s, d): right for one row only, so there rows run one at a time
-(``_row_groups``). One host sync per step
-(``tolist`` of the B new tokens) decides which rows stopped; the batch stops when all have. Runs
-under ``torch.inference_mode`` (no autograd bookkeeping).
-
-Written against megatron-core 0.16.1 (``inference_context=``, ``StaticInferenceContext``) with
-guards for the older/newer names (``inference_params=`` / ``InferenceParams``); >= 0.19 reads
-the process-wide ``InferenceMode`` flag (its Mamba mixer uses the context only when it is set),
-which is set for the run as megatron's engines do. Needs a layer spec
-whose attention takes an explicit mask (the local spec; ``models.checkpoint.load_checkpoint(...,
-use_te=False)``). TP > 1: megatron gathers the vocab-parallel logits (``runtime_gather_output``).
+(``_row_groups``; only the fallback decode needs it). Written against megatron-core 0.16.1
+(``inference_context=``, ``StaticInferenceContext``) with guards for the older/newer names
+(``inference_params=`` / ``InferenceParams``); >= 0.19 reads the process-wide ``InferenceMode``
+flag (its Mamba mixer uses the context only when it is set), which is set for the run as
+megatron's engines do. Needs a layer spec whose attention takes an explicit mask (the local
+spec; ``models.checkpoint.load_checkpoint(..., use_te=False)``). TP > 1: megatron's decode step
+(it gathers the vocab-parallel logits, ``runtime_gather_output``).
 """
 
 from __future__ import annotations
@@ -94,20 +85,57 @@ def _inference_mode():
         contextlib.nullcontext()
 
 
+def _mamba_mixers(lm) -> list:
+    try:
+        from megatron.core.ssm.mamba_mixer import MambaMixer
+    except ImportError:  # pragma: no cover
+        return []
+    return [m for m in lm.modules() if isinstance(m, MambaMixer)]
+
+
 def _row_groups(lm, lengths: list[int]) -> list[list[int]]:
     """The prompts (row indices) that run as one batch: all of them, except with Mamba layers
-    (megatron's ``mamba_state_shapes_per_request``): equal lengths together, and one row at a
-    time on megatron >= 0.17 (module docstring)."""
+    on megatron >= 0.17 (one row at a time; module docstring)."""
     from megatron.core import __version__
     from packaging.version import Version
 
-    shapes = getattr(getattr(lm, "decoder", None), "mamba_state_shapes_per_request", None)
-    if shapes is None or shapes() is None:
-        return [list(range(len(lengths)))]
-    if Version(__version__) >= Version("0.17"):
+    if _mamba_mixers(lm) and Version(__version__) >= Version("0.17"):
         return [[row] for row in range(len(lengths))]
-    return [[row for row, n in enumerate(lengths) if n == length]
-            for length in sorted(set(lengths))]
+    return [list(range(len(lengths)))]
+
+
+@contextlib.contextmanager
+def _padded_mamba_prefill(lm, keep: torch.Tensor):
+    """Left padding that does not reach the Mamba states (what transformers' Mamba2 does with
+    its attention mask): on the prefill's pad tokens, each mixer's ``in_proj`` gets a zero input
+    (so z, x, B, C are 0: the conv window of the first real tokens sees zeros, as from a zero
+    state) and its dt output is set to -1e4 (softplus(dt + dt_bias) = 0: the SSM state is
+    neither decayed nor written). ``keep`` (b, w): True on real tokens. No-op without padding
+    or Mamba layers."""
+    mixers = _mamba_mixers(lm) if not bool(keep.all()) else []
+    keep_lb = keep.transpose(0, 1)[..., None]  # (w, b, 1): megatron's sequence-first layout
+    handles = []
+
+    def zero_pads(_module, args):
+        return (args[0] * keep_lb.to(args[0].dtype), *args[1:])
+
+    def no_step_on_pads(mixer):
+        def hook(_module, _args, output):
+            out, bias = output
+            dt = out[..., -mixer.nheads_local_tp:]
+            out = torch.cat([out[..., :-mixer.nheads_local_tp],
+                             dt.masked_fill(~keep_lb, -1e4)], dim=-1)
+            return out, bias
+        return hook
+
+    try:
+        for mixer in mixers:
+            handles.append(mixer.in_proj.register_forward_pre_hook(zero_pads))
+            handles.append(mixer.in_proj.register_forward_hook(no_step_on_pads(mixer)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _unwrap(model):
@@ -121,46 +149,6 @@ def _cat(tensors: list):
     if not items:
         return None
     return torch.cat(items, 0)
-
-
-def _fast_decoder(lm, pos: torch.Tensor, kwarg: dict):
-    """A decode step that skips ``GPTModel.forward``'s per-step preprocessing, or None.
-
-    ``GPTModel.forward`` recomputes the M-RoPE table from the (3, B, L) positions at every step
-    and makes the [B, 1, V] logits contiguous. Here the table of the whole run (prompt and every
-    generated position, known in advance) is computed once; megatron's attention slices it itself
-    (queries ``[offset:offset + 1]``, cached keys ``[:offset + 1]``), so the decoder gets the same
-    rotary values as through ``GPTModel.forward``. Then the model's own decoder (its layers, final
-    norm, DeepStack hooks) and output layer run as ``GPTModel.forward`` runs them. Only for the
-    plain layout this was checked for (GPTModel with M-RoPE, no MTP / flash decode / MLA / local
-    CUDA graphs, no CP or sequence parallel); anything else (e.g. Nemotron's MambaModel) returns
-    None and goes through ``language_model(...)``.
-    """
-    try:
-        from megatron.core.models.gpt import GPTModel
-    except ImportError:  # pragma: no cover
-        return None
-    cfg = getattr(lm, "config", None)
-    if not (isinstance(lm, GPTModel) and getattr(lm, "position_embedding_type", None) == "mrope"
-            and hasattr(lm, "mrope_section") and hasattr(lm, "rotary_pos_emb")
-            and getattr(lm, "pre_process", False) and getattr(lm, "post_process", False)
-            and not getattr(lm, "mtp_process", False) and not getattr(cfg, "flash_decode", False)
-            and not getattr(cfg, "multi_latent_attention", False)
-            and not getattr(cfg, "sequence_parallel", False)
-            and getattr(cfg, "context_parallel_size", 1) == 1
-            and getattr(cfg, "mtp_num_layers", None) is None
-            and getattr(cfg, "cuda_graph_impl", "none") != "local"):
-        return None
-    rotary = lm.rotary_pos_emb(pos, lm.mrope_section)  # (L_total, B, 1, D)
-    weight = (lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights
-              else None)
-
-    def step(emb, mask):
-        hidden = lm.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=rotary, **kwarg)
-        logits, _ = lm.output_layer(hidden[-1:], weight=weight, runtime_gather_output=True)
-        return logits[-1]  # (B, V)
-
-    return step
 
 
 @torch.inference_mode()
@@ -181,19 +169,9 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
         The generated token ids of each prompt (without the stop token).
     """
     qwen = _unwrap(model)
-    lm = qwen.language_model
-    lengths = [int(p.input_ids.numel()) for p in prompts]
-    groups = _row_groups(lm, lengths)
-    if len(groups) > 1:  # Mamba layers (module docstring)
-        out: list[list[int]] = [[] for _ in prompts]
-        for rows in groups:
-            group = greedy_generate(model, [prompts[row] for row in rows], eos_id=eos_id,
-                                    max_new_tokens=max_new_tokens, pad_id=pad_id, stats=stats)
-            for row, tokens in zip(rows, group):
-                out[row] = tokens
-        return out
     with _inference_mode():
-        return _generate(qwen, lm, prompts, lengths, eos_id, max_new_tokens, pad_id, stats)
+        return _generate(qwen, qwen.language_model, prompts, eos_id, max_new_tokens, pad_id,
+                         stats)
 
 
 def _left_padded(prompts: list[Prompt], lengths: list[int], pad_id: int, max_new_tokens: int):
@@ -214,71 +192,115 @@ def _left_padded(prompts: list[Prompt], lengths: list[int], pad_id: int, max_new
     return ids, pos, valid
 
 
-def _decode(lm, logits, context, kwarg: dict, pos, hidden, width: int, eos: set[int],
-            max_new_tokens: int) -> tuple[list[list[int]], int]:
-    """(tokens per row, forwards) of the greedy decode after the prefill's ``logits`` (B, V):
-    one token per live row per step. ``hidden``: the key-padding mask (B, 1, 1, W + N), True =
-    hidden; None without left padding (every cached token is attended to, no mask is passed)."""
-    if hasattr(context, "enable_decode_mode"):
-        context.enable_decode_mode()
-    fast = _fast_decoder(lm, pos, kwarg)
+def _decode(first, step, eos: set[int], max_new_tokens: int) -> tuple[list[list[int]], int]:
+    """(tokens per row, forwards) of the greedy decode after the prefill's ``first`` logits
+    (B, V): ``step(tokens (B,)) -> logits (B, V)`` feeds one token per row (rows that stopped
+    too: the batch keeps its shape)."""
+    logits = first
     out: list[list[int]] = [[] for _ in range(logits.shape[0])]
     live = list(range(logits.shape[0]))  # rows that have not stopped yet
     forwards = 0
-    for step in range(max_new_tokens):
+    for index in range(max_new_tokens):
         token = logits.argmax(-1)  # (B,)
         values = token.tolist()  # the one host sync per step
         live = [row for row in live if values[row] not in eos]
         for row in live:
             out[row].append(values[row])
-        if not live or step == max_new_tokens - 1:
+        if not live or index == max_new_tokens - 1:
             break
-        length = width + step + 1
-        # plain token embedding: a generated context-token id must not be read as a visual slot
-        emb = lm.embedding(input_ids=token[:, None], position_ids=None)
-        mask = None if hidden is None else hidden[..., :length]
-        if fast is not None:
-            logits = fast(emb, mask)
-        else:
-            logits = lm(input_ids=None, position_ids=pos[:, :, :length], attention_mask=mask,
-                        decoder_input=emb, runtime_gather_output=True, **kwarg)[:, -1]
-        context.sequence_len_offset += 1
+        logits = step(token)
         forwards += 1
     return out, forwards
 
 
-def _generate(qwen, lm, prompts: list[Prompt], lengths: list[int], eos_id, max_new_tokens: int,
-              pad_id: int, stats: GenerationStats | None) -> list[list[int]]:
-    """``greedy_generate`` of one batch (left-padded to the longest prompt): one prefill (all
-    prompt tokens, vision encoded once), then the decode."""
+def _megatron_step(lm, context, kwarg: dict, pos, valid, width: int):
+    """megatron's own decode step over one prefill group (``language_model(...)`` on the new
+    token's embedding; the context holds keys before RoPE and the Mamba states). ``pos`` /
+    ``valid``: the group's (3, b, W + N) positions and (b, W + N) real-token mask."""
+    if hasattr(context, "enable_decode_mode"):
+        context.enable_decode_mode()
+    hidden = None if bool(valid[:, :width].all()) else ~valid[:, None, None, :]
+
+    def step(token):
+        length = context.sequence_len_offset + 1
+        # plain token embedding: a generated context-token id must not be read as a visual slot
+        emb = lm.embedding(input_ids=token[:, None], position_ids=None)
+        mask = None if hidden is None else hidden[..., :length]
+        logits = lm(input_ids=None, position_ids=pos[:, :, :length], attention_mask=mask,
+                    decoder_input=emb, runtime_gather_output=True, **kwarg)[:, -1]
+        context.sequence_len_offset += 1
+        return logits
+
+    return step
+
+
+def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_id: int,
+              stats: GenerationStats | None) -> list[list[int]]:
+    """``greedy_generate``: the prefill of each row group (``_row_groups``; all prompt tokens,
+    vision encoded once), then the lean decode of all rows (``models.decode_step``) or, where
+    it does not cover the model, megatron's decode step per group."""
+    from models import decode_step
+
     device = next(qwen.parameters()).device
     eos = {eos_id} if isinstance(eos_id, int) else set(eos_id)
     start = time.perf_counter()
-    batch, width = len(prompts), max(lengths)
+    lengths = [int(p.input_ids.numel()) for p in prompts]
+    width = max(lengths)
     ids, pos, valid = (t.to(device) for t in _left_padded(prompts, lengths, pad_id,
                                                            max_new_tokens))
+    kwarg_name = _context_kwarg(lm)
+    groups, firsts = [], []
+    for rows in _row_groups(lm, lengths):
+        span = max(lengths[row] for row in rows)  # the group's own left-padded width
+        cols = slice(width - span, None)
+        groups.append((_prefill(qwen, [prompts[row] for row in rows], ids[rows, width - span:],
+                                pos[:, rows, cols], valid[rows, cols], span, max_new_tokens,
+                                kwarg_name, device), rows, span))
+        firsts.append(groups[-1][0][1])
+    prefill_seconds = time.perf_counter() - start
+    contexts = [(context, rows, span) for (context, _), rows, span in groups]
+    first = torch.empty(len(prompts), firsts[0].shape[-1], dtype=firsts[0].dtype, device=device)
+    for (_, rows, _), logits in zip(groups, firsts):
+        first[rows] = logits
+    decoder = decode_step.build(lm, contexts, pos, valid, width)
+    if decoder is not None:
+        out, forwards = _decode(first, decoder, eos, max_new_tokens)
+    else:  # megatron's own decode step, group by group
+        out, forwards = [[] for _ in prompts], 0
+        for context, rows, span in contexts:
+            cols = slice(width - span, None)
+            step = _megatron_step(lm, context, {kwarg_name: context}, pos[:, rows, cols],
+                                  valid[rows, cols], span)
+            tokens, n = _decode(first[rows], step, eos, max_new_tokens)
+            for row, t in zip(rows, tokens):
+                out[row] = t
+            forwards += n
+    if stats is not None:
+        stats.prompts += len(prompts)
+        stats.prompt_tokens += sum(lengths)
+        stats.generated_tokens += sum(len(o) for o in out)
+        stats.forwards += len(groups) + forwards
+        stats.seconds += time.perf_counter() - start
+        stats.prefill_seconds += prefill_seconds
+        stats.extra["lean_decode"] = decoder is not None
+    return out
 
+
+def _prefill(qwen, prompts: list[Prompt], ids, pos, valid, width: int, max_new_tokens: int,
+             kwarg_name: str, device):
+    """(megatron context, last-position logits (b, V)) of one group's prefill: ``ids`` (b, w)
+    left-padded, ``pos`` / ``valid`` the group's (3, b, w + N) positions and (b, w + N) mask."""
     def media(name):
         value = _cat([getattr(p, name) for p in prompts])
         return None if value is None else value.to(device)
 
-    context = _make_context(batch, width + max_new_tokens)
-    kwarg = {_context_kwarg(lm): context}
+    context = _make_context(len(prompts), width + max_new_tokens)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (B, 1, L, L), True = hidden
-    logits = qwen.prefill(ids, pos[:, :, :width], mask, media("pixel_values"),
-                          media("image_grid_thw"), media("pixel_values_videos"),
-                          media("video_grid_thw"), media("visual_kinds"), **kwarg)
+    mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (b, 1, w, w), True = hidden
+    with _padded_mamba_prefill(qwen.language_model, valid[:, :width]):
+        logits = qwen.prefill(ids, pos[:, :, :width], mask, media("pixel_values"),
+                              media("image_grid_thw"), media("pixel_values_videos"),
+                              media("video_grid_thw"), media("visual_kinds"),
+                              **{kwarg_name: context})
     context.sequence_len_offset += width
-    prefill_seconds = time.perf_counter() - start
-    hidden = ~valid[:, None, None, :] if width != min(lengths) else None
-    out, forwards = _decode(lm, logits[:, -1], context, kwarg, pos, hidden, width, eos,
-                            max_new_tokens)
-    if stats is not None:
-        stats.prompts += batch
-        stats.prompt_tokens += sum(lengths)
-        stats.generated_tokens += sum(len(o) for o in out)
-        stats.forwards += 1 + forwards
-        stats.seconds += time.perf_counter() - start
-        stats.prefill_seconds += prefill_seconds
-    return out
+    return context, logits[:, -1]

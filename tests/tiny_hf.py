@@ -79,11 +79,13 @@ TINY_MAMBA = dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_grou
 
 
 def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "M*M-",
-                             seed: int = 0, tokens: dict | None = None) -> Path:
+                             seed: int = 0, tokens: dict | None = None,
+                             text: dict | None = None) -> Path:
     """Save a tiny fp32 NemotronH_Omni_Reasoning_V3 (tiny RADIO, hybrid LM of ``pattern``: M
     Mamba2, * attention, - MLP, E MoE; no audio; one MTP layer declared so that
     ``vision_final_layernorm`` exists), weights perturbed well beyond the default init. Videos
-    get their own token id here (HF ignores it)."""
+    get their own token id here (HF ignores it). ``text``: text-config keys to change (e.g. the
+    MoE widths, which default to transformers' 7688)."""
     from transformers.models.nemotron_h_omni.configuration_nemotron_h_omni import (
         NemotronH_Omni_Reasoning_V3_Config,
     )
@@ -99,7 +101,7 @@ def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "M*M
         text_config=dict(vocab_size=vocab, hidden_size=64, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, intermediate_size=96,
                          layers_block_type=[names[s] for s in pattern],
-                         num_nextn_predict_layers=1, **TINY_MAMBA),
+                         num_nextn_predict_layers=1, **{**TINY_MAMBA, **(text or {})}),
         projector_hidden_size=48, vision_hidden_size=32, **(tokens or NEMOTRON_TOKENS))
     return save_perturbed(NemotronH_Omni_Reasoning_V3, config, out, seed,
                           adjust=dt_above_transformers_floor)

@@ -1,0 +1,104 @@
+"""Greedy generation (models/generate.py: the megatron prefill, then the lean decode step of
+models/decode_step.py) against transformers' greedy ``generate``, for every family and LM layer
+kind: attention (Qwen2.5-VL with q/k/v biases, Qwen3-VL with q/k norms), MoE (Qwen3-VL-MoE's
+softmax router, Nemotron's sigmoid router with a shared expert), Mamba2 and MLP (Nemotron-Omni's
+hybrid stack); four prompts of unequal length, alone (batch 1) and together (batch 4, one row
+stopping early); megatron's own decode step (the fallback) gives the same tokens."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+NEW = 6
+NEVER = 10 ** 6  # outside the vocabulary: never generated
+
+
+def _cases(cfg) -> list[dict]:
+    """Four single-row inputs of unequal length: the family's verify cases (each media kind),
+    the first again without its last two text tokens, to make four."""
+    from models.verify_inputs import make_inputs
+
+    cases = list(make_inputs(cfg).values())[:3]
+    short = dict(cases[0], input_ids=cases[0]["input_ids"][:, :-2],
+                 position_ids=cases[0]["position_ids"][:, :, :-2])
+    cases.append(short)
+    assert len({c["input_ids"].shape[1] for c in cases}) == 4
+    return cases
+
+
+def _prompt(case: dict):
+    from models.generate import Prompt
+
+    return Prompt(input_ids=case["input_ids"][0], position_ids=case["position_ids"][:, 0],
+                  **{k: case.get(k) for k in ("pixel_values", "image_grid_thw",
+                                              "pixel_values_videos", "video_grid_thw")})
+
+
+def _hf_greedy(hf, cfg, case: dict, eos: int) -> list[int]:
+    """transformers' greedy ``generate`` of one row (with the token types its M-RoPE reads
+    where its forward takes them)."""
+    from models.verify_inputs import hf_inputs
+
+    inputs = hf_inputs(cfg, case)
+    ids = inputs["input_ids"]
+    if "mm_token_type_ids" in inspect.signature(hf.forward).parameters:
+        inputs["mm_token_type_ids"] = ((ids == cfg.image_token_id).int()
+                                       + 2 * (ids == cfg.video_token_id).int())
+    out = hf.generate(**inputs, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    out = out[0, ids.shape[1]:].tolist()
+    return out[:out.index(eos)] if eos in out else out
+
+
+def _check(hf_dir, mcore_dir, monkeypatch):
+    from models import decode_step
+    from models.checkpoint import load_checkpoint
+    from models.convert import load_hf_model
+    from models.generate import GenerationStats, greedy_generate
+    from models.parallel import init_parallel
+
+    init_parallel()
+    model, cfg = load_checkpoint(mcore_dir, use_te=False)
+    hf = load_hf_model(hf_dir)
+    cases = _cases(cfg)
+    prompts = [_prompt(c) for c in cases]
+    theirs = [_hf_greedy(hf, cfg, c, NEVER) for c in cases]
+    stats = GenerationStats()
+    alone = [greedy_generate(model, [p], eos_id=NEVER, max_new_tokens=NEW, stats=stats)[0]
+             for p in prompts]
+    assert stats.extra["lean_decode"]
+    assert alone == theirs and all(len(t) == NEW for t in theirs), (alone, theirs)
+    together = greedy_generate(model, prompts, eos_id=NEVER, max_new_tokens=NEW, stats=stats)
+    assert together == theirs and stats.extra["lean_decode"]
+    row = theirs[1]  # row 1 stops early (at a token new to it), the others where it comes
+    first_new = next(i for i, t in enumerate(row) if i and t not in row[:i])
+    want = [_hf_greedy(hf, cfg, c, row[first_new]) for c in cases]
+    assert len(want[1]) == first_new
+    assert greedy_generate(model, prompts, eos_id=row[first_new], max_new_tokens=NEW) == want
+    monkeypatch.setattr(decode_step, "build", lambda *a, **k: None)  # megatron's decode step
+    assert greedy_generate(model, prompts, eos_id=NEVER, max_new_tokens=NEW,
+                           stats=stats) == theirs
+    assert not stats.extra["lean_decode"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_vl_tokens_equal_transformers(family, tiny_hf, qwen_imported, monkeypatch):
+    _check(tiny_hf[family], qwen_imported[family], monkeypatch)
+
+
+def test_qwen3_vl_moe_tokens_equal_transformers(tmp_path, monkeypatch):
+    from models.convert import hf_to_mcore
+    from tests.tiny_hf import build_tiny_hf
+
+    hf_dir = build_tiny_hf("qwen3_vl_moe", tmp_path / "hf")
+    hf_to_mcore(str(hf_dir), tmp_path / "mcore", tp=1, pp=1)
+    _check(hf_dir, tmp_path / "mcore", monkeypatch)
+
+
+@pytest.mark.parametrize("pattern", ["M*M-", "ME*E"])
+def test_nemotron_omni_tokens_equal_transformers(pattern, tiny_nemotron_hf, nemotron_imported,
+                                                 monkeypatch):
+    _check(tiny_nemotron_hf[pattern], nemotron_imported[pattern], monkeypatch)
