@@ -95,6 +95,9 @@ class GatedDeltaNet(MegatronModule):
     """The Gated DeltaNet mixer (module docstring); megatron's ``self_attention`` interface:
     (s, b, h) -> ((s, b, h), None)."""
 
+    #: generation keeps a state per row that a left pad would enter (models/generate.py)
+    recurrent_state = True
+
     def __init__(self, config, layer_number: int | None = None, **_unused):
         super().__init__(config=config)
         if chunk_gated_delta_rule is None or causal_conv1d_fn is None:

@@ -17,9 +17,10 @@ calls the model's own decoder and output layer (``_fast_decoder``: bitwise the l
 ``language_model(...)``, which would recompute the table and copy the logits every step); other
 language models (Nemotron's MambaModel) go through ``language_model(...)``.
 
-Recurrent (Mamba) layers: megatron's mixer keeps each row's conv and SSM state in the same
-inference context (filled by the prefill, updated in place by every decode step). It has no
-padding mask, so a left pad would enter the state: with Mamba layers, prompts of unequal
+Recurrent (Mamba, Gated DeltaNet) layers: megatron's mixer (and ``models.gated_deltanet``)
+keeps each row's conv and SSM state in the same inference context (filled by the prefill,
+updated in place by every decode step). It has no padding mask, so a left pad would enter the
+state: with recurrent layers, prompts of unequal
 length are generated in groups of equal length (each group one batched run; same tokens as
 alone). megatron >= 0.17's static-batching decode step hands the mixer's (1, B, d) projection to
 a step that reads it as (B, s, d): right for one row only, so there rows run one at a time
@@ -95,16 +96,19 @@ def _inference_mode():
 
 
 def _row_groups(lm, lengths: list[int]) -> list[list[int]]:
-    """The prompts (row indices) that run as one batch: all of them, except with Mamba layers
-    (megatron's ``mamba_state_shapes_per_request``): equal lengths together, and one row at a
-    time on megatron >= 0.17 (module docstring)."""
+    """The prompts (row indices) that run as one batch: all of them, except with recurrent layers
+    (megatron's Mamba, ``mamba_state_shapes_per_request``; ``models.gated_deltanet``'s layers,
+    ``recurrent_state``): equal lengths together, and with Mamba one row at a time on megatron
+    >= 0.17 (module docstring)."""
     from megatron.core import __version__
     from packaging.version import Version
 
     shapes = getattr(getattr(lm, "decoder", None), "mamba_state_shapes_per_request", None)
-    if shapes is None or shapes() is None:
+    mamba = shapes is not None and shapes() is not None
+    recurrent = any(getattr(m, "recurrent_state", False) for m in lm.modules())  # Gated DeltaNet
+    if not (mamba or recurrent):
         return [list(range(len(lengths)))]
-    if Version(__version__) >= Version("0.17"):
+    if mamba and Version(__version__) >= Version("0.17"):
         return [[row] for row in range(len(lengths))]
     return [[row for row, n in enumerate(lengths) if n == length]
             for length in sorted(set(lengths))]
