@@ -103,7 +103,7 @@ def vision_part(smoke: bool, repeats: int) -> list[dict]:
             tower = RadioEncoder(cfg, use_te=use_te)
             width = cfg.vision.in_channels * cfg.vision.patch_size ** 2
         else:
-            from models.families.qwen_vl.vision import QwenVisionEncoder
+            from models.qwen_vision import QwenVisionEncoder
 
             tower = QwenVisionEncoder(cfg, use_te=use_te)
             v = cfg.vision

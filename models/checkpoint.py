@@ -94,7 +94,8 @@ def model_record(hf_folder: Path | None, tokenizer=None) -> dict[str, bytes]:
     """What a checkpoint records for export besides weights and the model config: relative
     path -> bytes under ``hf/``. From an HF model folder: its config.json and processor files;
     the tokenizer files (with the chat template) as the folder has them when ``tokenizer`` is
-    the folder's (or None), else the tokenizer's own save. Small files only (no weights)."""
+    the folder's (or None), else the tokenizer's own save; the HF weights the family's model does
+    not hold but its exports carry (``CARRIED``: ``carried_record``). No other weights."""
     import tempfile
 
     from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES
@@ -104,6 +105,7 @@ def model_record(hf_folder: Path | None, tokenizer=None) -> dict[str, bytes]:
                 if (folder / name).is_file()}
 
     files = read(Path(hf_folder), ("config.json", *PROCESSOR_FILES)) if hf_folder else {}
+    files.update(carried_record(hf_folder))
     own = tokenizer is None or (hf_folder is not None and Path(tokenizer.name_or_path).resolve()
                                 == Path(hf_folder).resolve())
     if own:
@@ -111,6 +113,33 @@ def model_record(hf_folder: Path | None, tokenizer=None) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         return {**files, **read(Path(tmp), TOKENIZER_FILES)}
+
+
+#: under ``hf/``: the HF weights an export carries unchanged (``carried_record``)
+CARRIED = "carried.safetensors"
+
+
+def carried_record(hf_folder: Path | None) -> dict[str, bytes]:
+    """``hf/carried.safetensors`` (bytes) with the tensors of ``hf_folder`` that its family's
+    model does not hold and every export writes back unchanged (the keys its mapping module's
+    ``CARRIED_PREFIXES`` name: Qwen3.5's ``mtp.*``); empty for other families."""
+    import json
+
+    from safetensors.torch import save
+
+    from models.families import config_from_hf, mapping_module
+    from models.hf_weights import carried_hf_weights
+
+    config = Path(hf_folder) / "config.json" if hf_folder else None
+    if config is None or not config.is_file():
+        return {}
+    try:
+        cfg = config_from_hf(json.loads(config.read_text()))
+    except ValueError:  # not a model a family imports: nothing to carry
+        return {}
+    tensors = carried_hf_weights(Path(hf_folder),
+                                 getattr(mapping_module(cfg), "CARRIED_PREFIXES", ()))
+    return {f"{HF_FILES}/{CARRIED}": save(tensors)} if tensors else {}
 
 
 def _model_json(folder: Path) -> Path | None:

@@ -184,7 +184,7 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False) -> None:
     ``task_encoder`` pixel settings (``processor_files``). A LoRA run's adapters are merged into
     the weights (W + alpha / r * B @ A); ``adapter``: write its HF PEFT folder instead
     (``write_peft_folder``)."""
-    from models.checkpoint import HF_JSON, load_model, read_checkpoint
+    from models.checkpoint import CARRIED, HF_JSON, load_model, read_checkpoint
     from models.hf_source import (
         PROCESSOR_FILES,
         SPECIAL_IDS,
@@ -216,7 +216,12 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False) -> None:
         ids = {key: ids.get(key) for key in SPECIAL_IDS}  # None: the tokenizer has none
         config.update(ids)
         config["text_config"].update(ids)
-    write_hf_folder(out, config, mapping_module(cfg).ours_to_hf(sd, cfg))
+    weights = mapping_module(cfg).ours_to_hf(sd, cfg)
+    if files is not None and (files / CARRIED).is_file():  # e.g. Qwen3.5's MTP layers, unchanged
+        from safetensors.torch import load_file
+
+        weights.update(load_file(str(files / CARRIED)))
+    write_hf_folder(out, config, weights)
     copied = copy_files(files, Path(out), TOKENIZER_FILES + PROCESSOR_FILES) if files else []
     if "generation_config.json" not in copied and tokenizer is not None:
         (Path(out) / "generation_config.json").write_text(json.dumps(

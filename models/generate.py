@@ -15,6 +15,10 @@ every step). M-RoPE: a generated token gets the same position on all three axes,
 do). One host sync per step (``tolist`` of the B new tokens) decides which rows stopped; the
 batch stops when all have. Runs under ``torch.inference_mode``.
 
+Gated DeltaNet layers (``models.gated_deltanet``, ``recurrent_state``) keep each row's conv and
+recurrent state in the same inference context and have no padding mask: with them, prompts of
+unequal length prefill in groups of equal length (same tokens as alone).
+
 megatron >= 0.17's static-batching Mamba decode step hands the mixer's (1, B, d) projection to
 a step that reads it as (B, s, d): right for one row only, so there rows run one at a time
 (``_row_groups``; only the fallback decode needs it). Written against megatron-core 0.16.1
@@ -94,13 +98,17 @@ def _mamba_mixers(lm) -> list:
 
 
 def _row_groups(lm, lengths: list[int]) -> list[list[int]]:
-    """The prompts (row indices) that run as one batch: all of them, except with Mamba layers
-    on megatron >= 0.17 (one row at a time; module docstring)."""
+    """The prompts (row indices) that prefill as one batch: all of them, except with Mamba
+    layers on megatron >= 0.17 (one row at a time; module docstring) and with Gated DeltaNet
+    layers (no padding mask: rows of equal length together)."""
     from megatron.core import __version__
     from packaging.version import Version
 
     if _mamba_mixers(lm) and Version(__version__) >= Version("0.17"):
         return [[row] for row in range(len(lengths))]
+    if any(getattr(m, "recurrent_state", False) for m in lm.modules()):
+        return [[row for row, n in enumerate(lengths) if n == length]
+                for length in sorted(set(lengths))]
     return [list(range(len(lengths)))]
 
 

@@ -8,8 +8,15 @@ one-line ``ValueError``), ``hf_to_ours_stage`` (one pipeline stage), ``ours_to_h
 writes HF folders (safetensors, single or sharded).
 
 Fused tensors (part column): q/k/v -> ``linear_qkv`` in megatron's grouped layout (per KV group:
-its queries, then k, then v); the ViT's fused ``qkv`` (3, heads, d) -> (heads, 3, d); gate/up ->
-``linear_fc1`` = [gate; up]; the Conv3d patch kernel (out, C, T, P, P) -> Linear (out, C*T*P*P).
+its queries, then k, then v; with a gated attention's ``qg``, HF's per-head [query; gate] rows:
+per group its queries, their gates, k, v, megatron's ``attention_output_gate`` layout); the
+ViT's fused ``qkv`` (3, heads, d) -> (heads, 3, d); gate/up -> ``linear_fc1`` = [gate; up]; the
+Conv3d patch kernel (out, C, T, P, P) -> Linear (out, C*T*P*P).
+
+Fused experts of the Qwen MoE checkpoints (``split_fused_experts`` / ``fuse_experts``): the 3-D
+``gate_up_proj`` / ``down_proj`` of each MoE layer in either layout, told apart by shape: the
+published checkpoints' x@W layout, gate_up (E, H, 2I) and down (E, I, H), or transformers'
+``save_pretrained`` layout (E, 2I, H) / (E, H, I); written in the published one.
 """
 
 from __future__ import annotations
@@ -33,12 +40,16 @@ def _same(key: str) -> str:
 
 # ------------------------------------------------------------------ fused layouts
 def _fuse(cfg, part_kind: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    if part_kind in ("q", "k", "v"):
+    if part_kind in ("q", "qg", "k", "v"):
         t = cfg.lm
         groups, per = t.num_kv_heads, t.num_heads // t.num_kv_heads
-        q, k, v = parts["q"], parts["k"], parts["v"]
-        tail = q.shape[1:]
-        q = q.reshape(groups, per * t.head_dim, *tail)
+        k, v = parts["k"], parts["v"]
+        tail = k.shape[1:]
+        if "qg" in parts:  # gated attention: per head [query; gate] -> per group [queries; gates]
+            x = parts["qg"].reshape(groups, per, 2, t.head_dim, *tail)
+            q = torch.cat([x[:, :, 0], x[:, :, 1]], dim=1).reshape(groups, -1, *tail)
+        else:
+            q = parts["q"].reshape(groups, per * t.head_dim, *tail)
         k, v = k.reshape(groups, t.head_dim, *tail), v.reshape(groups, t.head_dim, *tail)
         return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
     if part_kind in ("gate", "up"):
@@ -53,13 +64,16 @@ def _fuse(cfg, part_kind: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _split(cfg, part: str, x: torch.Tensor, hf_shape) -> torch.Tensor:
-    if part in ("q", "k", "v"):
+    if part in ("q", "qg", "k", "v"):
         t = cfg.lm
         per = t.num_heads // t.num_kv_heads
+        queries = 2 * per if getattr(t, "attention_output_gate", False) else per
         tail = x.shape[1:]
-        g = x.reshape(t.num_kv_heads, (per + 2) * t.head_dim, *tail)
-        q, k, v = g.split([per * t.head_dim, t.head_dim, t.head_dim], dim=1)
-        return {"q": q, "k": k, "v": v}[part].reshape(-1, *tail)
+        g = x.reshape(t.num_kv_heads, (queries + 2) * t.head_dim, *tail)
+        q, k, v = g.split([queries * t.head_dim, t.head_dim, t.head_dim], dim=1)
+        if part == "qg":  # per group [queries; gates] -> per head [query; gate]
+            q = q.reshape(t.num_kv_heads, 2, per, t.head_dim, *tail).transpose(1, 2)
+        return {"q": q, "qg": q, "k": k, "v": v}[part].reshape(-1, *tail)
     if part in ("gate", "up"):
         return x.chunk(2, dim=0)[0 if part == "gate" else 1]
     if part == "vit_qkv":
@@ -162,6 +176,81 @@ def ours_to_hf(sd: dict[str, torch.Tensor], cfg, table: Table,
     return out
 
 
+# ------------------------------------------------------------------ fused experts
+#: the HF prefix of an LM layer of the Qwen VLMs (Qwen3-VL MoE, Qwen3.5 MoE)
+LM_LAYER = "model.language_model.layers.{i}."
+#: the fused expert tensors of a Qwen MoE checkpoint (no ``.weight`` suffix)
+FUSED = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts\.)"
+                   r"(gate_up_proj|down_proj)$")
+
+
+def split_fused_experts(hf_sd: dict[str, torch.Tensor], cfg
+                        ) -> dict[str, torch.Tensor]:
+    """``hf_sd`` with each MoE layer's fused ``gate_up_proj`` / ``down_proj`` replaced by the
+    per-expert keys of the table (layout decided by shape: module docstring).
+
+    Raises:
+        ValueError: a fused tensor of a shape neither layout has (key, shape, both layouts
+            named), or a layer with only one of the two.
+    """
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    out = {}
+    for key, value in hf_sd.items():
+        match = FUSED.match(key)
+        if match:
+            fused.setdefault(match.group(1), {})[match.group(2)] = value
+        else:
+            out[key] = value
+    t = cfg.lm
+    e, h, i = t.num_experts, t.hidden_size, t.moe_intermediate_size
+    layouts = {"published": {"gate_up_proj": (e, h, 2 * i), "down_proj": (e, i, h)},
+               "transformers": {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}}
+    for prefix, pair in fused.items():
+        if set(pair) != {"gate_up_proj", "down_proj"}:
+            missing = ({"gate_up_proj", "down_proj"} - set(pair)).pop()
+            raise ValueError(f"HF checkpoint lacks {prefix + missing!r} (it has "
+                             f"{prefix + next(iter(pair))!r})")
+        fits = [name for name, shapes in layouts.items()
+                if all(tuple(pair[k].shape) == shapes[k] for k in shapes)]
+        if not fits:
+            shapes = {k: tuple(v.shape) for k, v in pair.items()}
+            raise ValueError(f"{prefix}gate_up_proj / down_proj have shapes "
+                             f"{shapes['gate_up_proj']} / {shapes['down_proj']}: expected the "
+                             f"published layout {layouts['published']['gate_up_proj']} / "
+                             f"{layouts['published']['down_proj']} or transformers' "
+                             f"{layouts['transformers']['gate_up_proj']} / "
+                             f"{layouts['transformers']['down_proj']} (E, H, I = {e}, {h}, {i})")
+        gate_up, down = pair["gate_up_proj"], pair["down_proj"]
+        if fits[0] == "published":  # x @ W: to the (out, in) of a linear
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        for n in range(e):
+            gate, up = gate_up[n].chunk(2, dim=0)
+            out[f"{prefix}{n}.gate_proj.weight"] = gate
+            out[f"{prefix}{n}.up_proj.weight"] = up
+            out[f"{prefix}{n}.down_proj.weight"] = down[n]
+    return out
+
+
+def fuse_experts(hf_sd: dict[str, torch.Tensor], cfg
+                 ) -> dict[str, torch.Tensor]:
+    """The per-expert keys of each MoE layer as the published fused tensors: gate_up
+    (E, H, 2I) = [gate; up]^T per expert, down (E, I, H)."""
+    if not any(cfg.lm.moe_layers):
+        return hf_sd
+    out = {k: v for k, v in hf_sd.items() if ".mlp.experts." not in k}
+    for i, moe in enumerate(cfg.lm.moe_layers):
+        if not moe:
+            continue
+        prefix = LM_LAYER.format(i=i) + "mlp.experts."
+        experts = range(cfg.lm.num_experts)
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat(
+            [hf_sd[f"{prefix}{n}.gate_proj.weight"], hf_sd[f"{prefix}{n}.up_proj.weight"]]).T
+            for n in experts]).contiguous()
+        out[prefix + "down_proj"] = torch.stack(
+            [hf_sd[f"{prefix}{n}.down_proj.weight"].T for n in experts]).contiguous()
+    return out
+
+
 # ------------------------------------------------------------------ HF folders
 def read_hf_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, state dict) of a local HF model folder (safetensors)."""
@@ -178,6 +267,21 @@ def read_hf_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type
             raise ValueError(f"{f}: unreadable safetensors file ({exc})") from None
     return config, sd
+
+
+def carried_hf_weights(path: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of an HF folder whose keys start with one of ``prefixes``: weights a family's
+    model does not hold and its exports carry unchanged (Qwen3.5's multi-token-prediction layers,
+    ``mtp.*``). Read key by key (the rest of the checkpoint is not loaded)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")) if prefixes else ():
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if key.startswith(prefixes):
+                    out[key] = handle.get_tensor(key)
+    return out
 
 
 def write_hf_folder(path: Path, config: dict, sd: dict[str, torch.Tensor]) -> None:

@@ -68,6 +68,38 @@ TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                 mlp_only_layers=[1], decoder_sparse_step=1, router_aux_loss_coef=0.001)
 
 
+#: the tiny Qwen3.5 LM (also configs/qwen3_5_tiny.yaml's): 4 layers, the published 3:1 pattern
+#: (3 Gated DeltaNet, then gated attention); attention heads 4 / KV 2 of 32 (rotary on 8 channels:
+#: M-RoPE sections 2, 1, 1); DeltaNet key heads 2 of 16, value heads 4 of 8 (two value heads per
+#: key head, K != V); MoE: 4 experts of 48, top-2, a shared expert of 40
+TINY_QWEN3_5 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4)
+TINY_QWEN3_5_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                        shared_expert_intermediate_size=40, router_aux_loss_coef=0.001)
+
+
+def build_tiny_qwen3_5(out: Path, *, moe: bool = False, vocab: int = 300,
+                       tokens: dict | None = None, max_positions: int = 512, seed: int = 0,
+                       text: dict | None = None) -> Path:
+    """Save a tiny fp32 Qwen3.5 (``moe``: Qwen3.5 MoE) built with transformers (weights perturbed
+    well beyond the default init); ``text``: ``text_config`` keys to change."""
+    import transformers as tf
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True, "partial_rotary_factor": 0.25}
+    text_config = dict(vocab_size=vocab, max_position_embeddings=max_positions,
+                       rope_parameters=rope, **TINY_QWEN3_5,
+                       **(TINY_QWEN3_5_MOE if moe else {}), **(text or {}))
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                  patch_size=16, num_position_embeddings=16)
+    config = (tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config)(
+        text_config=text_config, vision_config=vision, **(tokens or TOKENS))
+    cls = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
+    return save_perturbed(cls, config, out, seed)
+
+
 NEMOTRON_TOKENS = dict(image_token_id=420, video_token_id=421)
 
 

@@ -53,6 +53,10 @@ Patches ``activate()`` applies (on CPU only; with CUDA every one of them is mega
   ``models/cpu/mamba.py``, the decode-step kernels None (megatron's torch decode step), packed
   training sequences reported supported (the torch scan restarts at every ``seq_idx`` change).
   GPU: mamba_ssm.
+- ``models.gated_deltanet`` (Qwen3.5's Gated DeltaNet layers): the fla-core / causal-conv1d
+  kernels are the plain-torch versions of ``models/cpu/gated_delta.py`` (packed sequences
+  restart per segment, as the GPU kernels with ``cu_seqlens`` / ``seq_idx``). GPU: fla-core and
+  causal-conv1d.
 
 Named device decisions for the run code (each the GPU value with CUDA): ``distributed_backend``,
 ``compute_device``, ``cuda_rng_state`` / ``set_cuda_rng_state``, ``peak_memory_gb``,
@@ -263,6 +267,7 @@ def _patch_megatron() -> None:
     _use_cpu_rng_tracker()
     _use_local_mamba_final_norm()
     _use_torch_mamba_kernels()
+    _use_torch_gated_delta_kernels()
 
 
 _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -371,6 +376,19 @@ def _use_torch_mamba_kernels() -> None:
     for name in ("causal_conv1d_update", "selective_state_update"):
         setattr(mamba_mixer, name, None)
     mamba_mixer.HAVE_MAMBA_SSM = True
+
+
+def _use_torch_gated_delta_kernels() -> None:
+    """The Gated DeltaNet layer's kernels (``models.gated_deltanet``: fla-core's delta rule,
+    causal-conv1d) as the torch versions of ``models/cpu/gated_delta.py`` where the packages are
+    absent."""
+    from models import gated_deltanet
+    from models.cpu import gated_delta
+
+    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+                 "causal_conv1d_fn", "causal_conv1d_update"):
+        if getattr(gated_deltanet, name) is None:
+            setattr(gated_deltanet, name, getattr(gated_delta, name))
 
 
 def _sharded_gated_norm(norm_class):

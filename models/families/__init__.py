@@ -28,6 +28,8 @@ PACKAGES = {
     F.QWEN2_5_VL: "models.families.qwen_vl",
     F.QWEN3_VL: "models.families.qwen_vl",
     F.QWEN3_VL_MOE: "models.families.qwen_vl",
+    F.QWEN3_5: "models.families.qwen3_5",
+    F.QWEN3_5_MOE: "models.families.qwen3_5",
     F.NEMOTRON_OMNI: "models.families.nemotron_omni",
 }
 FAMILIES = tuple(PACKAGES)

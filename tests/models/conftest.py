@@ -17,6 +17,8 @@ TINY_CONFIGS = {
     "qwen2_5_vl": ("qwen2_5_vl_tiny.yaml", ["lm.max_position_embeddings=512"]),
     "qwen3_vl": ("qwen3_vl_tiny.yaml", ["lm.max_position_embeddings=512"]),
     "nemotron_omni": ("nemotron_omni_tiny.yaml", []),
+    "qwen3_5": ("qwen3_5_tiny.yaml", []),
+    "qwen3_5_moe": ("qwen3_5_moe_tiny.yaml", []),
 }
 
 

@@ -1,8 +1,8 @@
-"""Packed batches through both VLM families: megatron's THD path (the rows flattened into one
+"""Packed batches through the VLM families: megatron's THD path (the rows flattened into one
 sequence over ``cu_seqlens``; on CPU ``models.segment_attention.PackedCausalAttention`` stands in
 for TE's varlen attention, and Mamba layers restart their conv window and state at every
-segment: ``models.cpu.mamba``) gives every packed sample the logits and per-token losses it has
-alone."""
+segment: ``models.cpu.mamba``, as do Gated DeltaNet layers: ``models.cpu.gated_delta``) gives
+every packed sample the logits and per-token losses it has alone."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from tests.models.conftest import build_tiny
 IGNORE = -100
 #: (family, overrides): Qwen2.5-VL, Qwen3-VL (DeepStack rows land on the flattened tokens), and
 #: Nemotron-Omni with Mamba and MoE layers (images and videos share one context token:
-#: visual_kinds)
-CASES = [("qwen2_5_vl", ()), ("qwen3_vl", ()), ("nemotron_omni", ("lm.pattern='ME*E'",))]
+#: visual_kinds), Qwen3.5 dense and MoE (Gated DeltaNet layers restart their conv and state per
+#: sample: ``models.gated_deltanet``)
+CASES = [("qwen2_5_vl", ()), ("qwen3_vl", ()), ("nemotron_omni", ("lm.pattern='ME*E'",)),
+         ("qwen3_5", ()), ("qwen3_5_moe", ())]
 
 
 def with_labels(case: dict) -> dict:

@@ -1,5 +1,6 @@
-"""The Qwen-VL family package of the data side: Qwen2.5-VL, Qwen3-VL (dense) and Qwen3-VL MoE
-(whose processor is Qwen3-VL's: its profile has the Qwen3-VL geometry and hooks).
+"""The Qwen-VL family package of the data side: Qwen2.5-VL, Qwen3-VL (dense) and Qwen3-VL MoE,
+and Qwen3.5 / Qwen3.5 MoE (whose processor is Qwen3-VL's: their profiles have the Qwen3-VL
+geometry and hooks; the special-token ids come from each model's tokenizer).
 
 - ``geometry.py``: every size the processors impose (``QwenVLGeometry``: resize, grids, token
   counts, frame picks, pixel rows), equal to transformers';
@@ -14,7 +15,13 @@ from __future__ import annotations
 
 from contract import families as F
 from energon_tasks.families import Profile
-from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE
+from energon_tasks.families.qwen_vl.geometry import (
+    QWEN2_5_VL,
+    QWEN3_5,
+    QWEN3_5_MOE,
+    QWEN3_VL,
+    QWEN3_VL_MOE,
+)
 from energon_tasks.families.qwen_vl.hooks import QwenVLHooks
 
 PROFILES = (
@@ -24,4 +31,8 @@ PROFILES = (
             hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen3-VL-8B-Instruct"),
     Profile(name=F.QWEN3_VL_MOE, family=F.PROFILES[F.QWEN3_VL_MOE], geometry=QWEN3_VL_MOE,
             hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen3-VL-30B-A3B-Instruct"),
+    Profile(name=F.QWEN3_5, family=F.PROFILES[F.QWEN3_5], geometry=QWEN3_5,
+            hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen3.5-9B"),
+    Profile(name=F.QWEN3_5_MOE, family=F.PROFILES[F.QWEN3_5_MOE], geometry=QWEN3_5_MOE,
+            hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen3.5-35B-A3B"),
 )

@@ -20,6 +20,8 @@ from types import ModuleType
 from models.families.qwen_vl import config
 from models.families.qwen_vl.flops import lm_flops, patch_embed_flops, vision_flops
 from models.families.qwen_vl.verify_inputs import hf_inputs, verify_inputs
+from models.qwen_vision_config import processor_files as qwen_processor_files
+from models.qwen_vision_config import processor_settings
 
 __all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
            "model_class", "num_experts", "parameter_group", "patch_embed_flops",
@@ -43,49 +45,18 @@ def hf_model_class(model_type: str) -> type:
     return getattr(transformers, config.VARIANTS[model_type].architecture)
 
 
-def processor_settings(image: dict, video: dict) -> tuple[dict, dict]:
-    """``preprocessor_config.json`` ``min_pixels`` / ``max_pixels`` (the hub files of
-    Qwen2.5-VL) or ``size.shortest_edge`` / ``size.longest_edge`` (transformers 5.x) ->
-    ``min_pixels`` / ``max_pixels``; the same keys of the video processor -> ``video_min_pixels``
-    / ``video_max_pixels``; geometry: ``patch_size`` / ``merge_size``."""
-    values: dict = {}
-    for prefix, processor in (("", image), ("video_", video)):
-        size = processor.get("size") or {}
-        low = processor.get("min_pixels", size.get("shortest_edge"))
-        high = processor.get("max_pixels", size.get("longest_edge"))
-        if low is not None:
-            values[f"{prefix}min_pixels"] = int(low)
-        if high is not None:
-            values[f"{prefix}max_pixels"] = int(high)
-    geometry = {k: image[k] for k in ("patch_size", "merge_size") if image.get(k)}
-    return values, geometry
-
-
 def processor_files(cfg: config.QwenVLModelConfig, task_encoder: dict) -> dict[str, dict]:
-    """The processor files of an export whose run named no HF model (the inverse of
-    ``processor_settings``): transformers' Qwen2-VL image processor and the family's video
-    processor with the run's pixel limits and the tower's geometry, the processor class, and the
+    """The processor files of an export whose run named no HF model
+    (``models.qwen_vision_config.processor_files``): the family's video processor and the
     normalisation the task encoder used (CLIP's on 2.5, 0.5 on 3)."""
     from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
     qwen3 = cfg.variant.text_v3
     mean, std = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)) if qwen3 else (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
-    common = {**vision_geometry(cfg), "image_mean": list(mean), "image_std": list(std),
-              "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
-              "do_normalize": True, "do_convert_rgb": True}
-
-    def limits(low, high) -> dict:
-        size = {k: v for k, v in (("shortest_edge", low), ("longest_edge", high)) if v}
-        return {"min_pixels": low, "max_pixels": high, "size": size} if size else {}
-
-    image = {"image_processor_type": "Qwen2VLImageProcessor", **common,
-             **limits(task_encoder.get("min_pixels"), task_encoder.get("max_pixels"))}
-    video = {"video_processor_type": "Qwen3VLVideoProcessor" if qwen3 else
-             "Qwen2VLVideoProcessor", **common,
-             **limits(task_encoder.get("video_min_pixels"), task_encoder.get("video_max_pixels"))}
-    processor = {"processor_class": "Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor"}
-    return {"preprocessor_config.json": image, "video_preprocessor_config.json": video,
-            "processor_config.json": processor}
+    return qwen_processor_files(
+        vision_geometry(cfg), task_encoder, mean=mean, std=std,
+        video_processor="Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor",
+        processor_class="Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor")
 
 
 def vision_geometry(cfg: config.QwenVLModelConfig) -> dict[str, int]:

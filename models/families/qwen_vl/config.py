@@ -20,6 +20,7 @@ from typing import Any
 from contract.families import QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE
 from models.model_config import build_model_config, load_model_yaml
 from models.model_config import hf_value as _get
+from models.qwen_vision_config import VisionConfig, vision_from_hf, vision_to_hf
 from models.recompute import check_mode
 
 
@@ -38,6 +39,11 @@ class Variant:
     learned_positions: bool  #: 3: interpolated position table, patch bias, DeepStack
     moe: bool = False  #: the LM's MLPs are MoE layers (Qwen3-VL MoE), dense where the config says
 
+    @property
+    def deepstack(self) -> bool:
+        """Qwen3-VL's DeepStack mergers (every tower with learned positions here)."""
+        return self.learned_positions
+
 
 VARIANTS = {
     QWEN2_5_VL: Variant(architecture="Qwen2_5_VLForConditionalGeneration",
@@ -54,28 +60,6 @@ VARIANTS = {
                           windowed=False, learned_positions=True, moe=True),
 }
 FAMILIES = tuple(VARIANTS)
-
-
-@dataclass(kw_only=True, slots=True)
-class VisionConfig:
-    """Vision tower shape. Fields marked (2.5) or (3) apply to one family only."""
-
-    depth: int  #: number of ViT blocks
-    hidden_size: int  #: ViT width
-    intermediate_size: int  #: MLP width
-    num_heads: int  #: attention heads
-    out_hidden_size: int  #: merger output width (= LM hidden size)
-    in_channels: int = 3
-    patch_size: int = 14  #: 14 (2.5), 16 (3)
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    hidden_act: str = "silu"  #: "silu" gated MLP (2.5); "gelu_pytorch_tanh" plain MLP (3)
-    rope_theta: float = 10000.0  #: 2D vision rotary base
-    norm_eps: float = 1e-6
-    window_size: int = 112  #: (2.5) window side in pixels
-    fullatt_block_indexes: list[int] = field(default_factory=list)  #: (2.5) full-attention blocks
-    num_position_embeddings: int = 0  #: (3) learned position table size (a square)
-    deepstack_visual_indexes: list[int] = field(default_factory=list)  #: (3) DeepStack taps
 
 
 @dataclass(kw_only=True, slots=True)
@@ -195,23 +179,7 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
         max_position_embeddings=_get(text, "max_position_embeddings", 128000),
         **(_moe_fields(text) if variant.moe else {}),
     )
-    vrope = _get(vis, "rope_parameters") or {}
-    vision = VisionConfig(
-        depth=_get(vis, "depth"), hidden_size=_get(vis, "hidden_size"),
-        intermediate_size=_get(vis, "intermediate_size"), num_heads=_get(vis, "num_heads"),
-        out_hidden_size=_get(vis, "out_hidden_size"), in_channels=_get(vis, "in_channels", 3),
-        patch_size=_get(vis, "patch_size"), temporal_patch_size=_get(vis, "temporal_patch_size", 2),
-        spatial_merge_size=_get(vis, "spatial_merge_size", 2),
-        hidden_act=_get(vis, "hidden_act", variant.vision_act),
-        rope_theta=float(vrope.get("rope_theta", 10000.0)),
-        window_size=_get(vis, "window_size", 112) if variant.windowed else 0,
-        fullatt_block_indexes=(list(_get(vis, "fullatt_block_indexes", ()) or ())
-                               if variant.windowed else []),
-        num_position_embeddings=(_get(vis, "num_position_embeddings", 0)
-                                 if variant.learned_positions else 0),
-        deepstack_visual_indexes=(list(_get(vis, "deepstack_visual_indexes", ()) or ())
-                                  if variant.learned_positions else []),
-    )
+    vision = vision_from_hf(vis, variant)
     return QwenVLModelConfig(
         family=model_type, vision=vision, lm=lm,
         image_token_id=_get(hf, "image_token_id", 151655),
@@ -256,17 +224,7 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
                     moe_intermediate_size=t.moe_intermediate_size,
                     decoder_sparse_step=t.decoder_sparse_step, mlp_only_layers=t.mlp_only_layers,
                     router_aux_loss_coef=t.router_aux_loss_coef, norm_topk_prob=True)
-    vision = {"model_type": f"{cfg.family}_vision",
-              "depth": v.depth, "hidden_size": v.hidden_size,
-              "intermediate_size": v.intermediate_size, "num_heads": v.num_heads,
-              "out_hidden_size": v.out_hidden_size, "in_channels": v.in_channels,
-              "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
-              "spatial_merge_size": v.spatial_merge_size, "hidden_act": v.hidden_act}
-    if variant.learned_positions:
-        vision.update(num_position_embeddings=v.num_position_embeddings,
-                      deepstack_visual_indexes=v.deepstack_visual_indexes)
-    if variant.windowed:
-        vision.update(window_size=v.window_size, fullatt_block_indexes=v.fullatt_block_indexes)
+    vision = vision_to_hf(v, cfg.family, variant)
     return {"architectures": [variant.architecture], "model_type": cfg.family, "text_config": text,
             "vision_config": vision, "tie_word_embeddings": t.tie_embeddings,
             "image_token_id": cfg.image_token_id, "video_token_id": cfg.video_token_id,

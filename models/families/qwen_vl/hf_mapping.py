@@ -23,12 +23,12 @@ vLLM load.
 from __future__ import annotations
 
 import functools
-import re
 
 import torch
 
 from models import hf_weights
 from models.families.qwen_vl.config import QwenVLModelConfig
+from models.hf_weights import fuse_experts, split_fused_experts
 
 L, V = "model.language_model.layers.{i}.", "model.visual.blocks.{i}."
 OL, OV = "language_model.decoder.layers.{i}.", "vision.layers.{i}."
@@ -104,9 +104,6 @@ MOE_LAYER = {
 }
 DENSE_MLP = tuple(L + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
 TABLES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL}
-#: the fused expert tensors of a Qwen3-VL MoE checkpoint (no ``.weight`` suffix)
-FUSED = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts\.)"
-                   r"(gate_up_proj|down_proj)$")
 #: Qwen2.5-VL checkpoints on the hub use the legacy prefixes (transformers < 4.52 layout).
 LEGACY_PREFIXES = {
     "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
@@ -153,74 +150,6 @@ def to_hub_hf_key(key: str, family: str) -> str:
         if key.startswith(new):
             return old + key[len(new):]
     return key
-
-
-# ------------------------------------------------------------------ fused experts
-def split_fused_experts(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig
-                        ) -> dict[str, torch.Tensor]:
-    """``hf_sd`` with each MoE layer's fused ``gate_up_proj`` / ``down_proj`` replaced by the
-    per-expert keys of the table (layout decided by shape: module docstring).
-
-    Raises:
-        ValueError: a fused tensor of a shape neither layout has (key, shape, both layouts
-            named), or a layer with only one of the two.
-    """
-    fused: dict[str, dict[str, torch.Tensor]] = {}
-    out = {}
-    for key, value in hf_sd.items():
-        match = FUSED.match(key)
-        if match:
-            fused.setdefault(match.group(1), {})[match.group(2)] = value
-        else:
-            out[key] = value
-    t = cfg.lm
-    e, h, i = t.num_experts, t.hidden_size, t.moe_intermediate_size
-    layouts = {"published": {"gate_up_proj": (e, h, 2 * i), "down_proj": (e, i, h)},
-               "transformers": {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}}
-    for prefix, pair in fused.items():
-        if set(pair) != {"gate_up_proj", "down_proj"}:
-            missing = ({"gate_up_proj", "down_proj"} - set(pair)).pop()
-            raise ValueError(f"HF checkpoint lacks {prefix + missing!r} (it has "
-                             f"{prefix + next(iter(pair))!r})")
-        fits = [name for name, shapes in layouts.items()
-                if all(tuple(pair[k].shape) == shapes[k] for k in shapes)]
-        if not fits:
-            shapes = {k: tuple(v.shape) for k, v in pair.items()}
-            raise ValueError(f"{prefix}gate_up_proj / down_proj have shapes "
-                             f"{shapes['gate_up_proj']} / {shapes['down_proj']}: expected the "
-                             f"published layout {layouts['published']['gate_up_proj']} / "
-                             f"{layouts['published']['down_proj']} or transformers' "
-                             f"{layouts['transformers']['gate_up_proj']} / "
-                             f"{layouts['transformers']['down_proj']} (E, H, I = {e}, {h}, {i})")
-        gate_up, down = pair["gate_up_proj"], pair["down_proj"]
-        if fits[0] == "published":  # x @ W: to the (out, in) of a linear
-            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        for n in range(e):
-            gate, up = gate_up[n].chunk(2, dim=0)
-            out[f"{prefix}{n}.gate_proj.weight"] = gate
-            out[f"{prefix}{n}.up_proj.weight"] = up
-            out[f"{prefix}{n}.down_proj.weight"] = down[n]
-    return out
-
-
-def fuse_experts(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig
-                 ) -> dict[str, torch.Tensor]:
-    """The per-expert keys of each MoE layer as the published fused tensors: gate_up
-    (E, H, 2I) = [gate; up]^T per expert, down (E, I, H)."""
-    if not any(cfg.lm.moe_layers):
-        return hf_sd
-    out = {k: v for k, v in hf_sd.items() if ".mlp.experts." not in k}
-    for i, moe in enumerate(cfg.lm.moe_layers):
-        if not moe:
-            continue
-        prefix = L.format(i=i) + "mlp.experts."
-        experts = range(cfg.lm.num_experts)
-        out[prefix + "gate_up_proj"] = torch.stack([torch.cat(
-            [hf_sd[f"{prefix}{n}.gate_proj.weight"], hf_sd[f"{prefix}{n}.up_proj.weight"]]).T
-            for n in experts]).contiguous()
-        out[prefix + "down_proj"] = torch.stack(
-            [hf_sd[f"{prefix}{n}.down_proj.weight"].T for n in experts]).contiguous()
-    return out
 
 
 # ------------------------------------------------------------------ conversions

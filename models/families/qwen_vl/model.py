@@ -35,8 +35,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.cpu import use_te_by_default
 from models.families.qwen_vl.config import QwenVLModelConfig
-from models.families.qwen_vl.vision import QwenVisionEncoder
+from models.mrope import megatron_mrope_section
 from models.multimodal import LanguageModelRunner, scatter_visual
+from models.qwen_vision import QwenVisionEncoder
 from models.recompute import transformer_config_kwargs
 from models.segment_attention import with_packed_attention
 from models.vision_dp import CostModel, VisionDPOverCP
@@ -46,28 +47,6 @@ from models.vision_dp import CostModel, VisionDPOverCP
 #: 8.2e8 * p + 1.24e5 * p**2 FLOPs
 COST_MODELS = {"qwen2_5_vl": CostModel(per_patch=1.0, per_patch_sq=1.6e-5),
                "qwen3_vl": CostModel(per_patch=1.0, per_patch_sq=1.5e-4)}
-
-
-def megatron_mrope_section(section: list[int], interleaved: bool) -> list[int]:
-    """megatron chunk list (chunk j takes axis j % 3) reproducing HF's M-RoPE layout."""
-    if not interleaved:
-        return list(section)
-    half = sum(section)
-    owner = [0] * half  # HF Qwen3-VL: h on 1, 4, 7, ... < 3*h; w on 2, 5, 8, ... < 3*w
-    for axis, start in ((1, 1), (2, 2)):
-        for i in range(start, 3 * section[axis], 3):
-            owner[i] = axis
-    chunks: list[int] = []
-    for axis in owner:
-        if chunks and (len(chunks) - 1) % 3 == axis:
-            chunks[-1] += 1
-            continue
-        while len(chunks) % 3 != axis:
-            chunks.append(0)
-        chunks.append(1)
-    while len(chunks) % 3:
-        chunks.append(0)
-    return chunks
 
 
 def lm_transformer_config(cfg: QwenVLModelConfig, use_te: bool = False) -> TransformerConfig:

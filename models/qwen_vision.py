@@ -1,4 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL vision encoders on megatron-core transformer layers.
+"""The Qwen ViT (Qwen2.5-VL, Qwen3-VL, Qwen3.5) on megatron-core transformer layers, shared by
+the families that use it (``models/families/qwen_vl``, ``models/families/qwen3_5``).
 
 This module owns the vision tower: patch embedding (the Conv3d over a temporal patch of 2 with
 stride = kernel, written as the equivalent Linear over a flattened patch row), the 2D rotary
@@ -13,6 +14,11 @@ the merger), full attention in ``fullatt_block_indexes``.
 Qwen3-VL: LayerNorm, GELU(tanh) MLP with biases, learned position embeddings bilinearly
 interpolated (align_corners) from a square table, full attention per temporal slice everywhere,
 DeepStack mergers on the outputs of ``deepstack_visual_indexes`` blocks.
+Qwen3.5: Qwen3-VL's tower without DeepStack (no ``deepstack_visual_indexes``).
+
+The model config it takes (``cfg``) has ``vision`` (``models.qwen_vision_config.VisionConfig``),
+``variant`` (``vision_norm``, ``gated_mlp``, ``windowed``, ``learned_positions``), ``family`` and
+``recompute``.
 
 ``forward(pixel_values, grid_thw) -> (embeds, deepstack)``: embeds (sum t*h*w/4, out_hidden),
 deepstack a list (one per DeepStack index, empty for Qwen2.5-VL) of tensors of the same shape.
@@ -29,12 +35,12 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from models.families.qwen_vl.config import QwenVLModelConfig, Variant, VisionConfig
+from models.qwen_vision_config import VisionConfig
 from models.recompute import run_layer, transformer_config_kwargs
 from models.vision_layers import ACTIVATIONS, tower_sharded_state_dict, vision_layer_spec
 
 
-def vision_transformer_config(v: VisionConfig, variant: Variant, recompute: str = "none"
+def vision_transformer_config(v: VisionConfig, variant, recompute: str = "none"
                               ) -> TransformerConfig:
     return TransformerConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, ffn_hidden_size=v.intermediate_size,
@@ -135,9 +141,9 @@ def interpolation_taps(grid_thw: torch.Tensor, side: int, merge: int):
 
 # ------------------------------------------------------------------ the encoder
 class QwenVisionEncoder(MegatronModule):
-    """The vision tower of Qwen2.5-VL or Qwen3-VL (see module docstring)."""
+    """The vision tower of Qwen2.5-VL, Qwen3-VL or Qwen3.5 (see module docstring)."""
 
-    def __init__(self, cfg: QwenVLModelConfig, *, use_te: bool):
+    def __init__(self, cfg, *, use_te: bool):
         v = cfg.vision
         tconfig = vision_transformer_config(v, cfg.variant, cfg.recompute)
         self.recompute = cfg.recompute

@@ -1,0 +1,205 @@
+"""Gated DeltaNet, the linear-attention mixer of Qwen3.5 / Qwen3-Next, as a megatron-core
+``self_attention`` module that takes packed sequences and caches its state for generation.
+
+This module owns the layer (``GatedDeltaNet``) and its local layer spec (``gdn_layer_spec``).
+Per token (heads of K / V width; each q/k head serves ``num_value_heads / num_key_heads``
+consecutive value heads):
+
+    q, k, v = SiLU(causal depthwise conv(x W_q | x W_k | x W_v))        (kernel w, no bias)
+    q, k = L2-normalised;  beta = sigmoid(x W_b);  g = -exp(A_log) * softplus(x W_a + dt_bias)
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(K)
+    out = (RMSNorm(o_t) * w_norm * SiLU(x W_z)) W_out                   (norm per value head)
+
+Layout (tensor parallel): the projections are megatron ``ColumnParallelLinear``s, one per
+component (``in_proj_q / _k / _v / _z / _b / _a``: every weight a plain row block per rank, so
+dist checkpoints reshard at any TP and the HF import slices by ``partition_dim`` alone), the
+depthwise conv weights (``conv_q / _k / _v`` (channels, w)), ``dt_bias`` and ``A_log`` are split
+the same way (heads per rank: whole key heads with their value heads), the gated norm's weight
+(V) is replicated, ``out_proj`` is a ``RowParallelLinear``. With sequence parallelism the column
+projections gather the sequence and ``out_proj`` scatters it again (the mixer itself runs on the
+whole sequence of this rank's heads).
+
+Packed sequences (THD, ``packed_seq_params.cu_seqlens_q``): the conv window never reaches into
+an earlier sample (``seq_idx``) and the recurrence restarts from a zero state at every boundary
+(the kernel's ``cu_seqlens``): a packed sample equals the same sample alone.
+
+Generation (megatron's static ``inference_context``, as its Mamba mixer): the prefill
+(``sequence_len_offset == 0``) runs the chunked rule and stores, per layer, the conv state (the
+last w - 1 inputs of the conv, (b, channels, w - 1)) and the recurrent state (b, heads, K, V)
+float32 in ``key_value_memory_dict[layer_number]``; every decode step (one token) updates both in
+place (``causal_conv1d_update``, ``fused_recurrent_gated_delta_rule``). A left pad would enter
+the state: callers generate prompts of unequal length apart (models/generate.py does so for
+recurrent layers).
+
+Kernels: flash-linear-attention (``fla-core``: ``chunk_gated_delta_rule``,
+``fused_recurrent_gated_delta_rule``) and Dao's ``causal_conv1d`` on GPU; without them (CPU) the
+torch versions of models/cpu/gated_delta.py, bound here by ``models.cpu.activate``. Building the
+layer without either is refused with one line. megatron-core versions: 0.16.1 (installed) ships a
+``GatedDeltaNet`` that refuses packed sequences and inference and needs ``fla`` to build; packing
+and context parallelism for it ship in 0.18. This layer is used with every version (the model's
+spec names it), so results do not depend on the installed megatron-core; the switch to
+megatron's own layer, once the project moves to >= 0.18, is a spec change (its checkpoint names
+differ: one fused ``in_proj``).
+
+Context parallelism is not supported yet (refused by the family's ``layout_problems``). The
+intended design: an all-to-all around the mixer that gives each CP rank the whole sequence of
+1 / CP of the heads (the heads are independent), then back; the projections stay sequence-split.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+from torch import nn
+
+try:  # GPU kernels (flash-linear-attention, causal-conv1d); CPU: models.cpu binds torch ones
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+except ImportError:
+    chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
+try:
+    from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+except ImportError:
+    causal_conv1d_fn = causal_conv1d_update = None
+
+PARTS = ("q", "k", "v")
+
+
+def segment_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, length) int32 segment number of every token of a packed row."""
+    sizes = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.repeat_interleave(torch.arange(len(sizes), device=cu_seqlens.device), sizes)
+    return ids.to(torch.int32)[None, :length]
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head times SiLU(z) (transformers' ``Qwen3_5RMSNormGated``: the
+    weight applied as is, not zero-centred)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * out.to(dtype)
+        return (out * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(MegatronModule):
+    """The Gated DeltaNet mixer (module docstring); megatron's ``self_attention`` interface:
+    (s, b, h) -> ((s, b, h), None)."""
+
+    #: generation keeps a state per row that a left pad would enter (models/generate.py)
+    recurrent_state = True
+
+    def __init__(self, config, layer_number: int | None = None, **_unused):
+        super().__init__(config=config)
+        if chunk_gated_delta_rule is None or causal_conv1d_fn is None:
+            raise ValueError("Gated DeltaNet layers need the fla-core and causal-conv1d packages "
+                             "(CUDA kernels) on GPU; they are not installed")
+        self.layer_number = layer_number
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        c = config
+        self.key_dim, self.value_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        key_heads, value_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        if key_heads % tp or value_heads % key_heads:
+            raise ValueError(f"Gated DeltaNet: {key_heads} key heads / {value_heads} value heads "
+                             f"do not split over tensor parallel {tp}")
+        self.key_heads, self.value_heads = key_heads // tp, value_heads // tp
+        self.width = c.linear_conv_kernel_dim
+        widths = {"q": key_heads * self.key_dim, "k": key_heads * self.key_dim,
+                  "v": value_heads * self.value_dim, "z": value_heads * self.value_dim,
+                  "b": value_heads, "a": value_heads}
+
+        def column(out: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(c.hidden_size, out, config=c, init_method=c.init_method,
+                                        bias=False, gather_output=False, skip_bias_add=True)
+
+        for name, out in widths.items():
+            setattr(self, f"in_proj_{name}", column(out))
+        for name in PARTS:
+            self._sharded(f"conv_{name}", torch.empty(widths[name] // tp, self.width))
+            nn.init.uniform_(getattr(self, f"conv_{name}"), -self.width ** -0.5,
+                             self.width ** -0.5)
+        self._sharded("dt_bias", torch.ones(self.value_heads))
+        self._sharded("A_log", torch.empty(self.value_heads).uniform_(1, 16).log())
+        self.norm = GatedRMSNorm(self.value_dim, c.layernorm_epsilon)
+        self.out_proj = RowParallelLinear(widths["v"], c.hidden_size, config=c,
+                                          init_method=c.output_layer_init_method, bias=False,
+                                          input_is_parallel=True, skip_bias_add=True)
+
+    def _sharded(self, name: str, value: torch.Tensor) -> None:
+        param = nn.Parameter(value.to(self.config.params_dtype))
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
+        setattr(self, name, param)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import (
+            make_sharded_tensors_for_checkpoint,
+            sharded_state_dict_default,
+        )
+
+        own = {name: p for name, p in self.named_parameters(recurse=False)}
+        out = make_sharded_tensors_for_checkpoint(own, prefix, {name: 0 for name in own},
+                                                  sharded_offsets)
+        for name, child in self.named_children():
+            out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
+                                                  metadata))
+        return out
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, hidden_states, attention_mask=None, inference_context=None,
+                packed_seq_params=None, inference_params=None, **_unused):
+        """hidden_states (s, b, h) -> (out (s, b, h), None); ``packed_seq_params``: THD
+        segments (b = 1); ``inference_context``: megatron's static context (prefill / decode)."""
+        context = inference_context or inference_params
+        if context is not None and self.training:
+            context = None
+        proj = {name: getattr(self, f"in_proj_{name}")(hidden_states)[0].transpose(0, 1)
+                for name in ("q", "k", "v", "z", "b", "a")}  # (b, s, width) each
+        batch, length = proj["q"].shape[:2]
+        x = torch.cat([proj[name] for name in PARTS], -1)  # the conv's input channels
+        weight = torch.cat([getattr(self, f"conv_{name}") for name in PARTS], 0)
+        decode = context is not None and context.sequence_len_offset > 0
+        if decode:
+            conv_state, state = context.key_value_memory_dict[self.layer_number]
+            if length != 1:
+                raise ValueError(f"Gated DeltaNet decode steps take one token, got {length}")
+            mixed = causal_conv1d_update(x[:, 0], conv_state, weight, None, "silu")[:, None]
+        else:
+            seq_idx = cu = None
+            if packed_seq_params is not None:
+                cu = packed_seq_params.cu_seqlens_q
+                seq_idx = segment_index(cu, length)
+            mixed = causal_conv1d_fn(x.transpose(1, 2), weight, None, seq_idx=seq_idx,
+                                     activation="silu").transpose(1, 2)
+        sizes = [self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim]
+        q, k, v = mixed.split(sizes, -1)
+        repeat = self.value_heads // self.key_heads
+        q, k = (t.reshape(batch, length, self.key_heads, self.key_dim)
+                .repeat_interleave(repeat, dim=2) for t in (q, k))
+        v = v.reshape(batch, length, self.value_heads, self.value_dim)
+        beta = proj["b"].sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(proj["a"].float() + self.dt_bias.float())
+        if decode:
+            out, state = fused_recurrent_gated_delta_rule(
+                q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                use_qk_l2norm_in_kernel=True)
+            context.key_value_memory_dict[self.layer_number][1].copy_(state)
+        else:
+            out, state = chunk_gated_delta_rule(
+                q, k, v, g=g, beta=beta, output_final_state=context is not None,
+                cu_seqlens=None if cu is None else cu.long(), use_qk_l2norm_in_kernel=True)
+            if context is not None:  # the prefill: this layer's state for the decode steps
+                tail = F.pad(x.transpose(1, 2), (max(self.width - 1 - length, 0), 0))
+                context.key_value_memory_dict[self.layer_number] = (
+                    tail[..., -(self.width - 1):].contiguous(), state.float())
+        z = proj["z"].reshape(batch, length, self.value_heads, self.value_dim)
+        out = self.norm(out, z).reshape(batch, length, -1).transpose(0, 1)
+        return self.out_proj(out.contiguous())[0], None

@@ -1,0 +1,151 @@
+"""Qwen3.5 (``qwen3_5``) and Qwen3.5 MoE (``qwen3_5_moe``) on megatron-core against
+transformers' ``Qwen3_5(Moe)ForConditionalGeneration`` on tiny models (tests/tiny_hf.py: three
+Gated DeltaNet layers then gated attention, rotary on a quarter of each head, two value heads per
+key head, K != V; MoE: 4 experts + a gated shared expert): the CPU kernels against transformers'
+torch path (several chunks, packed segments, the decode step), logits with images and a video,
+the export in the published layout with the MTP weights carried unchanged, greedy generation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.tiny_hf import build_tiny_qwen3_5
+
+TOL = 1e-4
+#: what the published checkpoints carry besides the model: one MTP layer (a few of its tensors)
+MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,),
+       "mtp.layers.0.self_attn.q_proj.weight": (256, 64)}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, Path]:
+    """family -> a tiny HF folder; the dense one with ``mtp.*`` tensors added, as published."""
+    root = tmp_path_factory.mktemp("qwen3_5")
+    dense = build_tiny_qwen3_5(root / "dense")
+    weights = load_file(str(dense / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    weights.update({key: torch.randn(shape, generator=g) for key, shape in MTP.items()})
+    save_file(weights, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    return {"qwen3_5": dense, "qwen3_5_moe": build_tiny_qwen3_5(root / "moe", moe=True)}
+
+
+@pytest.fixture(scope="module")
+def imported(hf_models, tmp_path_factory) -> dict[str, Path]:
+    from models.convert import hf_to_mcore
+
+    root = tmp_path_factory.mktemp("qwen3_5_mcore")
+    for family, folder in hf_models.items():
+        hf_to_mcore(str(folder), root / family, tp=1, pp=1)
+    return {family: root / family for family in hf_models}
+
+
+def test_cpu_kernels_equal_transformers_torch_path():
+    """The chunked rule over several chunks (GVA heads repeated), the token-by-token decode step
+    and the conv equal transformers' torch functions; packed segments equal each alone."""
+    import torch.nn.functional as F
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from models.cpu import gated_delta as ours
+
+    g = torch.Generator().manual_seed(0)
+    b, t, h, k, v = 2, 150, 4, 16, 8
+    q, key = torch.randn(b, t, h, k, generator=g), torch.randn(b, t, h, k, generator=g)
+    value = torch.randn(b, t, h, v, generator=g)
+    decay, beta = -torch.rand(b, t, h, generator=g), torch.rand(b, t, h, generator=g)
+    args = dict(g=decay, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want, want_state = hf.torch_chunk_gated_delta_rule(q, key, value, **args)
+    for fn in (ours.chunk_gated_delta_rule, ours.fused_recurrent_gated_delta_rule):
+        out, state = fn(q, key, value, **args)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(state, want_state, rtol=0, atol=1e-5)
+    cut = [70, 80]  # row 0's first 70 tokens and row 1's first 80, packed
+    packed = {name: torch.cat([x[0, :cut[0]], x[1, :cut[1]]])[None]
+              for name, x in (("q", q), ("k", key), ("v", value), ("g", decay), ("beta", beta))}
+    out, states = ours.chunk_gated_delta_rule(**packed, cu_seqlens=torch.tensor([0, 70, 150]),
+                                              output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+    for n, (start, size) in enumerate(((0, 70), (70, 80))):
+        alone, alone_state = hf.torch_chunk_gated_delta_rule(
+            q[n:n + 1, :size], key[n:n + 1, :size], value[n:n + 1, :size],
+            g=decay[n:n + 1, :size], beta=beta[n:n + 1, :size], output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[:, start:start + size], alone, rtol=0, atol=1e-5)
+        torch.testing.assert_close(states[n:n + 1], alone_state, rtol=0, atol=1e-5)
+    x, weight = torch.randn(2, 12, 9, generator=g), torch.randn(12, 4, generator=g)
+    conv = ours.causal_conv1d_fn(x, weight, activation="silu")
+    torch.testing.assert_close(conv, hf.causal_conv1d_fn(x, weight, activation="silu"))
+    state = F.pad(x[..., :-1], (3, 0))[..., -3:].clone()  # the inputs before the last token
+    step = ours.causal_conv1d_update(x[..., -1], state, weight, activation="silu")
+    torch.testing.assert_close(step, conv[..., -1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_logits_match_transformers(hf_models, imported, family):
+    """hf-to-mcore then ``verify``: one image, interleaved images, a video, each <= 1e-4."""
+    from models.convert import verify
+
+    report = verify(hf_models[family], imported[family])
+    assert set(report) == {"one_image", "images_interleaved", "video"}
+    for name, row in report.items():
+        assert row["max_abs_logit_diff"] <= TOL, (family, name, row)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_export_round_trip_is_the_published_layout(hf_models, imported, family, tmp_path):
+    """mcore-to-hf writes every tensor of the source as it was (fused ``in_proj_qkv`` /
+    ``conv1d``, experts one by one as published, the ``mtp.*`` weights carried unchanged) and
+    transformers loads the export with the source's weights."""
+    import transformers
+
+    from models.convert import mcore_to_hf
+
+    mcore_to_hf(imported[family], tmp_path / "export")
+    before = load_file(str(hf_models[family] / "model.safetensors"))
+    after = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    for key in before:
+        assert torch.equal(after[key], before[key]), key
+    if family == "qwen3_5_moe":  # the hub's layout: experts one by one
+        assert "model.language_model.layers.0.mlp.experts.3.down_proj.weight" in after
+    else:
+        assert set(MTP) <= set(after)
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["model_type"] == family
+    cls = getattr(transformers, config["architectures"][0])
+    ours = cls.from_pretrained(tmp_path / "export").state_dict()
+    theirs = cls.from_pretrained(hf_models[family]).state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_greedy_tokens_equal_transformers_generate(hf_models, imported, family):
+    """models.generate (the DeltaNet's conv and recurrent states and the attention's KV cache in
+    megatron's inference context: one prefill, then one-token steps) gives transformers'
+    ``generate`` tokens on one image, interleaved images and a video; the three prompts in one
+    call (unequal lengths: one run per length) give what each gives alone."""
+    from models.checkpoint import load_checkpoint
+    from models.convert import load_hf_model
+    from models.generate import greedy_generate
+    from models.verify_inputs import hf_inputs, make_inputs
+    from tests.models.test_nemotron_omni import _hf_greedy, _prompt
+
+    never = 10 ** 6  # outside the vocabulary: never generated
+    model, cfg = load_checkpoint(imported[family], use_te=False)
+    hf = load_hf_model(hf_models[family])
+    cases = make_inputs(cfg)
+    alone = []
+    for name, case in cases.items():
+        ours = greedy_generate(model, [_prompt(case)], eos_id=never, max_new_tokens=6)[0]
+        theirs = _hf_greedy(hf, hf_inputs(cfg, case), 6, never)
+        assert len(ours) == 6 and ours == theirs, (name, ours, theirs)
+        alone.append(ours)
+    batched = greedy_generate(model, [_prompt(c) for c in cases.values()], eos_id=never,
+                              max_new_tokens=6)
+    assert batched == alone
