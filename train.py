@@ -53,6 +53,7 @@ from recipes.checkpointing import (
 )
 from recipes.forward import NonFiniteGuard, optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
+from recipes.memory import estimate as estimate_memory
 from recipes.metrics import MetricsLogger, StepMeter
 from recipes.model_setup import base_source, build_model, check_base, freeze, import_hf_weights
 from recipes.resume import reconcile
@@ -182,6 +183,11 @@ class Trainee:
     base: dict | None
 
 
+def uses_bf16(t) -> bool:
+    """``train.precision``: bf16, or auto on a GPU."""
+    return t.precision == "bf16" or (t.precision == "auto" and cpu.bf16_by_default())
+
+
 def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     """The model (from ``model.hf``, ``train.init_checkpoint`` or random init; a resumed run
     whose checkpoints hold only what trains loads its base from there again, checked against
@@ -195,7 +201,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     from models.hf_source import resolve
 
     cfg, t = plan.config, plan.config.train
-    bf16 = t.precision == "bf16" or (t.precision == "auto" and cpu.bf16_by_default())
+    bf16 = uses_bf16(t)
     base = base_source(cfg)
     recorded = plan.resume.get("base") if plan.resume else None
     if recorded is not None:
@@ -273,6 +279,9 @@ def announce(plan: RunPlan, run: Run, trainee: Trainee, start: int) -> None:
           f"recompute {cfg.model.recompute}; "
           f"packing {'THD' if cfg.task_encoder.packing else 'off'}; "
           f"steps {start}..{cfg.train.steps}", flush=True)
+    print(f"[train] memory of rank 0 (estimate, recipes/memory.py): "
+          f"{estimate_memory(trainee.model, cfg, layout.world, uses_bf16(cfg.train)).line()}",
+          flush=True)
 
 
 def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start: int) -> None:

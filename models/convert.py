@@ -255,8 +255,13 @@ def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
     from models.lora import adapter_factors
 
     cfg, lora, mapping = found.model_config, found.lora, mapping_module(found.model_config)
+    factors = adapter_factors(sd)
+    if any(".experts." in key for key in factors):
+        raise UsageError(f"--adapter: {found.folder} adapted MoE experts (model.lora.experts="
+                         "true), which have no PEFT folder layout here (transformers' experts are "
+                         "fused tensors, not linears): export the merged model (without --adapter)")
     tensors, targets = {}, []
-    for weight_key, (a, b) in adapter_factors(sd).items():
+    for weight_key, (a, b) in factors.items():
         for hf_key, b_part in mapping.ours_to_hf({weight_key: b}, cfg, hub_layout=False,
                                                  only={weight_key}).items():
             module = hf_key.removesuffix(".weight")

@@ -210,14 +210,20 @@ def _hook(adapter: LoRAAdapter):
 
 def _global_name(model: nn.Module, name: str) -> str:
     """``name`` with each ``layers.<i>`` numbered as at PP = 1 (megatron's 1-based
-    ``layer_number`` of the layer), so an adapter is seeded alike on every pipeline layout."""
+    ``layer_number`` of the layer) and each ``local_experts.<j>`` as at EP = 1 (the MoE layer's
+    ``local_expert_indices``), so an adapter is seeded alike on every pipeline / expert layout."""
     parts = name.split(".")
     for at in range(len(parts) - 1):
         if parts[at] == "layers" and parts[at + 1].isdigit():
-            layer = model.get_submodule(".".join(parts[: at + 2]))
+            layer = model.get_submodule(".".join(name.split(".")[: at + 2]))
             number = getattr(layer, "layer_number", None)
             if isinstance(number, int):
                 parts[at + 1] = str(number - 1)
+        if parts[at] == "local_experts" and parts[at + 1].isdigit() and at >= 2:
+            moe = model.get_submodule(".".join(name.split(".")[: at - 1]))
+            indices = getattr(moe, "local_expert_indices", None)
+            if indices is not None:
+                parts[at + 1] = str(indices[int(parts[at + 1])])
     return ".".join(parts)
 
 

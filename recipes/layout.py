@@ -29,15 +29,19 @@ class Layout:
     first_in_replica: bool  #: tp, pp, cp rank 0: writes this replica's loader state
 
 
-def check_layout(world: int, tp: int, pp: int, cp: int, fixed_length: bool, ep: int = 1) -> None:
-    """Raises UsageError (every problem) when the layout cannot be built. (A sequence length
-    that 2 * CP does not divide is the run config's error: ``TaskEncoderConfig.validate``.)"""
+def check_layout(world: int, tp: int, pp: int, cp: int, fixed_length: bool, ep: int = 1,
+                 etp: int | None = None) -> None:
+    """Raises UsageError (every problem) when the layout cannot be built (``etp``: the experts'
+    tensor parallel, None: tp). (A sequence length that 2 * CP does not divide is the run
+    config's error: ``TaskEncoderConfig.validate``.)"""
     problems = []
     if world % (tp * pp * cp):
         problems.append(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
-    if ep > 1 and world % (tp * pp * ep):
-        problems.append(f"world size {world} is not divisible by tp*pp*ep = {tp}*{pp}*{ep} "
-                        "(the expert-parallel ranks come from the data-parallel ones)")
+    expert_tp, label = (tp, "tp") if etp is None else (etp, "etp")
+    if ep > 1 and world % (expert_tp * pp * ep):
+        problems.append(f"world size {world} is not divisible by {label}*pp*ep = "
+                        f"{expert_tp}*{pp}*{ep} (the expert-parallel ranks come from the "
+                        "data-parallel ones)")
     if pp > 1 and not fixed_length:
         problems.append("parallel.pp > 1 needs task_encoder.fixed_length=true")
     if pp > 1 and cp > 1:

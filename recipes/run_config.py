@@ -55,6 +55,10 @@ class ParallelConfig:
     #: expert parallel (MoE layers): each rank holds num_experts / ep experts; the EP ranks are
     #: drawn from the data-parallel ones (tp * pp * ep must divide the world size)
     ep: int = 1
+    #: expert tensor parallel (MoE layers; None: tp, megatron's default): each expert's linears
+    #: over etp ranks. train.py runs etp = tp only; the memory estimate (recipes/memory.py)
+    #: takes any, e.g. the published Qwen3-VL-235B-A22B layout (tp 4, etp 1, ep 32)
+    etp: int | None = None
     vision_dp: bool = True  #: shard the vision encoder over the CP ranks (models/vision_dp.py)
 
 

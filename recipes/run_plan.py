@@ -99,7 +99,11 @@ def check_run(cfg: RunConfig, world: int) -> None:
         if cpu.ep_needs_fixed_length() and not te_cfg.fixed_length:
             raise UsageError("parallel.ep > 1 on CPU needs task_encoder.fixed_length=true (the "
                              "CPU MoE dispatcher, allgather, needs equal token counts per rank)")
-    check_layout(world, p.tp, p.pp, p.cp, te_cfg.fixed_length, p.ep)
+    if p.etp is not None and p.etp != p.tp:
+        raise UsageError(f"parallel.etp {p.etp} (expert tensor parallel) other than parallel.tp "
+                         f"{p.tp} is not supported by train.py yet (python -m recipes.memory "
+                         "estimates such layouts)")
+    check_layout(world, p.tp, p.pp, p.cp, te_cfg.fixed_length, p.ep, p.etp)
     check_data_path(cfg.data.path)
     if cfg.train.eval_interval:
         check_split(cfg.data.path, cfg.data.val_split_part, "train.eval_interval")

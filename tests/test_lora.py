@@ -54,10 +54,19 @@ def _tiny(family: str):
     return cfg, build_model(cfg, use_te=False).eval()
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni"])
+def _random_b(model) -> None:
+    """Adapters that change the model: B drawn at random (it starts at zero)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_b.weight"):
+                param.normal_(0, 0.05)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni", "qwen3_vl_moe"])
 def test_adapters_start_at_the_base_and_merge_into_it(family):
     """B = 0: the adapted model computes the base's logits; with B drawn at random, folding the
-    adapters into the weights (``merge_adapters``) computes what the adapted model does."""
+    adapters into the weights (``merge_adapters``) computes what the adapted model does (Qwen3-VL
+    MoE: the experts' linears adapted too, ``model.lora.experts=true``)."""
     from models.convert import our_logits
     from models.families import get
     from models.lora import LoRAConfig, add_adapters, merge_adapters
@@ -65,18 +74,43 @@ def test_adapters_start_at_the_base_and_merge_into_it(family):
     cfg, model = _tiny(family)
     inputs = next(iter(get(family).verify_inputs(cfg).values()))  # an image and its text
     base = our_logits(model, inputs)
-    adapted = add_adapters(model, LoRAConfig(rank=4, alpha=8), get(family).parameter_group)
+    experts = family == "qwen3_vl_moe"
+    adapted = add_adapters(model, LoRAConfig(rank=4, alpha=8, experts=experts),
+                           get(family).parameter_group)
     assert adapted and all(n.startswith("language_model.") for n in adapted)
+    assert any(".experts." in n for n in adapted) == experts
     assert torch.equal(our_logits(model, inputs), base)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("lora_b.weight"):
-                param.normal_(0, 0.05)
+    _random_b(model)
     lora = our_logits(model, inputs)
     assert (lora - base).abs().max() > 1e-3
     assert merge_adapters(model) == len(adapted)
     assert not any("_lora." in name for name, _ in model.named_parameters())
     torch.testing.assert_close(our_logits(model, inputs), lora, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_rows_with_adapters_equal_samples_alone():
+    """LoRA under packing (Qwen3-VL MoE, experts adapted): each sample of a packed row gets the
+    per-token losses it has alone (the adapters act token by token, the segments stay apart)."""
+    from lookalikes.model_inputs import pack_inputs
+    from models.families import get
+    from models.lora import LoRAConfig, add_adapters
+    from models.verify_inputs import make_inputs
+    from tests.models.test_packed_lm import with_labels
+
+    cfg, model = _tiny("qwen3_vl_moe")
+    add_adapters(model, LoRAConfig(rank=4, alpha=8, experts=True), get(cfg.family).parameter_group)
+    _random_b(model)
+    cases = [with_labels(c) for c in make_inputs(cfg).values()]
+    rows = [cases[:2], cases[2:]]
+    with torch.no_grad():
+        packed, _mask = model(**pack_inputs(rows, tail=5))
+        for r, row in enumerate(rows):
+            at = 0
+            for case in row:
+                n = case["input_ids"].shape[1]
+                alone, _ = model(**case)
+                torch.testing.assert_close(packed[r, at:at + n], alone[0], rtol=0, atol=2e-5)
+                at += n
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +257,25 @@ def test_lora_under_pp2_equals_pp1(mantis_out, tmp_path):
     state = json.loads((tmp_path / "pp2" / "checkpoints" / "step_000003" /
                         "train_state.json").read_text())
     assert state["base"]["init_checkpoint"] == str(tmp_path / "init")
+
+
+@pytest.mark.slow
+def test_lora_under_dp2_cp2_ep2_equals_one_process(mantis_out, tmp_path):
+    """LoRA on Qwen3-VL MoE with the experts adapted (``model.lora.experts=true``; each EP rank
+    holds its experts' adapters, seeded by their global expert numbers) at DP = 2, CP = 2 and
+    EP = 2 gives one process's losses, gradient norms and aux-loss terms from the same base
+    (``layouts_equal_one_process``). The run's export merges the expert adapters into the
+    published expert tensors (transformers' logits equal ours); ``--adapter`` refuses them in one
+    line (PEFT has no layout for transformers' fused experts)."""
+    from models.convert import main
+    from tests.models.test_qwen3_vl_moe import layouts_equal_one_process
+    from tests.test_hf_journey import LOGITS_TOLERANCE, logits_diff
+
+    layouts_equal_one_process(
+        mantis_out, tmp_path, {"dp2": (2, []), "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]),
+                               "ep2": (2, ["parallel.ep=2"])},
+        *LORA, "model.lora.experts=true", "train.lr=1e-2", one=("checkpoint.save_final=true",))
+    run = tmp_path / "one"
+    assert max(logits_diff(run, export(run, tmp_path / "merged")).values()) <= LOGITS_TOLERANCE
+    assert main(["mcore-to-hf", "--mcore", str(run), "--out", str(tmp_path / "peft"),
+                 "--adapter"]) == 2

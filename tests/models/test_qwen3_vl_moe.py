@@ -232,7 +232,8 @@ def test_train_from_hf_logs_aux_loss_and_exports(tmp_path, mantis_out):
 def test_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path):
     """configs/train_qwen3_vl_moe_mantis.yaml at EP=2 (2 experts per rank over the 2 DP ranks,
     fixed-length micro-batches) gives the DP=2 losses and aux-loss terms from the same initial
-    weights (written at EP=1, resharded on load), and an EP=2 checkpoint resumes exactly."""
+    weights (written at EP=1, resharded on load), and an EP=2 checkpoint resumes exactly; its
+    memory estimate is the CLI's."""
     from tests import runner
     from tests.test_train import FAST, losses, ok, train
 
@@ -243,7 +244,10 @@ def test_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path):
             "train.micro_batch_size=1", "task_encoder.fixed_length=true",
             "task_encoder.seq_length=768", f"train.init_checkpoint={init}", *FAST]
     ok(train(*args, f"out={tmp_path / 'dp2'}", nproc=2))
-    ok(train(*args, "parallel.ep=2", "checkpoint.interval=2", f"out={tmp_path / 'ep2'}", nproc=2))
+    proc = train(*args, "parallel.ep=2", "checkpoint.interval=2", f"out={tmp_path / 'ep2'}",
+                 nproc=2)
+    ok(proc)
+    assert_memory_line(proc, [*args, "parallel.ep=2"], 2)
     ep2, dp2 = losses(tmp_path / "ep2"), losses(tmp_path / "dp2")
     assert ep2[-1] < ep2[0]
     for a, b in zip(ep2, dp2, strict=True):
@@ -293,16 +297,28 @@ def test_published_shapes_on_the_meta_device(name):
     assert want_active <= active / 1e9 < want_active + 2, active
 
 
+def assert_memory_line(proc, args: list[str], gpus: int) -> None:
+    """The memory estimate train.py printed for its rank 0 (from the parameters it holds) is
+    ``python -m recipes.memory``'s for stage 0 (from the whole model on the meta device)."""
+    from recipes.memory import estimate_run
+    from recipes.run_config import load_run_config
+
+    printed = [line for line in proc.stdout.splitlines() if "[train] memory of rank 0" in line]
+    cfg = load_run_config(args[0], [*args[1:], "train.precision=fp32"])  # CPU: auto is fp32
+    assert len(printed) == 1 and printed[0].endswith(estimate_run(cfg, gpus)[0].line()), printed
+
+
 #: 4 LM layers (MoE, dense, MoE, MoE: two per pipeline stage, DeepStack's two on the first)
 FOUR_LAYERS = ("model.lm.num_layers=4",)
 
 
-@pytest.mark.slow
-def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
-    """The MoE model at DP = 2 (distributed optimizer), PP = 2 (1F1B, MoE layers on both stages)
-    and CP = 2 (each rank routes its zig-zag share; megatron's router counts tokens over the CP
-    group) gives one process's losses, gradient norms and aux-loss terms over 3 steps from the
-    same initial weights, every run reading the data as 2 DP ranks."""
+def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
+                              one: tuple[str, ...] = ()) -> list[tuple[float, float, float]]:
+    """configs/train_qwen3_vl_moe_mantis.yaml (4 LM layers, + ``shared``) for 3 steps in one
+    process (``tmp_path / "one"``, + ``one``) and at each of ``layouts`` (name -> (processes,
+    overrides)) from one initial weights checkpoint, every run reading the data as 2 DP ranks:
+    each layout's losses, gradient norms and aux-loss terms equal one process's, and its memory
+    estimate is the CLI's. Returns one process's (loss, gradient norm, aux-loss term) per step."""
     from tests import runner
     from tests.test_train import FAST, ok, records
 
@@ -311,25 +327,38 @@ def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
     ok(runner.run("tests/init_checkpoint.py", config, str(init), *FOUR_LAYERS, timeout=300))
     args = [config, f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
             "train.micro_batch_size=1", "task_encoder.fixed_length=true",
-            "task_encoder.seq_length=768", f"train.init_checkpoint={init}", *FOUR_LAYERS, *FAST]
-    runs = {"one": (1, ["data.virtual_dp=2"]), "dp2": (2, []),
-            "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
-            "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"])}
-    for name, (nproc, extra) in runs.items():
-        ok(runner.run("train.py", *args, *extra, f"out={tmp_path / name}", nproc=nproc,
-                      timeout=600))
+            "task_encoder.seq_length=768", f"train.init_checkpoint={init}", *FOUR_LAYERS, *FAST,
+            *shared]
+    for name, (nproc, extra) in {"one": (1, ["data.virtual_dp=2", *one]), **layouts}.items():
+        proc = runner.run("train.py", *args, *extra, f"out={tmp_path / name}", nproc=nproc,
+                          timeout=600)
+        ok(proc)
+        assert_memory_line(proc, [*args, *extra], nproc)
 
     def steps(name):
         return [(r["loss"], r["grad_norm"], r["moe_aux_loss"])
                 for r in records(tmp_path / name, "grad_norm")]
 
     one = steps("one")
-    assert len(one) == 3 and one[-1][0] < one[0][0]
-    for name in ("dp2", "pp2", "cp2"):
+    assert len(one) == 3 and all(norm > 0 for _, norm, _ in one)
+    for name in layouts:
         for got, want in zip(steps(name), one, strict=True):
             assert abs(got[0] - want[0]) < 1e-4, (name, steps(name), one)
             assert abs(got[1] - want[1]) < 1e-4 * want[1], (name, steps(name), one)
             assert abs(got[2] - want[2]) < 1e-7, (name, steps(name), one)
+    return one
+
+
+@pytest.mark.slow
+def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
+    """The MoE model at DP = 2 (distributed optimizer), PP = 2 (1F1B, MoE layers on both stages)
+    and CP = 2 (each rank routes its zig-zag share; megatron's router counts tokens over the CP
+    group) gives one process's losses, gradient norms and aux-loss terms over 3 steps from the
+    same initial weights (``layouts_equal_one_process``)."""
+    one = layouts_equal_one_process(mantis_out, tmp_path, {
+        "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
+        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"])})
+    assert one[-1][0] < one[0][0]
 
 
 def test_tp_refused_in_one_line(tmp_path, capsys):
