@@ -39,6 +39,7 @@ as one batch, attention hiding each row's padding.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -141,7 +142,9 @@ def _mlp(module) -> Callable:
     """(x (N, H), per-row scale (N,) or None) -> a megatron ``MLP``'s output (N, H)."""
     w1, b1 = _linear(module.linear_fc1)
     w2, b2 = _linear(module.linear_fc2)
-    act, gated = module.activation_func, module.config.gated_linear_unit
+    # the activation's own body: megatron's @jit_fuser (torch.compile) wrapper costs more than
+    # the op itself on one token per row
+    act, gated = inspect.unwrap(module.activation_func), module.config.gated_linear_unit
 
     def mlp(x, scale=None):
         h = F.linear(x, w1, b1)
