@@ -5,9 +5,9 @@ For each family's tiny random model (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE built wi
 Nemotron-Omni with the hybrid LM "M*E-": Mamba2, attention, MoE with a shared expert, MLP;
 imported with `models.convert hf-to-mcore`) the same prompts (text + one image + text, of
 unequal length: 1 to 10 extra text tokens) are answered greedily, a fixed number of new tokens
-(no early stop), on CPU in one process with one intra-op thread, at batch 1 and batch 4
-(transformers: left-padded with its attention mask; ours: left-padded, and with Mamba layers
-one prefill per prompt length, then one batched decode). Time is CPU time of this process
+(no early stop), on CPU in one process with one intra-op thread, at batch 1 and batch 4 (both
+left-padded; transformers with its attention mask, ours with the prefill's mask and the pads
+kept out of the Mamba states, then one batched lean decode). Time is CPU time of this process
 (`time.process_time`, robust to other load on a shared machine); the generators alternate in
 each repeat (after one warm-up each) and the median of `--repeats` is reported.
 
@@ -15,7 +15,8 @@ Reported per model and batch: transformers' time / ours (the speed-up), our shar
 per decode step (batch 4): CPU ms and Python function calls (cProfile) of our lean step,
 megatron's own decode step (`language_model(...)` with its static inference context, what
 models/generate.py falls back to) and transformers' step, and the share of megatron's step spent
-re-rotating cached keys. Tokens: ours at batch 4 equal transformers' at batch 1, row by row.
+re-rotating cached keys; per step at batch 1 for ours and megatron's. Tokens: ours at
+batch 4 equal transformers' at batch 1, row by row.
 
 Usage: python bench/bench_generate.py --out bench_out/generate
 """
@@ -184,7 +185,8 @@ def bench_model(name: str, out: Path, n_prompts: int, new: int, repeats: int) ->
                                    "prefill_share": round(stats.prefill_seconds
                                                           / stats.seconds, 2)}
         steps = {"lean": per_step(lambda n: ours(4, n), new),
-                 "hf": per_step(lambda n: theirs(4, n), new)}
+                 "hf": per_step(lambda n: theirs(4, n), new),
+                 "lean_batch1": per_step(lambda n: ours(1, n), new)}
         build_lean = decode_step.build
         decode_step.build = lambda *a, **k: None  # megatron's own decode step
         try:
@@ -195,8 +197,9 @@ def bench_model(name: str, out: Path, n_prompts: int, new: int, repeats: int) ->
     batches = len(prompts) // 4
     result["step_batch4"] = {k: {**v, "ms": round(v["ms"] / batches, 3),
                                  "python_calls": v["python_calls"] // batches}
-                             for k, v in steps.items() if k != "megatron_batch1"}
-    result["megatron_step_batch1_ms"] = round(steps["megatron_batch1"]["ms"] / len(prompts), 3)
+                             for k, v in steps.items() if not k.endswith("batch1")}
+    result["step_batch1_ms"] = {k.split("_")[0]: round(steps[k]["ms"] / len(prompts), 3)
+                                for k in ("lean_batch1", "megatron_batch1")}
     return result
 
 
@@ -224,13 +227,12 @@ def main(out: Path, names: str, n_prompts: int, new_tokens: int, repeats: int) -
         click.echo(f"| {name} | {r['batch1']['speedup']}x | {r['batch4']['speedup']}x | "
                    f"{r['batch1']['prefill_share']} / {r['batch4']['prefill_share']} | "
                    f"{r['identical_tokens']} |")
-    click.echo("\n| model | decode step (batch 4) | CPU ms | Python calls | rotary share |\n"
-               "|---|---|---|---|---|")
+    click.echo("\n| model | decode step | CPU ms, batch 4 | CPU ms, batch 1 | Python calls, "
+               "batch 4 | rotary share, batch 4 |\n|---|---|---|---|---|---|")
     for name, r in results.items():
         for kind, s in r["step_batch4"].items():
-            click.echo(f"| {name} | {kind} | {s['ms']} | {s['python_calls']} | "
-                       f"{s['rotary_share']} |")
-        click.echo(f"| {name} | megatron, batch 1 | {r['megatron_step_batch1_ms']} | | |")
+            click.echo(f"| {name} | {kind} | {s['ms']} | {r['step_batch1_ms'].get(kind, '')} | "
+                       f"{s['python_calls']} | {s['rotary_share']} |")
 
 
 if __name__ == "__main__":

@@ -16,19 +16,24 @@ on a linear or norm it would read (an unmerged LoRA adapter), non-torch norms, g
 experts, latent MoE projections, a gated shared expert.
 
 Layer kinds (``LAYER_DECODERS``, by megatron module class; each builder returns a
-``LayerDecoder`` or None):
+``LayerDecoder`` or raises ``Unsupported``):
 
 - ``TransformerLayer`` / ``MLPLayer``: attention (GQA, optional q/k RMSNorm, biases) when its
-  ``self_attention`` is not an identity, then a dense MLP or a MoE (megatron's own router module
-  picks the experts; the experts a step needs run on all rows, weighted by the router's
-  probabilities: zero where a row did not pick it) when its ``mlp`` is not. Keys are cached
+  ``self_attention`` is not an identity, then a dense MLP or a MoE when its ``mlp`` is not (the
+  router's gating and top-k as megatron computes them at inference, in plain torch; the experts
+  a step needs run on all rows, weighted by the router's probabilities: zero where a row did not
+  pick it; the shared expert). Keys are cached
   after RoPE: the prefill's keys are rotated once, each new key when it is written.
 - ``MambaLayer``: megatron's Mamba2 mixer one token at a time (conv window and SSM state per
   row, the mixer's own gated norm), from the states the prefill left.
 
-A recurrent layer with its own cached state (e.g. a Gated DeltaNet) plugs in either with an
-entry in ``LAYER_DECODERS`` or with a ``lean_decoder(prefilled)`` method on its layer module
-(asked first), returning a ``LayerDecoder`` built from ``prefilled.row_states(...)``.
+A recurrent layer with its own cached state (e.g. a Gated DeltaNet) plugs in at two places:
+its decode step, with an entry in ``LAYER_DECODERS`` or a ``lean_decoder(prefilled)`` method on
+its layer module (asked first), returning a ``LayerDecoder`` built from
+``prefilled.row_states(...)``; and, when its prefill has no padding mask, hooks that keep left
+padding out of its state (``PREFILL_PAD_HOOKS`` or a ``prefill_pad_hooks(keep)`` method on the
+module; ``padded_prefill``), as the Mamba mixer's do. Without them a batch of unequal prompt
+lengths would carry the pads into the state (the tests compare each row with transformers).
 
 Geometry (``Prefilled``): B rows left-padded to the longest prompt W; row r's prompt fills
 columns [W - n_r, W); generated token s sits in column W + s. The prefill may have run in
@@ -39,6 +44,8 @@ as one batch, attention hiding each row's padding.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -141,7 +148,9 @@ def _mlp(module) -> Callable:
     """(x (N, H), per-row scale (N,) or None) -> a megatron ``MLP``'s output (N, H)."""
     w1, b1 = _linear(module.linear_fc1)
     w2, b2 = _linear(module.linear_fc2)
-    act, gated = module.activation_func, module.config.gated_linear_unit
+    # the activation's own body: megatron's @jit_fuser (torch.compile) wrapper costs more than
+    # the op itself on one token per row
+    act, gated = inspect.unwrap(module.activation_func), module.config.gated_linear_unit
 
     def mlp(x, scale=None):
         h = F.linear(x, w1, b1)
@@ -157,24 +166,73 @@ def _mlp(module) -> Callable:
     return mlp
 
 
+def _router(router) -> Callable:
+    """x (B, H) -> (probabilities (B, k), expert indices (B, k)) of a megatron ``TopKRouter``:
+    its gating linear in the router dtype, then its top-k routing (softmax before / after the
+    top-k, or sigmoid with the expert bias choosing and the renormalised scores weighing; the
+    scaling factor), as ``topk_routing_with_score_function`` computes it at inference. Layouts
+    this does not cover (sinkhorn, group-limited top-k, capacity, fused or replayed routing)
+    call the router module itself (its (B, E) outputs turned into the same pair)."""
+    cfg = router.config
+    if (getattr(router, "routing_type", None) == "sinkhorn" or cfg.moe_router_group_topk
+            or cfg.moe_expert_capacity_factor is not None
+            or getattr(cfg, "moe_router_fusion", False)
+            or getattr(cfg, "moe_router_force_load_balancing", False)
+            or getattr(router, "router_replay", None) is not None
+            or router._forward_hooks or router._forward_pre_hooks):
+        def via_module(x):
+            probs, picked = router(x)
+            top = picked.int().topk(router.topk, dim=-1).indices
+            return probs.gather(1, top), top
+        return via_module
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype)
+    weight = router.weight if dtype is None else router.weight.to(dtype)
+    bias = router.bias if router.bias is None or dtype is None else router.bias.to(dtype)
+    k, score, scale = router.topk, router.score_function, cfg.moe_router_topk_scaling_factor
+    pre_softmax, expert_bias = cfg.moe_router_pre_softmax, getattr(router, "expert_bias", None)
+
+    def route(x):
+        logits = F.linear(x if dtype is None else x.to(dtype), weight, bias)  # (B, E)
+        if score == "softmax":
+            if pre_softmax:
+                scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+                probs, top = scores.topk(k, dim=1)
+            else:
+                chosen, top = logits.topk(k, dim=1)
+                probs = torch.softmax(chosen, dim=-1, dtype=torch.float32).type_as(logits)
+        else:
+            scores = torch.sigmoid(logits.float()).type_as(logits)
+            if expert_bias is not None:
+                top = (scores + expert_bias).topk(k, dim=1).indices
+                probs = scores.gather(1, top)
+            else:
+                probs, top = scores.topk(k, dim=1)
+            if k > 1:
+                probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        return (probs * scale if scale else probs), top
+
+    return route
+
+
 def _moe(module) -> Callable:
-    """x (B, H) -> a megatron ``MoELayer``'s output: its router, the picked experts, the shared
-    expert."""
+    """x (B, H) -> a megatron ``MoELayer``'s output: its router's choice, the picked experts
+    weighted by their probabilities, the shared expert."""
     experts = getattr(module.experts, "local_experts", None)
     cfg = module.config
     if (experts is None or getattr(cfg, "moe_latent_size", None)
             or getattr(cfg, "moe_shared_expert_gate", False)):
         raise Unsupported("MoE layout (grouped experts, latent projections or a gated shared "
                           "expert)")
-    router = module.router
+    route = _router(module.router)
     mlps = [_mlp(e) for e in experts]
     shared = _mlp(module.shared_experts) if getattr(module, "use_shared_expert", False) else None
 
     def moe(x):
-        probs, picked = router(x)  # (B, E) each: megatron's own routing
+        probs, top = route(x)  # (B, k) each
         out = shared(x) if shared is not None else torch.zeros_like(x)
-        for e in picked.any(0).nonzero().flatten().tolist():  # the experts this step needs
-            out = out + mlps[e](x, probs[:, e])
+        for e in top.unique().tolist():  # the experts this step needs (one host sync)
+            weight = (probs * (top == e)).sum(-1)  # (B,): 0 where a row did not pick e
+            out = out + mlps[e](x, weight)
         return out
 
     return moe
@@ -315,6 +373,57 @@ def _layer_decoder(layer, prefilled: Prefilled) -> LayerDecoder:
         if cls in LAYER_DECODERS:
             return LAYER_DECODERS[cls](layer, prefilled)
     raise Unsupported(f"layer {type(layer).__name__}")
+
+
+def mamba_pad_hooks(mixer, keep: torch.Tensor) -> list:
+    """Hooks on a megatron ``MambaMixer`` for a left-padded prefill (what transformers' Mamba2
+    does with its attention mask): on pad tokens ``in_proj`` gets a zero input (z, x, B, C are 0:
+    the conv window of the first real tokens sees zeros, as from a zero state) and its dt output
+    is set to -1e4 (softplus(dt + dt_bias) = 0: the SSM state is neither decayed nor written).
+    ``keep`` (b, w): True on real tokens. Returns the hook handles."""
+    keep_lb = keep.transpose(0, 1)[..., None]  # (w, b, 1): megatron's sequence-first layout
+    heads = mixer.nheads_local_tp  # dt: the last columns of z | x | B | C | dt
+
+    def zero_pads(_module, args):
+        return (args[0] * keep_lb.to(args[0].dtype), *args[1:])
+
+    def no_step_on_pads(_module, _args, output):
+        out, bias = output
+        dt = out[..., -heads:].masked_fill(~keep_lb, -1e4)
+        return torch.cat([out[..., :-heads], dt], dim=-1), bias
+
+    return [mixer.in_proj.register_forward_pre_hook(zero_pads),
+            mixer.in_proj.register_forward_hook(no_step_on_pads)]
+
+
+#: module class -> ``(module, keep) -> hook handles`` for a left-padded prefill (subclasses match)
+PREFILL_PAD_HOOKS: dict[type, Callable] = {}
+
+
+@contextlib.contextmanager
+def padded_prefill(lm, keep: torch.Tensor):
+    """While the prefill of a left-padded batch runs: the pad hooks of every module with a state
+    the pads must not reach (``PREFILL_PAD_HOOKS``, or the module's ``prefill_pad_hooks(keep)``).
+    ``keep`` (b, w): True on real tokens; nothing to do when there is no padding."""
+    if not PREFILL_PAD_HOOKS:
+        from megatron.core.ssm.mamba_mixer import MambaMixer
+
+        PREFILL_PAD_HOOKS[MambaMixer] = mamba_pad_hooks
+    handles = []
+    try:
+        if not bool(keep.all()):
+            for module in lm.modules():
+                if hasattr(module, "prefill_pad_hooks"):
+                    handles += module.prefill_pad_hooks(keep)
+                    continue
+                hooks = next((PREFILL_PAD_HOOKS[c] for c in type(module).__mro__
+                              if c in PREFILL_PAD_HOOKS), None)
+                if hooks is not None:
+                    handles += hooks(module, keep)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def rotary_table(lm, positions: torch.Tensor) -> tuple | None:

@@ -3,12 +3,14 @@
 ``greedy_generate(model, prompts, eos_id=..., max_new_tokens=...)`` left-pads the prompts to the
 longest and runs the model's own prefill (``LanguageModelRunner.prefill``: vision encoded once,
 DeepStack applied there, the LM over every prompt token with megatron's
-``StaticInferenceContext``; causal mask hiding the padding) per row group (``_row_groups``: all
-rows at once, except with Mamba layers, which have no padding mask: one prefill per prompt
-length). Then every row decodes in one batch through ``models.decode_step``: one token per row
-per step in plain torch over the model's own weights, keys cached after RoPE (rotated once),
-Mamba conv / SSM states per row, no megatron per-token machinery. Where that module does not
-cover the model (it says which parts it covers: e.g. TP > 1), each group decodes with
+``StaticInferenceContext``; causal mask hiding the padding; recurrent layers such as Mamba,
+which have no padding mask, keep the pads out of their states through
+``decode_step.padded_prefill``) for all rows at once (``_row_groups``: one row at a time only on
+megatron >= 0.17 with Mamba layers). Then every row decodes in one batch through
+``models.decode_step``: one token per row per step in plain torch over the model's own weights,
+keys cached after RoPE (rotated once), Mamba conv / SSM states per row, no megatron per-token
+machinery. Where that module does not cover the model (it says which parts it covers; e.g.
+TP > 1), each group decodes with
 megatron's own step (``language_model(...)`` on the context, which re-rotates the cached keys
 every step). M-RoPE: a generated token gets the same position on all three axes,
 ``max(prompt positions) + 1`` for the first and +1 per step after (what HF's ``rope_deltas``
@@ -110,40 +112,6 @@ def _row_groups(lm, lengths: list[int]) -> list[list[int]]:
         return [[row for row, n in enumerate(lengths) if n == length]
                 for length in sorted(set(lengths))]
     return [list(range(len(lengths)))]
-
-
-@contextlib.contextmanager
-def _padded_mamba_prefill(lm, keep: torch.Tensor):
-    """Left padding that does not reach the Mamba states (what transformers' Mamba2 does with
-    its attention mask): on the prefill's pad tokens, each mixer's ``in_proj`` gets a zero input
-    (so z, x, B, C are 0: the conv window of the first real tokens sees zeros, as from a zero
-    state) and its dt output is set to -1e4 (softplus(dt + dt_bias) = 0: the SSM state is
-    neither decayed nor written). ``keep`` (b, w): True on real tokens. No-op without padding
-    or Mamba layers."""
-    mixers = _mamba_mixers(lm) if not bool(keep.all()) else []
-    keep_lb = keep.transpose(0, 1)[..., None]  # (w, b, 1): megatron's sequence-first layout
-    handles = []
-
-    def zero_pads(_module, args):
-        return (args[0] * keep_lb.to(args[0].dtype), *args[1:])
-
-    def no_step_on_pads(mixer):
-        def hook(_module, _args, output):
-            out, bias = output
-            dt = out[..., -mixer.nheads_local_tp:]
-            out = torch.cat([out[..., :-mixer.nheads_local_tp],
-                             dt.masked_fill(~keep_lb, -1e4)], dim=-1)
-            return out, bias
-        return hook
-
-    try:
-        for mixer in mixers:
-            handles.append(mixer.in_proj.register_forward_pre_hook(zero_pads))
-            handles.append(mixer.in_proj.register_forward_hook(no_step_on_pads(mixer)))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _unwrap(model):
@@ -297,7 +265,10 @@ def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_
 def _prefill(qwen, prompts: list[Prompt], ids, pos, valid, width: int, max_new_tokens: int,
              kwarg_name: str, device):
     """(megatron context, last-position logits (b, V)) of one group's prefill: ``ids`` (b, w)
-    left-padded, ``pos`` / ``valid`` the group's (3, b, w + N) positions and (b, w + N) mask."""
+    left-padded, ``pos`` / ``valid`` the group's (3, b, w + N) positions and (b, w + N) mask;
+    recurrent layers keep the pads out of their states (``decode_step.padded_prefill``)."""
+    from models import decode_step
+
     def media(name):
         value = _cat([getattr(p, name) for p in prompts])
         return None if value is None else value.to(device)
@@ -305,7 +276,7 @@ def _prefill(qwen, prompts: list[Prompt], ids, pos, valid, width: int, max_new_t
     context = _make_context(len(prompts), width + max_new_tokens)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     mask = ~(causal[None] & valid[:, None, :width])[:, None]  # (b, 1, w, w), True = hidden
-    with _padded_mamba_prefill(qwen.language_model, valid[:, :width]):
+    with decode_step.padded_prefill(qwen.language_model, valid[:, :width]):
         logits = qwen.prefill(ids, pos[:, :, :width], mask, media("pixel_values"),
                               media("image_grid_thw"), media("pixel_values_videos"),
                               media("video_grid_thw"), media("visual_kinds"),
