@@ -145,12 +145,13 @@ class GatedDeltaNet(MegatronModule):
             sharded_state_dict_default,
         )
 
+        tp = parallel_state.get_tensor_model_parallel_group()
         own = {name: p for name, p in self.named_parameters(recurse=False)}
         out = make_sharded_tensors_for_checkpoint(own, prefix, {name: 0 for name in own},
-                                                  sharded_offsets)
+                                                  sharded_offsets, tp_group=tp)
         for name, child in self.named_children():
             out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
-                                                  metadata))
+                                                  metadata, tp_group=tp))
         return out
 
     # ---------------------------------------------------------------- forward

@@ -2,8 +2,8 @@
 model (``model.hf``: weights imported at the run's layout and cached, tokenizer, chat template and
 pixel settings from the model's own files), export of train.py checkpoints
 (``models.convert mcore-to-hf``) that transformers loads with its Auto classes and that gives our
-logits, and the round trip import -> train -> export -> import. Both families; one slow run saved
-at TP=2 (Nemotron-Omni)."""
+logits, and the round trip import -> train -> export -> import. Qwen2.5-VL, Qwen3.5 (Gated
+DeltaNet layers) and Nemotron-Omni; one slow run saved at TP=2 (Nemotron-Omni)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.tiny_hf import build_tiny_hf_model
 
 #: family -> (train config, the HF model's own image pixel limits: differ from the config's)
 JOURNEYS = {"qwen2_5_vl": (MANTIS_CFG, (3136, 6272)),
+            "qwen3_5": (MANTIS_CFG, (3136, 6272)),
             "nemotron_omni": (NEMOTRON_MANTIS_CFG, (8192, 16384))}
 LOGITS_TOLERANCE = 1e-4
 

@@ -197,9 +197,13 @@ def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int],
                  "patch_size": 16, "downsample_ratio": 0.5, "video_target_num_patches": 64,
                  "video_maintain_aspect_ratio": True}
     else:
-        build_tiny_hf(family, out, vocab=448, tokens=TEST_TOKENIZER_QWEN, max_positions=2048,
-                      seed=seed)
-        patch = 14 if family == "qwen2_5_vl" else 16  # qwen3_vl(_moe): Qwen3-VL's processor
+        if family in ("qwen3_5", "qwen3_5_moe"):
+            build_tiny_qwen3_5(out, moe=family == "qwen3_5_moe", vocab=448,
+                               tokens=TEST_TOKENIZER_QWEN, max_positions=2048, seed=seed)
+        else:
+            build_tiny_hf(family, out, vocab=448, tokens=TEST_TOKENIZER_QWEN,
+                          max_positions=2048, seed=seed)
+        patch = 14 if family == "qwen2_5_vl" else 16  # the others: Qwen3-VL's processor
         geometry = {"patch_size": patch, "temporal_patch_size": 2, "merge_size": 2}
         image = {"image_processor_type": "Qwen2VLImageProcessor", **geometry,
                  "min_pixels": pixels[0], "max_pixels": pixels[1],

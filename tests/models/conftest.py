@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni
+from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
 
 #: family -> (configs/ file, overrides) of the tiny model of each family
 TINY_CONFIGS = {
@@ -74,8 +74,41 @@ def nemotron_imported(tiny_nemotron_hf, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+#: what the published Qwen3.5 checkpoints carry besides the model: one MTP layer (some of its
+#: tensors), added to the tiny dense model of ``qwen3_5_hf``
+QWEN3_5_MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,),
+               "mtp.layers.0.self_attn.q_proj.weight": (256, 64)}
+
+
 @pytest.fixture(scope="session")
-def world2(tiny_hf, tiny_nemotron_hf, qwen_imported, nemotron_imported, tmp_path_factory):
+def qwen3_5_hf(tmp_path_factory) -> dict[str, Path]:
+    """family -> a tiny HF Qwen3.5 folder (tests/tiny_hf.py); the dense one with the
+    ``QWEN3_5_MTP`` tensors added, as published."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("qwen3_5")
+    dense = build_tiny_qwen3_5(root / "dense")
+    weights = load_file(str(dense / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    weights.update({key: torch.randn(shape, generator=g) for key, shape in QWEN3_5_MTP.items()})
+    save_file(weights, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    return {"qwen3_5": dense, "qwen3_5_moe": build_tiny_qwen3_5(root / "moe", moe=True)}
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_imported(qwen3_5_hf, tmp_path_factory) -> dict[str, Path]:
+    """family -> the hf-to-mcore import (TP=1, PP=1) of ``qwen3_5_hf``'s model."""
+    from models.convert import hf_to_mcore
+
+    root = tmp_path_factory.mktemp("qwen3_5_mcore")
+    for family, folder in qwen3_5_hf.items():
+        hf_to_mcore(str(folder), root / family, tp=1, pp=1)
+    return {family: root / family for family in qwen3_5_hf}
+
+
+@pytest.fixture(scope="session")
+def world2(tiny_hf, tiny_nemotron_hf, qwen_imported, nemotron_imported, qwen3_5_hf,
+           qwen3_5_imported, tmp_path_factory):
     """The one torchrun launch (2 gloo ranks) of every 2-process check of tests/models
     (tests/models/world2_checks.py) -> check name -> its output folder. Each test asserts on its
     check's files (``world2_result``)."""
@@ -90,6 +123,8 @@ def world2(tiny_hf, tiny_nemotron_hf, qwen_imported, nemotron_imported, tmp_path
         "pp2_qwen2_5_vl": ("pp2", [tiny_hf["qwen2_5_vl"], qwen_imported["qwen2_5_vl"]]),
         **{f"pp2_nemotron_{p}": ("pp2", [tiny_nemotron_hf[p], nemotron_imported[p]])
            for p in ("M*M-", "ME*E")},
+        "tp2_qwen3_5": ("tp2", [qwen3_5_hf["qwen3_5"]]),
+        "pp2_qwen3_5": ("pp2", [qwen3_5_hf["qwen3_5"], qwen3_5_imported["qwen3_5"]]),
         "vision_dp_cp2": ("vision_dp", []),
         "nemotron_vision_dp_cp2": ("nemotron_vision_dp", []),
     }

@@ -58,6 +58,10 @@ CASES = [
                  id="nemotron_omni-moe-image"),
     pytest.param("nemotron_omni", MAMBA, "image", [[[1, 12, 26]], [[1, 4, 14]]],
                  id="nemotron_omni-mamba-image"),
+    pytest.param("qwen3_5", (), "image", [[[1, 16, 22]], [[1, 8, 8], [1, 4, 6]]],
+                 id="qwen3_5-image"),
+    pytest.param("qwen3_5_moe", (), "image", [[[1, 16, 22]], [[1, 8, 8]]],
+                 id="qwen3_5_moe-image"),
 ]
 
 

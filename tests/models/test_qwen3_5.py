@@ -8,40 +8,14 @@ the export in the published layout with the MTP weights carried unchanged, greed
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from tests.tiny_hf import build_tiny_qwen3_5
+from tests.models.conftest import QWEN3_5_MTP, world2_result
 
 TOL = 1e-4
-#: what the published checkpoints carry besides the model: one MTP layer (a few of its tensors)
-MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,),
-       "mtp.layers.0.self_attn.q_proj.weight": (256, 64)}
-
-
-@pytest.fixture(scope="module")
-def hf_models(tmp_path_factory) -> dict[str, Path]:
-    """family -> a tiny HF folder; the dense one with ``mtp.*`` tensors added, as published."""
-    root = tmp_path_factory.mktemp("qwen3_5")
-    dense = build_tiny_qwen3_5(root / "dense")
-    weights = load_file(str(dense / "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    weights.update({key: torch.randn(shape, generator=g) for key, shape in MTP.items()})
-    save_file(weights, str(dense / "model.safetensors"), metadata={"format": "pt"})
-    return {"qwen3_5": dense, "qwen3_5_moe": build_tiny_qwen3_5(root / "moe", moe=True)}
-
-
-@pytest.fixture(scope="module")
-def imported(hf_models, tmp_path_factory) -> dict[str, Path]:
-    from models.convert import hf_to_mcore
-
-    root = tmp_path_factory.mktemp("qwen3_5_mcore")
-    for family, folder in hf_models.items():
-        hf_to_mcore(str(folder), root / family, tp=1, pp=1)
-    return {family: root / family for family in hf_models}
 
 
 def test_cpu_kernels_equal_transformers_torch_path():
@@ -85,18 +59,18 @@ def test_cpu_kernels_equal_transformers_torch_path():
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_logits_match_transformers(hf_models, imported, family):
+def test_logits_match_transformers(qwen3_5_hf, qwen3_5_imported, family):
     """hf-to-mcore then ``verify``: one image, interleaved images, a video, each <= 1e-4."""
     from models.convert import verify
 
-    report = verify(hf_models[family], imported[family])
+    report = verify(qwen3_5_hf[family], qwen3_5_imported[family])
     assert set(report) == {"one_image", "images_interleaved", "video"}
     for name, row in report.items():
         assert row["max_abs_logit_diff"] <= TOL, (family, name, row)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_export_round_trip_is_the_published_layout(hf_models, imported, family, tmp_path):
+def test_export_round_trip_is_the_published_layout(qwen3_5_hf, qwen3_5_imported, family, tmp_path):
     """mcore-to-hf writes every tensor of the source as it was (fused ``in_proj_qkv`` /
     ``conv1d``, experts one by one as published, the ``mtp.*`` weights carried unchanged) and
     transformers loads the export with the source's weights."""
@@ -104,8 +78,8 @@ def test_export_round_trip_is_the_published_layout(hf_models, imported, family, 
 
     from models.convert import mcore_to_hf
 
-    mcore_to_hf(imported[family], tmp_path / "export")
-    before = load_file(str(hf_models[family] / "model.safetensors"))
+    mcore_to_hf(qwen3_5_imported[family], tmp_path / "export")
+    before = load_file(str(qwen3_5_hf[family] / "model.safetensors"))
     after = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert sorted(before) == sorted(after)
     for key in before:
@@ -113,19 +87,19 @@ def test_export_round_trip_is_the_published_layout(hf_models, imported, family, 
     if family == "qwen3_5_moe":  # the hub's layout: experts one by one
         assert "model.language_model.layers.0.mlp.experts.3.down_proj.weight" in after
     else:
-        assert set(MTP) <= set(after)
+        assert set(QWEN3_5_MTP) <= set(after)
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["model_type"] == family
     cls = getattr(transformers, config["architectures"][0])
     ours = cls.from_pretrained(tmp_path / "export").state_dict()
-    theirs = cls.from_pretrained(hf_models[family]).state_dict()
+    theirs = cls.from_pretrained(qwen3_5_hf[family]).state_dict()
     assert ours.keys() == theirs.keys()
     for key in theirs:
         assert torch.equal(ours[key], theirs[key]), key
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_greedy_tokens_equal_transformers_generate(hf_models, imported, family):
+def test_greedy_tokens_equal_transformers_generate(qwen3_5_hf, qwen3_5_imported, family):
     """models.generate (the DeltaNet's conv and recurrent states and the attention's KV cache in
     megatron's inference context: one prefill, then one-token steps) gives transformers'
     ``generate`` tokens on one image, interleaved images and a video; the three prompts in one
@@ -137,8 +111,8 @@ def test_greedy_tokens_equal_transformers_generate(hf_models, imported, family):
     from tests.models.test_nemotron_omni import _hf_greedy, _prompt
 
     never = 10 ** 6  # outside the vocabulary: never generated
-    model, cfg = load_checkpoint(imported[family], use_te=False)
-    hf = load_hf_model(hf_models[family])
+    model, cfg = load_checkpoint(qwen3_5_imported[family], use_te=False)
+    hf = load_hf_model(qwen3_5_hf[family])
     cases = make_inputs(cfg)
     alone = []
     for name, case in cases.items():
@@ -149,3 +123,30 @@ def test_greedy_tokens_equal_transformers_generate(hf_models, imported, family):
     batched = greedy_generate(model, [_prompt(c) for c in cases.values()], eos_id=never,
                               max_new_tokens=6)
     assert batched == alone
+
+
+@pytest.mark.slow
+def test_tp2_parity_and_reshard_to_tp1(qwen3_5_hf, world2):
+    """2 gloo ranks (tests/models/world2_checks.py's launch): the dense model imported sharded at
+    TP=2 (DeltaNet heads, conv and gate split over the ranks) gives transformers' logits; that
+    TP=2 checkpoint loaded at TP=1 here gives them too."""
+    from models.convert import verify
+
+    out = world2_result(world2, "tp2_qwen3_5")
+    report = json.loads((out / "tp2_report.json").read_text())
+    assert {p.name.split("_")[2] for p in (out / "qwen3_5").glob("__*_*.distcp")} == {"0", "1"}
+    for name, diff in report["qwen3_5"].items():
+        assert diff <= TOL, (name, diff)
+    for name, row in verify(qwen3_5_hf["qwen3_5"], out / "qwen3_5").items():
+        assert row["max_abs_logit_diff"] <= TOL, (name, row)
+
+
+@pytest.mark.slow
+def test_pp2_parity_and_reshard(qwen3_5_hf, qwen3_5_imported, world2):
+    """2 gloo ranks: the dense model at PP=2 (layers 0-1 DeltaNet | 2 DeltaNet, 3 attention)
+    gives transformers' logits; PP=1 and PP=2 imports hold the same tensors at either layout."""
+    from tests.models.pp2_check import check_pp2
+
+    check_pp2(qwen3_5_hf["qwen3_5"], qwen3_5_imported["qwen3_5"],
+              world2_result(world2, "pp2_qwen3_5"),
+              {"one_image", "images_interleaved", "video"}, TOL)
