@@ -15,7 +15,7 @@ to the checkpoint (``eval_<step>``) unless --out says otherwise.
 Each assistant turn of a val conversation is one question: the prompt is the conversation up to
 that turn (earlier answers as given) ending with the assistant header; the references are the
 turn's ``answers`` (or its content). Prompts go through the task encoder's own steps
-(``tokenize_turns`` -> ``plan_sample`` -> ``decode_media`` -> ``assemble``), are generated
+(``tokenize_turns`` -> ``plan_sample`` -> ``decode_sample`` -> ``assemble``), are generated
 greedily with a KV cache (models/generate.py, batched, stop at ``<|im_end|>``), and are scored:
 InfoVQA ANLS; multiple choice (options "A. ..." in the question) option accuracy; everything else
 exact match (+ relaxed match). Writes ``predictions.jsonl`` and ``scores.json`` under --out and

@@ -21,10 +21,11 @@ from pathlib import Path
 import click
 import numpy as np
 
-from energon_tasks.decode import decode_image, decode_video_frames
+from energon_tasks.decode import decode_image
 from energon_tasks.energon_dataset import conversation_fields
 from energon_tasks.profiles import get_geometry
 from energon_tasks.sample_format import CanonicalSample, Media, SourceRef, Turn
+from energon_tasks.video_decode import decode_video_frames
 from lookalikes.media import encode_h264, photo_jpeg, text_page
 
 

@@ -282,7 +282,7 @@ def keyframe_restart_frames(data: bytes, picks: list[int]) -> int:
 def video_section(repeats: int, gop_seconds: float) -> dict:
     import av
 
-    from energon_tasks.decode import decode_video_frames, video_frame_pixels
+    from energon_tasks.video_decode import decode_video_frames, video_frame_pixels
 
     fps, seconds, width, height = 30, 60, 640, 360
     gop = round(gop_seconds * fps)

@@ -6,13 +6,17 @@ Nothing a header claims is trusted:
   entropy-coded stream; other formats fully). Original bytes are kept; formats that common loaders
   do not decode by extension are re-encoded losslessly to PNG and the original format recorded.
   16-bit, CMYK, palette and other modes are kept as stored (the loader converts them to RGB).
-- a video is demuxed packet by packet (no decoding) to count its frames and measure its duration
-  from the packets' timestamps, within `max_video_frames` / `max_video_seconds`; its frame size
-  must be within `max_video_pixels` (stream parameters and, for MJPEG, the first frame's JPEG
-  header, checked before any decode; the decoder itself refuses larger frames) and its first
-  packet a keyframe; then its first and last frames are decoded. The stored frame count, duration
-  and rate are the measured ones; when the container claimed another frame count the sample
-  records the fixup `video_frames_measured`.
+- a video (the stream the loader reads: `energon_tasks.video_decode.video_stream`) is demuxed
+  packet by packet (no decoding) to measure its duration from the packets' timestamps, within
+  `max_video_frames` / `max_video_seconds`; its frame size must be within `max_video_pixels`
+  (stream parameters and, for MJPEG, the first frame's JPEG header, checked before any decode; the
+  decoder itself refuses larger frames) and its first packet a keyframe; then the whole stream is
+  decoded in order, as the loader's sequential read does: a packet that does not decode rejects
+  the clip, and the frames that come out are its frames (what a frame index counts, docs/format.md).
+  Where the loader would map packets to frames without decoding (`packets_map_to_frames`), the
+  decoded frames' timestamps must be the packets' in order, else the clip is rejected. The stored
+  frame count (decoded frames), duration and rate are the measured ones; when the container
+  claimed another frame count the sample records the fixup `video_frames_measured`.
 
 `MediaError.reason` is the reject reason recorded for the row.
 """
@@ -28,6 +32,7 @@ from PIL import Image
 
 from contract.errors import MediaError
 from energon_tasks.sample_format import IMAGE_EXTENSIONS, Media
+from energon_tasks.video_decode import packets_map_to_frames, video_stream
 
 # PIL aliases that are the same bytes as a stored format (MPO is a JPEG with extra frames).
 _FORMAT_ALIASES = {"MPO": "JPEG"}
@@ -73,7 +78,7 @@ class ProbedVideo:
     width: int
     height: int
     duration_s: float  #: measured from the packets' timestamps
-    frames: int  #: video packets counted by demuxing
+    frames: int  #: frames a sequential decode of the stream gives
     fps: float
     codec: str
     claimed_frames: int  #: what the container said (0: nothing)
@@ -149,9 +154,9 @@ def _first_packet_checks(packet, codec: str, name: str, limits: Limits) -> None:
         _check_pixels(name, *size, limits, "its first frame's header")
 
 
-def _count_packets(container, stream, name: str, limits: Limits) -> tuple[int, float]:
-    """(video packets, seconds they span) by demuxing only; caps checked as it goes."""
-    count, low, high = 0, None, None
+def _count_packets(container, stream, name: str, limits: Limits) -> tuple[list, float]:
+    """(each video packet's pts, seconds they span) by demuxing only; caps checked as it goes."""
+    count, low, high, stamps = 0, None, None, []
     base = float(stream.time_base) if stream.time_base else None
     for packet in container.demux(stream):
         if not packet.size:  # the demuxer's flush packet
@@ -159,6 +164,7 @@ def _count_packets(container, stream, name: str, limits: Limits) -> tuple[int, f
         if not count:
             _first_packet_checks(packet, stream.codec_context.name, name, limits)
         count += 1
+        stamps.append(packet.pts)
         if count > limits.max_video_frames:
             raise MediaError("video_too_long", f"{name}: more than --max-video-frames "
                              f"{limits.max_video_frames} frames")
@@ -171,28 +177,27 @@ def _count_packets(container, stream, name: str, limits: Limits) -> tuple[int, f
                 raise MediaError("video_too_long", f"{name}: longer than --max-video-seconds "
                                  f"{limits.max_video_seconds:g}")
     seconds = (high - low) * base if low is not None and base else 0.0
-    return count, seconds
+    return stamps, seconds
 
 
-def _last_frame(container, stream):
-    """The last frame that decodes: from the keyframe before the end, or, where the container
-    cannot seek there, by decoding from the start."""
-    last = None
-    try:
-        container.seek(2**62, stream=stream, backward=True, any_frame=False)
+def _decode_all(data: bytes, name: str, limits: Limits) -> tuple[list, int, int]:
+    """(each frame's pts, width, height) of a sequential decode of the whole stream, as the
+    loader's sequential read decodes it (a fresh demuxer from the first byte)."""
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = video_stream(container)
+        stream.codec_context.options = {"max_pixels": str(limits.max_video_pixels)}
+        stream.thread_type = "AUTO"
+        stamps, width, height = [], 0, 0
         for frame in container.decode(stream):
-            last = frame
-    except av.FFmpegError:
-        last = None
-    if last is None:
-        container.seek(0, stream=stream, backward=True, any_frame=False)
-        for frame in container.decode(stream):
-            last = frame
-    return last
+            if not stamps:
+                width, height = frame.width, frame.height
+                _check_pixels(name, width, height, limits, "decoded")
+            stamps.append(frame.pts)
+    return stamps, width, height
 
 
 def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) -> ProbedVideo:
-    """Measure frames and duration by demuxing, then decode the first and the last frame.
+    """Measure the duration by demuxing, then decode the whole stream as the loader would.
 
     Raises:
         MediaError: "unreadable_video" (cannot open, demux or decode), "zero_frame_video" (no
@@ -207,39 +212,43 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
             if not container.streams:
                 raise MediaError("unreadable_video", f"{name}: no stream can be read (a damaged "
                                  "or missing index, e.g. the mp4 moov atom)")
-            if not container.streams.video:
+            stream = video_stream(container)
+            if stream is None:
                 raise MediaError("zero_frame_video", f"{name}: no video stream")
-            stream = container.streams.video[0]
             _check_pixels(name, stream.codec_context.width, stream.codec_context.height,
                           limits, "as the stream parameters say")
             # the decoder refuses frames over the cap before allocating them (a stream whose
             # parameters understate the size)
             stream.codec_context.options = {"max_pixels": str(limits.max_video_pixels)}
             claimed = int(stream.frames or 0)
-            frames, seconds = _count_packets(container, stream, name, limits)
-            if frames == 0 and claimed:
+            packets, seconds = _count_packets(container, stream, name, limits)
+            if not packets and claimed:
                 raise MediaError("unreadable_video", f"{name}: the container lists {claimed} "
                                  "frames but none can be read")
-            if frames == 0:
+            if not packets:
                 raise MediaError("zero_frame_video", f"{name}: the video stream has no frames")
-            if frames < MIN_VIDEO_FRAMES:
-                raise MediaError("too_few_frames", f"{name}: {frames} frame; a video needs "
+            if len(packets) < MIN_VIDEO_FRAMES:
+                raise MediaError("too_few_frames", f"{name}: {len(packets)} frame; a video needs "
                                  f"{MIN_VIDEO_FRAMES} (one temporal patch)")
-            container.seek(0, stream=stream, backward=True, any_frame=False)
-            first = next(container.decode(stream), None)
-            if first is None:
-                raise MediaError("unreadable_video", f"{name}: the first frame does not decode")
-            _check_pixels(name, first.width, first.height, limits, "decoded")
-            if _last_frame(container, stream) is None:
-                raise MediaError("unreadable_video", f"{name}: the last frame does not decode")
             rate = float(stream.average_rate or stream.guessed_rate or 0)
-            fps = frames / seconds if seconds > 0 else rate
-            if seconds <= 0:
-                seconds = frames / fps if fps else 0.0
-            return ProbedVideo(width=int(first.width), height=int(first.height),
-                               duration_s=round(seconds, 6), frames=frames,
-                               fps=round(fps, 6), codec=stream.codec_context.name,
-                               claimed_frames=claimed)
+            codec = stream.codec_context.name
+        stamps, width, height = _decode_all(data, name, limits)
+        frames = len(stamps)
+        if frames == 0:
+            raise MediaError("unreadable_video", f"{name}: {len(packets)} packets, no frame "
+                             "decodes")
+        if frames < MIN_VIDEO_FRAMES:
+            raise MediaError("too_few_frames", f"{name}: {frames} frame decodes of "
+                             f"{len(packets)} packets; a video needs {MIN_VIDEO_FRAMES}")
+        if packets_map_to_frames(packets, True, frames) and sorted(packets) != stamps:
+            raise MediaError("unreadable_video", f"{name}: the decoded frames' timestamps are "
+                             "not the packets' (frames cannot be located without decoding)")
+        fps = frames / seconds if seconds > 0 else rate
+        if seconds <= 0:
+            seconds = frames / fps if fps else 0.0
+        return ProbedVideo(width=int(width), height=int(height), duration_s=round(seconds, 6),
+                           frames=frames, fps=round(fps, 6), codec=codec,
+                           claimed_frames=claimed)
     except MediaError:
         raise
     except Exception as exc:  # PyAV/FFmpeg errors are many types

@@ -61,6 +61,9 @@ class MediaPlan:
     kind: str  #: "image" | "video"
     grid: ImageGrid  #: resize target, grid_thw (before the merge) and visual tokens
     frame_indices: tuple[int, ...] = ()  #: video only: the source frames to decode, ascending
+    #: video only: true seconds of each decoded frame when they are not index / fps (keyframe
+    #: sampling moves the frames; set after decoding, ``VLMTaskEncoder.decode_sample``)
+    timestamps: tuple[float, ...] | None = None
     span_tokens: int  #: tokens of the whole span: markers + pads (+ timestamps)
 
 

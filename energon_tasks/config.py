@@ -2,10 +2,11 @@
 
 This module owns every knob of the loader side (pixel limits, media caps, the visual-token and
 sequence budgets, padding, context parallel divisibility, packing, the decompression-bomb cap, how
-images are decoded (``image_decode``), the model / tokenizer names, and the knobs only some
-profiles read, such as Nemotron-Omni's ``max_num_tiles`` / ``video_maintain_aspect_ratio`` /
-``video_target_num_patches``) and the rules they must satisfy together. ``train.py`` loads YAML
-plus ``key=value`` overrides into ``TaskEncoderConfig.from_dict``; unknown keys are an error.
+images are decoded (``image_decode``), how video frames are sampled (``video_sampling``), the
+model / tokenizer names, and the knobs only some profiles read, such as Nemotron-Omni's
+``max_num_tiles`` / ``video_maintain_aspect_ratio`` / ``video_target_num_patches``) and the rules
+they must satisfy together. ``train.py`` loads YAML plus ``key=value`` overrides into
+``TaskEncoderConfig.from_dict``; unknown keys are an error.
 
 Models (``model``, a profile of ``energon_tasks.profiles``): "qwen2_5_vl", "qwen3_vl",
 "nemotron_omni" (dynamic-resolution images), "nemotron_omni_tiled" (512x512 tiles + thumbnail);
@@ -37,6 +38,10 @@ from contract.families import profile_name
 from energon_tasks.families import Budget, Profile
 from energon_tasks.profiles import PROFILES, get_profile
 
+#: ``video_sampling`` values: "exact" = the frames at the uniform indices (the processors'
+#: frames); "keyframe" = the keyframe nearest each of them, with its true timestamp (cheaper:
+#: one keyframe decoded per frame; energon_tasks.video_decode, docs/format.md)
+VIDEO_SAMPLINGS = ("exact", "keyframe")
 #: ``image_decode`` values: "exact" = the model's transformers processor's pixel values (whole
 #: image decoded, the processor's resize); "fast" = JPEG decoded at a reduced DCT scale when the
 #: target is at most half the source per side, then PIL bicubic (energon_tasks.decode)
@@ -72,6 +77,9 @@ class TaskEncoderConfig:
     #: "exact" (pixel values equal to the transformers processor's) or "fast" (JPEG draft decode:
     #: cheaper, pixels differ; docs/benchmarks_task_encoder.md measures both), see IMAGE_DECODES
     image_decode: str = "exact"
+    #: "exact" (the frames at the uniform indices, as the processors) or "keyframe" (the
+    #: keyframe nearest each, true timestamps in the span and positions), see VIDEO_SAMPLINGS
+    video_sampling: str = "exact"
     #: nemotron_omni_tiled only: tiles per image before the thumbnail (None: the geometry's 12).
     #: ``max_pixels`` caps it further to max_pixels // 512**2 tiles (at least 1): ``tile_cap``.
     max_num_tiles: int | None = None
@@ -129,6 +137,9 @@ class TaskEncoderConfig:
         if self.image_decode not in IMAGE_DECODES:
             problems.append(f"image_decode: must be one of {', '.join(IMAGE_DECODES)}, got "
                             f"{self.image_decode!r}")
+        if self.video_sampling not in VIDEO_SAMPLINGS:
+            problems.append(f"video_sampling: must be one of {', '.join(VIDEO_SAMPLINGS)}, got "
+                            f"{self.video_sampling!r}")
         multiple = None if problems else self.resolve().length_multiple
         if multiple and self.seq_length % multiple:
             problems.append(

@@ -46,7 +46,7 @@ def render(key: str, sample: CanonicalSample, media_bytes: dict, encoder) -> str
     pixels, error = [], ""
     if not plan.skip:
         try:
-            pixels = encoder.decode_media(plan, sample, media_bytes)
+            plan, pixels = encoder.decode_sample(plan, sample, media_bytes)
         except Exception as failure:  # noqa: BLE001 - shown on the page, like the loader skips
             error = f"decode failed: {failure}"
     planned = {item.index: (item, frames) for item, frames in zip(plan.media, pixels)}

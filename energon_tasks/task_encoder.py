@@ -25,6 +25,7 @@ steps; planning, decoding, labels, packing and batching are shared.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ from contract.errors import MediaError, UsageError
 from energon_tasks import budget
 from energon_tasks.collate import collate, pack_samples
 from energon_tasks.config import TaskEncoderConfig
-from energon_tasks.decode import decode_image, decode_video_frames
+from energon_tasks.decode import decode_image
 from energon_tasks.energon_dataset import (
     ConversationSample,
     conversation_sample,
@@ -49,6 +50,7 @@ from energon_tasks.energon_dataset import (
 )
 from energon_tasks.image_grid import ImageGrid
 from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
+from energon_tasks.video_decode import decode_video_frames
 
 
 @stateless
@@ -173,14 +175,22 @@ class VLMTaskEncoder(DefaultTaskEncoder):
     def decode_media(
         self, plan: budget.Plan, sample: CanonicalSample, media_bytes: dict
     ) -> list[np.ndarray]:
+        """The pixels of ``decode_sample`` (whose plan holds keyframe sampling's frames)."""
+        return self.decode_sample(plan, sample, media_bytes)[1]
+
+    def decode_sample(
+        self, plan: budget.Plan, sample: CanonicalSample, media_bytes: dict
+    ) -> tuple[budget.Plan, list[np.ndarray]]:
         """(T, H, W, 3) pixels of each kept media item at its planned size (T = 1: image): uint8,
         or float32 for an image resized in float (``image_decode_options``); then the hooks'
-        ``finish_decode`` (Nemotron-Omni tiled images: (tiles, 512, 512, 3)).
+        ``finish_decode`` (Nemotron-Omni tiled images: (tiles, 512, 512, 3)). With
+        ``video_sampling: keyframe`` the plan returned holds each video's decoded frames and
+        their true timestamps (``MediaPlan.frame_indices`` / ``timestamps``); else it is ``plan``.
 
         Raises:
             MediaError: a missing part or bad media (reason + key + part in the message).
         """
-        out = []
+        out, items = [], []
         for item in plan.media:
             media = sample.media[item.index]
             name = f"{plan.key}.{media.part}"
@@ -193,10 +203,17 @@ class VLMTaskEncoder(DefaultTaskEncoder):
                                      name=name, **self.image_decode_options())
                 out.append(image.pixels[None])
             else:
+                sampling = self.budget.video_sampling
                 video = decode_video_frames(media_bytes[media.part], item.frame_indices,
-                                            size=size, max_source_pixels=cap, name=name)
+                                            size=size, max_source_pixels=cap, name=name,
+                                            frames=media.frames, sampling=sampling)
                 out.append(video.frames)
-        return self.hooks.finish_decode(plan, sample, media_bytes, out)
+                if sampling == "keyframe":
+                    item = dataclasses.replace(item, frame_indices=video.indices,
+                                               timestamps=video.timestamps)
+            items.append(item)
+        plan = dataclasses.replace(plan, media=tuple(items))
+        return plan, self.hooks.finish_decode(plan, sample, media_bytes, out)
 
     def assemble(
         self, sample: CanonicalSample, plan: budget.Plan, turns: list[TurnTokens],
@@ -225,7 +242,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
                     item, frames = next(items)
                     media = sample.media[item.index]
                     grid = hooks.pixel_grid(item.kind, frames)
-                    span = hooks.span(media, grid, item.frame_indices)
+                    span = hooks.span(media, grid, item.frame_indices, item.timestamps)
                     ids += span
                     labels += [IGNORE_INDEX] * len(span)
                     grids[item.kind].append(grid)
@@ -235,7 +252,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
                     hooks.write_pixel_rows(item.kind, frames,
                                            buffers[item.kind][start:filled[item.kind]])
                     if item.kind == "video":
-                        videos.append((media, item.frame_indices))
+                        videos.append((media, item.frame_indices, item.timestamps))
                 ids += piece
                 labels += piece if turn.supervised else [IGNORE_INDEX] * len(piece)
             ids += turn.footer
@@ -308,17 +325,30 @@ class VLMTaskEncoder(DefaultTaskEncoder):
             self._skipped(plan.skip)
             raise SkipSample(plan.detail)
         try:
-            pixels = self.decode_media(plan, conversation, sample.media_bytes)
+            plan, pixels = self.decode_sample(plan, conversation, sample.media_bytes)
         except MediaError as error:
-            self._count({"samples": 1, f"skipped_{error.reason}": 1})
-            record_skip(key, error.reason, error.detail, count=False)
-            self._skipped(error.reason)
-            raise SkipSample(f"sample {key}: {error}") from None
-        self._in_a_row.clear()
-        self._count(plan.counters())
+            self._skip_decoded(key, error.reason, error.detail, f"sample {key}: {error}")
         base = {name: getattr(sample, name)
                 for name in ("__key__", "__restore_key__", "__subflavors__", "__sources__")}
-        return self.assemble(conversation, plan, turns, pixels, base)
+        encoded = self.assemble(conversation, plan, turns, pixels, base)
+        if len(encoded.input_ids) > self.budget.seq_length:  # keyframe timestamps' digits
+            detail = (f"sample {key}: {len(encoded.input_ids)} tokens with the keyframes' "
+                      f"timestamps > seq_length {self.budget.seq_length}")
+            self._skip_decoded(key, "too_long", detail, detail)
+        self._in_a_row.clear()
+        self._count(plan.counters())
+        return encoded
+
+    def _skip_decoded(self, key: str, reason: str, detail: str, message: str) -> None:
+        """Count and record a sample skipped after planning, then skip it.
+
+        Raises:
+            SkipSample: always (``TooManySkips`` first when too many in a row).
+        """
+        self._count({"samples": 1, f"skipped_{reason}": 1})
+        record_skip(key, reason, detail, count=False)
+        self._skipped(reason)
+        raise SkipSample(message) from None
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         """Group a buffer into rows of <= seq_length tokens of nearly equal length, with balanced

@@ -7,7 +7,7 @@ owns, in the order eval.py uses them:
 - ``read_samples``: cooked val samples in the loader's fixed order (the loaders' worker config, so
   damaged samples are skipped as in training);
 - ``encode_prompts``: one prompt encoding per assistant turn through the task encoder's own steps
-  (``tokenize_turns`` -> ``plan_sample`` -> ``decode_media`` -> ``assemble``), budget counters as
+  (``tokenize_turns`` -> ``plan_sample`` -> ``decode_sample`` -> ``assemble``), budget counters as
   in training;
 - ``answer_questions``: batched greedy generation (models/generate.py) and scoring
   (``recipes.scores.score_answer``) of every question, one record each.
@@ -80,7 +80,7 @@ def encode_prompts(encoder, sample, counters: Counter, turns_mode: str = "all",
         if plan.skip:
             continue
         try:
-            pixels = encoder.decode_media(plan, prompt_sample, sample.media_bytes)
+            plan, pixels = encoder.decode_sample(plan, prompt_sample, sample.media_bytes)
         except MediaError as error:
             counters.update({"kept": -1, f"skipped_{error.reason}": 1})
             continue

@@ -70,7 +70,7 @@ class Hooks(Protocol):
 
     def default_pad_id(self) -> int: ...
 
-    def span(self, media, grid_thw, frames=()) -> list[int]: ...
+    def span(self, media, grid_thw, frames=(), seconds=None) -> list[int]: ...
 
     def finish_decode(self, plan, sample, media_bytes: dict, decoded: dict) -> dict: ...
 
@@ -115,6 +115,7 @@ class Budget:
     packing_buffer_size: int
     max_source_pixels: int
     image_decode: str
+    video_sampling: str  #: "exact" or "keyframe" (``TaskEncoderConfig.video_sampling``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,4 +173,5 @@ class Profile:
             fixed_length=config.fixed_length, packing=config.packing,
             packing_buffer_size=config.packing_buffer_size,
             max_source_pixels=config.max_source_pixels, image_decode=config.image_decode,
+            video_sampling=config.video_sampling,
         )

@@ -4,7 +4,10 @@ Each builder writes a local folder with a dataset's exact schema and layout (REA
 parquet / JSON annotations, zips / tar.gz parts, via lookalikes.files) and returns it
 with the reject reason expected for each planted row. Media are built here by hand: images whose
 header lies about their size or whose data is damaged, zip members whose CRC does not match,
-truncated archives, videos with one frame, a broken moov, or a frame count claimed in the header.
+truncated archives, videos with one frame, a broken moov, or a frame count claimed in the header;
+and the containers that put a frame index to the test (``hostile_videos``): MPEG-TS, an MPEG-4 AVI
+with B-frames, variable frame rate, an open GOP with negative DTS, a zero ``mdhd`` timescale, a
+corrupt middle of ``mdat``, a clip cut at an open-GOP keyframe, two video streams.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import struct
 import zipfile
 import zlib
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -153,6 +157,121 @@ def avi_claiming_frames(claimed: int = 10**9) -> tuple[bytes, int]:
     strh = data.index(b"strh") + 8
     data[strh + 32:strh + 36] = struct.pack("<I", claimed)  # dwLength of the video stream
     return bytes(data), frames
+
+
+def _textured(count: int, width: int, height: int):
+    """Frames of a panning noise texture with the frame number in the corner: every frame
+    differs from its neighbours (a frame off by one is seen)."""
+    texture = np.random.default_rng(3).integers(0, 256, (height, 4 * width, 3), dtype=np.uint8)
+    for i in range(count):
+        frame = texture[:, (2 * i) % (3 * width):][:, :width].copy()
+        frame[:8, :8] = (9 * i) % 256
+        yield frame
+
+
+def encoded_clip(fmt: str = "mp4", codec: str = "libx264", *, frames: int = 48, fps: int = 24,
+                 size: tuple[int, int] = (64, 48), gop: int = 12, open_gop: bool = False,
+                 pts: list[int] | None = None, time_base: Fraction | None = None) -> bytes:
+    """A clip in container `fmt`: H.264 with 3 B-frames (pyramid; negative DTS in mp4) and a
+    keyframe every `gop` frames (`open_gop`: x264's open GOPs), or MPEG-4 part 2 with 2 B-frames;
+    `pts` in `time_base` gives each frame its own time (variable frame rate)."""
+    width, height = size
+    out = io.BytesIO()
+    with av.open(out, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if codec == "libx264":
+            stream.options = {"preset": "veryfast", "threads": "1", "x264-params":
+                              f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes=3:mbtree=0"
+                              + (":open-gop=1" if open_gop else "")}
+        else:
+            stream.codec_context.max_b_frames, stream.codec_context.gop_size = 2, gop
+        if time_base is not None:
+            stream.time_base = stream.codec_context.time_base = time_base
+        for i, array in enumerate(_textured(frames, width, height)):
+            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+            if pts is not None:
+                frame.pts, frame.time_base = pts[i], time_base
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return out.getvalue()
+
+
+def vfr_clip(frames: int = 48) -> bytes:
+    """An mp4 whose frames last 20, 33, 50 or 80 ms each (a variable frame rate)."""
+    steps = np.random.default_rng(0).choice([20, 33, 50, 80], frames - 1)
+    pts = [0, *np.cumsum(steps).tolist()]
+    return encoded_clip(pts=pts, time_base=Fraction(1, 1000), frames=frames)
+
+
+def zero_timescale_clip() -> bytes:
+    """An mp4 whose video track's `mdhd` timescale is 0 (its timestamps mean nothing)."""
+    data = bytearray(encoded_clip())
+    at = data.index(b"mdhd")
+    at += 8 + (16 if data[at + 4] == 1 else 8)  # version/flags, then the two dates
+    data[at:at + 4] = bytes(4)
+    return bytes(data)
+
+
+def corrupt_mdat_clip() -> bytes:
+    """An mp4 with 400 bytes of noise in the middle of its `mdat` (first and last frames intact)."""
+    data = bytearray(encoded_clip(frames=72))
+    at = data.index(b"mdat")
+    middle = at + int.from_bytes(data[at - 4:at], "big") // 2
+    data[middle:middle + 400] = np.random.default_rng(1).bytes(400)
+    return bytes(data)
+
+
+def open_gop_cut_clip() -> bytes:
+    """An open-GOP clip remuxed from its second keyframe on: the first packet is a keyframe, and
+    the B-frames after it that are shown before it reference frames the clip no longer holds."""
+    out = io.BytesIO()
+    with av.open(io.BytesIO(encoded_clip(open_gop=True)), "r") as src, \
+            av.open(out, "w", format="mp4") as dst:
+        stream = dst.add_stream_from_template(src.streams.video[0])
+        packets = [p for p in src.demux(src.streams.video[0]) if p.size]
+        keys = [i for i, p in enumerate(packets) if p.is_keyframe]
+        for packet in packets[keys[1]:]:
+            packet.stream = stream
+            dst.mux(packet)
+    return out.getvalue()
+
+
+def two_stream_clip() -> bytes:
+    """An mp4 with two video streams: 36 frames of 64x48, then 24 frames of 32x24."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        streams = []
+        for width, height in ((64, 48), (32, 24)):
+            stream = container.add_stream("libx264", rate=24)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            stream.options = {"preset": "veryfast", "threads": "1",
+                              "x264-params": "keyint=12:min-keyint=12:scenecut=0:bframes=3"}
+            streams.append(stream)
+        for i, array in enumerate(_textured(36, 64, 48)):
+            container.mux(streams[0].encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
+            if i < 24:
+                small = np.ascontiguousarray(array[::2, ::2])
+                container.mux(streams[1].encode(av.VideoFrame.from_ndarray(small, "rgb24")))
+        for stream in streams:
+            container.mux(stream.encode(None))
+    return out.getvalue()
+
+
+#: name -> (builder, extension, the reject reason expected, or None: kept and frame-exact)
+HOSTILE_VIDEOS = {
+    "mp4_bframes": (encoded_clip, "mp4", None),
+    "mpegts": (lambda: encoded_clip("mpegts"), "ts", None),
+    "avi_bframes": (lambda: encoded_clip("avi", "mpeg4"), "avi", None),
+    "vfr": (vfr_clip, "mp4", None),
+    "open_gop": (lambda: encoded_clip(open_gop=True), "mp4", None),
+    "open_gop_cut": (open_gop_cut_clip, "mp4", None),
+    "two_streams": (two_stream_clip, "mp4", None),
+    "raw_h264": (lambda: encoded_clip("h264"), "h264", None),  # no timestamps: a sequential read
+    "zero_timescale": (zero_timescale_clip, "mp4", "too_few_frames"),
+    "corrupt_mdat": (corrupt_mdat_clip, "mp4", "unreadable_video"),
+    "cut": (cut_clip, "mkv", "no_leading_keyframe"),
+}
 
 
 def zip_with_bad_crc(members: list[tuple[str, bytes]], damaged: str) -> bytes:

@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from energon_tasks.decode import decode_video_frames
+from energon_tasks.video_decode import decode_video_frames
 from tests.conftest import energon, one_error_line, read_samples, run_cli, summary
 from tests.converters import hostile as h
 

@@ -16,17 +16,16 @@ from transformers.image_transforms import convert_to_rgb
 from contract.errors import ConfigError
 from energon_tasks import task_encoder_for
 from energon_tasks.config import TaskEncoderConfig
-from energon_tasks.decode import MediaError, _torch_resized, decode_image, decode_video_frames
+from energon_tasks.decode import MediaError, _torch_resized, decode_image
 from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI
 from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL
 from energon_tasks.sample_format import Media
 from energon_tasks.task_encoder import cook_conversation
+from energon_tasks.video_decode import decode_video_frames
 from tests.energon_tasks.conftest import (
-    b_frame_video_bytes,
     conversation,
     crude,
     image_bytes,
-    video_bytes,
 )
 from tests.energon_tasks.test_geometry import _random_sizes, hf_image_processor
 from tests.energon_tasks.test_nemotron_encoder import hf_image_rows, nemotron_resize
@@ -286,66 +285,6 @@ def test_fast_decode_differs_from_exact_only_where_the_draft_applies():
                                            draft=False).pixels)
     with pytest.raises(ValueError, match="resize"):
         decode_image(page, size=(300, 400), max_source_pixels=BIG, resize="lanczos")
-
-
-def test_video_decodes_only_the_chosen_frames():
-    data = video_bytes(120, fps=30, gop=10)
-    picks = [0, 40, 80, 119]
-    video = decode_video_frames(data, picks, size=(28, 56), max_source_pixels=BIG)
-    assert video.frames.shape == (4, 28, 56, 3)
-    red = video.frames[:, 14, 28, 0].astype(int)
-    np.testing.assert_allclose(red, [2 * i for i in picks], atol=4)
-    assert video.decoded_frames <= 1 + 1 + 1 + 10  # from the keyframe before each pick only
-    assert video.seeks >= 2
-    dense = decode_video_frames(data, list(range(0, 120, 2)), size=(28, 56),
-                                max_source_pixels=BIG)
-    assert dense.decoded_frames <= 120
-    np.testing.assert_allclose(dense.frames[:, 14, 28, 0].astype(int),
-                               list(range(0, 240, 4)), atol=4)
-
-
-@pytest.fixture(scope="module")
-def b_frame_clip():
-    """150 frames at 30 fps, keyframe every 30, B-frames; and every frame decoded by PyAV."""
-    import av
-
-    data = b_frame_video_bytes(150, gop=30)
-    with av.open(io.BytesIO(data)) as container:
-        every = [frame.to_image() for frame in container.decode(video=0)]
-        packets = container.streams.video[0].frames
-    assert len(every) == packets == 150
-    return data, every
-
-
-@pytest.mark.parametrize("picks", [
-    [0, 37, 74, 112, 149],  # sparse: one seek per pick
-    list(range(1, 150, 3)),  # dense: decode forward once the keyframe spacing is known
-    [29, 30, 31, 59, 60, 89, 119, 120],  # around keyframes
-    [5, 6, 140],
-])
-def test_video_frames_identical_to_decoding_every_frame(b_frame_clip, picks):
-    data, every = b_frame_clip
-    size = (56, 84)
-    video = decode_video_frames(data, picks, size=size, max_source_pixels=BIG)
-    expected = [np.asarray(every[i].resize(size[::-1], Image.BICUBIC)) for i in picks]
-    assert np.array_equal(video.frames, np.stack(expected))
-    from_keyframes, position = 0, -1  # frames a decoder restarting at keyframes needs
-    for pick in picks:
-        key = pick // 30 * 30  # keyframe every 30 frames
-        from_keyframes += pick - key + 1 if key > position else pick - position
-        position = pick
-    assert video.decoded_frames <= from_keyframes
-    if len(picks) > 40:
-        assert video.seeks <= 3  # forward decoding, not a seek per pick
-        assert video.decoded_frames < 150
-
-
-def test_video_skips_non_reference_frames_before_a_pick(b_frame_clip):
-    data, _ = b_frame_clip
-    video = decode_video_frames(data, [29, 59, 89], size=(56, 84), max_source_pixels=BIG)
-    # each pick is the last frame of its 30-frame GOP: 30 frames from its keyframe without
-    # skipping; the B-frames nothing references are not decoded
-    assert video.seeks == 3 and video.decoded_frames < 3 * 30 * 0.8
 
 
 def test_fuzzed_exif_is_a_skip_never_a_traceback():

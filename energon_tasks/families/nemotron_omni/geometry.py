@@ -351,10 +351,11 @@ class NemotronOmniGeometry:
         duration_ms = int(1000.0 / source_fps)
         return [int(i) * duration_ms / 1000.0 for i in frame_indices]
 
-    def video_labels(self, frame_indices, source_fps: float) -> list[str]:
+    def video_labels(self, frame_indices, source_fps: float, seconds=None) -> list[str]:
         """One text label per frame pair, e.g. ``"Frame 1 sampled at 0.00 seconds and frame 2
-        sampled at 0.50 seconds: "`` (numbering from 1 over the picked frames)."""
-        stamps = self.video_timestamps(frame_indices, source_fps)
+        sampled at 0.50 seconds: "`` (numbering from 1 over the picked frames); the seconds are
+        ``video_timestamps``' or, given, ``seconds`` (keyframe sampling's true timestamps)."""
+        stamps = self.video_timestamps(frame_indices, source_fps) if seconds is None else seconds
         labels = []
         for first in range(0, len(stamps), self.temporal_patch_size):
             parts = [f"{'Frame' if k == first else 'frame'} {k + 1} sampled at {stamps[k]:.2f} "

@@ -73,9 +73,11 @@ class NemotronOmniHooks:
 
     # ---- spans --------------------------------------------------------------------------------
 
-    def span(self, media: Media, grid_thw: Sequence[int], frames: Sequence[int] = ()) -> list[int]:
+    def span(self, media: Media, grid_thw: Sequence[int], frames: Sequence[int] = (),
+             seconds: Sequence[float] | None = None) -> list[int]:
         """Token ids of one media span: an image ``<img>`` + ``<image>`` x tokens + ``</img>``; a
-        video ``video_span_text`` tokenized.
+        video ``video_span_text`` tokenized (labels at ``seconds`` when given: keyframe
+        sampling's true timestamps).
 
         Each frame-pair label is tokenized with the newline before it ("\\n" + label), as the
         processor's text splits at the special tokens.
@@ -86,7 +88,7 @@ class NemotronOmniHooks:
             return [te.vision_start, *[te.image_pad] * (t * (h * w // geo.merge_size**2)),
                     te.vision_end]
         pairs, h, w = grid_thw
-        labels = geo.video_labels(frames, media.fps)
+        labels = geo.video_labels(frames, media.fps, seconds)
         if len(labels) != pairs:
             raise ValueError(f"{media.part}: {len(labels)} frame-pair labels for {pairs} pairs")
         chunk = [te.vision_start, *[te.video_pad] * (h * w // geo.merge_size**2), te.vision_end]
@@ -141,7 +143,7 @@ class NemotronOmniHooks:
         self.geometry.pixel_rows(frames, kind=kind, out=out)
 
     def position_ids(
-        self, ids: list[int], grids: dict[str, list], videos: list[tuple[Media, Sequence[int]]]
+        self, ids: list[int], grids: dict[str, list], videos: list[tuple]
     ) -> np.ndarray:
         """(3, L): three identical rows 0..L-1 (no rotary; the shape keeps collate unchanged)."""
         return np.tile(np.arange(len(ids), dtype=np.int64), (3, 1))

@@ -69,15 +69,19 @@ class QwenVLHooks:
 
     # ---- spans --------------------------------------------------------------------------------
 
-    def video_timestamps(self, media: Media, frames: Sequence[int]) -> list[float]:
-        """Seconds of each temporal patch (mean of its frames), as Qwen3-VL's processor."""
+    def video_timestamps(self, media: Media, frames: Sequence[int],
+                         seconds: Sequence[float] | None = None) -> list[float]:
+        """Seconds of each temporal patch (mean of its frames), as Qwen3-VL's processor: each
+        frame at index / fps, or at ``seconds`` (keyframe sampling's true timestamps)."""
         step = self.geometry.temporal_patch_size
-        picks = list(frames) + [frames[-1]] * (-len(frames) % step)
-        seconds = [i / media.fps for i in picks]
-        return [(seconds[i] + seconds[i + step - 1]) / 2 for i in range(0, len(seconds), step)]
+        stamps = [i / media.fps for i in frames] if seconds is None else list(seconds)
+        stamps += [stamps[-1]] * (-len(stamps) % step)
+        return [(stamps[i] + stamps[i + step - 1]) / 2 for i in range(0, len(stamps), step)]
 
-    def span(self, media: Media, grid_thw: Sequence[int], frames: Sequence[int] = ()) -> list[int]:
-        """Token ids of one media span (markers, pads, Qwen3-VL timestamps)."""
+    def span(self, media: Media, grid_thw: Sequence[int], frames: Sequence[int] = (),
+             seconds: Sequence[float] | None = None) -> list[int]:
+        """Token ids of one media span (markers, pads, Qwen3-VL timestamps: ``video_timestamps``
+        of ``frames`` / ``seconds``)."""
         te = self.encoder
         t, h, w = grid_thw
         per_patch = h * w // self.geometry.merge_size**2
@@ -86,7 +90,7 @@ class QwenVLHooks:
         if self.geometry.frame_sampling != "transformers_qwen3":
             return [te.vision_start, *[te.video_pad] * (t * per_patch), te.vision_end]
         ids = [te.vision_start]
-        for second in self.video_timestamps(media, frames):
+        for second in self.video_timestamps(media, frames, seconds):
             ids += te.encode_text(f"<{second:.1f} seconds>")
             ids += [te.vision_start, *[te.video_pad] * per_patch, te.vision_end]
         return [*ids, te.vision_end]
@@ -115,18 +119,25 @@ class QwenVLHooks:
         self.geometry.pixel_rows(frames, out=out)
 
     def position_ids(
-        self, ids: list[int], grids: dict[str, list], videos: list[tuple[Media, Sequence[int]]]
+        self, ids: list[int], grids: dict[str, list], videos: list[tuple]
     ) -> np.ndarray:
-        """(3, L) M-RoPE positions of one sample (``videos``: each video's media and frames)."""
+        """(3, L) M-RoPE positions of one sample (``videos``: each video's media, frames and
+        true seconds or None)."""
         qwen3 = self.geometry.frame_sampling == "transformers_qwen3"
-        steps = None if qwen3 else [self._time_step(media, frames) for media, frames in videos]
+        steps = None if qwen3 else [self._time_step(*video) for video in videos]
         return mrope_position_ids(
             ids, image_token_id=self.encoder.image_pad, video_token_id=self.encoder.video_pad,
             image_grid_thw=grids["image"], video_grid_thw=grids["video"],
             spatial_merge_size=self.geometry.merge_size, video_time_steps=steps)
 
-    def _time_step(self, media: Media, frames: Sequence[int]) -> float:
-        """Qwen2.5-VL M-RoPE time step of a video: tokens_per_second * seconds per grid_t."""
-        sampled_fps = len(frames) / media.frames * media.fps
-        seconds = np.float32(self.geometry.temporal_patch_size / sampled_fps)
-        return float(np.float32(QWEN2_5_TOKENS_PER_SECOND) * seconds)
+    def _time_step(self, media: Media, frames: Sequence[int],
+                   seconds: Sequence[float] | None = None) -> float:
+        """Qwen2.5-VL M-RoPE time step of a video: tokens_per_second * seconds per grid_t
+        (``second_per_grid_t``): temporal patch / sampled fps, the processor's; with true
+        ``seconds`` (keyframe sampling), temporal patch * their mean spacing."""
+        step = self.geometry.temporal_patch_size
+        if seconds is not None and len(seconds) > 1 and seconds[-1] > seconds[0]:
+            per_grid = np.float32(step * (seconds[-1] - seconds[0]) / (len(seconds) - 1))
+        else:
+            per_grid = np.float32(step / (len(frames) / media.frames * media.fps))
+        return float(np.float32(QWEN2_5_TOKENS_PER_SECOND) * per_grid)

@@ -1,0 +1,300 @@
+"""Video frame reading at the decoder's limit: the project's reader side by side with the others.
+
+Per clip and frame count (uniform picks over the whole clip, ``np.linspace(0, n - 1, k)``), in
+one process, one decode thread each, process CPU time, interleaved rounds (every reader once per
+round, in turn; median over rounds after a warm-up), each pick resized to 336x616 (PIL bicubic
+after FFmpeg's rgb24, the loader's conversion):
+
+- ``project``: ``energon_tasks.video_decode.decode_video_frames`` (planned reads, exact);
+- ``decode_all``: PyAV decoding every frame in order, converting the picks only;
+- ``torchcodec``: ``VideoDecoder(seek_mode="exact").get_frames_at`` (torchcodec 0.17);
+- ``decord``: ``VideoReader.get_batch`` (decord 0.6);
+- ``keyframe``: the project with ``sampling="keyframe"`` (the keyframe nearest each pick);
+- ``bound``: the exact-reader CPU bound, computed in the same run: the decode CPU of just the
+  packets an exact reader must decode (from each pick's keyframe, GOPs shared between nearby
+  picks; the keyframe and the reference frames up to the pick, and the pick: the H.264 NAL
+  headers' ``nal_ref_idc`` says which frames others reference), each packet's CPU measured in
+  a single-thread sequential decode of the clip, plus the picks' conversions.
+
+Readers that are not installed (``pip install -e .[bench]``) or that cannot load (the
+torchcodec wheel on PyPI links CUDA's libraries, which a CPU-only torch does not have) are
+listed as such, with the reason, never timed with something else. The frames each reader returns
+are compared with decode_all's (``equal``).
+
+Clips (generated with PyAV, cached in ``--cache``): 640x360 30 fps x264 (veryfast, CRF 23,
+3 B-frames, pyramid) of a panned textured scene with moving shapes, 60 s, keyframe every 2, 5 or
+10 s; and 854x480 30 fps, 180 s, keyframe every 5 s.
+
+Usage: python bench/bench_video_decode.py --out bench_out/video_decode [--rounds 5] [--quick]
+Writes <out>/video_decode.json and prints the markdown table of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import av  # noqa: E402
+import click  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from energon_tasks.video_decode import decode_video_frames, video_frame_pixels  # noqa: E402
+
+SIZE = (336, 616)  #: (height, width) every pick is resized to
+#: name -> (width, height, seconds, GOP seconds)
+CLIPS = {"360p_60s_gop2": (640, 360, 60, 2), "360p_60s_gop5": (640, 360, 60, 5),
+         "360p_60s_gop10": (640, 360, 60, 10), "480p_180s_gop5": (854, 480, 180, 5)}
+FPS = 30
+PICKS = (16, 64)
+
+
+def make_clip(width: int, height: int, seconds: int, gop: int, fps: int = FPS) -> bytes:
+    """A camera pan over a smooth texture with three moving rectangles (x264, B-frames)."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (height // 16 + 2, 3 * width // 16 + 2, 3), dtype=np.uint8)
+    from PIL import Image
+
+    texture = np.asarray(Image.fromarray(base).resize((3 * width + 32, height + 32),
+                                                      Image.BICUBIC))
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"preset": "veryfast", "crf": "23", "x264-params":
+                          f"keyint={gop * fps}:min-keyint={gop * fps}:scenecut=0:bframes=3"}
+        for i in range(seconds * fps):
+            x = int(i * 2 * width / (seconds * fps))
+            frame = texture[(i // 7) % 16:][:height, x:x + width].copy()
+            for k, colour in enumerate(((230, 40, 40), (40, 200, 60), (40, 60, 220))):
+                cx = int((0.5 + 0.4 * np.sin(i / (20 + 7 * k) + k)) * (width - 60))
+                cy = int((0.5 + 0.4 * np.cos(i / (25 + 5 * k) + 2 * k)) * (height - 60))
+                frame[cy:cy + 50, cx:cx + 50] = colour
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
+def clip_bytes(name: str, cache: Path) -> bytes:
+    path = cache / f"{name}.mp4"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(make_clip(*CLIPS[name]))
+    return path.read_bytes()
+
+
+# ---- readers -----------------------------------------------------------------------------------
+
+def _resize(rgb: np.ndarray) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.fromarray(rgb).resize(SIZE[::-1], Image.BICUBIC), dtype=np.uint8)
+
+
+def project(data: bytes, picks: list[int], frames: int, sampling: str = "exact") -> np.ndarray:
+    return decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**9, frames=frames,
+                               sampling=sampling).frames
+
+
+def decode_all(data: bytes, picks: list[int], frames: int) -> np.ndarray:
+    wanted, out = set(picks), []
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1
+        for index, frame in enumerate(container.decode(stream)):
+            if index in wanted:
+                out.append(video_frame_pixels(frame, SIZE[::-1]))
+    return np.stack(out)
+
+
+def load_torchcodec():
+    """(reader, None) or (None, why it cannot be used)."""
+    try:
+        from torchcodec.decoders import VideoDecoder
+    except Exception as error:  # noqa: BLE001 - the reason is the result
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+
+    def read(data, picks, frames):
+        decoder = VideoDecoder(data, seek_mode="exact", num_ffmpeg_threads=1)
+        batch = decoder.get_frames_at(picks).data.permute(0, 2, 3, 1).numpy()
+        return np.stack([_resize(rgb) for rgb in batch])
+    return read, None
+
+
+def load_decord():
+    try:
+        import decord
+    except Exception as error:  # noqa: BLE001 - the reason is the result
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+
+    def read(data, picks, frames):
+        reader = decord.VideoReader(io.BytesIO(data), num_threads=1)
+        batch = reader.get_batch(picks).asnumpy()
+        return np.stack([_resize(rgb) for rgb in batch])
+    return read, None
+
+
+# ---- the exact-reader bound --------------------------------------------------------------------
+
+def _is_reference(packet_bytes: bytes) -> bool:
+    """An H.264 (avcC, 4-byte lengths) packet holds a slice with nal_ref_idc != 0."""
+    at = 0
+    while at + 5 <= len(packet_bytes):
+        size = int.from_bytes(packet_bytes[at:at + 4], "big")
+        header = packet_bytes[at + 4]
+        if header & 0x1F in (1, 5) and header >> 5:
+            return True
+        at += 4 + size
+    return False
+
+
+def packet_costs(data: bytes) -> tuple[list, list[float]]:
+    """(packets as (pts, keyframe, reference), CPU seconds of each one's decode) from one
+    single-thread sequential decode."""
+    info, costs = [], []
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        codec = stream.codec_context
+        codec.thread_count = 1
+        for packet in container.demux(stream):
+            if not packet.size:
+                continue
+            info.append((packet.pts, packet.is_keyframe, _is_reference(bytes(packet))))
+            start = time.process_time()
+            codec.decode(packet)
+            costs.append(time.process_time() - start)
+        start = time.process_time()
+        codec.decode(None)
+        costs[-1] += time.process_time() - start
+    return info, costs
+
+
+def bound_seconds(info: list, costs: list[float], picks: list[int], convert_s: float) -> float:
+    """CPU of the packets an exact reader must decode for ``picks`` plus the conversions."""
+    order = sorted(range(len(info)), key=lambda i: info[i][0])
+    keys = [i for i, (_, key, _) in enumerate(info) if key]
+    spans = []
+    for pick in picks:
+        position = order[pick]
+        start = max(k for k in keys if k <= position and info[k][0] <= info[position][0])
+        spans.append((start, position))
+    spans.sort()
+    needed, end = set(), -1
+    targets = {order[p] for p in picks}
+    for start, stop in spans:
+        first = start if start > end + 1 else end + 1
+        needed.update(i for i in range(first, stop + 1) if info[i][2] or i in targets
+                      or info[i][1])
+        end = max(end, stop)
+    return sum(costs[i] for i in needed) + convert_s
+
+
+def conversion_seconds(data: bytes, picks: list[int]) -> float:
+    """CPU of converting the picks (rgb24 + resize), the frames decoded beforehand."""
+    wanted, frames = set(picks), []
+    with av.open(io.BytesIO(data)) as container:
+        for index, frame in enumerate(container.decode(video=0)):
+            if index in wanted:
+                frames.append(frame)
+    start = time.process_time()
+    for frame in frames:
+        video_frame_pixels(frame, SIZE[::-1])
+    return time.process_time() - start
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> dict:
+    with av.open(io.BytesIO(data)) as container:
+        frames = sum(1 for p in container.demux(video=0) if p.size)
+    picks = np.linspace(0, frames - 1, count).round().astype(int).tolist()
+    reference = decode_all(data, picks, frames)
+    calls = {"project": lambda: project(data, picks, frames),
+             "decode_all": lambda: decode_all(data, picks, frames),
+             "keyframe": lambda: project(data, picks, frames, "keyframe")}
+    calls.update({k: (lambda r=r: r(data, picks, frames)) for k, r in readers.items()})
+    equal = {k: bool(np.array_equal(f(), reference)) for k, f in calls.items() if k != "keyframe"}
+    times = {k: [] for k in [*calls, "bound"]}
+    for round_ in range(rounds + 1):  # round 0 warms up
+        for key, call in calls.items():
+            start = time.process_time()
+            call()
+            if round_:
+                times[key].append(time.process_time() - start)
+        if round_:
+            info, costs = packet_costs(data)
+            times["bound"].append(bound_seconds(info, costs, picks,
+                                                conversion_seconds(data, picks)))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {"clip": name, "frames": frames, "picks": count, "cpu_s": median, "equal": equal}
+
+
+def _speedup(result: dict, key: str, missing: dict) -> str:
+    """decode_all's CPU over ``key``'s, flagged when its frames are not decode_all's."""
+    if key in missing:
+        return "n/a"
+    flag = "" if result["equal"].get(key, True) else " (frames differ)"
+    return f"{result['cpu_s']['decode_all'] / result['cpu_s'][key]:.2f}x{flag}"
+
+
+def table(results: list[dict], missing: dict) -> str:
+    head = ("| clip, picks | decode-all CPU ms | project vs decode-all | torchcodec exact vs "
+            "decode-all | decord vs decode-all | bound vs decode-all | bound / project | "
+            "keyframe vs decode-all |")
+    lines = [head, "|" + "---|" * 8]
+    for r in results:
+        t = r["cpu_s"]
+        cells = [_speedup(r, key, missing) for key in ("project", "torchcodec", "decord")]
+        lines.append(f"| {r['clip']}, {r['picks']} | {1000 * t['decode_all']:.0f} | "
+                     + " | ".join(cells) + f" | {_speedup(r, 'bound', missing)} | "
+                     f"{t['bound'] / t['project']:.2f} | {_speedup(r, 'keyframe', missing)} |")
+    lines += [f"\n{k}: not measured ({why})" for k, why in missing.items()]
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_out/video_decode"))
+@click.option("--cache", type=click.Path(path_type=Path), default=None,
+              help="folder of the generated clips (default: <out>/clips)")
+@click.option("--rounds", default=5, show_default=True)
+@click.option("--quick", is_flag=True, help="the 2 s GOP clip only, 2 rounds")
+def main(out: Path, cache: Path | None, rounds: int, quick: bool) -> None:
+    """Time the frame readers side by side (see the module docstring)."""
+    cache = cache or out / "clips"
+    readers, missing = {}, {}
+    for key, load in (("torchcodec", load_torchcodec), ("decord", load_decord)):
+        reader, why = load()
+        if reader is None:
+            missing[key] = why
+        else:
+            readers[key] = reader
+    names = ["360p_60s_gop2"] if quick else list(CLIPS)
+    rounds = 2 if quick else rounds
+    results = []
+    for name in names:
+        data = clip_bytes(name, cache)
+        for count in PICKS:
+            results.append(run_clip(name, data, count, rounds, readers))
+            print(json.dumps(results[-1]), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": platform.processor() or platform.machine(), "python": sys.version,
+              "pyav": av.__version__, "rounds": rounds, "size": SIZE, "missing": missing,
+              "results": results}
+    (out / "video_decode.json").write_text(json.dumps(report, indent=1))
+    print(table(results, missing))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Video decoding: exactly the frames asked for, reading no more of the clip than they need.
+
+This module owns what a frame index means and how the chosen frames are read:
+
+- **frame index** ``k`` is the k-th frame of the stream in presentation order, as a sequential
+  decode of every packet gives it (docs/format.md): B-frames, negative DTS, open GOPs, variable
+  frame rate and timestamps that do not start at 0 change nothing; ``DecodedVideo.timestamps`` are
+  the true presentation times of the returned frames (seconds after the first frame);
+- **the stream** is ``video_stream``'s (the converter's probe and the loader read the same one);
+- **planned reads** (``exact``): the packets are demuxed once (no decoding: the container's own
+  packet order, keyframe flags and timestamps); each pick needs the packets from the last
+  keyframe before it (in decode order, presenting no later than it) up to its own; overlapping
+  needs are merged, so the decoder restarts (a flush, no container seek) only where a keyframe
+  lies between two picks; packets that are not picks are fed with ``skip_frame = NONREF`` (frames
+  no other frame references are not decoded: the kept frames are bit for bit the same); after a
+  run's last pick the decoder is drained, never fed the next GOP; one thread (loader workers fill
+  the cores); only the picks are converted to RGB;
+- **sequential reads**: a stream whose packets cannot be mapped to frames without decoding (a
+  packet without a timestamp, two packets with one, a first packet that is not a keyframe, or a
+  packet count other than the frames the converter decoded) is decoded from its start, and the
+  k-th decoded frame is frame k: slower, never wrong;
+- ``keyframe`` sampling (``TaskEncoderConfig.video_sampling``): each pick is replaced by the
+  keyframe nearest to it in time, decoded alone; the indices and timestamps returned are the
+  keyframes'.
+
+Any failure raises ``MediaError`` with a skip reason, never anything else.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import tarfile
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from contract.errors import MediaError
+from energon_tasks.config import VIDEO_SAMPLINGS
+from energon_tasks.decode import _to_rgb
+from energon_tasks.sample_format import is_frame_sequence, unpack_frames
+
+
+@dataclass(slots=True, kw_only=True)
+class DecodedVideo:
+    """The chosen frames of one video at the planned size."""
+
+    frames: np.ndarray  #: (T, H, W, 3) uint8 RGB, T = number of requested frames
+    indices: tuple[int, ...]  #: (T,) frame index of each returned frame (keyframe mode: moved)
+    #: (T,) seconds of each returned frame after the first frame; None for a frame sequence (no
+    #: container timing: index / ``Media.fps``)
+    timestamps: tuple[float, ...] | None
+    decoded_frames: int  #: frames the codec decoded (the cost; >= distinct picks)
+    seeks: int  #: decoder restarts at a keyframe (the first read included)
+
+
+def video_stream(container):
+    """The stream a clip is read from: its first video stream that is not an attached picture
+    (cover art); None when it has none. The converter records this stream's size and frames."""
+    import av
+
+    for stream in container.streams.video:
+        if not stream.disposition & av.stream.Disposition.attached_pic:
+            return stream
+    return None
+
+
+def packets_map_to_frames(stamps: list, first_is_key: bool, frames: int | None) -> bool:
+    """True when frame k is surely the packet with the k-th smallest pts: every packet has a
+    pts, no two share one, the first is a keyframe and there are as many packets as decoded
+    frames (``frames``; None: not known). Else only a sequential decode locates the frames."""
+    return (bool(stamps) and first_is_key and None not in stamps
+            and len(set(stamps)) == len(stamps) and frames in (None, len(stamps)))
+
+
+def decode_video_frames(
+    data: bytes,
+    frame_indices: Sequence[int],
+    *,
+    size: tuple[int, int],
+    max_source_pixels: int,
+    name: str = "video",
+    frames: int | None = None,
+    sampling: str = "exact",
+    thread_type: str | None = None,
+) -> DecodedVideo:
+    """Decode the frames ``frame_indices`` (ascending) of a video, resized to ``size``.
+
+    Args:
+        data: the stored bytes (a container, or a frame sequence: ``sample_format.pack_frames``).
+        frame_indices: frame indices (presentation order), ascending, no repeats.
+        size: planned (height, width).
+        max_source_pixels: refuse frames with more pixels than this.
+        name: sample key and part, for messages.
+        frames: the frame count the converter decoded (``Media.frames``); a packet count that
+            differs sends the read down the sequential path. None: trust the packets.
+        sampling: "exact" or "keyframe" (``VIDEO_SAMPLINGS``).
+        thread_type: PyAV codec threading; None = one thread (planned reads restart the decoder
+            often; loader workers already fill the cores).
+
+    Raises:
+        MediaError: ``source_too_large`` or ``undecodable_video`` (including a pick past the
+            frames the stream holds).
+    """
+    import av
+
+    if sampling not in VIDEO_SAMPLINGS:
+        raise ValueError(f"sampling {sampling!r}: expected one of {VIDEO_SAMPLINGS}")
+    height, width = size
+    picks = sorted(set(int(i) for i in frame_indices))
+    if list(frame_indices) != picks or not picks or picks[0] < 0:
+        raise MediaError("undecodable_video", f"{name}: frame indices must ascend from 0, got "
+                         f"{list(frame_indices)[:8]}")
+    if is_frame_sequence(data):
+        return _frame_sequence(data, picks, (width, height), max_source_pixels, name)
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = video_stream(container)
+            if stream is None:
+                raise MediaError("undecodable_video", f"{name}: no video stream")
+            if stream.width * stream.height > max_source_pixels:
+                raise MediaError("source_too_large", f"{name}: {stream.width}x{stream.height} "
+                                 f"pixels > max_source_pixels {max_source_pixels}")
+            codec = stream.codec_context
+            if thread_type is None:
+                codec.thread_count = 1
+            else:
+                codec.thread_type = thread_type
+            reader = _Reader(container, stream, frames)
+            return reader.read(picks, (width, height), sampling, name)
+    except MediaError:
+        raise
+    except (av.FFmpegError, OSError, ValueError, IndexError, ZeroDivisionError) as error:
+        raise MediaError("undecodable_video", f"{name}: {type(error).__name__}: {error}") from None
+
+
+class _Reader:
+    """One demuxed stream: its packets in decode order and, when they map to frames without
+    decoding, each frame's packet (``order``) and the keyframes (``keys``)."""
+
+    def __init__(self, container, stream, frames: int | None) -> None:
+        self.codec = stream.codec_context
+        self.base = float(stream.time_base) if stream.time_base else 0.0
+        self.rate = float(stream.average_rate or stream.guessed_rate or 0)
+        self.packets = [p for p in container.demux(stream) if p.size]
+        stamps = [p.pts for p in self.packets]
+        self.planned = self.base > 0 and packets_map_to_frames(
+            stamps, bool(self.packets) and self.packets[0].is_keyframe, frames)
+        self.order = sorted(range(len(stamps)), key=stamps.__getitem__) if self.planned else []
+        self.keys = [i for i, p in enumerate(self.packets) if p.is_keyframe]
+        self.decoded = self.seeks = 0
+
+    def read(self, picks: list[int], size: tuple[int, int], sampling: str,
+             name: str) -> DecodedVideo:
+        if not self.planned:
+            return self._sequential(picks, size, name)
+        if picks[-1] >= len(self.order):
+            raise MediaError("undecodable_video", f"{name}: frame {picks[-1]} asked, the stream "
+                             f"holds {len(self.order)}")
+        rank = {packet: k for k, packet in enumerate(self.order)}
+        if sampling == "keyframe":
+            wanted = [self._nearest_key(self.order[k]) for k in picks]
+            got = self._decode_alone(sorted(set(wanted)))
+        else:
+            wanted = [self.order[k] for k in picks]
+            got = self._decode_runs(sorted(set(wanted)))
+        missing = [rank[p] for p in wanted if p not in got]
+        if missing:
+            raise MediaError("undecodable_video", f"{name}: frame {missing[0]} does not decode")
+        first = self.packets[self.order[0]].pts
+        return DecodedVideo(
+            frames=np.stack([video_frame_pixels(got[p], size) for p in wanted]),
+            indices=tuple(rank[p] for p in wanted),
+            timestamps=tuple((self.packets[p].pts - first) * self.base for p in wanted),
+            decoded_frames=self.decoded, seeks=self.seeks)
+
+    def _start(self, position: int) -> int:
+        """The keyframe a decoder must start from to show the frame of packet ``position``: the
+        last one before it in decode order that it does not precede in time (an open GOP's
+        leading frames belong to the previous keyframe)."""
+        at = bisect.bisect_right(self.keys, position) - 1
+        pts = self.packets[position].pts
+        while at > 0 and self.packets[self.keys[at]].pts > pts:
+            at -= 1
+        return self.keys[at]
+
+    def _nearest_key(self, position: int) -> int:
+        pts = self.packets[position].pts
+        return min(self.keys, key=lambda k: (abs(self.packets[k].pts - pts), k))
+
+    def _decode_runs(self, wanted: list[int]) -> dict:
+        """Frames of the packets ``wanted`` (positions): one decoder run per merged span
+        [keyframe, last pick], restarted by a flush where a keyframe lies between picks."""
+        spans = sorted((self._start(p), p) for p in wanted)
+        runs = []
+        for start, end in spans:
+            if runs and start <= runs[-1][1] + 1:
+                runs[-1][1] = max(runs[-1][1], end)
+            else:
+                runs.append([start, end])
+        pts_wanted = {self.packets[p].pts: p for p in wanted}
+        got = {}
+        for start, end in runs:
+            self._restart()
+            for position in range(start, end + 1):
+                packet = self.packets[position]
+                self.codec.skip_frame = "DEFAULT" if packet.pts in pts_wanted else "NONREF"
+                self._keep(self.codec.decode(packet), pts_wanted, got)
+            self._keep(self.codec.decode(None), pts_wanted, got)  # drain: no next-GOP packet
+        return got
+
+    def _decode_alone(self, keys: list[int]) -> dict:
+        """Frames of keyframe packets, each decoded on its own."""
+        got = {}
+        for position in keys:
+            self._restart()
+            want = {self.packets[position].pts: position}
+            self._keep(self.codec.decode(self.packets[position]), want, got)
+            self._keep(self.codec.decode(None), want, got)
+        return got
+
+    def _restart(self) -> None:
+        if self.seeks:
+            self.codec.flush_buffers()
+        self.seeks += 1
+
+    def _keep(self, frames, pts_wanted: dict, got: dict) -> None:
+        for frame in frames:
+            self.decoded += 1
+            position = pts_wanted.get(frame.pts)
+            if position is not None:
+                got[position] = frame
+
+    def _sequential(self, picks: list[int], size: tuple[int, int], name: str) -> DecodedVideo:
+        """Every packet decoded in order; the k-th frame out is frame k."""
+        self.seeks, kept, stamps, first = 1, {}, {}, None
+        wanted = set(picks)
+        count = 0
+        for packet in [*self.packets, None]:
+            for frame in self.codec.decode(packet):
+                self.decoded += 1
+                if first is None:
+                    first = frame.pts
+                if count in wanted:
+                    kept[count] = video_frame_pixels(frame, size)
+                    stamps[count] = self._seconds(frame.pts, first, count)
+                count += 1
+            if count > picks[-1]:
+                break
+        if count <= picks[-1]:
+            raise MediaError("undecodable_video", f"{name}: frame {picks[-1]} asked, "
+                             f"{count} decode")
+        return DecodedVideo(frames=np.stack([kept[k] for k in picks]), indices=tuple(picks),
+                            timestamps=tuple(stamps[k] for k in picks),
+                            decoded_frames=self.decoded, seeks=self.seeks)
+
+    def _seconds(self, pts, first, count: int) -> float:
+        if pts is not None and first is not None and self.base > 0:
+            return (pts - first) * self.base
+        return count / self.rate if self.rate else 0.0
+
+
+def _frame_sequence(data: bytes, picks: list[int], size: tuple[int, int], max_source_pixels: int,
+                    name: str) -> DecodedVideo:
+    """The chosen frames of a frame-sequence video (a tar of frame images, sample_format): each
+    image decoded whole, converted to RGB and resized as a decoded video frame is."""
+    try:
+        files = unpack_frames(data)
+        frames = []
+        for pick in (p for p in picks if p < len(files)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(files[pick]))
+            if image.width * image.height > max_source_pixels:
+                raise MediaError("source_too_large", f"{name}: {image.width}x{image.height} "
+                                 f"pixels > max_source_pixels {max_source_pixels}")
+            rgb = np.asarray(_to_rgb(image), dtype=np.uint8)
+            if (rgb.shape[1], rgb.shape[0]) != size:
+                rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.BICUBIC), np.uint8)
+            frames.append(rgb)
+    except MediaError:
+        raise
+    except (tarfile.TarError, OSError, SyntaxError, ValueError, Image.DecompressionBombError
+            ) as error:
+        raise MediaError("undecodable_video", f"{name}: {type(error).__name__}: {error}") from None
+    if not frames:
+        raise MediaError("undecodable_video", f"{name}: no frame in the sequence")
+    frames += [frames[-1]] * (len(picks) - len(frames))
+    return DecodedVideo(frames=np.stack(frames), indices=tuple(picks),
+                        timestamps=None, decoded_frames=len(frames),
+                        seeks=0)
+
+
+def video_frame_pixels(frame, size: tuple[int, int]) -> np.ndarray:
+    """(H, W, 3) uint8 RGB of a decoded PyAV frame at ``size`` (width, height).
+
+    FFmpeg's rgb24 conversion (the same pixels as ``frame.to_image()``, whose Python row copy
+    costs ~10x more), then PIL bicubic when the size differs, as the image path.
+    """
+    rgb = frame.to_ndarray(format="rgb24")
+    if (rgb.shape[1], rgb.shape[0]) == tuple(size):
+        return rgb
+    return np.asarray(Image.fromarray(rgb).resize(size, Image.BICUBIC), dtype=np.uint8)

@@ -1,0 +1,109 @@
+"""Hostile video containers through the converter and the loader: what conversion keeps is what
+the loader reads, and a frame index is the frame a sequential decode of every packet shows.
+
+One conversion of one LLaVA-Video source holding every kind (``hostile.HOSTILE_VIDEOS``): the
+clips the loader could not read are rejected with their reason; for each kept clip the recorded
+frame count and size are the sequential decode's, and the loader's frames (at both Qwen-VL
+models' default budget, and densely) are bit for bit that decode's frames at the same indices,
+with their true timestamps; keyframe sampling returns keyframes with theirs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import av
+import numpy as np
+import pytest
+
+from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL
+from energon_tasks.video_decode import decode_video_frames, video_frame_pixels, video_stream
+from tests.conftest import read_samples, run_cli
+from tests.converters import hostile as h
+
+SIZE = (24, 32)  #: (height, width) the frames are compared at (a resize, as the loader's)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile_videos")
+    clips = h.HOSTILE_VIDEOS
+    files = {f"v/{name}.{ext}": build() for name, (build, ext, _) in clips.items()}
+    records = [h.video_record(name, f"v/{name}.{ext}") for name, (_, ext, _) in clips.items()]
+    source = h.write_llava_video(root / "LLaVA-Video-178K", {
+        "hostile": {"records": records, "extracted": files}})
+    out = root / "out"
+    run_cli("converters", "llava-video", "--source", str(source), "--out", str(out),
+            "--val-fraction", "0", "--shard-size", "4")
+    kept = {s["json"]["source"]["ids"][0]: s for s in read_samples(out).values()}
+    return clips, out, kept
+
+
+def sequential(data: bytes) -> tuple[list, list]:
+    """Every frame of a sequential decode of the loader's stream: (pixels, (seconds, key))."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = video_stream(container)
+        base = float(stream.time_base)
+        frames = [(video_frame_pixels(f, SIZE[::-1]), f.pts, f.key_frame)
+                  for f in container.decode(stream)]
+    first = frames[0][1]
+    stamps = [((pts - first) * base if first is not None else None, key)
+              for _, pts, key in frames]
+    return [f[0] for f in frames], stamps
+
+
+def kept_video(converted, name: str) -> tuple[dict, bytes, list, list]:
+    """(media entry, stored bytes, sequential decode's frames, their (seconds, key)) of a kept
+    clip."""
+    sample = converted[2][name]
+    media = sample["json"]["media"][0]
+    data = sample[media["part"]]
+    return (media, data, *sequential(data))
+
+
+def test_the_clips_the_loader_cannot_read_are_rejected(converted):
+    clips, out, kept = converted
+    reasons = {r["id"]: r["reason"] for r in map(json.loads, (out / "rejects.jsonl").open())}
+    assert reasons == {name: why for name, (_, _, why) in clips.items() if why}
+    assert set(kept) == {name for name, (_, _, why) in clips.items() if not why}
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, why) in h.HOSTILE_VIDEOS.items() if not why])
+def test_loader_frames_are_the_sequential_decode_frames(converted, name):
+    media, data, every, stamps = kept_video(converted, name)
+    first = stream_size(data)
+    assert media["frames"] == len(every) and (media["width"], media["height"]) == first
+    picks_sets = [geo.video_frame_indices(media["frames"], media["fps"])
+                  for geo in (QWEN2_5_VL, QWEN3_VL)]
+    picks_sets += [list(range(1, len(every), 3)), [len(every) - 2, len(every) - 1]]
+    for picks in picks_sets:
+        video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**8,
+                                    frames=media["frames"])
+        assert video.indices == tuple(picks)
+        assert np.array_equal(video.frames, np.stack([every[i] for i in picks])), picks
+        if stamps[0][0] is not None:
+            np.testing.assert_allclose(video.timestamps, [stamps[i][0] for i in picks],
+                                       atol=1e-9)
+
+
+def stream_size(data: bytes) -> tuple[int, int]:
+    with av.open(io.BytesIO(data)) as container:
+        stream = video_stream(container)
+        return stream.width, stream.height
+
+
+@pytest.mark.parametrize("name", ["mp4_bframes", "mpegts", "avi_bframes", "vfr", "open_gop"])
+def test_keyframe_sampling_gives_the_nearest_keyframes_and_their_times(converted, name):
+    media, data, every, stamps = kept_video(converted, name)
+    picks = QWEN3_VL.video_frame_indices(media["frames"], media["fps"])
+    video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**8,
+                                frames=media["frames"], sampling="keyframe")
+    keys = [i for i, (_, key) in enumerate(stamps) if key]
+    for pick, index, second in zip(picks, video.indices, video.timestamps, strict=True):
+        assert stamps[index][1], f"frame {index} is not a keyframe"
+        nearest = min(abs(stamps[k][0] - stamps[pick][0]) for k in keys)
+        assert abs(stamps[index][0] - stamps[pick][0]) == pytest.approx(nearest)
+        assert second == pytest.approx(stamps[index][0])
+    assert np.array_equal(video.frames, np.stack([every[i] for i in video.indices]))
+    assert video.decoded_frames == len(set(video.indices))  # each keyframe decoded alone

@@ -1,0 +1,165 @@
+"""Video decoding (energon_tasks.video_decode): the chosen frames are bit for bit those of a
+decode of every frame, read with the fewest packets decoded (from the keyframe before each pick,
+non-reference frames skipped, one restart per GOP that holds picks); keyframe sampling; the
+keyframe mode through the task encoder (timestamps in the Qwen3-VL span, Qwen2.5-VL's time step,
+Nemotron-Omni's frame labels)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from contract.errors import ConfigError
+from energon_tasks import task_encoder_for
+from energon_tasks.config import TaskEncoderConfig
+from energon_tasks.task_encoder import cook_conversation
+from energon_tasks.video_decode import MediaError, decode_video_frames
+from tests.energon_tasks.conftest import (
+    b_frame_video_bytes,
+    conversation,
+    crude,
+    video_bytes,
+    video_media,
+)
+
+BIG = 10**9
+
+
+def test_video_decodes_only_the_chosen_frames():
+    data = video_bytes(120, fps=30, gop=10)
+    picks = [0, 40, 80, 119]
+    video = decode_video_frames(data, picks, size=(28, 56), max_source_pixels=BIG)
+    assert video.frames.shape == (4, 28, 56, 3)
+    red = video.frames[:, 14, 28, 0].astype(int)
+    np.testing.assert_allclose(red, [2 * i for i in picks], atol=4)
+    assert video.decoded_frames <= 1 + 1 + 1 + 10  # from the keyframe before each pick only
+    assert video.seeks >= 2
+    dense = decode_video_frames(data, list(range(0, 120, 2)), size=(28, 56),
+                                max_source_pixels=BIG)
+    assert dense.decoded_frames <= 120
+    np.testing.assert_allclose(dense.frames[:, 14, 28, 0].astype(int),
+                               list(range(0, 240, 4)), atol=4)
+
+
+@pytest.fixture(scope="module")
+def b_frame_clip():
+    """150 frames at 30 fps, keyframe every 30, B-frames; and every frame decoded by PyAV."""
+    import av
+
+    data = b_frame_video_bytes(150, gop=30)
+    with av.open(io.BytesIO(data)) as container:
+        every = [frame.to_image() for frame in container.decode(video=0)]
+        packets = container.streams.video[0].frames
+    assert len(every) == packets == 150
+    return data, every
+
+
+@pytest.mark.parametrize("picks", [
+    [0, 37, 74, 112, 149],  # sparse: one seek per pick
+    list(range(1, 150, 3)),  # dense: decode forward once the keyframe spacing is known
+    [29, 30, 31, 59, 60, 89, 119, 120],  # around keyframes
+    [5, 6, 140],
+])
+def test_video_frames_identical_to_decoding_every_frame(b_frame_clip, picks):
+    data, every = b_frame_clip
+    size = (56, 84)
+    video = decode_video_frames(data, picks, size=size, max_source_pixels=BIG)
+    expected = [np.asarray(every[i].resize(size[::-1], Image.BICUBIC)) for i in picks]
+    assert np.array_equal(video.frames, np.stack(expected))
+    from_keyframes, position = 0, -1  # frames a decoder restarting at keyframes needs
+    for pick in picks:
+        key = pick // 30 * 30  # keyframe every 30 frames
+        from_keyframes += pick - key + 1 if key > position else pick - position
+        position = pick
+    assert video.decoded_frames <= from_keyframes
+    if len(picks) > 40:
+        assert video.seeks <= 3  # forward decoding, not a seek per pick
+        assert video.decoded_frames < 150
+
+
+def test_video_skips_non_reference_frames_before_a_pick(b_frame_clip):
+    data, _ = b_frame_clip
+    video = decode_video_frames(data, [29, 59, 89], size=(56, 84), max_source_pixels=BIG)
+    # each pick is the last frame of its 30-frame GOP: 30 frames from its keyframe without
+    # skipping; the B-frames nothing references are not decoded
+    assert video.seeks <= 3 and video.decoded_frames < 3 * 30 * 0.8
+
+
+
+
+def test_a_pick_past_the_stream_and_bad_indices_are_skip_reasons(b_frame_clip):
+    data, _ = b_frame_clip
+    for picks in ([3, 150], [5, 4], [-1, 2], []):
+        with pytest.raises(MediaError) as error:
+            decode_video_frames(data, picks, size=(56, 84), max_source_pixels=BIG)
+        assert error.value.reason == "undecodable_video"
+    # a frame count other than the packets': the sequential read, every frame decoded in order
+    video = decode_video_frames(data, [3, 149], size=(56, 84), max_source_pixels=BIG, frames=151)
+    assert video.decoded_frames == 150 and video.seeks == 1
+    planned = decode_video_frames(data, [3, 149], size=(56, 84), max_source_pixels=BIG)
+    assert np.array_equal(video.frames, planned.frames) and planned.decoded_frames < 60
+    with pytest.raises(MediaError) as error:
+        decode_video_frames(data, [3, 150], size=(56, 84), max_source_pixels=BIG, frames=151)
+    assert error.value.reason == "undecodable_video"
+
+
+def test_keyframe_sampling_decodes_each_nearest_keyframe_alone(b_frame_clip):
+    data, every = b_frame_clip
+    picks = [0, 17, 33, 50, 66, 83, 99, 116, 132, 149]  # keyframes every 30 frames (1 s)
+    video = decode_video_frames(data, picks, size=(64, 96), max_source_pixels=BIG,
+                                sampling="keyframe")
+    assert video.indices == (0, 30, 30, 60, 60, 90, 90, 120, 120, 120)
+    assert video.timestamps == pytest.approx([i / 30 for i in video.indices])
+    assert np.array_equal(video.frames, np.stack([np.asarray(every[i]) for i in video.indices]))
+    assert video.decoded_frames == 5 and video.seeks == 5
+    with pytest.raises(ValueError, match="sampling"):
+        decode_video_frames(data, picks, size=(64, 96), max_source_pixels=BIG, sampling="near")
+
+
+@pytest.fixture(scope="module")
+def video_sample(b_frame_clip):
+    data, _ = b_frame_clip
+    media = video_media(0, 150, 30.0, height=64, width=96, data=data)
+    return cook_conversation(crude("k", conversation(
+        [("user", "<video> what moves?"), ("assistant", "noise")], [media]), {"vid0.mp4": data}))
+
+
+@pytest.mark.parametrize("sampling", ["exact", "keyframe"])
+def test_qwen3_timestamp_lines_are_the_frames_true_times(tokenizer, video_sample, sampling):
+    config = TaskEncoderConfig.from_dict({"model": "qwen3-vl", "video_sampling": sampling})
+    encoded = task_encoder_for(config, tokenizer=tokenizer).encode_sample(video_sample)
+    text = tokenizer.decode(encoded.input_ids)
+    stamps = [float(s) for s in text.split("<")[1:] if "seconds>" in s
+              for s in [s.split(" seconds>")[0]]]
+    # picks 0 17 33 50 66 83 99 116 132 149 (2 fps over 5 s), keyframe mode: 0 30 30 60 60 90
+    # 90 120 120 120; one timestamp per frame pair (the mean of its two)
+    expected = {"exact": [0.3, 1.4, 2.5, 3.6, 4.7], "keyframe": [0.5, 1.5, 2.5, 3.5, 4.0]}
+    assert stamps == expected[sampling]
+
+
+def test_qwen2_5_time_step_from_the_keyframes_times(tokenizer, video_sample):
+    steps = {}
+    for sampling in ("exact", "keyframe"):
+        config = TaskEncoderConfig.from_dict({"model": "qwen2.5-vl", "video_sampling": sampling})
+        encoder = task_encoder_for(config, tokenizer=tokenizer)
+        plan = encoder.plan_sample(video_sample.conversation, "k")
+        plan, _ = encoder.decode_sample(plan, video_sample.conversation,
+                                        video_sample.media_bytes)
+        item = plan.media[0]
+        media = video_sample.conversation.media[0]
+        steps[sampling] = encoder.hooks._time_step(media, item.frame_indices, item.timestamps)
+    # exact: 2 tokens/s * 2 frames / (10 frames over 150 at 30 fps = 2 fps) = 2.0; keyframe:
+    # 2 * 2 * (4 s - 0 s) / 9 spacings
+    assert steps == {"exact": pytest.approx(2.0), "keyframe": pytest.approx(2 * 2 * 4 / 9)}
+
+
+def test_nemotron_frame_labels_carry_the_keyframes_times(tokenizer, video_sample):
+    config = TaskEncoderConfig.from_dict({"model": "nemotron-omni", "video_sampling": "keyframe"})
+    encoded = task_encoder_for(config, tokenizer=tokenizer).encode_sample(video_sample)
+    text = tokenizer.decode(encoded.input_ids)
+    assert "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 1.00 seconds" in text
+    with pytest.raises(ConfigError, match="video_sampling: must be one of exact, keyframe"):
+        TaskEncoderConfig.from_dict({"model": "qwen3-vl", "video_sampling": "nearest"})
