@@ -366,8 +366,9 @@ def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
 
 
 def test_expert_tp_other_than_tp_refused_in_one_line(tmp_path, capsys):
-    """Expert-TP other than TP (the published 235B-A22B layout's etp 1 at tp 4): train.py
-    refuses it before building anything (one line, exit 2); the family takes TP, PP, CP, EP."""
+    """Expert-TP other than TP (the published 235B-A22B layout's etp 1 at tp 4), and Nemotron-
+    Omni's MoE layers under TP: train.py refuses them before building anything (one line, exit
+    2); the Qwen-VL family takes TP, PP, CP, EP."""
     from types import SimpleNamespace
 
     from models.families import get
@@ -382,6 +383,12 @@ def test_expert_tp_other_than_tp_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "parallel.etp 1 (expert tensor parallel) other than " \
         "parallel.tp 2 is not supported by train.py yet" in err, err
+    # Nemotron-Omni's MoE layers under TP (its LM runs no sequence parallelism): one line too
+    nemotron = str(REPO / "configs" / "train_nemotron_omni_mantis.yaml")
+    assert train.main([nemotron, "parallel.tp=2", "model.lm.pattern='*E-E'",
+                       f"data.path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parallel.tp 2 with MoE layers" in err, err
 
 
 def test_greedy_tokens_equal_transformers_generate(moe_hf, tmp_path):
