@@ -18,7 +18,11 @@ An adapter of the linear ``<parent>.<name>`` is the sibling module ``<parent>.<n
   outputs are summed over TP (reduce-scattered over the sequence under sequence parallelism).
 
 A replicated factor whose gradient is computed on a sequence shard is marked
-``sequence_parallel`` (megatron all-reduces those over TP). A starts from a seeded Kaiming
+``sequence_parallel`` (megatron all-reduces those over TP). An MoE expert's adapter (``experts``)
+is laid out the same over expert-TP but, like the expert's linears, communicates nothing itself
+(megatron's token dispatcher gathers the tokens and sums the partial outputs); its replicated
+factor's gradient is a share per expert-TP rank, marked ``sequence_parallel`` too (expert-TP =
+TP, and megatron's MoE runs sequence parallel under TP). A starts from a seeded Kaiming
 uniform draw (the seed from the adapter's global name, so every TP / PP layout starts equal), B
 at zero: step 1 computes the base model's loss. Sharded checkpoint entries carry each factor's
 own TP axis (``sharded_state_dict``).
@@ -75,9 +79,13 @@ class LoRAConfig:
         return out
 
 
-def _tp():
+def _tp(is_expert: bool = False):
+    """(size, rank) of the TP group a base linear is sharded over (the experts': expert-TP)."""
     from megatron.core import parallel_state as ps
 
+    if is_expert:
+        return (ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_rank())
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
@@ -108,8 +116,8 @@ class LoRAAdapter(nn.Module):
 
     def __init__(self, base: nn.Module, cfg: LoRAConfig, global_name: str, *, is_expert: bool):
         super().__init__()
-        self.kind = _kind(base)
-        tp, tp_rank = (1, 0) if self.kind == "plain" or is_expert else _tp()
+        self.kind, self.is_expert = _kind(base), is_expert
+        tp, tp_rank = (1, 0) if self.kind == "plain" else _tp(is_expert)
         self.tp = tp
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and tp > 1
         in_local, out_local = _features(base)
@@ -132,8 +140,8 @@ class LoRAAdapter(nn.Module):
             weight.tensor_model_parallel = not replicated and tp > 1
             weight.partition_dim = 0 if factor is self.lora_b else 1
             weight.partition_stride = 1
-            if replicated and self.sequence_parallel:
-                weight.sequence_parallel = True
+            if replicated and (self.sequence_parallel or (is_expert and tp > 1)):
+                weight.sequence_parallel = True  # its gradient: a share per rank, summed
             if is_expert:
                 weight.allreduce = False  # experts reduce over the expert-DP group
 
@@ -144,6 +152,8 @@ class LoRAAdapter(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         h = self.lora_a(self.dropout(x))
+        if self.is_expert:  # like the expert's own linears: megatron's dispatcher communicates
+            return self.lora_b(h) * self.scale
         if self.kind == "column" and self.tp > 1:
             h = (tpl.gather_from_sequence_parallel_region(h) if self.sequence_parallel
                  else tpl.copy_to_tensor_model_parallel_region(h))

@@ -37,7 +37,8 @@ def set_backward_scale(model, micro_batches: int, cp: int) -> None:
 def step_metrics(model, micro_batches: int) -> dict[str, float]:
     """``{"moe_aux_loss": ...}`` of the step just run (see module docstring); {} without MoE
     aux loss. The tracker is summed over the pipeline stages' layers and the context-parallel
-    shares and averaged over the data-parallel ranks (gloo has no AVG: megatron's own reduction
+    (and, under sequence parallelism, tensor-parallel) shares and averaged over the data-parallel
+    ranks (gloo has no AVG: megatron's own reduction
     is not used), then cleared."""
     config = _config(model)
     if not (getattr(config, "num_moe_experts", None) and config.moe_aux_loss_coeff):
@@ -50,7 +51,10 @@ def step_metrics(model, micro_batches: int) -> dict[str, float]:
         return {}
     total = tracker[TRACKED]["values"].sum().reshape(1).double()
     if torch.distributed.is_initialized():
-        for group in (ps.get_pipeline_model_parallel_group(),
+        # each CP rank's term covers its share of the tokens, as each TP rank's does under
+        # sequence parallelism (replicated over TP without it)
+        shares = [ps.get_tensor_model_parallel_group()] if config.sequence_parallel else []
+        for group in (ps.get_pipeline_model_parallel_group(), *shares,
                       ps.get_data_parallel_group(with_context_parallel=True)):
             if group.size() > 1:
                 torch.distributed.all_reduce(total, group=group)

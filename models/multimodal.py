@@ -285,6 +285,7 @@ class LanguageModelRunner:
                 target = target.reshape(1, batch * length)
             if deepstack is not None:  # its mask follows the tokens into the one THD row
                 deepstack = (deepstack[0].reshape(1, -1), deepstack[1])
+        decoder_input, deepstack = self._sequence_parallel_share(decoder_input, deepstack)
         with self.deepstack_features(deepstack):
             out = self.language_model(input_ids=None, position_ids=position_ids,
                                       attention_mask=None, decoder_input=decoder_input,
@@ -307,19 +308,45 @@ class LanguageModelRunner:
         def split(t, dim):
             return zigzag(t, dim, cp_size, cp_rank)
 
-        if deepstack is not None:  # this rank's visual tokens and their rows of the features
-            visual, features = deepstack
-            ordinal = visual.flatten().cumsum(0).view_as(visual) - 1
-            local = split(visual, 1)
-            deepstack = (local, [f[split(ordinal, 1)[local]] for f in features])
+        decoder_input, deepstack = self._sequence_parallel_share(
+            split(decoder_input, 0), deepstack_share(deepstack, split))
         with self.deepstack_features(deepstack):
             out = self.language_model(input_ids=None, position_ids=position_ids,
-                                      attention_mask=None, decoder_input=split(decoder_input, 0),
+                                      attention_mask=None, decoder_input=decoder_input,
                                       labels=None if target is None else split(target, 1))
         if target is None:
             return out
         mask = split(loss_mask, 1)
         return out * mask, mask
+
+
+    def _sequence_parallel_share(self, decoder_input, deepstack):
+        """Under megatron's sequence parallelism (Qwen3-VL MoE at TP > 1): this TP rank's
+        contiguous share of the whole-sequence embeddings (megatron's scatter; its backward
+        gathers) and its visual tokens' DeepStack rows (their gradient summed over TP, as the
+        tower that made them runs whole on every TP rank); unchanged otherwise."""
+        if decoder_input is None or not self.language_model.config.sequence_parallel:
+            return decoder_input, deepstack
+        from megatron.core import tensor_parallel
+
+        tp, rank = (parallel_state.get_tensor_model_parallel_world_size(),
+                    parallel_state.get_tensor_model_parallel_rank())
+        if deepstack is not None:
+            deepstack = (deepstack[0], [tensor_parallel.copy_to_tensor_model_parallel_region(f)
+                                        for f in deepstack[1]])
+        return (tensor_parallel.scatter_to_sequence_parallel_region(decoder_input),
+                deepstack_share(deepstack, lambda t, dim: t.chunk(tp, dim)[rank]))
+
+
+def deepstack_share(deepstack, take):
+    """DeepStack state (visual mask (B, L), features in the mask's row-major order) of the tokens
+    ``take(t, 1)`` keeps of a (B, L) tensor: the kept mask and its tokens' feature rows."""
+    if deepstack is None:
+        return None
+    visual, features = deepstack
+    ordinal = visual.flatten().cumsum(0).view_as(visual) - 1
+    local = take(visual, 1)
+    return local, [f[take(ordinal, 1)[local]] for f in features]
 
 
 def context_parallel_share() -> tuple[int, int]:

@@ -85,11 +85,23 @@ def _etp(p) -> int:
     return p.tp if p.etp is None else p.etp
 
 
-def _divisor(name: str, param, split: _Split) -> int:
+def _divisor(name: str, param, split: _Split, named: dict) -> int:
     expert = ".experts." in name
-    if not getattr(param, "tensor_model_parallel", False):
+    if not (getattr(param, "tensor_model_parallel", False) or _sharded_factor(name, named)):
         return split.ep if expert else 1
     return split.etp * split.ep if expert else split.tp
+
+
+def _sharded_factor(name: str, named: dict) -> bool:
+    """A LoRA factor that TP shards (models/lora.py: B of a column-parallel base, A of a row
+    one); at TP = 1 megatron marks only the base linear."""
+    for factor, dim in (("lora_b", 0), ("lora_a", 1)):
+        suffix = f"_lora.{factor}.weight"
+        if name.endswith(suffix):
+            base = named.get(name[: -len(suffix)] + ".weight")
+            return (base is not None and getattr(base, "tensor_model_parallel", False)
+                    and getattr(base, "partition_dim", 0) == dim)
+    return False
 
 
 def _on_stage(name: str, split: _Split) -> bool:
@@ -105,7 +117,7 @@ def _on_stage(name: str, split: _Split) -> bool:
     return split.stage == 0
 
 
-def _widths(name: str, param, shard: int) -> float:
+def _widths(name: str, param, shard: float) -> float:
     """Activation elements per token the parameter's op keeps: a linear's input + output width
     (its TP-sharded one / ``shard``), a norm's width; 0 for anything else (biases, adapters)."""
     if "_lora." in name:
@@ -144,14 +156,15 @@ def estimate(model, cfg, gpus: int, bf16: bool, split: _Split | None = None) -> 
     # an expert's linears see top-k / (experts present here) of the tokens (balanced routing)
     routed = (config.moe_router_topk / (experts / (p.ep if local else 1))) if experts else 1.0
     group = family_of(cfg.model).parameter_group
-    sequence_parallel = bool(experts) and p.tp > 1 and not local
+    sequence_parallel = bool(experts) and p.tp > 1
     weights = trainable = trainable_experts = 0.0
     lm_width = vision_width = 0.0
     lm_layers, vision_layers, vision_trains = set(), set(), False
-    for name, param in model.named_parameters():
+    named = dict(model.named_parameters())
+    for name, param in named.items():
         if not (local or _on_stage(name, split)):
             continue
-        n = param.numel() / (1 if local else _divisor(name, param, split))
+        n = param.numel() / (1 if local else _divisor(name, param, split, named))
         weights += n
         if param.requires_grad:
             trainable_experts += n if ".experts." in name else 0
@@ -161,8 +174,12 @@ def estimate(model, cfg, gpus: int, bf16: bool, split: _Split | None = None) -> 
         layer, vision_layer = _LAYER.search(name), _VISION_LAYER.search(name)
         # under sequence parallelism (megatron's, forced with MoE under TP) an LM layer keeps a
         # sequence share of the tokens at full width; else every token at the TP-sharded widths
-        width = _widths(name, param, 1 if local else split.etp if expert else
-                        1 if layer and sequence_parallel else split.tp)
+        # (``local`` shapes are sharded already)
+        if expert or not (layer and sequence_parallel):
+            shard = 1 if local else split.etp if expert else split.tp
+        else:
+            shard = 1 / p.tp if local else 1
+        width = _widths(name, param, shard)
         if layer:
             lm_layers.add(layer.group(1))
             lm_width += width * (routed if expert else 1.0)

@@ -260,10 +260,11 @@ def test_lora_under_pp2_equals_pp1(mantis_out, tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_under_dp2_cp2_ep2_equals_one_process(mantis_out, tmp_path):
+def test_lora_under_dp2_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
     """LoRA on Qwen3-VL MoE with the experts adapted (``model.lora.experts=true``; each EP rank
-    holds its experts' adapters, seeded by their global expert numbers) at DP = 2, CP = 2 and
-    EP = 2 gives one process's losses, gradient norms and aux-loss terms from the same base
+    holds its experts' adapters, seeded by their global expert numbers) at DP = 2, CP = 2, EP = 2
+    and TP = 2 (sequence parallel: replicated factors' gradients summed over TP) gives one
+    process's losses, gradient norms and aux-loss terms from the same base
     (``layouts_equal_one_process``). The run's export merges the expert adapters into the
     published expert tensors (transformers' logits equal ours); ``--adapter`` refuses them in one
     line (PEFT has no layout for transformers' fused experts)."""
@@ -273,7 +274,8 @@ def test_lora_under_dp2_cp2_ep2_equals_one_process(mantis_out, tmp_path):
 
     layouts_equal_one_process(
         mantis_out, tmp_path, {"dp2": (2, []), "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]),
-                               "ep2": (2, ["parallel.ep=2"])},
+                               "ep2": (2, ["parallel.ep=2"]),
+                               "tp2": (2, ["parallel.tp=2", "data.virtual_dp=2"])},
         *LORA, "model.lora.experts=true", "train.lr=1e-2", one=("checkpoint.save_final=true",))
     run = tmp_path / "one"
     assert max(logits_diff(run, export(run, tmp_path / "merged")).values()) <= LOGITS_TOLERANCE

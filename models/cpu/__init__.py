@@ -44,6 +44,10 @@ Patches ``activate()`` applies (on CPU only; with CUDA every one of them is mega
 - ``tensor_parallel.random``: ``CudaRNGStatesTracker`` is a subclass that forks the CPU generator
   (megatron's forks the CUDA one, ``model_parallel_cuda_manual_seed`` builds it), and
   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (activation recomputation) do nothing.
+- ``transformer/torch_norm.WrappedTorchNorm`` (the local spec's norm) refuses sequence
+  parallelism (Qwen3-VL MoE at TP > 1): under it the norm is built without and its parameters
+  are marked ``sequence_parallel``, as TE's norm marks them (their gradients summed over TP).
+  GPU: TE's norm.
 - ``ssm/mamba_block.TENorm`` (>= 0.19 also ``models/hybrid/hybrid_block.TENorm``): the hybrid
   stack's final norm, built with TE whatever the spec says, is megatron's ``WrappedTorchNorm``
   when TransformerEngine is absent (same parameter name).
@@ -265,6 +269,7 @@ def _patch_megatron() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _use_cpu_rng_tracker()
+    _torch_norms_under_sequence_parallelism()
     _use_local_mamba_final_norm()
     _use_torch_mamba_kernels()
     _use_torch_gated_delta_kernels()
@@ -282,6 +287,30 @@ def _cuda_type_name(tensor, *args, **kwargs):
     """``Tensor.type`` naming CPU float tensors as the CUDA ones."""
     name = _TENSOR_TYPE(tensor, *args, **kwargs)
     return name if args or kwargs else _CUDA_TYPE_NAMES.get(name, name)
+
+
+def _torch_norms_under_sequence_parallelism() -> None:
+    """``WrappedTorchNorm`` (the local spec's norm) asserts ``not config.sequence_parallel``;
+    TE's norm takes it. Under sequence parallelism it is built as without, its parameters
+    marked ``sequence_parallel`` as TE marks them (``finalize_model_grads`` then sums their
+    gradients, each rank's from its sequence share, over TP)."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__new__
+
+    def cpu_new(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = build(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(functools.wraps(build)(cpu_new))
 
 
 def _stay(tensor, *_args, **_kwargs):

@@ -351,37 +351,44 @@ def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
 
 @pytest.mark.slow
 def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
-    """The MoE model at DP = 2 (distributed optimizer), PP = 2 (1F1B, MoE layers on both stages)
-    and CP = 2 (each rank routes its zig-zag share; megatron's router counts tokens over the CP
-    group) gives one process's losses, gradient norms and aux-loss terms over 3 steps from the
-    same initial weights (``layouts_equal_one_process``)."""
+    """The MoE model at DP = 2 (distributed optimizer), PP = 2 (1F1B, MoE layers on both stages),
+    CP = 2 (each rank routes its zig-zag share; megatron's router counts tokens over the CP
+    group) and TP = 2 (megatron's sequence parallelism, which its MoE layers need under TP: each
+    rank runs a contiguous share of the sequence through the norms, the router and the
+    experts, sliced over TP; DeepStack rows follow the share) gives one process's losses,
+    gradient norms and aux-loss terms over 3 steps from the same initial weights
+    (``layouts_equal_one_process``)."""
     one = layouts_equal_one_process(mantis_out, tmp_path, {
         "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
-        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"])})
+        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]),
+        "tp2": (2, ["parallel.tp=2", "data.virtual_dp=2"])})
     assert one[-1][0] < one[0][0]
 
 
-def test_tp_refused_in_one_line(tmp_path, capsys):
-    """TP with the MoE layers (megatron needs sequence parallelism there): train.py refuses
-    before building anything (one line, exit 2); EP, PP and CP pass the family's check."""
+def test_expert_tp_other_than_tp_refused_in_one_line(tmp_path, capsys):
+    """Expert-TP other than TP (the published 235B-A22B layout's etp 1 at tp 4), and Nemotron-
+    Omni's MoE layers under TP: train.py refuses them before building anything (one line, exit
+    2); the Qwen-VL family takes TP, PP, CP, EP."""
     from types import SimpleNamespace
 
     from models.families import get
     from models.families.qwen_vl.config import load_yaml
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml")
-    family = get(cfg.family)
-    assert family.layout_problems(cfg, SimpleNamespace(tp=1, pp=2, cp=2, ep=2)) == []
-    problems = family.layout_problems(cfg, SimpleNamespace(tp=2, pp=1, cp=1, ep=1))
-    assert problems == ["parallel.tp 2 with model.family 'qwen3_vl_moe' (MoE layers) is not "
-                        "supported yet (megatron's MoE layers need sequence parallelism under "
-                        "TP): use parallel.ep, pp or cp"]
+    assert get(cfg.family).layout_problems(cfg, SimpleNamespace(tp=2, pp=2, cp=2, ep=2)) == []
     import train
 
     config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
-    assert train.main([config, "parallel.tp=2", f"data.path={tmp_path}"]) == 2
+    assert train.main([config, "parallel.tp=2", "parallel.etp=1", f"data.path={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "parallel.tp 2 with model.family 'qwen3_vl_moe'" in err, err
+    assert err.count("\n") == 1 and "parallel.etp 1 (expert tensor parallel) other than " \
+        "parallel.tp 2 is not supported by train.py yet" in err, err
+    # Nemotron-Omni's MoE layers under TP (its LM runs no sequence parallelism): one line too
+    nemotron = str(REPO / "configs" / "train_nemotron_omni_mantis.yaml")
+    assert train.main([nemotron, "parallel.tp=2", "model.lm.pattern='*E-E'",
+                       f"data.path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parallel.tp 2 with MoE layers" in err, err
 
 
 def test_greedy_tokens_equal_transformers_generate(moe_hf, tmp_path):

@@ -91,11 +91,19 @@ def vision_geometry(cfg: config.NemotronOmniModelConfig) -> dict[str, int]:
 
 
 def layout_problems(cfg: config.NemotronOmniModelConfig, parallel) -> list[str]:
-    """MambaModel splits the layer pattern evenly over the pipeline stages."""
+    """MambaModel splits the layer pattern evenly over the pipeline stages; megatron's MoE
+    layers (``E``) train under TP only with sequence parallelism, which this LM does not run."""
+    problems = []
     if cfg.lm.num_layers % parallel.pp:
-        return [f"parallel.pp {parallel.pp} does not divide the {cfg.lm.num_layers} layers of "
-                f"model.lm.pattern {cfg.lm.pattern!r} (MambaModel splits it evenly)"]
-    return []
+        problems.append(f"parallel.pp {parallel.pp} does not divide the {cfg.lm.num_layers} "
+                        f"layers of model.lm.pattern {cfg.lm.pattern!r} (MambaModel splits it "
+                        "evenly)")
+    if num_experts(cfg) and parallel.tp > 1:
+        problems.append(f"parallel.tp {parallel.tp} with MoE layers (E in model.lm.pattern "
+                        f"{cfg.lm.pattern!r}) is not supported yet: megatron's MoE layers train "
+                        "under TP only with sequence parallelism, which the Nemotron-Omni LM "
+                        "does not run (use parallel.ep)")
+    return problems
 
 
 def num_experts(cfg: config.NemotronOmniModelConfig) -> int:

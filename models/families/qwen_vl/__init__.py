@@ -66,15 +66,8 @@ def vision_geometry(cfg: config.QwenVLModelConfig) -> dict[str, int]:
 
 
 def layout_problems(cfg: config.QwenVLModelConfig, parallel) -> list[str]:
-    """Dense: none (megatron's GPTModel takes every layout train.py checks). With MoE layers
-    (Qwen3-VL MoE): DP, EP, PP and CP are checked equal to one process; TP is refused: megatron's
-    MoE layers need sequence parallelism under TP, which this LM does not run (its norms are
-    torch's on CPU, which refuse it, and the visual scatter and DeepStack work on whole
-    sequences)."""
-    if num_experts(cfg) and parallel.tp > 1:
-        return [f"parallel.tp {parallel.tp} with model.family {cfg.family!r} (MoE layers) is not "
-                "supported yet (megatron's MoE layers need sequence parallelism under TP): use "
-                "parallel.ep, pp or cp"]
+    """None: megatron's GPTModel takes every layout train.py checks (Qwen3-VL MoE under TP runs
+    megatron's sequence parallelism, which its MoE layers need there)."""
     return []
 
 

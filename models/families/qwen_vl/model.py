@@ -99,7 +99,9 @@ def moe_config_kwargs(cfg: QwenVLModelConfig, use_te: bool) -> dict:
         moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss" if weight > 0 else "none",
         moe_aux_loss_coeff=weight, moe_grouped_gemm=use_te,
-        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        # megatron's MoE layers need sequence parallelism under TP (the whole LM runs it)
+        sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1)
 
 
 def lm_layer_spec(cfg: QwenVLModelConfig, use_te: bool, config: TransformerConfig):
@@ -141,6 +143,9 @@ class QwenVL(LanguageModelRunner, MegatronModule):
             pre_process=self.pre_process, post_process=self.post_process,
             share_embeddings_and_output_weights=cfg.lm.tie_embeddings,
             position_embedding_type="mrope", rotary_base=cfg.lm.rope_theta,
+            # whole sequences out of the embedding (the visual scatter needs them); under
+            # sequence parallelism ``run_language_model`` scatters the decoder input
+            scatter_embedding_sequence_parallel=False,
         )
         self._vision_dp = None
         if self.pre_process:
