@@ -140,15 +140,20 @@ class GatedDeltaNet(MegatronModule):
         setattr(self, name, param)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The dist-checkpoint dict: the conv kernels, ``dt_bias`` and ``A_log`` split over TP on
+        dim 0 (one replica per data-parallel group), the projections' own, the norm replicated."""
         from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
             make_sharded_tensors_for_checkpoint,
             sharded_state_dict_default,
         )
 
         tp = parallel_state.get_tensor_model_parallel_group()
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         own = {name: p for name, p in self.named_parameters(recurse=False)}
         out = make_sharded_tensors_for_checkpoint(own, prefix, {name: 0 for name in own},
-                                                  sharded_offsets, tp_group=tp)
+                                                  sharded_offsets, tp_group=tp,
+                                                  dp_cp_group=metadata["dp_cp_group"])
         for name, child in self.named_children():
             out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
                                                   metadata, tp_group=tp))
