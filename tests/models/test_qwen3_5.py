@@ -154,7 +154,7 @@ def test_pp2_parity_and_reshard(qwen3_5_hf, qwen3_5_imported, world2):
 
 def test_refusals_are_one_line(qwen3_5_hf):
     """What the model does not build, and a DeltaNet tensor of the wrong shape, are one-line
-    errors naming the key / field; CP and (with MoE) TP / PP layouts are refused by name."""
+    errors naming the key / field; with MoE, TP / PP / CP layouts are refused by name."""
     from types import SimpleNamespace
 
     from models.families import get
@@ -170,10 +170,8 @@ def test_refusals_are_one_line(qwen3_5_hf):
     with pytest.raises(ValueError, match=r"in_proj_qkv\.weight' has 70 rows, expected q \| k \| v "
                                          r"= 32 \+ 32 \+ 32"):
         hf_mapping.split_linear_attention({key: torch.zeros(70, 64)}, cfg)
-    layout = SimpleNamespace(tp=1, pp=1, cp=2, ep=1)
-    assert get("qwen3_5").layout_problems(cfg, layout) == [
-        "parallel.cp 2 with model.family 'qwen3_5' (Gated DeltaNet layers) is not supported yet"]
+    assert get("qwen3_5").layout_problems(cfg, SimpleNamespace(tp=2, pp=2, cp=2, ep=1)) == []
     moe = config.from_hf_config(json.loads((qwen3_5_hf["qwen3_5_moe"] / "config.json")
                                            .read_text()))
-    assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=2, pp=1, cp=1, ep=1))
+    assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=1, pp=1, cp=2, ep=1))
     assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=1, pp=1, cp=1, ep=2)) == []
