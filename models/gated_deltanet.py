@@ -41,14 +41,19 @@ spec names it), so results do not depend on the installed megatron-core; the swi
 megatron's own layer, once the project moves to >= 0.18, is a spec change (its checkpoint names
 differ: one fused ``in_proj``).
 
-Context parallelism is not supported yet (refused by the family's ``layout_problems``). The
-intended design: an all-to-all around the mixer that gives each CP rank the whole sequence of
-1 / CP of the heads (the heads are independent), then back; the projections stay sequence-split.
+Context parallelism (CP > 1, unpacked rows: each rank holds its zig-zag share of the
+sequence, ``zigzag``): the layer gathers the whole sequence from the CP ranks, runs on it (every
+rank the same, all heads) and keeps its own share of the output; the gather's gradient is summed
+over the ranks. The recurrence then sees the tokens in order, so CP = 2 equals CP = 1; the cost
+is the all-gather of (s, b, h) per layer and CP-fold DeltaNet compute. Cheaper (later): an
+all-to-all that gives each rank the whole sequence of 1 / CP of the heads (they are
+independent), as megatron >= 0.18's layer does.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -67,11 +72,38 @@ except ImportError:
 PARTS = ("q", "k", "v")
 
 
+def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """megatron's CP share of rank ``rank``: chunks rank and 2 * cp - 1 - rank of 2 * cp."""
+    chunks = t.chunk(2 * cp, dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim)
+
+
 def segment_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     """(1, length) int32 segment number of every token of a packed row."""
     sizes = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     ids = torch.repeat_interleave(torch.arange(len(sizes), device=cu_seqlens.device), sizes)
     return ids.to(torch.int32)[None, :length]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """The whole sequence (s, b, h) in order from every CP rank's zig-zag share (s / CP, b, h);
+    backward: the gradient summed over the ranks, this rank's share of it."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, size: int, rank: int, group):
+        ctx.size, ctx.rank, ctx.group = size, rank, group
+        shares = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shares, local.contiguous(), group=group)
+        chunks = [None] * (2 * size)
+        for r, share in enumerate(shares):  # rank r holds chunks r and 2 * size - 1 - r
+            chunks[r], chunks[2 * size - 1 - r] = share.chunk(2, 0)
+        return torch.cat(chunks, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return zigzag(grad, 0, ctx.size, ctx.rank), None, None, None
 
 
 class GatedRMSNorm(nn.Module):
@@ -140,15 +172,20 @@ class GatedDeltaNet(MegatronModule):
         setattr(self, name, param)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The dist-checkpoint dict: the conv kernels, ``dt_bias`` and ``A_log`` split over TP on
+        dim 0 (one replica per data-parallel group), the projections' own, the norm replicated."""
         from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
             make_sharded_tensors_for_checkpoint,
             sharded_state_dict_default,
         )
 
         tp = parallel_state.get_tensor_model_parallel_group()
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         own = {name: p for name, p in self.named_parameters(recurse=False)}
         out = make_sharded_tensors_for_checkpoint(own, prefix, {name: 0 for name in own},
-                                                  sharded_offsets, tp_group=tp)
+                                                  sharded_offsets, tp_group=tp,
+                                                  dp_cp_group=metadata["dp_cp_group"])
         for name, child in self.named_children():
             out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
                                                   metadata, tp_group=tp))
@@ -162,6 +199,20 @@ class GatedDeltaNet(MegatronModule):
         context = inference_context or inference_params
         if context is not None and self.training:
             context = None
+        cp_size = parallel_state.get_context_parallel_world_size()
+        if cp_size > 1:  # module docstring: the whole sequence here, this rank's share back
+            if packed_seq_params is not None or context is not None:
+                raise ValueError("Gated DeltaNet under context parallelism takes unpacked rows "
+                                 "and no generation")
+            cp_rank = parallel_state.get_context_parallel_rank()
+            whole = _GatherSequence.apply(hidden_states, cp_size, cp_rank,
+                                          parallel_state.get_context_parallel_group())
+            out, bias = self._mix(whole, None, None)
+            return zigzag(out, 0, cp_size, cp_rank), bias
+        return self._mix(hidden_states, context, packed_seq_params)
+
+    def _mix(self, hidden_states, context, packed_seq_params):
+        """The layer on (s, b, h) (this rank's whole sequence) -> ((s, b, h), None)."""
         proj = {name: getattr(self, f"in_proj_{name}")(hidden_states)[0].transpose(0, 1)
                 for name in ("q", "k", "v", "z", "b", "a")}  # (b, s, width) each
         batch, length = proj["q"].shape[:2]

@@ -188,6 +188,25 @@ def test_eval_end_to_end(request, eval_ckpt, tmp_path, name, config):
         assert "anls" in scores["overall"]
 
 
+@pytest.mark.slow
+def test_eval_end_to_end_qwen3_5(mantis_out, tmp_path):
+    """eval.py on a Qwen3.5 checkpoint (the Qwen-VL task encoder with the qwen3_5 profile;
+    generation with the Gated DeltaNet states cached): predictions and scores written."""
+    from tests.tiny_hf import build_tiny_qwen3_5
+
+    hf = build_tiny_qwen3_5(tmp_path / "hf", vocab=640, tokens=TEST_TOKENS, max_positions=2048)
+    ckpt = _import(hf, tmp_path / "mcore")
+    out = tmp_path / "eval"
+    proc = run_eval("configs/train_qwen_vl_mantis.yaml", f"data.path={mantis_out}",
+                    "task_encoder.model=qwen3_5", *SMALL, "--ckpt", str(ckpt), "--limit", "4",
+                    "--max-new-tokens", "6", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scores = json.loads((out / "scores.json").read_text())
+    records = [json.loads(ln) for ln in (out / "predictions.jsonl").read_text().splitlines()]
+    assert records and scores["questions"] == len(records)
+    assert scores["generation"]["tokens_per_s"] > 0
+
+
 # ------------------------------------------------------------------ 3. bad input
 def _one_line_exit_2(proc):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])

@@ -361,15 +361,16 @@ def test_cp2_equals_single_process(mantis_reference, mantis_out, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni", "qwen3_5"])
 def test_cp2_equals_single_process_other_families(family, mantis_out, tmp_path):
     """Qwen3-VL under CP: each rank adds the DeepStack rows of its own zig-zag share.
     Nemotron-Omni ("M*M-"): the hybrid LM's attention layers under CP, its MLP layers per token,
-    its Mamba layers by megatron's CP (all-to-all: the whole sequence, half the heads per rank)."""
+    its Mamba layers by megatron's CP (all-to-all: the whole sequence, half the heads per rank).
+    Qwen3.5: its Gated DeltaNet layers gather the whole sequence (models.gated_deltanet)."""
     args = [f"data.path={mantis_out}/metadataset.yaml", "train.steps=3", *FAST]
-    if family == "qwen3_vl":
-        args = [str(MANTIS_CFG), *args, "model.base=configs/qwen3_vl_tiny.yaml",
-                "model.lm.vocab_size=640", "task_encoder.model=qwen3-vl"]
+    if family in ("qwen3_vl", "qwen3_5"):
+        args = [str(MANTIS_CFG), *args, f"model.base=configs/{family}_tiny.yaml",
+                "model.lm.vocab_size=640", f"task_encoder.model={family}"]
     else:
         args = [str(NEMOTRON_MANTIS_CFG), *args]
     ok(train(*args, f"out={tmp_path / 'one'}"))

@@ -26,7 +26,8 @@ def cli_knobs(knobs: dict) -> list[str]:
 
 
 @pytest.mark.parametrize(("fixture", "model"), [("mantis_out", "qwen2.5-vl"),
-                                                ("video_out", "qwen3-vl")])
+                                                ("video_out", "qwen3-vl"),
+                                                ("mantis_out", "qwen3.5")])
 def test_inspect_agrees_with_the_loader(request, make_encoder, tokenizer_dir, capsys, tmp_path,
                                         fixture, model):
     dataset = request.getfixturevalue(fixture)

@@ -150,3 +150,28 @@ def test_pp2_parity_and_reshard(qwen3_5_hf, qwen3_5_imported, world2):
     check_pp2(qwen3_5_hf["qwen3_5"], qwen3_5_imported["qwen3_5"],
               world2_result(world2, "pp2_qwen3_5"),
               {"one_image", "images_interleaved", "video"}, TOL)
+
+
+def test_refusals_are_one_line(qwen3_5_hf):
+    """What the model does not build, and a DeltaNet tensor of the wrong shape, are one-line
+    errors naming the key / field; with MoE, TP / PP / CP layouts are refused by name."""
+    from types import SimpleNamespace
+
+    from models.families import get
+    from models.families.qwen3_5 import config, hf_mapping
+
+    raw = json.loads((qwen3_5_hf["qwen3_5"] / "config.json").read_text())
+    cfg = config.from_hf_config(raw)
+    assert cfg.lm.layer_types[3] == "full_attention" and cfg.lm.linear_layers[:3] == [True] * 3
+    biased = dict(raw, text_config=dict(raw["text_config"], attention_bias=True))
+    with pytest.raises(ValueError, match="attention_bias true"):
+        config.from_hf_config(biased)
+    key = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"
+    with pytest.raises(ValueError, match=r"in_proj_qkv\.weight' has 70 rows, expected q \| k \| v "
+                                         r"= 32 \+ 32 \+ 32"):
+        hf_mapping.split_linear_attention({key: torch.zeros(70, 64)}, cfg)
+    assert get("qwen3_5").layout_problems(cfg, SimpleNamespace(tp=2, pp=2, cp=2, ep=1)) == []
+    moe = config.from_hf_config(json.loads((qwen3_5_hf["qwen3_5_moe"] / "config.json")
+                                           .read_text()))
+    assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=1, pp=1, cp=2, ep=1))
+    assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=1, pp=1, cp=1, ep=2)) == []

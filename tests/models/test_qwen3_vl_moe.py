@@ -229,15 +229,17 @@ def test_train_from_hf_logs_aux_loss_and_exports(tmp_path, mantis_out):
 
 
 @pytest.mark.slow
-def test_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path):
-    """configs/train_qwen3_vl_moe_mantis.yaml at EP=2 (2 experts per rank over the 2 DP ranks,
-    fixed-length micro-batches) gives the DP=2 losses and aux-loss terms from the same initial
-    weights (written at EP=1, resharded on load), and an EP=2 checkpoint resumes exactly; its
-    memory estimate is the CLI's."""
+@pytest.mark.parametrize("name", ["train_qwen3_vl_moe_mantis.yaml",
+                                  "train_qwen3_5_moe_mantis.yaml"])
+def test_ep2_equals_dp2_and_resumes_exactly(mantis_out, tmp_path, name):
+    """configs/<name> (Qwen3-VL MoE; Qwen3.5 MoE: Gated DeltaNet layers, shared expert) at EP=2
+    (2 experts per rank over the 2 DP ranks, fixed-length micro-batches) gives the DP=2 losses
+    and aux-loss terms from the same initial weights (written at EP=1, resharded on load), and an
+    EP=2 checkpoint resumes exactly; its memory estimate is the CLI's."""
     from tests import runner
     from tests.test_train import FAST, losses, ok, train
 
-    config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
+    config = str(REPO / "configs" / name)
     init = tmp_path / "init"
     ok(runner.run("tests/init_checkpoint.py", config, str(init), timeout=300))
     args = [config, f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",

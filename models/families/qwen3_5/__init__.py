@@ -57,19 +57,15 @@ def vision_geometry(cfg: config.Qwen35ModelConfig) -> dict[str, int]:
 
 
 def layout_problems(cfg: config.Qwen35ModelConfig, parallel) -> list[str]:
-    """Context parallelism is refused (the Gated DeltaNet's state does not cross CP ranks yet:
-    ``models.gated_deltanet``); with MoE layers also TP and PP (checked equal to one process so
-    far: data and expert parallelism)."""
-    problems = []
-    if parallel.cp > 1:
-        problems.append(f"parallel.cp {parallel.cp} with model.family {cfg.family!r} (Gated "
-                        "DeltaNet layers) is not supported yet")
-    used = [f"parallel.{name} {getattr(parallel, name)}" for name in ("tp", "pp")
+    """Dense: none (the Gated DeltaNet gathers the sequence under CP: ``models.gated_deltanet``).
+    With MoE layers only data and expert parallelism are checked equal to one process so far:
+    TP, PP and CP are refused (as for Qwen3-VL MoE)."""
+    used = [f"parallel.{name} {getattr(parallel, name)}" for name in ("tp", "pp", "cp")
             if getattr(parallel, name) > 1]
     if num_experts(cfg) and used:
-        problems.append(f"{', '.join(used)} with model.family {cfg.family!r} (MoE layers) is not "
-                        "supported yet: data and expert parallelism (parallel.ep) are")
-    return problems
+        return [f"{', '.join(used)} with model.family {cfg.family!r} (MoE layers) is not "
+                "supported yet: data and expert parallelism (parallel.ep) are"]
+    return []
 
 
 def num_experts(cfg: config.Qwen35ModelConfig) -> int:
