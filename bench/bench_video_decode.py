@@ -26,6 +26,7 @@ Clips (generated with PyAV, cached in ``--cache``): 640x360 30 fps x264 (veryfas
 10 s; and 854x480 30 fps, 180 s, keyframe every 5 s.
 
 Usage: python bench/bench_video_decode.py --out bench_out/video_decode [--rounds 5] [--quick]
+       [--clips 360p_60s_gop5 ...]
 Writes <out>/video_decode.json and prints the markdown table of docs/benchmarks.md.
 """
 
@@ -160,25 +161,33 @@ def _is_reference(packet_bytes: bytes) -> bool:
     return False
 
 
-def packet_costs(data: bytes) -> tuple[list, list[float]]:
-    """(packets as (pts, keyframe, reference), CPU seconds of each one's decode) from one
-    single-thread sequential decode."""
-    info, costs = [], []
+def packet_costs(data: bytes, picks: list[int]) -> tuple[list, list[float], float]:
+    """(packets as (pts, keyframe, reference), CPU seconds of each one's decode, CPU seconds of
+    the picks' conversions) from one single-thread sequential decode."""
+    info, costs, kept, wanted = [], [], [], set(picks)
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
         codec = stream.codec_context
         codec.thread_count = 1
-        for packet in container.demux(stream):
-            if not packet.size:
+        for packet in [*container.demux(stream), None]:
+            if packet is not None and not packet.size:
                 continue
-            info.append((packet.pts, packet.is_keyframe, _is_reference(bytes(packet))))
+            if packet is not None:
+                info.append((packet.pts, packet.is_keyframe, _is_reference(bytes(packet))))
             start = time.process_time()
-            codec.decode(packet)
-            costs.append(time.process_time() - start)
+            frames = codec.decode(packet)
+            spent = time.process_time() - start
+            if packet is None:
+                costs[-1] += spent
+            else:
+                costs.append(spent)
+            for frame in frames:  # presentation order: the k-th out is frame k
+                kept.append(frame if len(kept) in wanted else None)
         start = time.process_time()
-        codec.decode(None)
-        costs[-1] += time.process_time() - start
-    return info, costs
+        for frame in (f for f in kept if f is not None):
+            video_frame_pixels(frame, SIZE[::-1])
+        convert = time.process_time() - start
+    return info, costs, convert
 
 
 def bound_seconds(info: list, costs: list[float], picks: list[int], convert_s: float) -> float:
@@ -201,19 +210,6 @@ def bound_seconds(info: list, costs: list[float], picks: list[int], convert_s: f
     return sum(costs[i] for i in needed) + convert_s
 
 
-def conversion_seconds(data: bytes, picks: list[int]) -> float:
-    """CPU of converting the picks (rgb24 + resize), the frames decoded beforehand."""
-    wanted, frames = set(picks), []
-    with av.open(io.BytesIO(data)) as container:
-        for index, frame in enumerate(container.decode(video=0)):
-            if index in wanted:
-                frames.append(frame)
-    start = time.process_time()
-    for frame in frames:
-        video_frame_pixels(frame, SIZE[::-1])
-    return time.process_time() - start
-
-
 # ---- the run -----------------------------------------------------------------------------------
 
 def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> dict:
@@ -226,7 +222,7 @@ def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> 
              "keyframe": lambda: project(data, picks, frames, "keyframe")}
     calls.update({k: (lambda r=r: r(data, picks, frames)) for k, r in readers.items()})
     equal = {k: bool(np.array_equal(f(), reference)) for k, f in calls.items() if k != "keyframe"}
-    times = {k: [] for k in [*calls, "bound"]}
+    times = {k: [] for k in [*calls, "bound", "conversions"]}
     for round_ in range(rounds + 1):  # round 0 warms up
         for key, call in calls.items():
             start = time.process_time()
@@ -234,11 +230,15 @@ def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> 
             if round_:
                 times[key].append(time.process_time() - start)
         if round_:
-            info, costs = packet_costs(data)
-            times["bound"].append(bound_seconds(info, costs, picks,
-                                                conversion_seconds(data, picks)))
+            info, costs, convert = packet_costs(data, picks)
+            times["bound"].append(bound_seconds(info, costs, picks, convert))
+            times["conversions"].append(convert)
     median = {k: statistics.median(v) for k, v in times.items()}
-    return {"clip": name, "frames": frames, "picks": count, "cpu_s": median, "equal": equal}
+    # ratios per round (the readers and the bound of one round ran back to back), then median
+    ratios = {"bound_over_project": statistics.median(
+        b / p for b, p in zip(times["bound"], times["project"], strict=True))}
+    return {"clip": name, "frames": frames, "picks": count, "cpu_s": median, "ratios": ratios,
+            "equal": equal, "rounds_cpu_s": times}
 
 
 def _speedup(result: dict, key: str, missing: dict) -> str:
@@ -252,14 +252,16 @@ def _speedup(result: dict, key: str, missing: dict) -> str:
 def table(results: list[dict], missing: dict) -> str:
     head = ("| clip, picks | decode-all CPU ms | project vs decode-all | torchcodec exact vs "
             "decode-all | decord vs decode-all | bound vs decode-all | bound / project | "
-            "keyframe vs decode-all |")
-    lines = [head, "|" + "---|" * 8]
+            "keyframe vs decode-all | keyframe vs decode-all, decoding only |")
+    lines = [head, "|" + "---|" * 9]
     for r in results:
         t = r["cpu_s"]
         cells = [_speedup(r, key, missing) for key in ("project", "torchcodec", "decord")]
+        decoding = (t["decode_all"] - t["conversions"]) / (t["keyframe"] - t["conversions"])
         lines.append(f"| {r['clip']}, {r['picks']} | {1000 * t['decode_all']:.0f} | "
                      + " | ".join(cells) + f" | {_speedup(r, 'bound', missing)} | "
-                     f"{t['bound'] / t['project']:.2f} | {_speedup(r, 'keyframe', missing)} |")
+                     f"{r['ratios']['bound_over_project']:.2f} | "
+                     f"{_speedup(r, 'keyframe', missing)} | {decoding:.1f}x |")
     lines += [f"\n{k}: not measured ({why})" for k, why in missing.items()]
     return "\n".join(lines)
 
@@ -270,7 +272,9 @@ def table(results: list[dict], missing: dict) -> str:
               help="folder of the generated clips (default: <out>/clips)")
 @click.option("--rounds", default=5, show_default=True)
 @click.option("--quick", is_flag=True, help="the 2 s GOP clip only, 2 rounds")
-def main(out: Path, cache: Path | None, rounds: int, quick: bool) -> None:
+@click.option("--clips", "only", multiple=True, type=click.Choice(list(CLIPS)),
+              help="run only these clips (repeatable; default: all)")
+def main(out: Path, cache: Path | None, rounds: int, quick: bool, only: tuple) -> None:
     """Time the frame readers side by side (see the module docstring)."""
     cache = cache or out / "clips"
     readers, missing = {}, {}
@@ -280,7 +284,7 @@ def main(out: Path, cache: Path | None, rounds: int, quick: bool) -> None:
             missing[key] = why
         else:
             readers[key] = reader
-    names = ["360p_60s_gop2"] if quick else list(CLIPS)
+    names = ["360p_60s_gop2"] if quick else list(only or CLIPS)
     rounds = 2 if quick else rounds
     results = []
     for name in names:

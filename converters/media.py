@@ -182,10 +182,12 @@ def _count_packets(container, stream, name: str, limits: Limits) -> tuple[list, 
 
 def _decode_all(data: bytes, name: str, limits: Limits) -> tuple[list, int, int]:
     """(each frame's pts, width, height) of a sequential decode of the whole stream, as the
-    loader's sequential read decodes it (a fresh demuxer from the first byte)."""
+    loader's sequential read decodes it (a fresh demuxer from the first byte). The deblocking
+    filter is skipped (~30 % of an H.264 decode): it changes pixels, never which frames decode."""
     with av.open(io.BytesIO(data), mode="r") as container:
         stream = video_stream(container)
-        stream.codec_context.options = {"max_pixels": str(limits.max_video_pixels)}
+        stream.codec_context.options = {"max_pixels": str(limits.max_video_pixels),
+                                        "skip_loop_filter": "all"}
         stream.thread_type = "AUTO"
         stamps, width, height = [], 0, 0
         for frame in container.decode(stream):

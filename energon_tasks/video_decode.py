@@ -20,8 +20,9 @@ This module owns what a frame index means and how the chosen frames are read:
   packet count other than the frames the converter decoded) is decoded from its start, and the
   k-th decoded frame is frame k: slower, never wrong;
 - ``keyframe`` sampling (``TaskEncoderConfig.video_sampling``): each pick is replaced by the
-  keyframe nearest to it in time, decoded alone; the indices and timestamps returned are the
-  keyframes'.
+  keyframe nearest to it in time (the earlier one on a tie), decoded alone; the indices and
+  timestamps returned are the keyframes' (two picks may share one). A stream read sequentially
+  gives its exact frames instead.
 
 Any failure raises ``MediaError`` with a skip reason, never anything else.
 """
@@ -202,12 +203,13 @@ class _Reader:
             else:
                 runs.append([start, end])
         pts_wanted = {self.packets[p].pts: p for p in wanted}
-        got = {}
+        got, skip = {}, None
         for start, end in runs:
             self._restart()
             for position in range(start, end + 1):
                 packet = self.packets[position]
-                self.codec.skip_frame = "DEFAULT" if packet.pts in pts_wanted else "NONREF"
+                if skip != (skip := packet.pts not in pts_wanted):
+                    self.codec.skip_frame = "NONREF" if skip else "DEFAULT"
                 self._keep(self.codec.decode(packet), pts_wanted, got)
             self._keep(self.codec.decode(None), pts_wanted, got)  # drain: no next-GOP packet
         return got

@@ -107,3 +107,13 @@ def test_keyframe_sampling_gives_the_nearest_keyframes_and_their_times(converted
         assert second == pytest.approx(stamps[index][0])
     assert np.array_equal(video.frames, np.stack([every[i] for i in video.indices]))
     assert video.decoded_frames == len(set(video.indices))  # each keyframe decoded alone
+
+
+def test_of_two_video_streams_the_recorded_one_is_read(converted):
+    media, data, every, _ = kept_video(converted, "two_streams")
+    assert (media["width"], media["height"], media["frames"]) == (64, 48, 36)  # the first
+    with av.open(io.BytesIO(data)) as container:
+        first = [video_frame_pixels(f, SIZE[::-1]) for f in container.decode(video=0)]
+    video = decode_video_frames(data, [0, 17, 35], size=SIZE, max_source_pixels=10**8,
+                                frames=36)
+    assert np.array_equal(video.frames, np.stack([first[i] for i in (0, 17, 35)]))
