@@ -54,7 +54,7 @@ def _tiny(family: str):
     return cfg, build_model(cfg, use_te=False).eval()
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni", "qwen3_5"])
 def test_adapters_start_at_the_base_and_merge_into_it(family):
     """B = 0: the adapted model computes the base's logits; with B drawn at random, folding the
     adapters into the weights (``merge_adapters``) computes what the adapted model does."""
