@@ -62,7 +62,7 @@ def _random_b(model) -> None:
                 param.normal_(0, 0.05)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni", "qwen3_vl_moe", "qwen3_5"])
 def test_adapters_start_at_the_base_and_merge_into_it(family):
     """B = 0: the adapted model computes the base's logits; with B drawn at random, folding the
     adapters into the weights (``merge_adapters``) computes what the adapted model does (Qwen3-VL

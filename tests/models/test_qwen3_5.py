@@ -175,3 +175,26 @@ def test_refusals_are_one_line(qwen3_5_hf):
                                            .read_text()))
     assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=1, pp=1, cp=2, ep=1))
     assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=1, pp=1, cp=1, ep=2)) == []
+
+
+@pytest.mark.parametrize("name,billions", [("qwen3_5_9b", 9.41), ("qwen3_5_27b", 27.36),
+                                           ("qwen3_5_35b_a3b", 35.11)])
+def test_real_shape_configs(name, billions):
+    """configs/<name>.yaml as transformers builds it (``to_hf_dict``, on the meta device): the
+    parameter count of the published model (its name's billions, with the ViT), and the HF config
+    back to ours unchanged."""
+    import transformers
+
+    from models.families.qwen3_5 import config
+    from tests.conftest import REPO
+
+    ours = config.load_yaml(REPO / "configs" / f"{name}.yaml")
+    hf = config.to_hf_dict(ours)
+    assert config.from_hf_config(hf).lm == ours.lm
+    assert config.to_hf_dict(config.from_hf_config(hf)) == hf
+    cls = getattr(transformers, hf["architectures"][0])
+    hf_config = getattr(transformers, cls.__name__.replace("ForConditionalGeneration", "Config"))(
+        **{k: v for k, v in hf.items() if k not in ("architectures", "model_type", "dtype")})
+    with torch.device("meta"):
+        count = sum(p.numel() for p in cls(hf_config).parameters())
+    assert round(count / 1e7) == round(billions * 100), count
