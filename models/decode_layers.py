@@ -65,13 +65,14 @@ def linear_of(module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return module.weight, getattr(module, "bias", None)
 
 
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """RoPE (megatron's non-interleaved ``_apply_rotary_pos_emb_bshd``) on the first
-    ``cos.shape[-1]`` channels of t."""
+    ``cos.shape[-1]`` channels of t: t cos + (-t2, t1) sin, with the sign of the rotated half
+    folded into ``signed_sin`` (``models.decode_step.rotary_table``)."""
     dim = cos.shape[-1]
     rot, rest = t[..., :dim], t[..., dim:]
     x1, x2 = rot.chunk(2, dim=-1)
-    rot = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    rot = rot * cos + torch.cat((x2, x1), dim=-1) * signed_sin
     return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
 
@@ -197,21 +198,25 @@ def attention_step(attn, prefilled) -> Callable:
     cache_v = values.new_zeros(batch, groups, prefilled.total, dim)
     cache_k[:, :, :width] = keys.transpose(1, 2)
     cache_v[:, :, :width] = values.transpose(1, 2)
-    attend = prefilled.attend[:, None, None]  # (B, 1, 1, total)
+    # (B, 1, 1, total); no mask at all when no row is padded
+    attend = None if bool(prefilled.attend.all()) else prefilled.attend[:, None, None]
+    heads = groups * per_group
 
     def attention(x):
         col = width + prefilled.step
         qkv = F.linear(x, wqkv, bqkv).view(batch, groups, per_group + 2, dim)
-        q = qnorm(qkv[:, :, :per_group].reshape(batch, groups * per_group, dim))
+        q = qnorm(qkv[:, :, :per_group].reshape(batch, heads, dim))
         k, v = knorm(qkv[:, :, per_group]), qkv[:, :, per_group + 1]
-        if prefilled.rotary is not None:
+        if prefilled.rotary is not None:  # q and k in one rotation
             cos, sin = prefilled.rotary[0][col], prefilled.rotary[1][col]  # (B, 1, rot_dim)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk = rotate(torch.cat((q, k), dim=1), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
         cache_k[:, :, col] = k
         cache_v[:, :, col] = v
         out = F.scaled_dot_product_attention(
             q[:, :, None], cache_k[:, :, :col + 1], cache_v[:, :, :col + 1],
-            attn_mask=attend[..., :col + 1], scale=scale, enable_gqa=per_group > 1)
+            attn_mask=None if attend is None else attend[..., :col + 1], scale=scale,
+            enable_gqa=per_group > 1)
         return F.linear(out.reshape(batch, -1), wo, bo)
 
     return attention

@@ -62,7 +62,7 @@ class Prefilled:
     width: int  #: W: the longest prompt
     total: int  #: W + max new tokens (cache length)
     attend: torch.Tensor  #: (B, total) bool: True where a row has a real token
-    rotary: tuple | None  #: (cos, sin) (total, B, 1, rot_dim) of the run's positions, or None
+    rotary: tuple | None  #: (cos, signed sin) (total, B, 1, rot_dim) (``rotary_table``)
     step: int = 0  #: the column the next token goes to, minus W (advanced by ``Decoder``)
 
     @property
@@ -143,8 +143,9 @@ def padded_prefill(lm, keep: torch.Tensor):
 
 
 def rotary_table(lm, positions: torch.Tensor) -> tuple | None:
-    """(cos, sin) (L, B, 1, rot_dim) of a language model's rotary at the (3, B, L) positions:
-    M-RoPE (megatron's ``MultimodalRotaryEmbedding`` table) or None without position embedding.
+    """(cos, signed sin) (L, B, 1, rot_dim) of a language model's rotary at the (3, B, L)
+    positions: M-RoPE (megatron's ``MultimodalRotaryEmbedding`` table; the sin negated on the
+    first half, the sign ``decode_layers.rotate`` needs) or None without position embedding.
 
     Raises:
         Unsupported: another position embedding.
@@ -155,7 +156,9 @@ def rotary_table(lm, positions: torch.Tensor) -> tuple | None:
     if kind != "mrope":
         raise Unsupported(f"position embedding {kind!r}")
     freqs = lm.rotary_pos_emb(positions, lm.mrope_section)  # (L, B, 1, rot_dim)
-    return freqs.cos(), freqs.sin()
+    half = freqs.shape[-1] // 2
+    sign = torch.cat([-freqs.new_ones(half), freqs.new_ones(freqs.shape[-1] - half)])
+    return freqs.cos(), freqs.sin() * sign
 
 
 class Decoder:

@@ -3,7 +3,9 @@ models/decode_step.py) against transformers' greedy ``generate``, for every fami
 kind: attention (Qwen2.5-VL with q/k/v biases, Qwen3-VL with q/k norms), MoE (Qwen3-VL-MoE's
 softmax router, Nemotron's sigmoid router with a shared expert), Mamba2 and MLP (Nemotron-Omni's
 hybrid stack); four prompts of unequal length, alone (batch 1) and together (batch 4, one row
-stopping early); megatron's own decode step (the fallback) gives the same tokens."""
+stopping early); the plain-torch MoE routing equals the router modules'; megatron's own decode
+step (the fallback, also taken when a hook sits on a weight the lean step reads) gives the same
+tokens."""
 
 from __future__ import annotations
 
@@ -78,10 +80,35 @@ def _check(hf_dir, mcore_dir, monkeypatch):
     want = [_hf_greedy(hf, cfg, c, row[first_new]) for c in cases]
     assert len(want[1]) == first_new
     assert greedy_generate(model, prompts, eos_id=row[first_new], max_new_tokens=NEW) == want
+    _check_routers(model)
+    hook = model.language_model.output_layer.register_forward_hook(lambda *a: None)
+    try:  # a hook on a weight the lean step reads (an unmerged LoRA adapter): megatron's step
+        assert greedy_generate(model, prompts[:1], eos_id=NEVER, max_new_tokens=NEW,
+                               stats=stats) == theirs[:1]
+        assert not stats.extra["lean_decode"]
+    finally:
+        hook.remove()
     monkeypatch.setattr(decode_step, "build", lambda *a, **k: None)  # megatron's decode step
     assert greedy_generate(model, prompts, eos_id=NEVER, max_new_tokens=NEW,
                            stats=stats) == theirs
     assert not stats.extra["lean_decode"]
+
+
+def _check_routers(model) -> None:
+    """The lean step's plain-torch routing equals each MoE router module's own, on rows far
+    from the decode's."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from models.decode_layers import router_step
+
+    g = torch.Generator().manual_seed(0)
+    for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
+        x = torch.randn(16, router.weight.shape[1], generator=g)
+        with torch.inference_mode():
+            probs, picked = router(x)
+            ours, top = router_step(router)(x)
+        assert torch.equal(torch.zeros_like(probs).scatter(1, top, ours), probs)
+        assert torch.equal(torch.zeros_like(picked).scatter(1, top, True), picked)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
