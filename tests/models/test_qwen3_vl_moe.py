@@ -312,6 +312,18 @@ def assert_memory_line(proc, args: list[str], gpus: int) -> None:
 FOUR_LAYERS = ("model.lm.num_layers=4",)
 
 
+def run_args(mantis_out, tmp_path, *shared: str) -> list[str]:
+    """train.py's arguments of ``layouts_equal_one_process``'s runs (its init checkpoint in
+    ``tmp_path / "init"``)."""
+    from tests.test_train import FAST
+
+    return [str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml"),
+            f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
+            "train.micro_batch_size=1", "task_encoder.fixed_length=true",
+            "task_encoder.seq_length=768", f"train.init_checkpoint={tmp_path / 'init'}",
+            *FOUR_LAYERS, *FAST, *shared]
+
+
 def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
                               one: tuple[str, ...] = ()) -> list[tuple[float, float, float]]:
     """configs/train_qwen3_vl_moe_mantis.yaml (4 LM layers, + ``shared``) for 3 steps in one
@@ -320,15 +332,12 @@ def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
     each layout's losses, gradient norms and aux-loss terms equal one process's, and its memory
     estimate is the CLI's. Returns one process's (loss, gradient norm, aux-loss term) per step."""
     from tests import runner
-    from tests.test_train import FAST, ok, records
+    from tests.test_train import ok, records
 
     config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
-    init = tmp_path / "init"
-    ok(runner.run("tests/init_checkpoint.py", config, str(init), *FOUR_LAYERS, timeout=300))
-    args = [config, f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
-            "train.micro_batch_size=1", "task_encoder.fixed_length=true",
-            "task_encoder.seq_length=768", f"train.init_checkpoint={init}", *FOUR_LAYERS, *FAST,
-            *shared]
+    ok(runner.run("tests/init_checkpoint.py", config, str(tmp_path / "init"), *FOUR_LAYERS,
+                  timeout=300))
+    args = run_args(mantis_out, tmp_path, *shared)
     for name, (nproc, extra) in {"one": (1, ["data.virtual_dp=2", *one]), **layouts}.items():
         proc = runner.run("train.py", *args, *extra, f"out={tmp_path / name}", nproc=nproc,
                           timeout=600)
