@@ -366,12 +366,19 @@ def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
     rank runs a contiguous share of the sequence through the norms, the router and the
     experts, sliced over TP; DeepStack rows follow the share) gives one process's losses,
     gradient norms and aux-loss terms over 3 steps from the same initial weights
-    (``layouts_equal_one_process``)."""
+    (``layouts_equal_one_process``); the TP = 2 checkpoint resumes exactly."""
+    from tests import runner
+    from tests.test_train import losses, ok
+
+    tp2 = ["parallel.tp=2", "data.virtual_dp=2", "checkpoint.interval=2"]
     one = layouts_equal_one_process(mantis_out, tmp_path, {
         "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
-        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]),
-        "tp2": (2, ["parallel.tp=2", "data.virtual_dp=2"])})
+        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]), "tp2": (2, tp2)})
     assert one[-1][0] < one[0][0]
+    step = tmp_path / "tp2" / "checkpoints" / "step_000002"  # experts sliced over TP
+    ok(runner.run("train.py", *run_args(mantis_out, tmp_path), *tp2,
+                  f"out={tmp_path / 'resumed'}", "--resume", str(step), nproc=2, timeout=600))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "tp2")[2:]  # bit-exact on CPU
 
 
 def test_expert_tp_other_than_tp_refused_in_one_line(tmp_path, capsys):
