@@ -5,7 +5,8 @@ optimizer state and activations at the run's layout, sequence length and micro-b
 
 builds the run's model on the meta device (no memory, no GPU; at TP = PP = EP = 1, with its LoRA
 adapters and frozen groups as train.py sets them), gives each pipeline stage its parameters and
-each parameter its share on one GPU (TP-sharded ones / tp; MoE experts / (ep x etp), etp = tp),
+each parameter its share on one GPU (TP-sharded ones and LoRA factors / tp; MoE experts /
+(ep x etp), ``parallel.etp``, default tp),
 and prints one line per stage and the largest; train.py prints the same estimate of its rank 0
 at start, from the parameters that rank really holds. What is counted, in bytes per parameter
 on the GPU (megatron's DDP and optimizer as train.py sets them up):
@@ -20,8 +21,10 @@ on the GPU (megatron's DDP and optimizer as train.py sets them up):
   only: no gradient, no optimizer state;
 - activations of one micro-batch of ``micro_batch_size`` x ``seq_length`` / cp tokens, as kept
   for backward: per token and LM layer, the input and output widths of every linear and the
-  width of every norm (attention assumed flash: no score matrix; TP-sharded widths / tp; an
-  expert's linears once per routed token: top-k of them, the active experts, not all); under
+  width of every norm (attention assumed flash: no score matrix; TP-sharded widths / tp, or
+  under megatron's sequence parallelism, forced with MoE layers at TP > 1, every width on a
+  1 / tp share of the tokens; an expert's linears once per routed token: top-k of them, the
+  active experts, not all); under
   ``recompute=full`` (where the LM honours it) one hidden vector per layer plus one layer's
   worth; the logits (fp32 for the loss, V / tp wide) on the last stage; the vision tower at
   ``max_visual_tokens`` x merge² patches per row (shared over CP by vision DP), only when the
@@ -29,7 +32,8 @@ on the GPU (megatron's DDP and optimizer as train.py sets them up):
   (1F1B).
 
 Not counted: the CUDA context, communication buffers, the allocator's slack and transient
-workspaces (typically 2-5 GB together); the line says so.
+workspaces (typically 2-5 GiB together); the line says so. The activation term is a formula,
+not measured on a GPU here.
 """
 
 from __future__ import annotations

@@ -260,23 +260,35 @@ def test_lora_under_pp2_equals_pp1(mantis_out, tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_under_dp2_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
+def test_lora_under_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
     """LoRA on Qwen3-VL MoE with the experts adapted (``model.lora.experts=true``; each EP rank
-    holds its experts' adapters, seeded by their global expert numbers) at DP = 2, CP = 2, EP = 2
-    and TP = 2 (sequence parallel: replicated factors' gradients summed over TP) gives one
+    holds its experts' adapters, seeded by their global expert numbers) at CP = 2, EP = 2 (over
+    DP = 2, distributed optimizer) and TP = 2 (sequence parallel: replicated factors' gradients
+    summed over TP) gives one
     process's losses, gradient norms and aux-loss terms from the same base
-    (``layouts_equal_one_process``). The run's export merges the expert adapters into the
+    (``layouts_equal_one_process``); the TP = 2 checkpoint (TP-sharded expert adapters)
+    resumes exactly. The run's export merges the expert adapters into the
     published expert tensors (transformers' logits equal ours); ``--adapter`` refuses them in one
     line (PEFT has no layout for transformers' fused experts)."""
     from models.convert import main
-    from tests.models.test_qwen3_vl_moe import layouts_equal_one_process
+    from tests.models.test_qwen3_vl_moe import layouts_equal_one_process, run_args
     from tests.test_hf_journey import LOGITS_TOLERANCE, logits_diff
 
+    shared = (*LORA, "model.lora.experts=true", "train.lr=1e-2")
+    tp2 = ["parallel.tp=2", "data.virtual_dp=2", "checkpoint.interval=2"]
+    args = run_args(mantis_out, tmp_path, *shared)
     layouts_equal_one_process(
-        mantis_out, tmp_path, {"dp2": (2, []), "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]),
+        mantis_out, tmp_path, {"cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]),
                                "ep2": (2, ["parallel.ep=2"]),
-                               "tp2": (2, ["parallel.tp=2", "data.virtual_dp=2"])},
-        *LORA, "model.lora.experts=true", "train.lr=1e-2", one=("checkpoint.save_final=true",))
+                               "tp2": (2, tp2)},
+        *shared, one=("checkpoint.save_final=true",))
+    from tests import runner
+    from tests.test_train import ok
+
+    step = tmp_path / "tp2" / "checkpoints" / "step_000002"  # TP-sharded expert adapters
+    ok(runner.run("train.py", *args, *tp2, f"out={tmp_path / 'resumed'}", "--resume", str(step),
+                  nproc=2, timeout=600))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "tp2")[2:]  # bit-exact on CPU
     run = tmp_path / "one"
     assert max(logits_diff(run, export(run, tmp_path / "merged")).values()) <= LOGITS_TOLERANCE
     assert main(["mcore-to-hf", "--mcore", str(run), "--out", str(tmp_path / "peft"),

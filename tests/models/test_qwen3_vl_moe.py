@@ -314,6 +314,18 @@ def assert_memory_line(proc, args: list[str], gpus: int) -> None:
 FOUR_LAYERS = ("model.lm.num_layers=4",)
 
 
+def run_args(mantis_out, tmp_path, *shared: str) -> list[str]:
+    """train.py's arguments of ``layouts_equal_one_process``'s runs (its init checkpoint in
+    ``tmp_path / "init"``)."""
+    from tests.test_train import FAST
+
+    return [str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml"),
+            f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
+            "train.micro_batch_size=1", "task_encoder.fixed_length=true",
+            "task_encoder.seq_length=768", f"train.init_checkpoint={tmp_path / 'init'}",
+            *FOUR_LAYERS, *FAST, *shared]
+
+
 def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
                               one: tuple[str, ...] = ()) -> list[tuple[float, float, float]]:
     """configs/train_qwen3_vl_moe_mantis.yaml (4 LM layers, + ``shared``) for 3 steps in one
@@ -322,15 +334,12 @@ def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
     each layout's losses, gradient norms and aux-loss terms equal one process's, and its memory
     estimate is the CLI's. Returns one process's (loss, gradient norm, aux-loss term) per step."""
     from tests import runner
-    from tests.test_train import FAST, ok, records
+    from tests.test_train import ok, records
 
     config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
-    init = tmp_path / "init"
-    ok(runner.run("tests/init_checkpoint.py", config, str(init), *FOUR_LAYERS, timeout=300))
-    args = [config, f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
-            "train.micro_batch_size=1", "task_encoder.fixed_length=true",
-            "task_encoder.seq_length=768", f"train.init_checkpoint={init}", *FOUR_LAYERS, *FAST,
-            *shared]
+    ok(runner.run("tests/init_checkpoint.py", config, str(tmp_path / "init"), *FOUR_LAYERS,
+                  timeout=300))
+    args = run_args(mantis_out, tmp_path, *shared)
     for name, (nproc, extra) in {"one": (1, ["data.virtual_dp=2", *one]), **layouts}.items():
         proc = runner.run("train.py", *args, *extra, f"out={tmp_path / name}", nproc=nproc,
                           timeout=600)
@@ -359,12 +368,19 @@ def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
     rank runs a contiguous share of the sequence through the norms, the router and the
     experts, sliced over TP; DeepStack rows follow the share) gives one process's losses,
     gradient norms and aux-loss terms over 3 steps from the same initial weights
-    (``layouts_equal_one_process``)."""
+    (``layouts_equal_one_process``); the TP = 2 checkpoint resumes exactly."""
+    from tests import runner
+    from tests.test_train import losses, ok
+
+    tp2 = ["parallel.tp=2", "data.virtual_dp=2", "checkpoint.interval=2"]
     one = layouts_equal_one_process(mantis_out, tmp_path, {
         "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
-        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]),
-        "tp2": (2, ["parallel.tp=2", "data.virtual_dp=2"])})
+        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]), "tp2": (2, tp2)})
     assert one[-1][0] < one[0][0]
+    step = tmp_path / "tp2" / "checkpoints" / "step_000002"  # experts sliced over TP
+    ok(runner.run("train.py", *run_args(mantis_out, tmp_path), *tp2,
+                  f"out={tmp_path / 'resumed'}", "--resume", str(step), nproc=2, timeout=600))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "tp2")[2:]  # bit-exact on CPU
 
 
 def test_expert_tp_other_than_tp_refused_in_one_line(tmp_path, capsys):
