@@ -315,8 +315,10 @@ FOUR_LAYERS = ("model.lm.num_layers=4",)
 
 
 def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
-                              one: tuple[str, ...] = ()) -> list[tuple[float, float, float]]:
-    """configs/train_qwen3_vl_moe_mantis.yaml (4 LM layers, + ``shared``) for 3 steps in one
+                              one: tuple[str, ...] = (),
+                              name: str = "train_qwen3_vl_moe_mantis.yaml"
+                              ) -> list[tuple[float, float, float]]:
+    """configs/``name`` (4 LM layers, + ``shared``) for 3 steps in one
     process (``tmp_path / "one"``, + ``one``) and at each of ``layouts`` (name -> (processes,
     overrides)) from one initial weights checkpoint, every run reading the data as 2 DP ranks:
     each layout's losses, gradient norms and aux-loss terms equal one process's, and its memory
@@ -324,7 +326,7 @@ def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
     from tests import runner
     from tests.test_train import FAST, ok, records
 
-    config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
+    config = str(REPO / "configs" / name)
     init = tmp_path / "init"
     ok(runner.run("tests/init_checkpoint.py", config, str(init), *FOUR_LAYERS, timeout=300))
     args = [config, f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
@@ -352,18 +354,22 @@ def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
 
 
 @pytest.mark.slow
-def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
-    """The MoE model at DP = 2 (distributed optimizer), PP = 2 (1F1B, MoE layers on both stages),
+@pytest.mark.parametrize("name", ["train_qwen3_vl_moe_mantis.yaml",
+                                  "train_qwen3_5_moe_mantis.yaml"])
+def test_dp2_pp2_cp2_tp2_equal_one_process(mantis_out, tmp_path, name):
+    """The MoE model (Qwen3-VL MoE; Qwen3.5 MoE: 3 Gated DeltaNet layers + 1 gated attention)
+    at DP = 2 (distributed optimizer), PP = 2 (1F1B, MoE layers on both stages),
     CP = 2 (each rank routes its zig-zag share; megatron's router counts tokens over the CP
-    group) and TP = 2 (megatron's sequence parallelism, which its MoE layers need under TP: each
-    rank runs a contiguous share of the sequence through the norms, the router and the
-    experts, sliced over TP; DeepStack rows follow the share) gives one process's losses,
-    gradient norms and aux-loss terms over 3 steps from the same initial weights
-    (``layouts_equal_one_process``)."""
+    group; the DeltaNet gathers the shares) and TP = 2 (megatron's sequence parallelism, which
+    its MoE layers need under TP: each rank runs a contiguous share of the sequence through the
+    norms, the router and the experts, sliced over TP; DeepStack rows follow the share; the
+    DeltaNet's projections gather the sequence and its gated norm's gradient is summed over TP)
+    gives one process's losses, gradient norms and aux-loss terms over 3 steps from the same
+    initial weights (``layouts_equal_one_process``)."""
     one = layouts_equal_one_process(mantis_out, tmp_path, {
         "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
         "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]),
-        "tp2": (2, ["parallel.tp=2", "data.virtual_dp=2"])})
+        "tp2": (2, ["parallel.tp=2", "data.virtual_dp=2"])}, name=name)
     assert one[-1][0] < one[0][0]
 
 
