@@ -129,7 +129,8 @@ def test_greedy_tokens_equal_transformers_generate(qwen3_5_hf, qwen3_5_imported,
 def test_tp2_parity_and_reshard_to_tp1(qwen3_5_hf, world2):
     """2 gloo ranks (tests/models/world2_checks.py's launch): the dense model imported sharded at
     TP=2 (DeltaNet heads, conv and gate split over the ranks) gives transformers' logits; that
-    TP=2 checkpoint loaded at TP=1 here gives them too."""
+    TP=2 checkpoint loaded at TP=1 here gives them too, and the gated norms' weight gradients
+    (summed over TP) of TP=1."""
     from models.convert import verify
 
     out = world2_result(world2, "tp2_qwen3_5")
@@ -139,6 +140,20 @@ def test_tp2_parity_and_reshard_to_tp1(qwen3_5_hf, world2):
         assert diff <= TOL, (name, diff)
     for name, row in verify(qwen3_5_hf["qwen3_5"], out / "qwen3_5").items():
         assert row["max_abs_logit_diff"] <= TOL, (name, row)
+    # the DeltaNet's gated norm: its weight replicated, each rank its own heads; the gradient
+    # summed over TP on both ranks equals TP = 1's
+    from models.checkpoint import load_checkpoint
+    from models.parallel import init_parallel
+    from tests.models.tp2_check import deltanet_norm_grads
+
+    init_parallel()
+    model, cfg = load_checkpoint(out / "qwen3_5", use_te=False)
+    want = deltanet_norm_grads(model, cfg)
+    assert len(want) == 3
+    for rank in (0, 1):
+        got = torch.load(out / f"norm_grads{rank}.pt")
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
