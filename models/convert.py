@@ -247,8 +247,9 @@ def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
     """The HF PEFT folder of a LoRA run (``adapter_config.json`` + ``adapter_model.safetensors``)
     that ``peft.PeftModel.from_pretrained(<the base HF model>, out)`` loads: each adapter under
     the HF names of transformers' modules (a fused q/k/v or gate/up adapter split per projection:
-    B's rows split as the weight's, A shared), and the groups the run trained in full as
-    ``modules_to_save``."""
+    B's rows split as the weight's, A shared; adapters of our linears that HF fuses into one, as
+    the family's ``fuse_adapters`` joins them, of the parts' ranks summed: ``rank_pattern`` /
+    ``alpha_pattern``), and the groups the run trained in full as ``modules_to_save``."""
     from safetensors.torch import save_file
 
     from models.families import family_of
@@ -260,14 +261,19 @@ def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
         raise UsageError(f"--adapter: {found.folder} adapted MoE experts (model.lora.experts="
                          "true), which have no PEFT folder layout here (transformers' experts are "
                          "fused tensors, not linears): export the merged model (without --adapter)")
-    tensors, targets = {}, []
+    modules = {}  # HF module -> (A, B)
     for weight_key, (a, b) in factors.items():
         for hf_key, b_part in mapping.ours_to_hf({weight_key: b}, cfg, hub_layout=False,
                                                  only={weight_key}).items():
-            module = hf_key.removesuffix(".weight")
-            targets.append(module)
-            tensors[f"base_model.model.{module}.lora_A.weight"] = a.clone()
-            tensors[f"base_model.model.{module}.lora_B.weight"] = b_part.contiguous()
+            modules[hf_key.removesuffix(".weight")] = (a, b_part)
+    if hasattr(mapping, "fuse_adapters"):  # adapters of our linears that HF fuses into one
+        modules = mapping.fuse_adapters(modules, cfg)
+    tensors, targets, ranks = {}, sorted(modules), {}
+    for module, (a, b) in modules.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.clone()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+        if a.shape[0] != lora.rank:  # a fused adapter: the parts' ranks stacked
+            ranks[module] = a.shape[0]
     model_section = (found.run_config or {}).get("model", {})
     group = family_of(cfg).parameter_group
     trained = {k: v for k, v in sd.items() if "_lora." not in k
@@ -279,7 +285,10 @@ def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
     save_file(tensors, str(Path(out) / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": None, "r": lora.rank,
               "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
-              "target_modules": sorted(targets),
+              "target_modules": targets,
+              # a fused adapter's rank r' keeps the scale alpha / r (alpha' = alpha r' / r)
+              "rank_pattern": ranks,
+              "alpha_pattern": {m: lora.alpha * r / lora.rank for m, r in ranks.items()},
               "modules_to_save": sorted({k.rsplit(".", 1)[0] for k in saved}) or None,
               "base_model_name_or_path": (found.base or {}).get("hf"),
               "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True}

@@ -55,7 +55,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
@@ -108,7 +108,8 @@ class _GatherSequence(torch.autograd.Function):
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each value head times SiLU(z) (transformers' ``Qwen3_5RMSNormGated``: the
-    weight applied as is, not zero-centred)."""
+    weight applied as is, not zero-centred). The weight is replicated over TP while each rank
+    normalises its own heads: its gradient is summed over TP (megatron's copy region)."""
 
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -119,7 +120,10 @@ class GatedRMSNorm(nn.Module):
         dtype = x.dtype
         out = x.float()
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * out.to(dtype)
+        weight = self.weight
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight)
+        out = weight * out.to(dtype)
         return (out * F.silu(z.float())).to(dtype)
 
 

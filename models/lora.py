@@ -52,7 +52,8 @@ class LoRAConfig:
     alpha: float = 32.0  #: the update is scaled by alpha / r
     dropout: float = 0.0  #: dropout on the adapters' input (training only)
     #: names of the linears that get adapters (megatron's: linear_qkv, linear_proj, linear_fc1,
-    #: linear_fc2; Nemotron's Mamba mixers: in_proj, out_proj)
+    #: linear_fc2; Nemotron's Mamba mixers: in_proj, out_proj; Qwen3.5's Gated DeltaNet:
+    #: in_proj_q / _k / _v / _z / _b / _a, out_proj, not adapted by default: docs/training.md)
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     #: parameter groups whose linears get adapters (language_model, vision_model,
     #: vision_projection)

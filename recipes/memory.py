@@ -24,7 +24,8 @@ on the GPU (megatron's DDP and optimizer as train.py sets them up):
   width of every norm (attention assumed flash: no score matrix; TP-sharded widths / tp, or
   under megatron's sequence parallelism, forced with MoE layers at TP > 1, every width on a
   1 / tp share of the tokens; an expert's linears once per routed token: top-k of them, the
-  active experts, not all); under
+  active experts, not all; a Gated DeltaNet's conv its input and output, and the whole
+  sequence, CP-fold, as its layer all-gathers the CP shares (models/gated_deltanet.py)); under
   ``recompute=full`` (where the LM honours it) one hidden vector per layer plus one layer's
   worth; the logits (fp32 for the loss, V / tp wide) on the last stage; the vision tower at
   ``max_visual_tokens`` x merge² patches per row (shared over CP by vision DP), only when the
@@ -47,6 +48,8 @@ import click
 GIB = 2 ** 30
 _LAYER = re.compile(r"language_model\.decoder\.layers\.(\d+)\.")
 _VISION_LAYER = re.compile(r"vision\.(?:\w+\.)?layers\.(\d+)\.")
+#: a Gated DeltaNet's parameters (models/gated_deltanet.py): its projections, conv and gated norm
+_DELTANET = re.compile(r"\.self_attention\.(?:in_proj_|out_proj\.|conv_|norm\.weight)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,8 @@ def _widths(name: str, param, shard: float) -> float:
     if "_lora." in name:
         return 0.0
     sharded = getattr(param, "tensor_model_parallel", False)
+    if _DELTANET.search(name) and ".conv_" in name:  # (channels, w): the conv's input and output
+        return 2.0 * param.shape[0] / (shard if sharded else 1)
     if param.dim() == 2 and not name.endswith("embeddings.weight"):
         out, inp = param.shape
         if sharded and getattr(param, "partition_dim", 0) == 0:
@@ -184,6 +189,8 @@ def estimate(model, cfg, gpus: int, bf16: bool, split: _Split | None = None) -> 
         else:
             shard = 1 / p.tp if local else 1
         width = _widths(name, param, shard)
+        if layer and _DELTANET.search(name):  # under CP it runs on the whole (gathered) sequence
+            width *= p.cp
         if layer:
             lm_layers.add(layer.group(1))
             lm_width += width * (routed if expert else 1.0)

@@ -127,6 +127,23 @@ def lora_run(tmp_path_factory, mantis_out):
     return {"root": root, "hf": hf, "cache": cache, "stdout": proc.stdout}
 
 
+#: Qwen3.5's adapters: attention, MLP and the Gated DeltaNet's projections but its in_proj_k
+#: (the PEFT export's fused in_proj_qkv adapter then has a zero block)
+QWEN3_5_TARGETS = ("model.lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2,"
+                   "in_proj_q,in_proj_v,in_proj_z,in_proj_b,in_proj_a,out_proj]")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_lora_run(tmp_path_factory, mantis_out):
+    """A tiny HF Qwen3.5; 2 LoRA steps (``QWEN3_5_TARGETS``) with the projector trained in
+    full."""
+    root = tmp_path_factory.mktemp("lora35")
+    hf = build_tiny_hf_model("qwen3_5", root / "hf", pixels=JOURNEYS["qwen3_5"][1])
+    train_from_hf("qwen3_5", hf, root / "run", root / "cache", mantis_out, *LORA,
+                  QWEN3_5_TARGETS, "model.freeze_vision_projection=false", "train.steps=2")
+    return {"root": root, "hf": hf}
+
+
 def _checkpoint_keys(step) -> list[str]:
     from models.dist_load import read_metadata
 
@@ -179,9 +196,14 @@ def test_lora_resume_is_exact_and_checks_its_base(lora_run, mantis_out, tmp_path
 
 
 @pytest.mark.slow
-def test_merged_and_peft_exports_give_the_same_logits(lora_run, tmp_path):
+@pytest.mark.parametrize("family,fixture,target", [
+    ("qwen2_5_vl", "lora_run", "model.language_model.layers.0.self_attn.q_proj"),
+    ("qwen3_5", "qwen3_5_lora_run", "model.language_model.layers.0.linear_attn.in_proj_qkv")])
+def test_merged_and_peft_exports_give_the_same_logits(family, fixture, target, request,
+                                                      tmp_path):
     """The merged export loads in transformers with our logits; the PEFT folder loads with peft
-    onto the base HF model and gives the merged export's logits."""
+    onto the base HF model and gives the merged export's logits (Qwen3.5: the DeltaNet's
+    in_proj_q / _v adapters as one adapter of HF's fused in_proj_qkv, rank 2 r)."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
@@ -190,6 +212,7 @@ def test_merged_and_peft_exports_give_the_same_logits(lora_run, tmp_path):
     from models.verify_inputs import hf_inputs, make_inputs
     from tests.test_hf_journey import LOGITS_TOLERANCE, logits_diff
 
+    lora_run = request.getfixturevalue(fixture)
     run = lora_run["root"] / "run"
     merged = export(run, tmp_path / "merged")
     assert max(logits_diff(run, merged).values()) <= LOGITS_TOLERANCE
@@ -197,7 +220,11 @@ def test_merged_and_peft_exports_give_the_same_logits(lora_run, tmp_path):
                  "--adapter"]) == 0
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8
-    assert "model.language_model.layers.0.self_attn.q_proj" in config["target_modules"]
+    assert target in config["target_modules"]
+    if family == "qwen3_5":
+        assert config["rank_pattern"][target] == 8 and config["alpha_pattern"][target] == 16
+        assert {"in_proj_z", "in_proj_b", "in_proj_a", "out_proj"} <= {
+            t.rsplit(".", 1)[1] for t in config["target_modules"]}
     assert config["modules_to_save"]  # the projector trained in full
     def hf(folder):
         return AutoModelForImageTextToText.from_pretrained(
@@ -209,8 +236,10 @@ def test_merged_and_peft_exports_give_the_same_logits(lora_run, tmp_path):
         want = hf_logits(full, hf_inputs(cfg, inputs))
         assert (hf_logits(peft_model, hf_inputs(cfg, inputs)) - want).abs().max() \
             <= LOGITS_TOLERANCE
-    assert main(["mcore-to-hf", "--mcore", str(lora_run["root"] / "base"), "--out",
-                 str(tmp_path / "x"), "--adapter"]) == 2
+    base = lora_run["root"] / "base"
+    if base.exists():
+        assert main(["mcore-to-hf", "--mcore", str(base), "--out", str(tmp_path / "x"),
+                     "--adapter"]) == 2
 
 
 @pytest.mark.slow

@@ -93,3 +93,34 @@ def test_published_30b_a3b_layout():
     assert one.grads == 4 * (dense + experts / 8)
     assert one.optimizer == 12 * (dense / 8 + experts / 8)
     assert "GiB GPU" in summary([one])
+
+
+def test_gated_deltanet_layers_keep_the_whole_sequence_under_cp():
+    """Qwen3.5 MoE's Gated DeltaNet layers all-gather the CP shares (models/gated_deltanet.py):
+    at CP = 2 their mixers keep the activations of the whole sequence (per DeltaNet layer: 4 of
+    them count 4 / 3 of 3), the rest of the LM (norms, router, experts, attention, logits) half;
+    the conv counts its input and output channels (not its kernel width)."""
+    from recipes.memory import estimate_run
+
+    config = REPO / "configs" / "train_qwen3_5_moe_mantis.yaml"
+    shared = [*FP32, "model.freeze_vision_model=true", "train.micro_batch_size=1"]
+
+    def layer_acts(layers: str, cp: int) -> float:
+        cfg = load_run_config(config, [*shared, f"model.lm.layer_types={layers}",
+                                       f"parallel.cp={cp}"])
+        one, = estimate_run(cfg, cp)
+        logits = cfg.task_encoder.seq_length / cp * cfg.model.lm.vocab_size * (4 + 4)
+        return one.activations - logits
+
+    def deltanet(layers: str) -> float:  # what CP = 2 does not halve: acts = rest / cp + this
+        return 2 * layer_acts(layers, 2) - layer_acts(layers, 1)
+
+    linear = "[linear_attention,linear_attention,linear_attention,linear_attention]"
+    mixed = "[linear_attention,linear_attention,linear_attention,full_attention]"
+    assert 0 < deltanet(linear) < layer_acts(linear, 1)  # norms, router, experts: halved
+    assert deltanet(linear) == pytest.approx(4 / 3 * deltanet(mixed))  # 4 DeltaNet layers : 3
+    # the conv keeps its input and output channels, whatever its kernel width
+    wide = load_run_config(config, [*shared, f"model.lm.layer_types={linear}",
+                                    "model.lm.linear_conv_kernel=8"])
+    assert estimate_run(wide, 1)[0].activations - layer_acts(linear, 1) == \
+        wide.task_encoder.seq_length * wide.model.lm.vocab_size * 8

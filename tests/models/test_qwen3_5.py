@@ -129,7 +129,8 @@ def test_greedy_tokens_equal_transformers_generate(qwen3_5_hf, qwen3_5_imported,
 def test_tp2_parity_and_reshard_to_tp1(qwen3_5_hf, world2):
     """2 gloo ranks (tests/models/world2_checks.py's launch): the dense model imported sharded at
     TP=2 (DeltaNet heads, conv and gate split over the ranks) gives transformers' logits; that
-    TP=2 checkpoint loaded at TP=1 here gives them too."""
+    TP=2 checkpoint loaded at TP=1 here gives them too, and the gated norms' weight gradients
+    (summed over TP) of TP=1."""
     from models.convert import verify
 
     out = world2_result(world2, "tp2_qwen3_5")
@@ -139,6 +140,20 @@ def test_tp2_parity_and_reshard_to_tp1(qwen3_5_hf, world2):
         assert diff <= TOL, (name, diff)
     for name, row in verify(qwen3_5_hf["qwen3_5"], out / "qwen3_5").items():
         assert row["max_abs_logit_diff"] <= TOL, (name, row)
+    # the DeltaNet's gated norm: its weight replicated, each rank its own heads; the gradient
+    # summed over TP on both ranks equals TP = 1's
+    from models.checkpoint import load_checkpoint
+    from models.parallel import init_parallel
+    from tests.models.tp2_check import deltanet_norm_grads
+
+    init_parallel()
+    model, cfg = load_checkpoint(out / "qwen3_5", use_te=False)
+    want = deltanet_norm_grads(model, cfg)
+    assert len(want) == 3
+    for rank in (0, 1):
+        got = torch.load(out / f"norm_grads{rank}.pt")
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -154,7 +169,7 @@ def test_pp2_parity_and_reshard(qwen3_5_hf, qwen3_5_imported, world2):
 
 def test_refusals_are_one_line(qwen3_5_hf):
     """What the model does not build, and a DeltaNet tensor of the wrong shape, are one-line
-    errors naming the key / field; with MoE, TP / PP / CP layouts are refused by name."""
+    errors naming the key / field; with MoE, TP with CP together is refused by name."""
     from types import SimpleNamespace
 
     from models.families import get
@@ -173,8 +188,12 @@ def test_refusals_are_one_line(qwen3_5_hf):
     assert get("qwen3_5").layout_problems(cfg, SimpleNamespace(tp=2, pp=2, cp=2, ep=1)) == []
     moe = config.from_hf_config(json.loads((qwen3_5_hf["qwen3_5_moe"] / "config.json")
                                            .read_text()))
-    assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=1, pp=1, cp=2, ep=1))
-    assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=1, pp=1, cp=1, ep=2)) == []
+    assert get("qwen3_5_moe").layout_problems(moe, SimpleNamespace(tp=2, pp=1, cp=2, ep=1)) == [
+        "parallel.tp 2 with parallel.cp 2 and model.family 'qwen3_5_moe' (MoE layers: sequence "
+        "parallel) is not supported yet: use one of them, with parallel.pp / ep"]
+    for tp, pp, cp in ((2, 2, 1), (1, 2, 2)):
+        assert get("qwen3_5_moe").layout_problems(
+            moe, SimpleNamespace(tp=tp, pp=pp, cp=cp, ep=2)) == []
 
 
 @pytest.mark.parametrize("name,billions", [("qwen3_5_9b", 9.41), ("qwen3_5_27b", 27.36),

@@ -314,12 +314,13 @@ def assert_memory_line(proc, args: list[str], gpus: int) -> None:
 FOUR_LAYERS = ("model.lm.num_layers=4",)
 
 
-def run_args(mantis_out, tmp_path, *shared: str) -> list[str]:
-    """train.py's arguments of ``layouts_equal_one_process``'s runs (its init checkpoint in
-    ``tmp_path / "init"``)."""
+def run_args(mantis_out, tmp_path, *shared: str,
+             name: str = "train_qwen3_vl_moe_mantis.yaml") -> list[str]:
+    """train.py's arguments of ``layouts_equal_one_process``'s runs of configs/``name`` (its
+    init checkpoint in ``tmp_path / "init"``)."""
     from tests.test_train import FAST
 
-    return [str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml"),
+    return [str(REPO / "configs" / name),
             f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
             "train.micro_batch_size=1", "task_encoder.fixed_length=true",
             "task_encoder.seq_length=768", f"train.init_checkpoint={tmp_path / 'init'}",
@@ -327,8 +328,10 @@ def run_args(mantis_out, tmp_path, *shared: str) -> list[str]:
 
 
 def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
-                              one: tuple[str, ...] = ()) -> list[tuple[float, float, float]]:
-    """configs/train_qwen3_vl_moe_mantis.yaml (4 LM layers, + ``shared``) for 3 steps in one
+                              one: tuple[str, ...] = (),
+                              name: str = "train_qwen3_vl_moe_mantis.yaml"
+                              ) -> list[tuple[float, float, float]]:
+    """configs/``name`` (4 LM layers, + ``shared``) for 3 steps in one
     process (``tmp_path / "one"``, + ``one``) and at each of ``layouts`` (name -> (processes,
     overrides)) from one initial weights checkpoint, every run reading the data as 2 DP ranks:
     each layout's losses, gradient norms and aux-loss terms equal one process's, and its memory
@@ -336,49 +339,53 @@ def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
     from tests import runner
     from tests.test_train import ok, records
 
-    config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
+    config = str(REPO / "configs" / name)
     ok(runner.run("tests/init_checkpoint.py", config, str(tmp_path / "init"), *FOUR_LAYERS,
                   timeout=300))
-    args = run_args(mantis_out, tmp_path, *shared)
-    for name, (nproc, extra) in {"one": (1, ["data.virtual_dp=2", *one]), **layouts}.items():
-        proc = runner.run("train.py", *args, *extra, f"out={tmp_path / name}", nproc=nproc,
+    args = run_args(mantis_out, tmp_path, *shared, name=name)
+    for run, (nproc, extra) in {"one": (1, ["data.virtual_dp=2", *one]), **layouts}.items():
+        proc = runner.run("train.py", *args, *extra, f"out={tmp_path / run}", nproc=nproc,
                           timeout=600)
         ok(proc)
         assert_memory_line(proc, [*args, *extra], nproc)
 
-    def steps(name):
+    def steps(run):
         return [(r["loss"], r["grad_norm"], r["moe_aux_loss"])
-                for r in records(tmp_path / name, "grad_norm")]
+                for r in records(tmp_path / run, "grad_norm")]
 
     one = steps("one")
     assert len(one) == 3 and all(norm > 0 for _, norm, _ in one)
-    for name in layouts:
-        for got, want in zip(steps(name), one, strict=True):
-            assert abs(got[0] - want[0]) < 1e-4, (name, steps(name), one)
-            assert abs(got[1] - want[1]) < 1e-4 * want[1], (name, steps(name), one)
-            assert abs(got[2] - want[2]) < 1e-7, (name, steps(name), one)
+    for run in layouts:
+        for got, want in zip(steps(run), one, strict=True):
+            assert abs(got[0] - want[0]) < 1e-4, (run, steps(run), one)
+            assert abs(got[1] - want[1]) < 1e-4 * want[1], (run, steps(run), one)
+            assert abs(got[2] - want[2]) < 1e-7, (run, steps(run), one)
     return one
 
 
 @pytest.mark.slow
-def test_dp2_pp2_cp2_equal_one_process(mantis_out, tmp_path):
-    """The MoE model at DP = 2 (distributed optimizer), PP = 2 (1F1B, MoE layers on both stages),
+@pytest.mark.parametrize("name", ["train_qwen3_vl_moe_mantis.yaml",
+                                  "train_qwen3_5_moe_mantis.yaml"])
+def test_dp2_pp2_cp2_tp2_equal_one_process(mantis_out, tmp_path, name):
+    """The MoE model (Qwen3-VL MoE; Qwen3.5 MoE: 3 Gated DeltaNet layers + 1 gated attention)
+    at DP = 2 (distributed optimizer), PP = 2 (1F1B, MoE layers on both stages),
     CP = 2 (each rank routes its zig-zag share; megatron's router counts tokens over the CP
-    group) and TP = 2 (megatron's sequence parallelism, which its MoE layers need under TP: each
-    rank runs a contiguous share of the sequence through the norms, the router and the
-    experts, sliced over TP; DeepStack rows follow the share) gives one process's losses,
-    gradient norms and aux-loss terms over 3 steps from the same initial weights
-    (``layouts_equal_one_process``); the TP = 2 checkpoint resumes exactly."""
+    group; the DeltaNet gathers the shares) and TP = 2 (megatron's sequence parallelism, which
+    its MoE layers need under TP: each rank runs a contiguous share of the sequence through the
+    norms, the router and the experts, sliced over TP; DeepStack rows follow the share; the
+    DeltaNet's projections gather the sequence and its gated norm's gradient is summed over TP)
+    gives one process's losses, gradient norms and aux-loss terms over 3 steps from the same
+    initial weights (``layouts_equal_one_process``); the TP = 2 checkpoint resumes exactly."""
     from tests import runner
     from tests.test_train import losses, ok
 
     tp2 = ["parallel.tp=2", "data.virtual_dp=2", "checkpoint.interval=2"]
     one = layouts_equal_one_process(mantis_out, tmp_path, {
         "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
-        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]), "tp2": (2, tp2)})
+        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]), "tp2": (2, tp2)}, name=name)
     assert one[-1][0] < one[0][0]
     step = tmp_path / "tp2" / "checkpoints" / "step_000002"  # experts sliced over TP
-    ok(runner.run("train.py", *run_args(mantis_out, tmp_path), *tp2,
+    ok(runner.run("train.py", *run_args(mantis_out, tmp_path, name=name), *tp2,
                   f"out={tmp_path / 'resumed'}", "--resume", str(step), nproc=2, timeout=600))
     assert losses(tmp_path / "resumed") == losses(tmp_path / "tp2")[2:]  # bit-exact on CPU
 

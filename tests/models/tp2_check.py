@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
@@ -29,9 +31,24 @@ def run(out: Path, hf_paths: list[Path]) -> None:
         report[family] = {
             name: (hf_logits(hf_model, hf_inputs(cfg, x)) - our_logits(model, x)).abs().max().item()
             for name, x in make_inputs(cfg).items()}
+        if family == "qwen3_5":  # the DeltaNet gated norms' gradients (replicated over TP)
+            torch.save(deltanet_norm_grads(model, cfg), out / f"norm_grads{dist.get_rank()}.pt")
     if dist.get_rank() == 0:
         (out / "tp2_report.json").write_text(json.dumps(report))
     dist.barrier()
+
+
+def deltanet_norm_grads(model, cfg) -> dict:
+    """name -> the gradient of every Gated DeltaNet gated-norm weight of the summed per-token
+    loss of the first verify input (labels: its tokens)."""
+    from models.verify_inputs import make_inputs
+
+    x = next(iter(make_inputs(cfg).values()))
+    model.zero_grad(set_to_none=True)
+    loss, _mask = model(**x, labels=x["input_ids"])
+    loss.sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()
+            if n.endswith("self_attention.norm.weight")}
 
 
 if __name__ == "__main__":

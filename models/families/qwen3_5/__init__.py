@@ -58,13 +58,13 @@ def vision_geometry(cfg: config.Qwen35ModelConfig) -> dict[str, int]:
 
 def layout_problems(cfg: config.Qwen35ModelConfig, parallel) -> list[str]:
     """Dense: none (the Gated DeltaNet gathers the sequence under CP: ``models.gated_deltanet``).
-    With MoE layers only data and expert parallelism are checked equal to one process so far:
-    TP, PP and CP are refused (as for Qwen3-VL MoE)."""
-    used = [f"parallel.{name} {getattr(parallel, name)}" for name in ("tp", "pp", "cp")
-            if getattr(parallel, name) > 1]
-    if num_experts(cfg) and used:
-        return [f"{', '.join(used)} with model.family {cfg.family!r} (MoE layers) is not "
-                "supported yet: data and expert parallelism (parallel.ep) are"]
+    With MoE layers TP runs megatron's sequence parallelism (as Qwen3-VL MoE's); TP with CP
+    together is refused: the DeltaNet's CP gather takes whole zig-zag shares, which sequence
+    parallelism splits again over TP."""
+    if num_experts(cfg) and parallel.tp > 1 and parallel.cp > 1:
+        return [f"parallel.tp {parallel.tp} with parallel.cp {parallel.cp} and model.family "
+                f"{cfg.family!r} (MoE layers: sequence parallel) is not supported yet: use "
+                "one of them, with parallel.pp / ep"]
     return []
 
 

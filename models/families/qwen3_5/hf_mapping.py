@@ -3,7 +3,8 @@
 This module owns the tables (HF key template -> our key template, and the part of a fused tensor:
 ``models.hf_weights``), the split of the Gated DeltaNet's fused HF tensors into our per-component
 ones (``in_proj_qkv`` -> ``in_proj_q / _k / _v``, ``conv1d`` (channels, 1, w) -> ``conv_q / _k /
-_v`` (channels, w); ``split_linear_attention`` / ``fuse_linear_attention``), the experts of the
+_v`` (channels, w); ``split_linear_attention`` / ``fuse_linear_attention``; their LoRA
+adapters as one PEFT adapter of ``in_proj_qkv``: ``fuse_adapters``), the experts of the
 MoE family (published and written one by one, ``mlp.experts.{e}.gate_proj / up_proj /
 down_proj``, as transformers' ``save_pretrained`` writes them too; a checkpoint with
 transformers' in-memory fused 3-D tensors is read as well: ``models.hf_weights``), and the
@@ -168,6 +169,32 @@ def fuse_linear_attention(hf_sd: dict[str, torch.Tensor], cfg: Qwen35ModelConfig
             [out.pop(prefix + f"in_proj_{n}.weight") for n in "qkv"])
         out[prefix + "conv1d.weight"] = torch.cat(
             [out.pop(prefix + f"conv1d_{n}.weight") for n in "qkv"])[:, None, :].contiguous()
+    return out
+
+
+def fuse_adapters(modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  cfg: Qwen35ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT adapters (HF module -> (A, B)) of a DeltaNet's ``in_proj_q / _k / _v`` as the one
+    adapter of HF's fused ``in_proj_qkv``: A the parts' As stacked (rank: their sum), B block
+    diagonal over the q | k | v rows (zero rows for a part without an adapter); the same update
+    B A x, exactly."""
+    out = dict(modules)
+    for i, linear in enumerate(cfg.lm.linear_layers):
+        prefix = A.format(i=i)
+        parts = {n: out.pop(prefix + f"in_proj_{n}") for n in "qkv"
+                 if linear and prefix + f"in_proj_{n}" in out}
+        if not parts:
+            continue
+        a = torch.cat([pa for pa, _ in parts.values()])
+        b = a.new_zeros(sum(_widths(cfg)), a.shape[0])
+        row = col = 0
+        for n, width in zip("qkv", _widths(cfg)):
+            if n in parts:
+                rank = parts[n][0].shape[0]
+                b[row:row + width, col:col + rank] = parts[n][1]
+                col += rank
+            row += width
+        out[prefix + "in_proj_qkv"] = (a, b)
     return out
 
 

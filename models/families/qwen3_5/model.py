@@ -14,7 +14,8 @@ This module owns the assembled VLM (``Qwen35``) and its language model's layer s
   ``models.norms.ZeroCenteredRMSNorm`` in the local spec), except the DeltaNet's gated norm;
 - MLPs: SwiGLU (dense), or megatron ``MoELayer``s (Qwen3.5 MoE: transformers' router as
   Qwen3-VL MoE's, fp32 softmax, top-k, renormalised; plus megatron's shared expert with its
-  sigmoid gate, ``moe_shared_expert_gate``).
+  sigmoid gate, ``moe_shared_expert_gate``); under TP the whole LM runs megatron's sequence
+  parallelism, which its MoE layers need there (as Qwen3-VL MoE's).
 
 The vision embeddings are scattered into the ``<|image_pad|>`` / ``<|video_pad|>`` positions in
 order (``models.multimodal``); the loss follows the batch contract (labels unshifted). Packed rows
@@ -70,7 +71,9 @@ def lm_transformer_config(cfg: Qwen35ModelConfig, use_te: bool = False) -> Trans
             moe_token_dispatcher_type="alltoall",
             moe_router_load_balancing_type="aux_loss" if weight > 0 else "none",
             moe_aux_loss_coeff=weight, moe_grouped_gemm=use_te,
-            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            # megatron's MoE layers need sequence parallelism under TP (the whole LM runs it)
+            sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1)
     config = TransformerConfig(
         num_layers=t.num_layers, hidden_size=t.hidden_size,
         ffn_hidden_size=t.intermediate_size or t.moe_intermediate_size,
@@ -160,7 +163,10 @@ class Qwen35(LanguageModelRunner, MegatronModule):
             pre_process=self.pre_process, post_process=self.post_process,
             share_embeddings_and_output_weights=cfg.lm.tie_embeddings,
             position_embedding_type="mrope", rotary_percent=cfg.lm.partial_rotary_factor,
-            rotary_base=cfg.lm.rope_theta)
+            rotary_base=cfg.lm.rope_theta,
+            # whole sequences out of the embedding (the visual scatter needs them); under
+            # sequence parallelism ``run_language_model`` scatters the decoder input
+            scatter_embedding_sequence_parallel=False)
         self._vision_dp = None
         if self.pre_process:
             self._vision_dp = VisionDPOverCP(
