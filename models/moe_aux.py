@@ -7,7 +7,9 @@ share of the tokens). ``set_backward_scale`` sets the same for the loop without 
 parallelism. The router also records each layer's aux loss (divided by its weight) in megatron's
 layer-wise tracker; ``step_metrics`` reads that once per step: ``moe_aux_loss``, the term the
 step's micro-batches added to the loss on average over them and the data-parallel ranks (the
-weight of each layer's term is the model's ``moe_aux_loss_coeff``), and clears it. Models without
+weight of each layer's term is the model's ``moe_aux_loss_coeff``), and clears it; ``begin_step``
+clears it before a step's first forward too, so that forwards outside the step (validation, a
+probe, another model in the same process) never count in its value. Models without
 MoE layers (or with the aux loss off) log nothing.
 """
 
@@ -22,6 +24,13 @@ def _config(model):
     from megatron.core.utils import get_model_config
 
     return get_model_config(model)
+
+
+def begin_step() -> None:
+    """Empties megatron's aux-loss tracker: what the next ``step_metrics`` reads is this step's."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.clear_aux_losses_tracker()
 
 
 def set_backward_scale(model, micro_batches: int, cp: int) -> None:

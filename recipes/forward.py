@@ -135,6 +135,7 @@ def optimizer_step(layout, model, optimizer, batches, lr: float, total_tokens: i
     model.train()
     model.zero_grad_buffer()
     optimizer.zero_grad()
+    moe_aux.begin_step()  # the logged aux-loss term is this step's forwards' only
     if layout.pp > 1:  # megatron's 1F1B schedule; the loss sum lives on the last stage
         loss_sum = pipeline_step(model, batches, layout, blank_media,
                                  scale / max(total_tokens, 1))

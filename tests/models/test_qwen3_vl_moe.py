@@ -144,6 +144,7 @@ def test_aux_loss_equals_transformers(tmp_path):
         out = hf_model(**hf_inputs(cfg, inputs), output_router_logits=True)
     want = cfg.lm.router_aux_loss_coef * float(out.aux_loss)
     model.train()
+    moe_aux.begin_step()  # as each training step: no earlier forward of this process counts
     moe_aux.set_backward_scale(model, 1, 1)
     loss, mask = model(**inputs, labels=inputs["input_ids"])
     (loss.sum() / mask.sum()).backward()
