@@ -57,7 +57,7 @@ def test_inspect_agrees_with_the_loader(request, make_encoder, tokenizer_dir, ca
     assert real == report["tokens"]["total"]["sum"]
 
 
-@pytest.mark.parametrize("model", ["qwen2.5-vl", "nemotron-omni"])  # uint8 / float32 pixels
+@pytest.mark.parametrize("model", ["qwen2.5-vl", "nemotron-omni", "qwen3.5"])  # uint8 / float32
 def test_preview_writes_html_with_resized_media(tokenizer_dir, mantis_out, tmp_path, capsys,
                                                 model):
     out = tmp_path / "p.html"
