@@ -16,7 +16,7 @@ DEMO   ?= demo_out
 # make demo keeps its own shards under $(DEMO); train on them with DATA_ROOT=$(DEMO).
 DATA_ROOT ?= data
 
-.PHONY: install test test-fast demo bench check prepare-mantis prepare-infovqa prepare-llava-video clean
+.PHONY: install infer-venv test test-fast demo bench check prepare-mantis prepare-infovqa prepare-llava-video clean
 
 install: $(STAMP)
 
@@ -28,6 +28,23 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,hf]'
 	touch $(STAMP)
+
+# The venv the README's transformers snippet runs in on a CPU machine (the tests run it there):
+# transformers' processors need torchvision, and PyPI has none that imports beside make install's
+# CPU torch. A torch + torchvision pair that PyPI ships together, by architecture (x86_64: a CUDA
+# build, which runs on the CPU too), and make install's transformers and accelerate. Skipped when
+# the venv already holds these pins; other pins reinstall into it.
+INFER_VENV ?= .venv-infer
+INFER_TORCH := $(if $(filter aarch64 arm64,$(shell uname -m)),torch==2.9.1 torchvision==0.24.1,torch==2.14.1 torchvision==0.29.1)
+INFER_HF := transformers==5.24.0 accelerate==1.16.0
+infer-venv:
+	@test "$$(cat $(INFER_VENV)/.installed 2>/dev/null)" = "$(INFER_TORCH) $(INFER_HF)" || { \
+	  set -e; test -x $(INFER_VENV)/bin/python || python3 -m venv $(INFER_VENV); \
+	  $(INFER_VENV)/bin/python -m pip install -q --upgrade pip; \
+	  $(INFER_VENV)/bin/python -m pip install -q $(INFER_TORCH); \
+	  $(INFER_VENV)/bin/python -m pip install -q $(INFER_HF); \
+	  echo "$(INFER_TORCH) $(INFER_HF)" > $(INFER_VENV)/.installed; }
+	@echo "[make] infer-venv: $(INFER_VENV) ($(INFER_TORCH) $(INFER_HF))"
 
 test: $(STAMP)
 	$(PY) -m ruff check .
