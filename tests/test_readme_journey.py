@@ -29,7 +29,8 @@ RUNS = {
                   "task_encoder.model=qwen3_vl")),
     "qwen3_vl_moe": ("configs/train_qwen3_vl_moe_mantis.yaml", ()),
     "qwen3_5": ("configs/train_qwen3_5_moe_mantis.yaml",
-                ("model.base=configs/qwen3_5_tiny.yaml", "task_encoder.model=qwen3_5")),
+                ("model.base=configs/qwen3_5_tiny.yaml", "model.lm.vocab_size=448",
+                 "task_encoder.model=qwen3_5")),
     "qwen3_5_moe": ("configs/train_qwen3_5_moe_mantis.yaml", ()),
     "nemotron_omni": ("configs/train_nemotron_omni_mantis.yaml", ()),
 }
