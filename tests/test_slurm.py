@@ -44,6 +44,12 @@ def test_scripts_map_their_parameters_dry_run():
             "--rdzv-endpoint node1:20077 --rdzv-id 77 train.py "
             "configs/train_qwen_vl_mantis.yaml train.steps=5 train.auto_resume=true"
             ) in proc.stdout
+    # --ntasks-per-node=2 on one node: two launchers (SLURM_NTASKS), a two-"node" rendezvous
+    proc = _dry("train.sbatch", "configs/train_qwen_vl_mantis.yaml", SLURM_NNODES="1",
+                SLURM_NTASKS="2", SLURM_JOB_ID="5", MASTER_ADDR="node1")
+    assert proc.returncode == 0, proc.stderr
+    assert ("-m recipes.launch --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d "
+            "--rdzv-endpoint node1:20005 --rdzv-id 5 train.py") in proc.stdout
     proc = _dry("train.sbatch", "configs/train_qwen_vl_mantis.yaml", VLM_PYTHON="/no/python")
     assert proc.returncode == 2 and "no venv python at /no/python" in proc.stderr
 
