@@ -17,9 +17,18 @@ after FFmpeg's rgb24, the loader's conversion):
   a single-thread sequential decode of the clip, plus the picks' conversions.
 
 Readers that are not installed (``pip install -e .[bench]``) or that cannot load (the
-torchcodec wheel on PyPI links CUDA's libraries, which a CPU-only torch does not have) are
-listed as such, with the reason, never timed with something else. The frames each reader returns
-are compared with decode_all's (``equal``).
+torchcodec wheel on PyPI links CUDA's libraries, which a CPU-only torch does not have: run the
+bench in a venv with a CUDA build of torch, docs/benchmarks.md) are listed as such, with the
+reason, never timed with something else. The frames each reader returns are compared with
+decode_all's (``equal``). The report names the interpreter, torch, torchcodec, decord and the
+FFmpeg each reader decodes with.
+
+torchcodec and PyAV decode with the same FFmpeg: torchcodec links FFmpeg's shared libraries by
+their plain names (``libavcodec.so.62``), PyAV's wheel bundles them under hashed names; the bench
+links PyAV's under the plain names into ``<out>/ffmpeg-libs`` and re-runs itself once with that
+folder on ``LD_LIBRARY_PATH`` (``--system-ffmpeg``: use the system's FFmpeg instead). PyAV is
+imported before torch (torchcodec's metadata op returns a tuple, not its JSON string, the other
+way round).
 
 Clips (generated with PyAV, cached in ``--cache``): 640x360 30 fps x264 (veryfast, CRF 23,
 3 B-frames, pyramid) of a panned textured scene with moving shapes, 60 s, keyframe every 2, 5 or
@@ -32,10 +41,13 @@ Writes <out>/video_decode.json and prints the markdown table of docs/benchmarks.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import io
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -98,6 +110,48 @@ def clip_bytes(name: str, cache: Path) -> bytes:
 
 # ---- readers -----------------------------------------------------------------------------------
 
+_LINKED = "BENCH_VIDEO_FFMPEG_LIBS"  #: set once the bench re-ran itself over PyAV's FFmpeg
+
+
+def reexec_with_pyav_ffmpeg(folder: Path) -> None:
+    """Link PyAV's bundled FFmpeg libraries under their plain sonames into ``folder`` and re-run
+    this process with it first on ``LD_LIBRARY_PATH`` (the loader reads it at start only), so
+    that torchcodec decodes with PyAV's FFmpeg. Does nothing when torchcodec is not installed or
+    this process already runs so."""
+    if os.environ.get(_LINKED) or importlib.util.find_spec("torchcodec") is None:
+        return
+    bundled = Path(av.__file__).resolve().parent.parent / "av.libs"
+    folder.mkdir(parents=True, exist_ok=True)
+    for library in bundled.glob("lib*.so*"):
+        plain = re.sub(r"^(lib[\w+-]+?)-[0-9a-f]{8}(\.so\.\d+).*$", r"\1\2", library.name)
+        link = folder / plain
+        if plain != library.name and not link.exists():
+            link.symlink_to(library)
+    env = dict(os.environ, **{_LINKED: str(folder)})
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (str(folder), os.environ.get("LD_LIBRARY_PATH")) if p)
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def environment() -> dict:
+    """What the readers ran on: the interpreter, torch, the readers' versions, their FFmpeg."""
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    info = {"python": sys.executable, "python_version": platform.python_version(),
+            "machine": platform.processor() or platform.machine(),
+            "pyav": av.__version__, "pyav_ffmpeg": av.ffmpeg_version_info,
+            "torch": version("torch"), "torchcodec": version("torchcodec"),
+            "decord": version("decord"), "ffmpeg_libs": os.environ.get(_LINKED)}
+    if "torchcodec.decoders" in sys.modules:
+        from torchcodec._core import _ffmpeg_ops
+
+        info["torchcodec_ffmpeg"] = _ffmpeg_ops.get_ffmpeg_library_versions().get(
+            "ffmpeg_version")
+    return info
+
 def _resize(rgb: np.ndarray) -> np.ndarray:
     from PIL import Image
 
@@ -124,6 +178,8 @@ def load_torchcodec():
     """(reader, None) or (None, why it cannot be used)."""
     try:
         from torchcodec.decoders import VideoDecoder
+
+        VideoDecoder(make_clip(64, 48, 1, 1), seek_mode="exact").get_frames_at([0])
     except Exception as error:  # noqa: BLE001 - the reason is the result
         return None, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
 
@@ -274,8 +330,13 @@ def table(results: list[dict], missing: dict) -> str:
 @click.option("--quick", is_flag=True, help="the 2 s GOP clip only, 2 rounds")
 @click.option("--clips", "only", multiple=True, type=click.Choice(list(CLIPS)),
               help="run only these clips (repeatable; default: all)")
-def main(out: Path, cache: Path | None, rounds: int, quick: bool, only: tuple) -> None:
+@click.option("--system-ffmpeg", is_flag=True,
+              help="torchcodec loads the system's FFmpeg, not PyAV's bundled one")
+def main(out: Path, cache: Path | None, rounds: int, quick: bool, only: tuple,
+         system_ffmpeg: bool) -> None:
     """Time the frame readers side by side (see the module docstring)."""
+    if not system_ffmpeg:
+        reexec_with_pyav_ffmpeg(out / "ffmpeg-libs")
     cache = cache or out / "clips"
     readers, missing = {}, {}
     for key, load in (("torchcodec", load_torchcodec), ("decord", load_decord)):
@@ -293,11 +354,11 @@ def main(out: Path, cache: Path | None, rounds: int, quick: bool, only: tuple) -
             results.append(run_clip(name, data, count, rounds, readers))
             print(json.dumps(results[-1]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": platform.processor() or platform.machine(), "python": sys.version,
-              "pyav": av.__version__, "rounds": rounds, "size": SIZE, "missing": missing,
-              "results": results}
+    report = {"environment": environment(), "rounds": rounds, "size": SIZE,
+              "missing": missing, "results": results}
     (out / "video_decode.json").write_text(json.dumps(report, indent=1))
     print(table(results, missing))
+    print("\n" + ", ".join(f"{k}: {v}" for k, v in report["environment"].items()))
 
 
 if __name__ == "__main__":
