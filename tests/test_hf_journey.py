@@ -23,7 +23,9 @@ from tests.tiny_hf import build_tiny_hf_model
 JOURNEYS = {"qwen2_5_vl": (MANTIS_CFG, (3136, 6272)),
             "qwen3_5": (MANTIS_CFG, (3136, 6272)),
             "nemotron_omni": (NEMOTRON_MANTIS_CFG, (8192, 16384))}
-LOGITS_TOLERANCE = 1e-4
+#: after the fine-tune steps the two stacks sum float32 in other orders: observed up to 1.0e-4
+#: (qwen3_5, interleaved images, full suite); untrained parity is 1e-4 in the family tests
+LOGITS_TOLERANCE = 2e-4
 
 
 def train_from_hf(family: str, hf: Path, out: Path, cache: Path, mantis_out: Path, *extra: str,
