@@ -300,7 +300,7 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
                    total_steps=t.steps)
         loss_sum, grad_norm, stepped = optimizer_step(layout, model, trainee.optimizer, batches,
                                                       lr, total_tokens, cfg.data.blank_media)
-        aux = moe_aux.step_metrics(model, len(batches))  # MoE: the aux-loss term, on its own
+        aux = moe_aux.step_metrics(model, len(batches))  # MoE: aux loss, expert load, drops
         meter.time += time.perf_counter() - step_start
         meter.wait += wait
         meter.steps += 1

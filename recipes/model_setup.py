@@ -17,11 +17,14 @@ from models import cpu
 
 
 def build_model(cfg):
-    """The model of ``cfg.model.family`` (vision DP over CP inside); CPU CP attention."""
+    """The model of ``cfg.model.family`` (vision DP over CP inside); CPU CP attention; its MoE
+    routers' load counted for the step metrics (``models.moe_aux``)."""
+    from models import moe_aux
     from models.families import build_model as build
 
     model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
     cpu.use_cp_attention(model.language_model)
+    moe_aux.track_router_load(model)
     return model
 
 

@@ -155,6 +155,92 @@ def test_aux_loss_equals_transformers(tmp_path):
     assert router.grad is not None and router.grad.abs().sum() > 0
 
 
+def _routed_counts(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Tokens per expert of transformers' router (fp32 softmax, top-k) on its logits."""
+    picks = router_logits.float().softmax(-1).topk(top_k, dim=-1).indices
+    return torch.bincount(picks.flatten(), minlength=router_logits.shape[-1]).double()
+
+
+def _train_forward_metrics(model, inputs) -> dict:
+    """One training forward + backward of ``model`` (routers tracked) and its step metrics."""
+    from models import moe_aux
+
+    moe_aux.track_router_load(model)
+    model.train()
+    moe_aux.begin_step()
+    moe_aux.set_backward_scale(model, 1, 1)
+    loss, mask = model(**inputs, labels=inputs["input_ids"])
+    (loss.sum() / mask.sum()).backward()
+    return moe_aux.step_metrics(model, 1)
+
+
+def test_router_load_and_capacity_drops_equal_transformers_routing(moe_hf, tmp_path):
+    """Router health: each MoE layer's expert load (most loaded expert / mean) that a training
+    forward logs equals the load of transformers' own router logits on the same tokens (layers 0
+    and 2; layer 1 is dense); with ``model.moe_capacity_factor`` 0.5 on a one-MoE-layer model,
+    each expert keeps min(its tokens, ceil(tokens * k / E * 0.5)) and the dropped assignments are
+    counted exactly. A validation (eval) forward counts nothing."""
+    import dataclasses
+    import math
+
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from models import moe_aux
+    from models.checkpoint import load_checkpoint
+    from models.families import build_model
+    from models.verify_inputs import hf_inputs, make_inputs
+
+    def hf_logits(hf: Path, cfg, inputs):
+        hf_model = Qwen3VLMoeForConditionalGeneration.from_pretrained(hf).eval()
+        with torch.no_grad():
+            return hf_model(**hf_inputs(cfg, inputs), output_router_logits=True).router_logits
+
+    model, cfg = load_checkpoint(imported(moe_hf, tmp_path / "mcore"), use_te=False)
+    inputs = make_inputs(cfg)["images_interleaved"]
+    got = _train_forward_metrics(model, inputs)
+    k = cfg.lm.experts_per_token
+    want = {}
+    for layer, logits in zip([0, 2], hf_logits(moe_hf, cfg, inputs)):
+        counts = _routed_counts(logits, k)
+        want[str(layer)] = float(counts.max() / counts.mean())
+    assert got["moe_load_per_layer"].keys() == want.keys()
+    for layer, ratio in want.items():
+        assert abs(got["moe_load_per_layer"][layer] - ratio) <= 1e-6, (layer, got, want)
+    assert abs(got["moe_load_max_over_mean"] - max(want.values())) <= 1e-12
+    assert 1.0 < got["moe_load_max_over_mean"] <= cfg.lm.num_experts / k
+    assert "moe_tokens_dropped" not in got  # no capacity: nothing dropped, nothing logged
+    model.eval()
+    moe_aux.begin_step()
+    with torch.no_grad():
+        model(**inputs, labels=inputs["input_ids"])
+    assert "moe_load_max_over_mean" not in moe_aux.step_metrics(model, 1)
+
+    one = build_tiny_hf("qwen3_vl_moe", tmp_path / "one", moe={"mlp_only_layers": [1, 2]})
+    base, cfg = load_checkpoint(imported(one, tmp_path / "one_mcore"), use_te=False)
+    capped = build_model(dataclasses.replace(cfg, moe_capacity_factor=0.5), use_te=False)
+    capped.load_state_dict(base.state_dict())
+    got = _train_forward_metrics(capped, inputs)
+    counts = _routed_counts(hf_logits(one, cfg, inputs)[0], k)
+    tokens = int(counts.sum()) // k
+    capacity = math.ceil(tokens * k / cfg.lm.num_experts * 0.5)
+    kept = counts.clamp(max=capacity)
+    assert got["moe_tokens_dropped"] == int(counts.sum() - kept.sum()) > 0
+    assert abs(got["moe_dropped_fraction"] - got["moe_tokens_dropped"] / (tokens * k)) < 1e-12
+    assert abs(got["moe_load_per_layer"]["0"] - float(kept.max() / kept.mean())) <= 1e-6
+
+
+def test_capacity_factor_refused_without_experts_or_not_positive():
+    """``model.moe_capacity_factor`` on a dense model, or zero, is one config error."""
+    from models.families.qwen_vl.config import from_dict
+
+    raw = yaml.safe_load((REPO / "configs" / "qwen3_vl_moe_tiny.yaml").read_text())
+    with pytest.raises(ValueError, match="moe_capacity_factor must be positive"):
+        from_dict({**raw, "moe_capacity_factor": 0})
+    dense = yaml.safe_load((REPO / "configs" / "qwen3_vl_tiny.yaml").read_text())
+    with pytest.raises(ValueError, match="needs MoE layers"):
+        from_dict({**dense, "moe_capacity_factor": 1.0})
+
+
 def test_tiny_config_trains():
     """configs/qwen3_vl_moe_tiny.yaml builds (MoE layers 0 and 2, dense 1) and its loss falls
     within a few CPU steps; every expert gets a gradient."""
@@ -225,6 +311,8 @@ def test_train_from_hf_logs_aux_loss_and_exports(tmp_path, mantis_out):
     aux = [r["moe_aux_loss"] for r in records if "loss" in r and "step" in r
            and "moe_aux_loss" in r]
     assert len(aux) == 3 and all(0 < a < 1e-2 for a in aux), records
+    loads = [r["moe_load_max_over_mean"] for r in records if "moe_load_max_over_mean" in r]
+    assert len(loads) == 3 and all(1.0 <= x <= 4 / 2 for x in loads), records  # E 4, top-2
     diffs = logits_diff(run, export(run, tmp_path / "export"))
     assert max(diffs.values()) <= TOL, diffs
 
@@ -351,17 +439,22 @@ def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
         assert_memory_line(proc, [*args, *extra], nproc)
 
     def steps(run):
-        return [(r["loss"], r["grad_norm"], r["moe_aux_loss"])
+        return [(r["loss"], r["grad_norm"], r["moe_aux_loss"], r["moe_load_per_layer"])
                 for r in records(tmp_path / run, "grad_norm")]
 
     one = steps("one")
-    assert len(one) == 3 and all(norm > 0 for _, norm, _ in one)
+    assert len(one) == 3 and all(norm > 0 for _, norm, _, _ in one)
     for run in layouts:
         for got, want in zip(steps(run), one, strict=True):
             assert abs(got[0] - want[0]) < 1e-4, (run, steps(run), one)
             assert abs(got[1] - want[1]) < 1e-4 * want[1], (run, steps(run), one)
             assert abs(got[2] - want[2]) < 1e-7, (run, steps(run), one)
-    return one
+            # the expert load, summed over the ranks' token shares and the stages' layers (a
+            # near-tie in routing may flip one assignment between layouts: 1 %)
+            assert got[3].keys() == want[3].keys(), (run, steps(run), one)
+            assert all(abs(got[3][k] - want[3][k]) <= 1e-2 * want[3][k] for k in want[3]), \
+                (run, steps(run), one)
+    return [step[:3] for step in one]
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from contract.families import HF_MODEL_TYPES, NEMOTRON_OMNI
 from models.model_config import build_model_config, load_model_yaml
 from models.model_config import hf_value as _get
+from models.moe_aux import check_capacity
 from models.recompute import check_mode
 
 FAMILY = NEMOTRON_OMNI
@@ -128,11 +129,15 @@ class NemotronOmniModelConfig:
     #: activation recomputation while training: none | selective | full (models/recompute.py;
     #: the hybrid LM recomputes its core attention for full)
     recompute: str = "none"
+    #: MoE expert capacity (models/moe_aux.py: the assignments past it are dropped); null: none
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self):
         if self.family != FAMILY:
             raise ValueError(f"family must be {FAMILY!r}, got {self.family!r}")
         check_mode(self.recompute)
+        check_capacity(self.moe_capacity_factor,
+                       self.lm.num_experts if "E" in self.lm.pattern else 0)
         bad = sorted(set(self.lm.pattern) - set(LAYER_SYMBOLS.values()))
         if bad or not self.lm.pattern:
             raise ValueError(f"lm.pattern {self.lm.pattern!r}: symbols must be M, *, - or E")

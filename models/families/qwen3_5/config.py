@@ -19,6 +19,7 @@ from typing import Any
 from contract.families import QWEN3_5, QWEN3_5_MOE
 from models.model_config import build_model_config, load_model_yaml
 from models.model_config import hf_value as _get
+from models.moe_aux import check_capacity
 from models.qwen_vision_config import VisionConfig, vision_from_hf, vision_to_hf
 from models.recompute import check_mode
 
@@ -110,11 +111,14 @@ class Qwen35ModelConfig:
     vision_end_token_id: int = 248054
     #: activation recomputation while training: none | selective | full (models/recompute.py)
     recompute: str = "none"
+    #: MoE expert capacity (models/moe_aux.py: the assignments past it are dropped); null: none
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         check_mode(self.recompute)
+        check_capacity(self.moe_capacity_factor, self.lm.num_experts)
         t = self.lm
         problems = []
         if sum(t.mrope_section) * 2 != t.rotary_dim:

@@ -13,7 +13,7 @@ Qwen3-VL MoE: the same model, its LM MLPs megatron ``MoELayer``s where ``lm.moe_
 experts, top-k, renormalised: megatron's top-k then softmax over the selected logits), no shared
 expert, experts as megatron's ``SequentialMLP`` on CPU and grouped GEMM with TransformerEngine.
 The load-balancing aux loss is megatron's (attached to the router's output: its gradient joins the
-loss's; logged per layer in megatron's tracker, ``models.moe_metrics``) with the weight
+loss's; logged per layer in megatron's tracker, ``models.moe_aux``) with the weight
 ``moe_aux_loss_weight`` gives it.
 
 Qwen3-VL's interleaved M-RoPE (t/h/w frequencies interleaved, ``mrope_interleaved``) is expressed
@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models.cpu import use_te_by_default
 from models.families.qwen_vl.config import QwenVLModelConfig
+from models.moe_aux import capacity_kwargs
 from models.mrope import megatron_mrope_section
 from models.multimodal import LanguageModelRunner, scatter_visual
 from models.qwen_vision import QwenVisionEncoder
@@ -101,7 +102,8 @@ def moe_config_kwargs(cfg: QwenVLModelConfig, use_te: bool) -> dict:
         moe_aux_loss_coeff=weight, moe_grouped_gemm=use_te,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         # megatron's MoE layers need sequence parallelism under TP (the whole LM runs it)
-        sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1)
+        sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1,
+        **capacity_kwargs(cfg.moe_capacity_factor))
 
 
 def lm_layer_spec(cfg: QwenVLModelConfig, use_te: bool, config: TransformerConfig):
