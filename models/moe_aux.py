@@ -172,7 +172,8 @@ def _aux_loss(config, micro_batches: int) -> dict[str, float]:
 def _load(config) -> dict:
     """The expert load (and drops) of the step's tallies, every layer's on every rank."""
     experts = config.num_moe_experts
-    layers = max([config.num_layers, *_TALLY])  # the same on every rank (collective shape)
+    layers = config.num_layers  # the same on every rank (the collective's shape)
+    assert all(1 <= number <= layers for number in _TALLY), (sorted(_TALLY), layers)
     table = torch.zeros(layers, experts + 1, dtype=torch.float64)  # assignments..., tokens
     for number, (counts, tokens) in _TALLY.items():
         table[number - 1, :experts] = counts.double().cpu()
