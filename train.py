@@ -136,7 +136,7 @@ def start_run(plan: RunPlan, automatic: bool) -> tuple[RunPlan, Run]:
 
     cfg, p = plan.config, plan.config.parallel
     lock_run(Path(cfg.out))
-    layout = init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
+    layout = init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep, p.etp)
     plan = replace(plan, resume=verified_resume(plan.resume, automatic, layout.dp))
     run = Run(Path(cfg.out), cfg.checkpoint_dir, layout, StopSignal())
     if run.is_logger:
