@@ -431,13 +431,17 @@ def test_expert_tp_other_than_tp_at_ep1_refused_in_one_line(tmp_path, capsys):
     megatron's dense all-reduce there, over the dense DP group, not the experts': such a run
     drifted, grad norm 4.963 vs 4.945), and Nemotron-Omni's MoE layers under TP: train.py
     refuses them before building anything (one line, exit 2); a world that expert-TP x PP x EP
-    does not divide is named with etp; the Qwen-VL family takes TP, PP, CP, EP."""
+    does not divide is named with etp; the Qwen-VL family takes TP, PP, CP, EP, and
+    configs/train_qwen3_vl_235b_a22b_mantis.yaml (TP 4, expert-TP 1, EP 32) passes every check
+    at 32 processes but its data path's."""
     from types import SimpleNamespace
 
     from contract.errors import UsageError
     from models.families import get
     from models.families.qwen_vl.config import load_yaml
     from recipes.layout import check_layout
+    from recipes.run_config import load_run_config
+    from recipes.run_plan import check_run
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml")
     assert get(cfg.family).layout_problems(cfg, SimpleNamespace(tp=2, pp=2, cp=2, ep=2)) == []
@@ -448,6 +452,11 @@ def test_expert_tp_other_than_tp_at_ep1_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "parallel.etp 1 other than parallel.tp 2 needs " \
         "parallel.ep > 1" in err, err
+    published = load_run_config(REPO / "configs" / "train_qwen3_vl_235b_a22b_mantis.yaml",
+                                [f"data.path={tmp_path / 'none'}"])
+    assert (published.parallel.tp, published.parallel.etp, published.parallel.ep) == (4, 1, 32)
+    with pytest.raises(UsageError, match="data.path .* does not exist"):  # its layout passes
+        check_run(published, 32)
     with pytest.raises(UsageError, match=r"world size 4 is not divisible by etp\*pp\*ep = "
                                          r"2\*1\*4 \(the expert-parallel ranks"):
         check_layout(4, 1, 1, 1, True, ep=4, etp=2)
