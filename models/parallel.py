@@ -6,8 +6,9 @@ This module owns ``init_process_group`` (gloo on CPU / nccl on GPU; under plain 
 one-process group; first, without CUDA, the CPU accommodations ``models.cpu.activate``),
 ``seed_model_parallel``, ``init_parallel``, the one call that sets up TP x PP x CP x EP (x
 expert-TP): an existing parallel state of the same sizes is kept, one of other sizes is
-replaced, and the RNG is seeded every time; and ``moe_parallel_kwargs``, the parallel fields of
-every family's MoE ``TransformerConfig`` (read from that parallel state).
+replaced, and the RNG is seeded every time; ``moe_parallel_kwargs``, the parallel fields of
+every family's MoE ``TransformerConfig`` (read from that parallel state); and
+``expert_grads_counted_once``, megatron's expert optimizer told the expert-TP group.
 """
 
 from __future__ import annotations
@@ -83,3 +84,17 @@ def moe_parallel_kwargs() -> dict:
 
     return dict(expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
                 expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
+
+
+def expert_grads_counted_once(optimizer) -> None:
+    """Let megatron's expert optimizer (in a ``ChainedOptimizer``: the one of the param groups
+    ``is_expert_parallel``) tell tensor-parallel duplicates by the expert-TP rank: megatron-core
+    0.16.1 gives every optimizer the dense TP group, so under expert-TP other than TP an expert
+    parameter it does not mark ``tensor_model_parallel`` (a LoRA adapter's factor replicated over
+    expert-TP) would be left out of the gradient norm on the ranks whose dense TP rank is not 0,
+    or counted twice."""
+    from megatron.core import parallel_state as ps
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if any(group.get("is_expert_parallel") for group in sub.param_groups):
+            sub.tp_group = ps.get_expert_tensor_parallel_group()
