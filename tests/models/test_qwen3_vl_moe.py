@@ -376,19 +376,23 @@ def test_dp2_pp2_cp2_tp2_equal_one_process(mantis_out, tmp_path, name):
     norms, the router and the experts, sliced over TP; DeepStack rows follow the share; the
     DeltaNet's projections gather the sequence and its gated norm's gradient is summed over TP)
     gives one process's losses, gradient norms and aux-loss terms over 3 steps from the same
-    initial weights (``layouts_equal_one_process``); the TP = 2 checkpoint resumes exactly."""
+    initial weights (``layouts_equal_one_process``); the PP = 2 (each stage its layers), CP = 2
+    and TP = 2 (experts sliced over TP) step-2 checkpoints resume exactly."""
     from tests import runner
     from tests.test_train import losses, ok
 
-    tp2 = ["parallel.tp=2", "data.virtual_dp=2", "checkpoint.interval=2"]
+    resumable = {run: ["data.virtual_dp=2", "checkpoint.interval=2", *extra] for run, extra in
+                 (("pp2", ["parallel.pp=2"]), ("cp2", ["parallel.cp=2"]),
+                  ("tp2", ["parallel.tp=2"]))}
     one = layouts_equal_one_process(mantis_out, tmp_path, {
-        "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
-        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]), "tp2": (2, tp2)}, name=name)
+        "dp2": (2, []), **{run: (2, extra) for run, extra in resumable.items()}}, name=name)
     assert one[-1][0] < one[0][0]
-    step = tmp_path / "tp2" / "checkpoints" / "step_000002"  # experts sliced over TP
-    ok(runner.run("train.py", *run_args(mantis_out, tmp_path, name=name), *tp2,
-                  f"out={tmp_path / 'resumed'}", "--resume", str(step), nproc=2, timeout=600))
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "tp2")[2:]  # bit-exact on CPU
+    for run, extra in resumable.items():
+        step = tmp_path / run / "checkpoints" / "step_000002"
+        ok(runner.run("train.py", *run_args(mantis_out, tmp_path, name=name), *extra,
+                      f"out={tmp_path / f'{run}_resumed'}", "--resume", str(step), nproc=2,
+                      timeout=600))
+        assert losses(tmp_path / f"{run}_resumed") == losses(tmp_path / run)[2:], run  # bit-exact
 
 
 #: the published Qwen3-VL-235B-A22B SFT layout's expert side, at 2 processes: TP 2 (sequence
