@@ -136,7 +136,7 @@ def start_run(plan: RunPlan, automatic: bool) -> tuple[RunPlan, Run]:
 
     cfg, p = plan.config, plan.config.parallel
     lock_run(Path(cfg.out))
-    layout = init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep)
+    layout = init_distributed(p.tp, p.pp, p.cp, cfg.train.seed, p.ep, p.etp)
     plan = replace(plan, resume=verified_resume(plan.resume, automatic, layout.dp))
     run = Run(Path(cfg.out), cfg.checkpoint_dir, layout, StopSignal())
     if run.is_logger:
@@ -199,6 +199,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     from models.checkpoint import load_weights, model_record
     from models.checkpoint_folders import weights_folder
     from models.hf_source import resolve
+    from models.parallel import expert_grads_counted_once
 
     cfg, t = plan.config, plan.config.train
     bf16 = uses_bf16(t)
@@ -231,6 +232,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
         params_dtype=torch.float32, use_distributed_optimizer=sharded,
         clip_grad=t.clip_grad), [model])
+    expert_grads_counted_once(optimizer)
     if plan.resume is not None and recorded is None:
         base = None  # an earlier checkpoint of this run holds every weight: so do the next ones
     return Trainee(model, optimizer, sum(q.numel() for q in model.parameters()), trainable,

@@ -19,13 +19,14 @@ An adapter of the linear ``<parent>.<name>`` is the sibling module ``<parent>.<n
 
 A replicated factor whose gradient is computed on a sequence shard is marked
 ``sequence_parallel`` (megatron all-reduces those over TP). An MoE expert's adapter (``experts``)
-is laid out the same over expert-TP but, like the expert's linears, communicates nothing itself
-(megatron's token dispatcher gathers the tokens and sums the partial outputs); its replicated
-factor's gradient is a share per expert-TP rank, marked ``sequence_parallel`` too (expert-TP =
-TP, and megatron's MoE runs sequence parallel under TP). A starts from a seeded Kaiming
-uniform draw (the seed from the adapter's global name, so every TP / PP layout starts equal), B
-at zero: step 1 computes the base model's loss. Sharded checkpoint entries carry each factor's
-own TP axis (``sharded_state_dict``).
+is laid out the same over expert-TP (``parallel.etp``, which may differ from TP) but, like the
+expert's linears, communicates nothing in its output (megatron's token dispatcher gathers the
+tokens over expert-TP and sums the partial outputs); its replicated factor's gradient is a share
+per expert-TP rank, summed over the expert-TP group in the backward of its use
+(``_replicated_weight``). A starts from a seeded Kaiming uniform draw (the seed from the
+adapter's global name, so every TP / PP layout starts equal), B at zero: step 1 computes the base
+model's loss. Sharded checkpoint entries carry each factor's own TP axis, an expert's over the
+expert-TP group with its replicas counted over the expert-DP group (``sharded_state_dict``).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class LoRAAdapter(nn.Module):
             weight.tensor_model_parallel = not replicated and tp > 1
             weight.partition_dim = 0 if factor is self.lora_b else 1
             weight.partition_stride = 1
-            if replicated and (self.sequence_parallel or (is_expert and tp > 1)):
+            if replicated and self.sequence_parallel and not is_expert:
                 weight.sequence_parallel = True  # its gradient: a share per rank, summed
             if is_expert:
                 weight.allreduce = False  # experts reduce over the expert-DP group
@@ -152,9 +153,10 @@ class LoRAAdapter(nn.Module):
 
         if self.norm is not None:
             x = self.norm(x)
-        h = self.lora_a(self.dropout(x))
         if self.is_expert:  # like the expert's own linears: megatron's dispatcher communicates
-            return self.lora_b(h) * self.scale
+            h = nn.functional.linear(self.dropout(x), self._replicated_weight(self.lora_a))
+            return nn.functional.linear(h, self._replicated_weight(self.lora_b)) * self.scale
+        h = self.lora_a(self.dropout(x))
         if self.kind == "column" and self.tp > 1:
             h = (tpl.gather_from_sequence_parallel_region(h) if self.sequence_parallel
                  else tpl.copy_to_tensor_model_parallel_region(h))
@@ -163,17 +165,36 @@ class LoRAAdapter(nn.Module):
                  else tpl.reduce_from_tensor_model_parallel_region(h))
         return self.lora_b(h) * self.scale
 
+    def _replicated_weight(self, factor: nn.Linear) -> torch.Tensor:
+        """An expert adapter's factor weight as its forward uses it: a factor replicated over
+        expert-TP > 1 gets its gradient summed over the expert-TP group (each rank computes a
+        share: the other factor is sliced), a sliced one is used as it is."""
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel as tpl
+
+        weight = factor.weight
+        if self.tp == 1 or weight.tensor_model_parallel:
+            return weight
+        return tpl.copy_to_tensor_model_parallel_region(
+            weight, group=ps.get_expert_tensor_parallel_group())
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
         """Each factor sharded on its own TP axis (B's rows for a column base, A's columns for a
-        row base), the other replicated over TP."""
+        row base), the other replicated over TP; an expert's over expert-TP, its replicas over
+        the expert-DP group (megatron's experts' own groups)."""
+        from megatron.core import parallel_state as ps
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         axis = ({"lora_b.weight": 0} if self.kind == "column" else
                 {"lora_a.weight": 1} if self.kind == "row" else {})
+        groups = {}
+        if self.is_expert:
+            groups = dict(tp_group=ps.get_expert_tensor_parallel_group(),
+                          dp_cp_group=ps.get_expert_data_parallel_group())
         state = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(state, prefix, axis if self.tp > 1 else {},
-                                                   sharded_offsets)
+                                                   sharded_offsets, **groups)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:

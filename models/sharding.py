@@ -7,7 +7,8 @@ This module owns ``weight_shapes`` (each parameter's full, TP=1 shape from this 
 PP=1 / EP=1 index, the names ``sharded_state_dict`` stores them under too) and ``shard_for_rank``
 (a full TP=1 state dict sliced to this rank's tensor-parallel shards: by each parameter's
 megatron attributes ``partition_dim`` and, for a tensor packing several components,
-``partition_sizes``).
+``partition_sizes``). An MoE expert's weights (``.experts.`` in the name, its LoRA adapters too)
+are sliced over the expert-TP group (``parallel.etp``), every other over TP.
 """
 
 from __future__ import annotations
@@ -15,18 +16,25 @@ from __future__ import annotations
 import torch
 
 
-def weight_shapes(model) -> dict[str, torch.Size]:
-    """Our key -> full (TP=1) shape, computed from this rank's shards."""
+def tensor_parallel_of(name: str) -> tuple[int, int]:
+    """(size, rank) of the group the parameter ``name`` is tensor-parallel over: expert-TP for
+    an MoE expert's (``.experts.`` in the name), TP for every other."""
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
+    if ".experts." in name:
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def weight_shapes(model) -> dict[str, torch.Size]:
+    """Our key -> full (TP=1) shape, computed from this rank's shards."""
     shapes = {}
     for name, p in model.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state") or not isinstance(p, torch.Tensor):
             continue
         shape = list(p.shape)
         if getattr(p, "tensor_model_parallel", False):
-            shape[p.partition_dim] *= tp
+            shape[p.partition_dim] *= tensor_parallel_of(name)[0]
         shapes[name] = torch.Size(shape)
     return shapes
 
@@ -61,15 +69,14 @@ def global_keys(model) -> dict[str, str]:
 
 
 def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    """Slice a full (TP=1) state dict to this rank's tensor-parallel shards of ``model``."""
-    from megatron.core import parallel_state as ps
-
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    """Slice a full (TP=1) state dict to this rank's tensor-parallel shards of ``model`` (an
+    expert's over expert-TP: ``tensor_parallel_of``)."""
     local = {}
     for name, p in model.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state"):
             continue
         tensor = full[name]
+        tp, rank = tensor_parallel_of(name)
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
             dim = p.partition_dim
             owner = model.get_submodule(name.rsplit(".", 1)[0])

@@ -1,4 +1,4 @@
-"""The training run's process layout: TP x PP x CP (x EP) x DP over the world.
+"""The training run's process layout: TP x PP x CP (x EP x expert-TP) x DP over the world.
 
 This module owns ``Layout`` (this rank's place: its DP / CP rank, whether it writes its replica's
 loader state), ``check_layout`` (every reason a layout cannot be built, in one ``UsageError``)
@@ -50,9 +50,11 @@ def check_layout(world: int, tp: int, pp: int, cp: int, fixed_length: bool, ep: 
         raise UsageError("impossible parallel layout: " + "; ".join(problems))
 
 
-def init_distributed(tp: int, pp: int, cp: int, seed: int, ep: int = 1) -> Layout:
-    """``init_parallel`` at this layout (plain python = one process), then this rank's place."""
-    init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, seed=seed)
+def init_distributed(tp: int, pp: int, cp: int, seed: int, ep: int = 1,
+                     etp: int | None = None) -> Layout:
+    """``init_parallel`` at this layout (plain python = one process; ``etp``: the experts'
+    tensor parallel, None: tp), then this rank's place."""
+    init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, seed=seed, etp=etp)
     from megatron.core import parallel_state as ps
 
     return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=tp, pp=pp, cp=cp,

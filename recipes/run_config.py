@@ -56,8 +56,8 @@ class ParallelConfig:
     #: drawn from the data-parallel ones (tp * pp * ep must divide the world size)
     ep: int = 1
     #: expert tensor parallel (MoE layers; None: tp, megatron's default): each expert's linears
-    #: over etp ranks. train.py runs etp = tp only; the memory estimate (recipes/memory.py)
-    #: takes any, e.g. the published Qwen3-VL-235B-A22B layout (tp 4, etp 1, ep 32)
+    #: over etp ranks, e.g. the published Qwen3-VL-235B-A22B layout (tp 4, etp 1, ep 32);
+    #: other than tp needs ep > 1 (etp * pp * ep must divide the world size)
     etp: int | None = None
     vision_dp: bool = True  #: shard the vision encoder over the CP ranks (models/vision_dp.py)
 

@@ -99,10 +99,11 @@ def check_run(cfg: RunConfig, world: int) -> None:
         if cpu.ep_needs_fixed_length() and not te_cfg.fixed_length:
             raise UsageError("parallel.ep > 1 on CPU needs task_encoder.fixed_length=true (the "
                              "CPU MoE dispatcher, allgather, needs equal token counts per rank)")
-    if p.etp is not None and p.etp != p.tp:
-        raise UsageError(f"parallel.etp {p.etp} (expert tensor parallel) other than parallel.tp "
-                         f"{p.tp} is not supported by train.py yet (python -m recipes.memory "
-                         "estimates such layouts)")
+    if p.etp is not None and p.etp != p.tp and p.ep == 1:
+        raise UsageError(f"parallel.etp {p.etp} other than parallel.tp {p.tp} needs "
+                         "parallel.ep > 1 (megatron-core 0.16.1 sums the expert gradients over "
+                         "the dense data-parallel group at ep 1, which then differs from the "
+                         "experts' one)")
     check_layout(world, p.tp, p.pp, p.cp, te_cfg.fixed_length, p.ep, p.etp)
     check_data_path(cfg.data.path)
     if cfg.train.eval_interval:

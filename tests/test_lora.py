@@ -292,15 +292,16 @@ def test_lora_under_pp2_equals_pp1(mantis_out, tmp_path):
 def test_lora_under_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
     """LoRA on Qwen3-VL MoE with the experts adapted (``model.lora.experts=true``; each EP rank
     holds its experts' adapters, seeded by their global expert numbers) at CP = 2, EP = 2 (over
-    DP = 2, distributed optimizer) and TP = 2 (sequence parallel: replicated factors' gradients
-    summed over TP) gives one
+    DP = 2, distributed optimizer), TP = 2 (sequence parallel: replicated factors' gradients
+    summed over TP) and TP = 2 with expert-TP 1 and EP = 2 (each expert's adapter whole on
+    its EP rank) gives one
     process's losses, gradient norms and aux-loss terms from the same base
     (``layouts_equal_one_process``); the TP = 2 checkpoint (TP-sharded expert adapters)
     resumes exactly. The run's export merges the expert adapters into the
     published expert tensors (transformers' logits equal ours); ``--adapter`` refuses them in one
     line (PEFT has no layout for transformers' fused experts)."""
     from models.convert import main
-    from tests.models.test_qwen3_vl_moe import layouts_equal_one_process, run_args
+    from tests.models.test_qwen3_vl_moe import ETP1, layouts_equal_one_process, run_args
     from tests.test_hf_journey import LOGITS_TOLERANCE, logits_diff
 
     shared = (*LORA, "model.lora.experts=true", "train.lr=1e-2")
@@ -309,7 +310,7 @@ def test_lora_under_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
     layouts_equal_one_process(
         mantis_out, tmp_path, {"cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]),
                                "ep2": (2, ["parallel.ep=2"]),
-                               "tp2": (2, tp2)},
+                               "tp2": (2, tp2), "etp1": (2, ETP1)},
         *shared, one=("checkpoint.save_final=true",))
     from tests import runner
     from tests.test_train import ok

@@ -131,6 +131,6 @@ def test_init_parallel_keeps_the_same_layout_and_reseeds():
 
     init_parallel(seed=7)
     group, first = ps.get_tensor_model_parallel_group(), torch.rand(3)
-    init_parallel(tp=1, pp=1, cp=1, ep=1, seed=7)
+    init_parallel(tp=1, pp=1, cp=1, ep=1, seed=7, etp=1)
     assert ps.get_tensor_model_parallel_group() is group  # same sizes: kept
     assert torch.equal(torch.rand(3), first)  # reseeded

@@ -469,29 +469,76 @@ def test_dp2_pp2_cp2_tp2_equal_one_process(mantis_out, tmp_path, name):
     norms, the router and the experts, sliced over TP; DeepStack rows follow the share; the
     DeltaNet's projections gather the sequence and its gated norm's gradient is summed over TP)
     gives one process's losses, gradient norms and aux-loss terms over 3 steps from the same
-    initial weights (``layouts_equal_one_process``); the TP = 2 checkpoint resumes exactly."""
+    initial weights (``layouts_equal_one_process``); the PP = 2 (each stage its layers), CP = 2
+    and TP = 2 (experts sliced over TP) step-2 checkpoints resume exactly."""
     from tests import runner
     from tests.test_train import losses, ok
 
-    tp2 = ["parallel.tp=2", "data.virtual_dp=2", "checkpoint.interval=2"]
+    resumable = {run: ["data.virtual_dp=2", "checkpoint.interval=2", *extra] for run, extra in
+                 (("pp2", ["parallel.pp=2"]), ("cp2", ["parallel.cp=2"]),
+                  ("tp2", ["parallel.tp=2"]))}
     one = layouts_equal_one_process(mantis_out, tmp_path, {
-        "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "data.virtual_dp=2"]),
-        "cp2": (2, ["parallel.cp=2", "data.virtual_dp=2"]), "tp2": (2, tp2)}, name=name)
+        "dp2": (2, []), **{run: (2, extra) for run, extra in resumable.items()}}, name=name)
     assert one[-1][0] < one[0][0]
-    step = tmp_path / "tp2" / "checkpoints" / "step_000002"  # experts sliced over TP
-    ok(runner.run("train.py", *run_args(mantis_out, tmp_path, name=name), *tp2,
+    for run, extra in resumable.items():
+        step = tmp_path / run / "checkpoints" / "step_000002"
+        ok(runner.run("train.py", *run_args(mantis_out, tmp_path, name=name), *extra,
+                      f"out={tmp_path / f'{run}_resumed'}", "--resume", str(step), nproc=2,
+                      timeout=600))
+        assert losses(tmp_path / f"{run}_resumed") == losses(tmp_path / run)[2:], run  # bit-exact
+
+
+#: the published Qwen3-VL-235B-A22B SFT layout's expert side, at 2 processes: TP 2 (sequence
+#: parallel), each expert whole on one rank (expert-TP 1), the 4 experts over EP 2
+ETP1 = ["parallel.tp=2", "parallel.etp=1", "parallel.ep=2", "data.virtual_dp=2"]
+
+
+@pytest.mark.slow
+def test_tp2_etp1_ep2_equals_one_process_resumes_and_exports(mantis_out, tmp_path):
+    """TP = 2 with expert-TP 1 and EP = 2 (the dense layers sliced over both ranks, each expert
+    whole on the rank of its EP group) gives one process's losses, gradient norms and aux-loss
+    terms (``layouts_equal_one_process``); its step-2 checkpoint resumes bit-exactly; its export
+    (``models.convert mcore-to-hf``) holds the one-process export's tensors within float
+    tolerance, and transformers loads it with our logits. (Measured on CPU: equal losses,
+    gradient norms within 2e-7 relative.)"""
+    from models.convert import mcore_to_hf
+    from tests import runner
+    from tests.test_hf_journey import logits_diff
+    from tests.test_train import losses, ok
+
+    final = "checkpoint.save_final=true"
+    etp1 = [*ETP1, "checkpoint.interval=2", final]
+    layouts_equal_one_process(mantis_out, tmp_path, {"etp1": (2, etp1)}, one=(final,))
+    step = tmp_path / "etp1" / "checkpoints" / "step_000002"  # experts whole, dense over TP
+    ok(runner.run("train.py", *run_args(mantis_out, tmp_path), *etp1,
                   f"out={tmp_path / 'resumed'}", "--resume", str(step), nproc=2, timeout=600))
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "tp2")[2:]  # bit-exact on CPU
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "etp1")[2:]  # bit-exact on CPU
+    for run in ("one", "etp1"):
+        mcore_to_hf(tmp_path / run, tmp_path / f"{run}_hf")
+    one = load_file(str(tmp_path / "one_hf" / "model.safetensors"))
+    got = load_file(str(tmp_path / "etp1_hf" / "model.safetensors"))
+    assert sorted(got) == sorted(one)
+    for key in one:  # 3 Adam steps of up to 3e-3 amplify the float noise: 4.4e-6 measured
+        torch.testing.assert_close(got[key], one[key], rtol=0, atol=1e-5, msg=key)
+    assert max(logits_diff(tmp_path / "etp1", tmp_path / "etp1_hf").values()) <= TOL
 
 
-def test_expert_tp_other_than_tp_refused_in_one_line(tmp_path, capsys):
-    """Expert-TP other than TP (the published 235B-A22B layout's etp 1 at tp 4), and Nemotron-
-    Omni's MoE layers under TP: train.py refuses them before building anything (one line, exit
-    2); the Qwen-VL family takes TP, PP, CP, EP."""
+def test_expert_tp_other_than_tp_at_ep1_refused_in_one_line(tmp_path, capsys):
+    """Expert-TP other than TP at EP = 1 (megatron-core 0.16.1 gives the experts' linears
+    megatron's dense all-reduce there, over the dense DP group, not the experts': such a run
+    drifted, grad norm 4.963 vs 4.945), and Nemotron-Omni's MoE layers under TP: train.py
+    refuses them before building anything (one line, exit 2); a world that expert-TP x PP x EP
+    does not divide is named with etp; the Qwen-VL family takes TP, PP, CP, EP, and
+    configs/train_qwen3_vl_235b_a22b_mantis.yaml (TP 4, expert-TP 1, EP 32) passes every check
+    at 32 processes but its data path's."""
     from types import SimpleNamespace
 
+    from contract.errors import UsageError
     from models.families import get
     from models.families.qwen_vl.config import load_yaml
+    from recipes.layout import check_layout
+    from recipes.run_config import load_run_config
+    from recipes.run_plan import check_run
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml")
     assert get(cfg.family).layout_problems(cfg, SimpleNamespace(tp=2, pp=2, cp=2, ep=2)) == []
@@ -500,8 +547,16 @@ def test_expert_tp_other_than_tp_refused_in_one_line(tmp_path, capsys):
     config = str(REPO / "configs" / "train_qwen3_vl_moe_mantis.yaml")
     assert train.main([config, "parallel.tp=2", "parallel.etp=1", f"data.path={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "parallel.etp 1 (expert tensor parallel) other than " \
-        "parallel.tp 2 is not supported by train.py yet" in err, err
+    assert err.count("\n") == 1 and "parallel.etp 1 other than parallel.tp 2 needs " \
+        "parallel.ep > 1" in err, err
+    published = load_run_config(REPO / "configs" / "train_qwen3_vl_235b_a22b_mantis.yaml",
+                                [f"data.path={tmp_path / 'none'}"])
+    assert (published.parallel.tp, published.parallel.etp, published.parallel.ep) == (4, 1, 32)
+    with pytest.raises(UsageError, match="data.path .* does not exist"):  # its layout passes
+        check_run(published, 32)
+    with pytest.raises(UsageError, match=r"world size 4 is not divisible by etp\*pp\*ep = "
+                                         r"2\*1\*4 \(the expert-parallel ranks"):
+        check_layout(4, 1, 1, 1, True, ep=4, etp=2)
     # Nemotron-Omni's MoE layers under TP (its LM runs no sequence parallelism): one line too
     nemotron = str(REPO / "configs" / "train_nemotron_omni_mantis.yaml")
     assert train.main([nemotron, "parallel.tp=2", "model.lm.pattern='*E-E'",

@@ -42,6 +42,7 @@ from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.nemotron_omni.radio import RadioEncoder
 from models.moe_aux import capacity_kwargs
 from models.multimodal import LanguageModelRunner, scatter_visual
+from models.parallel import moe_parallel_kwargs
 from models.recompute import transformer_config_kwargs
 from models.segment_attention import with_packed_attention
 from models.vision_dp import CostModel, VisionDPOverCP
@@ -91,8 +92,7 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
             moe_router_topk_scaling_factor=t.routed_scaling_factor,
             moe_router_load_balancing_type="none", moe_router_dtype="fp32",
             moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
-            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-            **capacity_kwargs(cfg.moe_capacity_factor))
+            **moe_parallel_kwargs(), **capacity_kwargs(cfg.moe_capacity_factor))
         if t.n_group > 1:
             kwargs.update(moe_router_num_groups=t.n_group, moe_router_group_topk=t.topk_group)
         if t.moe_latent_size is not None:

@@ -43,6 +43,7 @@ from models.moe_aux import capacity_kwargs
 from models.mrope import megatron_mrope_section
 from models.multimodal import LanguageModelRunner, scatter_visual
 from models.norms import ZeroCenteredRMSNorm
+from models.parallel import moe_parallel_kwargs
 from models.qwen_vision import QwenVisionEncoder
 from models.recompute import transformer_config_kwargs
 from models.segment_attention import with_packed_attention
@@ -72,7 +73,7 @@ def lm_transformer_config(cfg: Qwen35ModelConfig, use_te: bool = False) -> Trans
             moe_token_dispatcher_type="alltoall",
             moe_router_load_balancing_type="aux_loss" if weight > 0 else "none",
             moe_aux_loss_coeff=weight, moe_grouped_gemm=use_te,
-            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            **moe_parallel_kwargs(),
             # megatron's MoE layers need sequence parallelism under TP (the whole LM runs it)
             sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1,
             **capacity_kwargs(cfg.moe_capacity_factor))
