@@ -54,6 +54,8 @@ def make_infovqa_parts(root: Path, images: int, rng) -> None:
     whole = root / "data" / "train-00000-of-00001.parquet"
     source = pq.ParquetFile(whole)
     count = math.ceil(source.metadata.num_rows / 250)
+    if count == 1:  # the one part would be the whole file itself (written over, then unlinked)
+        return
     for k, batch in enumerate(source.iter_batches(batch_size=250)):
         table = pa.Table.from_batches([batch]).replace_schema_metadata(source.schema_arrow.metadata)
         pq.write_table(table, root / "data" / f"train-{k:05d}-of-{count:05d}.parquet")
@@ -61,7 +63,9 @@ def make_infovqa_parts(root: Path, images: int, rng) -> None:
 
 
 #: converter -> (maker, items per GB: rows (Mantis, ~2.5 photos of ~100 kB), pages (InfoVQA,
-#: ~1.05 MB in each of 5 rows), clips (LLaVA-Video, ~3.3 MB each))
+#: ~1.05 MB in each of 5 rows), clips (LLaVA-Video, ~3.3 MB each)). InfoVQA's holds at 1 GB (4
+#: files of 250 rows): a page's rows in one file are stored once (parquet's dictionary), so small
+#: sources are smaller (--gb 0.05: 0.01 GB, and the size check below stops the run)
 MAKERS = {"mantis": (make_mantis, 4200), "infovqa": (make_infovqa_parts, 200),
           "llava-video": (make_video, 320)}
 
@@ -91,8 +95,12 @@ def convert_partitions(name: str, source: Path, out: Path, partitions: int) -> l
                    "--out", str(out), "--num-partitions", str(partitions),
                    "--partition-index", str(index), "--workers", "1"]
         start, cpu = time.perf_counter(), children_cpu()
-        subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        proc = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if proc.returncode:
+            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise SystemExit(f"bench_scale: {name} partition {index} exited {proc.returncode}: "
+                             f"{last}")
         runs.append({"partition": index, "wall_s": time.perf_counter() - start,
                      "cpu_s": children_cpu() - cpu, "command": " ".join(command[1:])})
     return runs

@@ -1,7 +1,8 @@
 """slurm/prepare.sbatch and slurm/train.sbatch submitted as they are to a real one-node SLURM
 started on this machine (Debian's slurm-wlm + munge, ``slurm/local_cluster.sh``): a 3-task
-conversion array equals the one-machine conversion byte for byte, a training job runs, and a
-requeued training job resumes exactly. Dry runs check the scripts' parameters without SLURM.
+conversion array equals the one-machine conversion byte for byte, a training job runs, a
+requeued training job resumes exactly, and a 2-task job (two launchers meeting at the c10d
+rendezvous as two nodes) equals DP=2 started here. Dry runs check the scripts' parameters.
 Skipped (with the reason) where SLURM cannot be had: not root, or the packages do not install.
 """
 
@@ -160,3 +161,25 @@ def test_train_job_then_a_requeue_resumes_exactly(slurm, mantis_out, tmp_path):
     assert [r["step"] for r in records(requeued)] == list(range(1, 31))
     assert losses(requeued) == losses(tmp_path / "here")
     shutil.rmtree(requeued / "checkpoints", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_two_task_job_rendezvous_equals_dp2(slurm, mantis_out, tmp_path):
+    """``--nodes=1 --ntasks-per-node=2``: two SLURM tasks, each a launcher of one process, meet
+    at the c10d rendezvous as two nodes would (the multi-node path on one machine); the DP=2
+    run equals the same run started here by the project's launcher with 2 processes."""
+    from tests.test_train import ok, train
+
+    args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=3",
+            "train.micro_batch_size=2", *FAST]
+    ok(train(*args, f"out={tmp_path / 'here'}", nproc=2))
+    job = _submit(slurm, "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                  f"--output={tmp_path}/job.log", "slurm/train.sbatch", *args,
+                  f"out={tmp_path / 'job'}")
+    _wait(slurm, job)
+    log = (tmp_path / "job.log").read_text()
+    assert "2 node(s) x 1 process(es)" in log and "--nnodes 2" in log, log[-3000:]
+    assert "world 2 = tp 1 x pp 1 x cp 1 x dp 2" in log, log[-3000:]
+    # bit-equal: the same DP=2 arithmetic (one thread a rank; a sum of two is order-free)
+    assert losses(tmp_path / "job") == losses(tmp_path / "here"), log[-3000:]
+    assert records(tmp_path / "job", "val_loss") == records(tmp_path / "here", "val_loss")
