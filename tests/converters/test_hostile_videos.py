@@ -109,11 +109,19 @@ def test_keyframe_sampling_gives_the_nearest_keyframes_and_their_times(converted
     assert video.decoded_frames == len(set(video.indices))  # each keyframe decoded alone
 
 
-def test_of_two_video_streams_the_recorded_one_is_read(converted):
-    media, data, every, _ = kept_video(converted, "two_streams")
-    assert (media["width"], media["height"], media["frames"]) == (64, 48, 36)  # the first
+@pytest.mark.parametrize(("name", "index", "recorded"), [
+    ("two_streams", 0, (64, 48, 36)),  # the first of two videos
+    ("cover_art_first", 1, (64, 48, 48)),  # the video, not the cover picture ahead of it
+])
+def test_the_recorded_stream_is_the_one_read(converted, name, index, recorded):
+    media, data, _, _ = kept_video(converted, name)
+    assert (media["width"], media["height"], media["frames"]) == recorded
     with av.open(io.BytesIO(data)) as container:
-        first = [video_frame_pixels(f, SIZE[::-1]) for f in container.decode(video=0)]
-    video = decode_video_frames(data, [0, 17, 35], size=SIZE, max_source_pixels=10**8,
-                                frames=36)
-    assert np.array_equal(video.frames, np.stack([first[i] for i in (0, 17, 35)]))
+        covers = [(s.index, s.width, s.height) for s in container.streams.video
+                  if s.disposition & av.stream.Disposition.attached_pic]
+        frames = [video_frame_pixels(f, SIZE[::-1]) for f in container.decode(video=index)]
+    assert covers == ([(0, 40, 30)] if name == "cover_art_first" else [])
+    picks = [0, 17, recorded[2] - 1]
+    video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**8,
+                                frames=recorded[2])
+    assert np.array_equal(video.frames, np.stack([frames[i] for i in picks]))
