@@ -7,7 +7,9 @@ header lies about their size or whose data is damaged, zip members whose CRC doe
 truncated archives, videos with one frame, a broken moov, or a frame count claimed in the header;
 and the containers that put a frame index to the test (``hostile_videos``): MPEG-TS, an MPEG-4 AVI
 with B-frames, variable frame rate, an open GOP with negative DTS, a zero ``mdhd`` timescale, a
-corrupt middle of ``mdat``, a clip cut at an open-GOP keyframe, two video streams.
+corrupt middle of ``mdat``, a clip cut at an open-GOP keyframe, two video streams, a cover picture
+ahead of the video, AV1 with hidden frames, HEVC whose packets are flagged no keyframe or all
+keyframes.
 """
 
 from __future__ import annotations
@@ -318,9 +320,17 @@ HOSTILE_VIDEOS = {
     "two_streams": (two_stream_clip, "mp4", None),
     "raw_h264": (lambda: encoded_clip("h264"), "h264", None),  # no timestamps: a sequential read
     "cover_art_first": (cover_art_first_clip, "mp4", None),
+    "av1_hidden_frames": (lambda: encoded_clip(codec="libsvtav1"), "mp4", None),
+    # every packet flagged a keyframe (the flags lie: planned reads would start on P-frames)
+    "hevc_no_stss": (lambda: without_stss(encoded_clip(codec="libx265")), "mp4", None),
     "zero_timescale": (zero_timescale_clip, "mp4", "too_few_frames"),
     "corrupt_mdat": (corrupt_mdat_clip, "mp4", "unreadable_video"),
     "cut": (cut_clip, "mkv", "no_leading_keyframe"),
+}
+#: the kept clips whose frames the loader reads by a decode from the start, and why
+SEQUENTIAL_READS = {
+    "raw_h264": "no packet has a timestamp",
+    "hevc_no_stss": "every packet is flagged a keyframe: the decoder refutes the planned read",
 }
 
 

@@ -81,6 +81,7 @@ def test_loader_frames_are_the_sequential_decode_frames(converted, name):
         video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**8,
                                     frames=media["frames"])
         assert video.indices == tuple(picks)
+        assert video.sequential == (name in h.SEQUENTIAL_READS), picks
         assert np.array_equal(video.frames, np.stack([every[i] for i in picks])), picks
         if stamps[0][0] is not None:
             np.testing.assert_allclose(video.timestamps, [stamps[i][0] for i in picks],
@@ -93,7 +94,8 @@ def stream_size(data: bytes) -> tuple[int, int]:
         return stream.width, stream.height
 
 
-@pytest.mark.parametrize("name", ["mp4_bframes", "mpegts", "avi_bframes", "vfr", "open_gop"])
+@pytest.mark.parametrize("name", ["mp4_bframes", "mpegts", "avi_bframes", "vfr", "open_gop",
+                                  "cover_art_first", "av1_hidden_frames"])
 def test_keyframe_sampling_gives_the_nearest_keyframes_and_their_times(converted, name):
     media, data, every, stamps = kept_video(converted, name)
     picks = QWEN3_VL.video_frame_indices(media["frames"], media["fps"])
@@ -107,6 +109,19 @@ def test_keyframe_sampling_gives_the_nearest_keyframes_and_their_times(converted
         assert second == pytest.approx(stamps[index][0])
     assert np.array_equal(video.frames, np.stack([every[i] for i in video.indices]))
     assert video.decoded_frames == len(set(video.indices))  # each keyframe decoded alone
+
+
+@pytest.mark.parametrize("name", sorted(h.SEQUENTIAL_READS))
+def test_keyframe_sampling_of_a_sequential_read_gives_the_exact_frames(converted, name):
+    media, data, every, _ = kept_video(converted, name)
+    with av.open(io.BytesIO(data)) as container:
+        flags = {p.is_keyframe for p in container.demux(video_stream(container)) if p.size}
+    assert flags == {"hevc_unflagged": {False}, "hevc_no_stss": {True}}.get(name, {False, True})
+    picks = QWEN3_VL.video_frame_indices(media["frames"], media["fps"])
+    video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**8,
+                                frames=media["frames"], sampling="keyframe")
+    assert video.sequential and video.indices == tuple(picks)
+    assert np.array_equal(video.frames, np.stack([every[i] for i in picks]))
 
 
 @pytest.mark.parametrize(("name", "index", "recorded"), [
