@@ -321,6 +321,9 @@ HOSTILE_VIDEOS = {
     "raw_h264": (lambda: encoded_clip("h264"), "h264", None),  # no timestamps: a sequential read
     "cover_art_first": (cover_art_first_clip, "mp4", None),
     "av1_hidden_frames": (lambda: encoded_clip(codec="libsvtav1"), "mp4", None),
+    # no packet flagged a keyframe (HEVC in Matroska: no parser restores the flags)
+    "hevc_unflagged": (lambda: remux(encoded_clip(codec="libx265"), "matroska",
+                                     keyframe=lambda packet: False), "mkv", None),
     # every packet flagged a keyframe (the flags lie: planned reads would start on P-frames)
     "hevc_no_stss": (lambda: without_stss(encoded_clip(codec="libx265")), "mp4", None),
     "zero_timescale": (zero_timescale_clip, "mp4", "too_few_frames"),
@@ -330,6 +333,7 @@ HOSTILE_VIDEOS = {
 #: the kept clips whose frames the loader reads by a decode from the start, and why
 SEQUENTIAL_READS = {
     "raw_h264": "no packet has a timestamp",
+    "hevc_unflagged": "no packet is flagged a keyframe",
     "hevc_no_stss": "every packet is flagged a keyframe: the decoder refutes the planned read",
 }
 
