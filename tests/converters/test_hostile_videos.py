@@ -5,7 +5,9 @@ One conversion of one LLaVA-Video source holding every kind (``hostile.HOSTILE_V
 clips the loader could not read are rejected with their reason; for each kept clip the recorded
 frame count and size are the sequential decode's, and the loader's frames (at both Qwen-VL
 models' default budget, and densely) are bit for bit that decode's frames at the same indices,
-with their true timestamps; keyframe sampling returns keyframes with theirs.
+with their true timestamps; keyframe sampling returns keyframes with theirs. The clips whose
+packets cannot locate their frames (``hostile.SEQUENTIAL_READS``: no timestamps, no keyframe
+flag, or flags the decoder refutes) and only those are read from the start, in both modes.
 """
 
 from __future__ import annotations
