@@ -10,13 +10,15 @@ Nothing a header claims is trusted:
   packet by packet (no decoding) to measure its duration from the packets' timestamps, within
   `max_video_frames` / `max_video_seconds`; its frame size must be within `max_video_pixels`
   (stream parameters and, for MJPEG, the first frame's JPEG header, checked before any decode; the
-  decoder itself refuses larger frames) and its first packet a keyframe; then the whole stream is
-  decoded in order, as the loader's sequential read does: a packet that does not decode rejects
-  the clip, and the frames that come out are its frames (what a frame index counts, docs/format.md).
+  decoder itself refuses larger frames); the whole stream is decoded in order, as the loader's
+  sequential read does: a packet that does not decode rejects the clip, and the frames that come
+  out are its frames (what a frame index counts, docs/format.md).
   Where the loader would map packets to frames without decoding (`packets_map_to_frames`), the
   decoded frames' timestamps must be the packets' in order, else the clip is rejected. The stored
   frame count (decoded frames), duration and rate are the measured ones; when the container
-  claimed another frame count the sample records the fixup `video_frames_measured`.
+  claimed another frame count the sample records the fixup `video_frames_measured`. The first
+  packet must be a keyframe: flagged one by the container or, where it is not, decoded to one (the
+  first frame out is that packet's, and a keyframe).
 
 `MediaError.reason` is the reject reason recorded for the row.
 """
@@ -137,11 +139,7 @@ def _check_pixels(name: str, width: int, height: int, limits: Limits, where: str
 
 
 def _first_packet_checks(packet, codec: str, name: str, limits: Limits) -> None:
-    """The clip starts on a keyframe (else no loader decodes its first frames), and an MJPEG
-    frame's size is read from its JPEG header (nothing decoded) before any decode."""
-    if not packet.is_keyframe:
-        raise MediaError("no_leading_keyframe", f"{name}: the first packet is not a keyframe "
-                         "(a cut clip: its first frames reference frames it does not hold)")
+    """An MJPEG frame's size is read from its JPEG header (nothing decoded) before any decode."""
     if codec in ("mjpeg", "jpeg2000", "png"):
         try:
             with warnings.catch_warnings():
@@ -154,14 +152,16 @@ def _first_packet_checks(packet, codec: str, name: str, limits: Limits) -> None:
         _check_pixels(name, *size, limits, "its first frame's header")
 
 
-def _count_packets(container, stream, name: str, limits: Limits) -> tuple[list, float]:
-    """(each video packet's pts, seconds they span) by demuxing only; caps checked as it goes."""
-    count, low, high, stamps = 0, None, None, []
+def _count_packets(container, stream, name: str, limits: Limits) -> tuple[list, float, bool]:
+    """(each video packet's pts, seconds they span, whether the first is flagged a keyframe) by
+    demuxing only; caps checked as it goes."""
+    count, low, high, stamps, first_key = 0, None, None, [], False
     base = float(stream.time_base) if stream.time_base else None
     for packet in container.demux(stream):
         if not packet.size:  # the demuxer's flush packet
             continue
         if not count:
+            first_key = packet.is_keyframe
             _first_packet_checks(packet, stream.codec_context.name, name, limits)
         count += 1
         stamps.append(packet.pts)
@@ -177,25 +177,26 @@ def _count_packets(container, stream, name: str, limits: Limits) -> tuple[list, 
                 raise MediaError("video_too_long", f"{name}: longer than --max-video-seconds "
                                  f"{limits.max_video_seconds:g}")
     seconds = (high - low) * base if low is not None and base else 0.0
-    return stamps, seconds
+    return stamps, seconds, first_key
 
 
-def _decode_all(data: bytes, name: str, limits: Limits) -> tuple[list, int, int]:
-    """(each frame's pts, width, height) of a sequential decode of the whole stream, as the
-    loader's sequential read decodes it (a fresh demuxer from the first byte). The deblocking
-    filter is skipped (~30 % of an H.264 decode): it changes pixels, never which frames decode."""
+def _decode_all(data: bytes, name: str, limits: Limits) -> tuple[list, int, int, bool]:
+    """(each frame's pts, width, height, whether the first is a keyframe) of a sequential decode
+    of the whole stream, as the loader's sequential read decodes it (a fresh demuxer from the
+    first byte). The deblocking filter is skipped (~30 % of an H.264 decode): it changes pixels,
+    never which frames decode."""
     with av.open(io.BytesIO(data), mode="r") as container:
         stream = video_stream(container)
         stream.codec_context.options = {"max_pixels": str(limits.max_video_pixels),
                                         "skip_loop_filter": "all"}
         stream.thread_type = "AUTO"
-        stamps, width, height = [], 0, 0
+        stamps, width, height, key = [], 0, 0, False
         for frame in container.decode(stream):
             if not stamps:
-                width, height = frame.width, frame.height
+                width, height, key = frame.width, frame.height, frame.key_frame
                 _check_pixels(name, width, height, limits, "decoded")
             stamps.append(frame.pts)
-    return stamps, width, height
+    return stamps, width, height, key
 
 
 def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) -> ProbedVideo:
@@ -206,8 +207,8 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
             video stream or no frame), "too_few_frames" (one frame), "video_too_long" (over the
             frame or duration cap), "video_too_large" (frames over `max_video_pixels`: from the
             stream parameters and, for MJPEG, the first frame's JPEG header, before decoding;
-            the decoder is capped too), "no_leading_keyframe" (the first packet is not a
-            keyframe).
+            the decoder is capped too), "no_leading_keyframe" (the first packet is neither
+            flagged a keyframe nor decodes to one).
     """
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
@@ -223,7 +224,7 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
             # parameters understate the size)
             stream.codec_context.options = {"max_pixels": str(limits.max_video_pixels)}
             claimed = int(stream.frames or 0)
-            packets, seconds = _count_packets(container, stream, name, limits)
+            packets, seconds, first_key = _count_packets(container, stream, name, limits)
             if not packets and claimed:
                 raise MediaError("unreadable_video", f"{name}: the container lists {claimed} "
                                  "frames but none can be read")
@@ -234,15 +235,19 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
                                  f"{MIN_VIDEO_FRAMES} (one temporal patch)")
             rate = float(stream.average_rate or stream.guessed_rate or 0)
             codec = stream.codec_context.name
-        stamps, width, height = _decode_all(data, name, limits)
+        stamps, width, height, decoded_key = _decode_all(data, name, limits)
         frames = len(stamps)
         if frames == 0:
             raise MediaError("unreadable_video", f"{name}: {len(packets)} packets, no frame "
                              "decodes")
+        if not first_key and not (decoded_key and stamps[:1] == packets[:1]):
+            raise MediaError("no_leading_keyframe", f"{name}: the first packet is not a keyframe, "
+                             "nor is the first frame decoded (a cut clip: its first frames "
+                             "reference frames it does not hold)")
         if frames < MIN_VIDEO_FRAMES:
             raise MediaError("too_few_frames", f"{name}: {frames} frame decodes of "
                              f"{len(packets)} packets; a video needs {MIN_VIDEO_FRAMES}")
-        if packets_map_to_frames(packets, True, frames) and sorted(packets) != stamps:
+        if packets_map_to_frames(packets, first_key, frames) and sorted(packets) != stamps:
             raise MediaError("unreadable_video", f"{name}: the decoded frames' timestamps are "
                              "not the packets' (frames cannot be located without decoding)")
         fps = frames / seconds if seconds > 0 else rate

@@ -14,11 +14,17 @@ This module owns what a frame index means and how the chosen frames are read:
   lies between two picks; packets that are not picks are fed with ``skip_frame = NONREF`` (frames
   no other frame references are not decoded: the kept frames are bit for bit the same); after a
   run's last pick the decoder is drained, never fed the next GOP; one thread (loader workers fill
-  the cores); only the picks are converted to RGB;
+  the cores); only the picks are converted to RGB; the decoder is opened before ``skip_frame`` is
+  first set (libdav1d reads it once, when opened: an AV1 decoder opened skipping would never show
+  a non-reference pick);
+- **the decoder's word over the container's**: a planned run whose first packet does not decode to
+  a keyframe or an intra frame (``frame.key_frame``, ``pict_type`` I: flags that call every packet
+  a keyframe, e.g. an mp4 without ``stss``), or that leaves a pick undecoded, sends the whole read
+  down the sequential path;
 - **sequential reads**: a stream whose packets cannot be mapped to frames without decoding (a
   packet without a timestamp, two packets with one, a first packet that is not a keyframe, or a
   packet count other than the frames the converter decoded) is decoded from its start, and the
-  k-th decoded frame is frame k: slower, never wrong;
+  k-th decoded frame is frame k: slower, never wrong (``DecodedVideo.sequential``);
 - ``keyframe`` sampling (``TaskEncoderConfig.video_sampling``): each pick is replaced by the
   keyframe nearest to it in time (the earlier one on a tie), decoded alone; the indices and
   timestamps returned are the keyframes' (two picks may share one). A stream read sequentially
@@ -56,6 +62,9 @@ class DecodedVideo:
     timestamps: tuple[float, ...] | None
     decoded_frames: int  #: frames the codec decoded (the cost; >= distinct picks)
     seeks: int  #: decoder restarts at a keyframe (the first read included)
+    #: the frames came from a decode of the stream from its start (the packets could not locate
+    #: them, or a planned run was refuted by the decoder)
+    sequential: bool = False
 
 
 def video_stream(container):
@@ -138,6 +147,11 @@ def decode_video_frames(
         raise MediaError("undecodable_video", f"{name}: {type(error).__name__}: {error}") from None
 
 
+class _Unplannable(Exception):
+    """The decoder refuted the plan: a run's first packet decoded to no keyframe (nor intra
+    frame), or a pick is missing."""
+
+
 class _Reader:
     """One demuxed stream: its packets in decode order and, when they map to frames without
     decoding, each frame's packet (``order``) and the keyframes (``keys``)."""
@@ -164,13 +178,14 @@ class _Reader:
         rank = {packet: k for k, packet in enumerate(self.order)}
         if sampling == "keyframe":
             wanted = [self._nearest_key(self.order[k]) for k in picks]
-            got = self._decode_alone(sorted(set(wanted)))
+            runs = [(p, p) for p in sorted(set(wanted))]  # each keyframe decoded alone
         else:
             wanted = [self.order[k] for k in picks]
-            got = self._decode_runs(sorted(set(wanted)))
-        missing = [rank[p] for p in wanted if p not in got]
-        if missing:
-            raise MediaError("undecodable_video", f"{name}: frame {missing[0]} does not decode")
+            runs = self._runs(sorted(set(wanted)))
+        try:
+            got = self._decode_runs(runs, wanted)
+        except _Unplannable:
+            return self._sequential(picks, size, name)
         first = self.packets[self.order[0]].pts
         return DecodedVideo(
             frames=np.stack([video_frame_pixels(got[p], size) for p in wanted]),
@@ -192,36 +207,42 @@ class _Reader:
         pts = self.packets[position].pts
         return min(self.keys, key=lambda k: (abs(self.packets[k].pts - pts), k))
 
-    def _decode_runs(self, wanted: list[int]) -> dict:
-        """Frames of the packets ``wanted`` (positions): one decoder run per merged span
-        [keyframe, last pick], restarted by a flush where a keyframe lies between picks."""
-        spans = sorted((self._start(p), p) for p in wanted)
-        runs = []
-        for start, end in spans:
+    def _runs(self, wanted: list[int]) -> list[tuple[int, int]]:
+        """The merged spans [keyframe, last pick] (positions) that decode the packets ``wanted``:
+        one decoder run each, restarted by a flush where a keyframe lies between picks."""
+        runs: list[tuple[int, int]] = []
+        for start, end in sorted((self._start(p), p) for p in wanted):
             if runs and start <= runs[-1][1] + 1:
-                runs[-1][1] = max(runs[-1][1], end)
+                runs[-1] = (runs[-1][0], max(runs[-1][1], end))
             else:
-                runs.append([start, end])
+                runs.append((start, end))
+        return runs
+
+    def _decode_runs(self, runs: list[tuple[int, int]], wanted: list[int]) -> dict:
+        """Frames of the packets ``wanted`` (positions), decoded by ``runs``; non-picks are fed
+        skipping non-reference frames, each run is drained (never fed the next GOP's packet).
+
+        Raises:
+            _Unplannable: a run's first packet did not decode to a keyframe or intra frame, or a
+                pick is missing.
+        """
         pts_wanted = {self.packets[p].pts: p for p in wanted}
         got, skip = {}, None
+        if not self.codec.is_open:
+            self.codec.open(strict=False)  # with skip_frame DEFAULT (libdav1d reads it here)
         for start, end in runs:
             self._restart()
+            key_pts, key = self.packets[start].pts, False
             for position in range(start, end + 1):
                 packet = self.packets[position]
                 if skip != (skip := packet.pts not in pts_wanted):
                     self.codec.skip_frame = "NONREF" if skip else "DEFAULT"
-                self._keep(self.codec.decode(packet), pts_wanted, got)
-            self._keep(self.codec.decode(None), pts_wanted, got)  # drain: no next-GOP packet
-        return got
-
-    def _decode_alone(self, keys: list[int]) -> dict:
-        """Frames of keyframe packets, each decoded on its own."""
-        got = {}
-        for position in keys:
-            self._restart()
-            want = {self.packets[position].pts: position}
-            self._keep(self.codec.decode(self.packets[position]), want, got)
-            self._keep(self.codec.decode(None), want, got)
+                key |= self._keep(self.codec.decode(packet), pts_wanted, got, key_pts)
+            key |= self._keep(self.codec.decode(None), pts_wanted, got, key_pts)  # drain
+            if not key:
+                raise _Unplannable
+        if any(p not in got for p in wanted):
+            raise _Unplannable
         return got
 
     def _restart(self) -> None:
@@ -229,16 +250,26 @@ class _Reader:
             self.codec.flush_buffers()
         self.seeks += 1
 
-    def _keep(self, frames, pts_wanted: dict, got: dict) -> None:
+    def _keep(self, frames, pts_wanted: dict, got: dict, key_pts) -> bool:
+        """Keep the wanted frames; True when the frame at ``key_pts`` came out a keyframe or an
+        intra frame (an I-frame flagged a sync sample without a recovery point SEI is no H.264
+        keyframe to FFmpeg)."""
+        from av.video.frame import PictureType
+
+        key = False
         for frame in frames:
             self.decoded += 1
+            key |= frame.pts == key_pts and (frame.key_frame or frame.pict_type == PictureType.I)
             position = pts_wanted.get(frame.pts)
             if position is not None:
                 got[position] = frame
+        return key
 
     def _sequential(self, picks: list[int], size: tuple[int, int], name: str) -> DecodedVideo:
         """Every packet decoded in order; the k-th frame out is frame k."""
-        self.seeks, kept, stamps, first = 1, {}, {}, None
+        self._restart()
+        self.codec.skip_frame = "DEFAULT"
+        kept, stamps, first = {}, {}, None
         wanted = set(picks)
         count = 0
         for packet in [*self.packets, None]:
@@ -257,7 +288,7 @@ class _Reader:
                              f"{count} decode")
         return DecodedVideo(frames=np.stack([kept[k] for k in picks]), indices=tuple(picks),
                             timestamps=tuple(stamps[k] for k in picks),
-                            decoded_frames=self.decoded, seeks=self.seeks)
+                            decoded_frames=self.decoded, seeks=self.seeks, sequential=True)
 
     def _seconds(self, pts, first, count: int) -> float:
         if pts is not None and first is not None and self.base > 0:

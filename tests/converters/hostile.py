@@ -7,7 +7,9 @@ header lies about their size or whose data is damaged, zip members whose CRC doe
 truncated archives, videos with one frame, a broken moov, or a frame count claimed in the header;
 and the containers that put a frame index to the test (``hostile_videos``): MPEG-TS, an MPEG-4 AVI
 with B-frames, variable frame rate, an open GOP with negative DTS, a zero ``mdhd`` timescale, a
-corrupt middle of ``mdat``, a clip cut at an open-GOP keyframe, two video streams.
+corrupt middle of ``mdat``, a clip cut at an open-GOP keyframe, two video streams, a cover picture
+ahead of the video, AV1 with hidden frames, HEVC whose packets are flagged no keyframe or all
+keyframes.
 """
 
 from __future__ import annotations
@@ -96,18 +98,25 @@ def one_frame_clip() -> bytes:
     return moving_square_clip("left", "red", size=(32, 24), fps=8, seconds=1 / 8)
 
 
-def cut_clip(drop: int = 1) -> bytes:
-    """A clip remuxed (no re-encoding) without its first `drop` packets: it starts on a frame
-    that references the dropped keyframe."""
+def remux(data: bytes, fmt: str, *, select=lambda packets: packets, keyframe=None) -> bytes:
+    """The first video stream of `data` copied (no re-encoding) into a container `fmt`: the
+    packets `select(packets)` keeps, each flagged a keyframe as `keyframe(packet)` says (None:
+    as read)."""
     out = io.BytesIO()
-    with av.open(io.BytesIO(clip(seconds=2.0)), "r") as src, \
-            av.open(out, "w", format="matroska") as dst:
+    with av.open(io.BytesIO(data), "r") as src, av.open(out, "w", format=fmt) as dst:
         stream = dst.add_stream_from_template(src.streams.video[0])
-        packets = [p for p in src.demux(src.streams.video[0]) if p.size]
-        for packet in packets[drop:]:
+        for packet in select([p for p in src.demux(src.streams.video[0]) if p.size]):
+            if keyframe is not None:
+                packet.is_keyframe = keyframe(packet)
             packet.stream = stream
             dst.mux(packet)
     return out.getvalue()
+
+
+def cut_clip(drop: int = 1) -> bytes:
+    """A clip remuxed without its first `drop` packets: it starts on a frame that references the
+    dropped keyframe."""
+    return remux(clip(seconds=2.0), "matroska", select=lambda packets: packets[drop:])
 
 
 def mjpeg_claiming(width: int, height: int) -> bytes:
@@ -173,8 +182,9 @@ def encoded_clip(fmt: str = "mp4", codec: str = "libx264", *, frames: int = 48, 
                  size: tuple[int, int] = (64, 48), gop: int = 12, open_gop: bool = False,
                  pts: list[int] | None = None, time_base: Fraction | None = None) -> bytes:
     """A clip in container `fmt`: H.264 with 3 B-frames (pyramid; negative DTS in mp4) and a
-    keyframe every `gop` frames (`open_gop`: x264's open GOPs), or MPEG-4 part 2 with 2 B-frames;
-    `pts` in `time_base` gives each frame its own time (variable frame rate)."""
+    keyframe every `gop` frames (`open_gop`: x264's open GOPs), HEVC (libx265) with 3 B-frames,
+    AV1 (libsvtav1: hidden frames, shown later by 3-byte packets), or MPEG-4 part 2 with 2
+    B-frames; `pts` in `time_base` gives each frame its own time (variable frame rate)."""
     width, height = size
     out = io.BytesIO()
     with av.open(out, "w", format=fmt) as container:
@@ -184,6 +194,11 @@ def encoded_clip(fmt: str = "mp4", codec: str = "libx264", *, frames: int = 48, 
             stream.options = {"preset": "veryfast", "threads": "1", "x264-params":
                               f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes=3:mbtree=0"
                               + (":open-gop=1" if open_gop else "")}
+        elif codec == "libx265":
+            stream.options = {"x265-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes=3"
+                              ":pools=1:frame-threads=1:log-level=none"}
+        elif codec == "libsvtav1":
+            stream.options = {"preset": "11", "svtav1-params": f"keyint={gop}:lp=1"}
         else:
             stream.codec_context.max_b_frames, stream.codec_context.gop_size = 2, gop
         if time_base is not None:
@@ -225,16 +240,10 @@ def corrupt_mdat_clip() -> bytes:
 def open_gop_cut_clip() -> bytes:
     """An open-GOP clip remuxed from its second keyframe on: the first packet is a keyframe, and
     the B-frames after it that are shown before it reference frames the clip no longer holds."""
-    out = io.BytesIO()
-    with av.open(io.BytesIO(encoded_clip(open_gop=True)), "r") as src, \
-            av.open(out, "w", format="mp4") as dst:
-        stream = dst.add_stream_from_template(src.streams.video[0])
-        packets = [p for p in src.demux(src.streams.video[0]) if p.size]
-        keys = [i for i, p in enumerate(packets) if p.is_keyframe]
-        for packet in packets[keys[1]:]:
-            packet.stream = stream
-            dst.mux(packet)
-    return out.getvalue()
+    def from_second_key(packets):
+        return packets[[i for i, p in enumerate(packets) if p.is_keyframe][1]:]
+
+    return remux(encoded_clip(open_gop=True), "mp4", select=from_second_key)
 
 
 def two_stream_clip() -> bytes:
@@ -258,6 +267,48 @@ def two_stream_clip() -> bytes:
     return out.getvalue()
 
 
+def _mp4_boxes(data: bytes, start: int = 0, end: int | None = None):
+    """(type, offset, size) of each mp4 box from `start` to `end` (32-bit sizes)."""
+    at, end = start, len(data) if end is None else end
+    while at < end:
+        size, kind = struct.unpack(">I4s", data[at:at + 8])
+        yield kind, at, size
+        at += size
+
+
+def cover_art_first_clip() -> bytes:
+    """An mp4 whose first video stream is its cover art (a 40x30 JPEG, an attached picture),
+    ahead of the video (48 frames of 64x48 H.264): the muxer writes the cover in the `moov`'s
+    `udta` after the `trak`; that box is moved first (sizes unchanged, the offsets stay valid)."""
+    out = io.BytesIO()
+    with av.open(io.BytesIO(encoded_clip()), "r") as src, av.open(out, "w", format="mp4") as dst:
+        video = dst.add_stream_from_template(src.streams.video[0])
+        cover = dst.add_stream("mjpeg", rate=1)
+        cover.width, cover.height, cover.pix_fmt = 40, 30, "yuvj420p"
+        cover.disposition = av.stream.Disposition.attached_pic
+        picture = av.Packet(jpeg(40, 30, seed=5))
+        picture.stream = cover
+        dst.mux(picture)
+        for packet in src.demux(src.streams.video[0]):
+            if packet.size:
+                packet.stream = video
+                dst.mux(packet)
+    data = out.getvalue()
+    _, moov, size = next(box for box in _mp4_boxes(data) if box[0] == b"moov")
+    children = sorted(_mp4_boxes(data, moov + 8, moov + size), key=lambda box: box[0] != b"udta")
+    return data[:moov + 8] + b"".join(data[at:at + n] for _, at, n in children) + \
+        data[moov + size:]
+
+
+def without_stss(data: bytes) -> bytes:
+    """An mp4 whose sync-sample box (`stss`) is renamed `free`: every packet reads as a
+    keyframe (what a muxer that never writes the box gives)."""
+    data = bytearray(data)
+    at = data.index(b"stss")
+    data[at:at + 4] = b"free"
+    return bytes(data)
+
+
 #: name -> (builder, extension, the reject reason expected, or None: kept and frame-exact)
 HOSTILE_VIDEOS = {
     "mp4_bframes": (encoded_clip, "mp4", None),
@@ -268,9 +319,22 @@ HOSTILE_VIDEOS = {
     "open_gop_cut": (open_gop_cut_clip, "mp4", None),
     "two_streams": (two_stream_clip, "mp4", None),
     "raw_h264": (lambda: encoded_clip("h264"), "h264", None),  # no timestamps: a sequential read
+    "cover_art_first": (cover_art_first_clip, "mp4", None),
+    "av1_hidden_frames": (lambda: encoded_clip(codec="libsvtav1"), "mp4", None),
+    # no packet flagged a keyframe (HEVC in Matroska: no parser restores the flags)
+    "hevc_unflagged": (lambda: remux(encoded_clip(codec="libx265"), "matroska",
+                                     keyframe=lambda packet: False), "mkv", None),
+    # every packet flagged a keyframe (the flags lie: planned reads would start on P-frames)
+    "hevc_no_stss": (lambda: without_stss(encoded_clip(codec="libx265")), "mp4", None),
     "zero_timescale": (zero_timescale_clip, "mp4", "too_few_frames"),
     "corrupt_mdat": (corrupt_mdat_clip, "mp4", "unreadable_video"),
     "cut": (cut_clip, "mkv", "no_leading_keyframe"),
+}
+#: the kept clips whose frames the loader reads by a decode from the start, and why
+SEQUENTIAL_READS = {
+    "raw_h264": "no packet has a timestamp",
+    "hevc_unflagged": "no packet is flagged a keyframe",
+    "hevc_no_stss": "every packet is flagged a keyframe: the decoder refutes the planned read",
 }
 
 

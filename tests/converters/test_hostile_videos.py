@@ -5,7 +5,9 @@ One conversion of one LLaVA-Video source holding every kind (``hostile.HOSTILE_V
 clips the loader could not read are rejected with their reason; for each kept clip the recorded
 frame count and size are the sequential decode's, and the loader's frames (at both Qwen-VL
 models' default budget, and densely) are bit for bit that decode's frames at the same indices,
-with their true timestamps; keyframe sampling returns keyframes with theirs.
+with their true timestamps; keyframe sampling returns keyframes with theirs. The clips whose
+packets cannot locate their frames (``hostile.SEQUENTIAL_READS``: no timestamps, no keyframe
+flag, or flags the decoder refutes) and only those are read from the start, in both modes.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def test_loader_frames_are_the_sequential_decode_frames(converted, name):
         video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**8,
                                     frames=media["frames"])
         assert video.indices == tuple(picks)
+        assert video.sequential == (name in h.SEQUENTIAL_READS), picks
         assert np.array_equal(video.frames, np.stack([every[i] for i in picks])), picks
         if stamps[0][0] is not None:
             np.testing.assert_allclose(video.timestamps, [stamps[i][0] for i in picks],
@@ -93,7 +96,8 @@ def stream_size(data: bytes) -> tuple[int, int]:
         return stream.width, stream.height
 
 
-@pytest.mark.parametrize("name", ["mp4_bframes", "mpegts", "avi_bframes", "vfr", "open_gop"])
+@pytest.mark.parametrize("name", ["mp4_bframes", "mpegts", "avi_bframes", "vfr", "open_gop",
+                                  "cover_art_first", "av1_hidden_frames"])
 def test_keyframe_sampling_gives_the_nearest_keyframes_and_their_times(converted, name):
     media, data, every, stamps = kept_video(converted, name)
     picks = QWEN3_VL.video_frame_indices(media["frames"], media["fps"])
@@ -109,11 +113,32 @@ def test_keyframe_sampling_gives_the_nearest_keyframes_and_their_times(converted
     assert video.decoded_frames == len(set(video.indices))  # each keyframe decoded alone
 
 
-def test_of_two_video_streams_the_recorded_one_is_read(converted):
-    media, data, every, _ = kept_video(converted, "two_streams")
-    assert (media["width"], media["height"], media["frames"]) == (64, 48, 36)  # the first
+@pytest.mark.parametrize("name", sorted(h.SEQUENTIAL_READS))
+def test_keyframe_sampling_of_a_sequential_read_gives_the_exact_frames(converted, name):
+    media, data, every, _ = kept_video(converted, name)
     with av.open(io.BytesIO(data)) as container:
-        first = [video_frame_pixels(f, SIZE[::-1]) for f in container.decode(video=0)]
-    video = decode_video_frames(data, [0, 17, 35], size=SIZE, max_source_pixels=10**8,
-                                frames=36)
-    assert np.array_equal(video.frames, np.stack([first[i] for i in (0, 17, 35)]))
+        flags = {p.is_keyframe for p in container.demux(video_stream(container)) if p.size}
+    assert flags == {"hevc_unflagged": {False}, "hevc_no_stss": {True}}.get(name, {False, True})
+    picks = QWEN3_VL.video_frame_indices(media["frames"], media["fps"])
+    video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**8,
+                                frames=media["frames"], sampling="keyframe")
+    assert video.sequential and video.indices == tuple(picks)
+    assert np.array_equal(video.frames, np.stack([every[i] for i in picks]))
+
+
+@pytest.mark.parametrize(("name", "index", "recorded"), [
+    ("two_streams", 0, (64, 48, 36)),  # the first of two videos
+    ("cover_art_first", 1, (64, 48, 48)),  # the video, not the cover picture ahead of it
+])
+def test_the_recorded_stream_is_the_one_read(converted, name, index, recorded):
+    media, data, _, _ = kept_video(converted, name)
+    assert (media["width"], media["height"], media["frames"]) == recorded
+    with av.open(io.BytesIO(data)) as container:
+        covers = [(s.index, s.width, s.height) for s in container.streams.video
+                  if s.disposition & av.stream.Disposition.attached_pic]
+        frames = [video_frame_pixels(f, SIZE[::-1]) for f in container.decode(video=index)]
+    assert covers == ([(0, 40, 30)] if name == "cover_art_first" else [])
+    picks = [0, 17, recorded[2] - 1]
+    video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**8,
+                                frames=recorded[2])
+    assert np.array_equal(video.frames, np.stack([frames[i] for i in picks]))
