@@ -135,10 +135,10 @@ def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
 
 
 def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
-    """The import of ``source``'s weights (hub id or folder) at this process's TP / PP / EP, as
-    an import folder under ``cache_root`` named by the weights' fingerprint and the layout
-    (``models.hf_source.cache_name``): written by the first run that needs it (every rank its
-    part, through a local-spec model that is then freed), reused by every later one. Collective:
+    """The import of ``source``'s weights (hub id or folder) at this process's TP / PP / EP /
+    expert-TP, as an import folder under ``cache_root`` named by the weights' fingerprint and the
+    layout (``models.hf_source.cache_name``): written by the first run that needs it (every rank
+    its part, through a local-spec model that is then freed), reused by every later one. Collective:
     every rank calls it. Returns (the folder, whether it was reused).
 
     Raises:
@@ -156,7 +156,8 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
     folder = resolve(source, weights=True)
     layout = (ps.get_tensor_model_parallel_world_size(),
               ps.get_pipeline_model_parallel_world_size(),
-              ps.get_expert_model_parallel_world_size())
+              ps.get_expert_model_parallel_world_size(),
+              ps.get_expert_tensor_parallel_world_size())
     target = Path(cache_root) / cache_name(source, folder, *layout)
     done = [(target / IMPORT_DONE).is_file()]
     dist.broadcast_object_list(done, src=0)  # one answer for every rank

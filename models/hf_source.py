@@ -115,10 +115,13 @@ def fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def cache_name(source: str, folder: Path, tp: int, pp: int, ep: int) -> str:
-    """Folder name of the cached import of ``folder`` at a layout."""
+def cache_name(source: str, folder: Path, tp: int, pp: int, ep: int,
+               etp: int | None = None) -> str:
+    """Folder name of the cached import of ``folder`` at a layout (expert-TP named only where it
+    differs from TP: the experts are sliced otherwise)."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", source.strip("/").split("/")[-1] or "model")
-    return f"{name}-{fingerprint(folder)}-tp{tp}-pp{pp}-ep{ep}"
+    experts = "" if etp in (None, tp) else f"-etp{etp}"
+    return f"{name}-{fingerprint(folder)}-tp{tp}-pp{pp}-ep{ep}{experts}"
 
 
 def _processor(folder: Path, file: str, entry: str) -> dict:

@@ -523,6 +523,31 @@ def test_tp2_etp1_ep2_equals_one_process_resumes_and_exports(mantis_out, tmp_pat
     assert max(logits_diff(tmp_path / "etp1", tmp_path / "etp1_hf").values()) <= TOL
 
 
+@pytest.mark.slow
+def test_train_from_hf_at_tp2_etp1_ep2_equals_one_process(tmp_path, mantis_out):
+    """``model.hf`` imported at TP 2 / expert-TP 1 / EP 2 (each expert whole on its rank: the HF
+    experts are sliced by expert-TP, the dense weights by TP) trains with one process's losses
+    from the same HF weights; each layout's import is cached under its own name."""
+    from tests import runner
+    from tests.test_train import FAST, MANTIS_CFG, losses, ok
+    from tests.tiny_hf import build_tiny_hf_model
+
+    hf = build_tiny_hf_model("qwen3_vl_moe", tmp_path / "hf", pixels=(3136, 6272))
+    cache = tmp_path / "cache"
+    args = [str(MANTIS_CFG), f"model.hf={hf}", f"data.path={mantis_out}/metadataset.yaml",
+            f"train.hf_import_cache={cache}", "train.steps=2", "train.micro_batch_size=1",
+            "task_encoder.fixed_length=true", "task_encoder.seq_length=768", *FAST]
+    ok(runner.run("train.py", *args, "data.virtual_dp=2", f"out={tmp_path / 'one'}",
+                  timeout=600))
+    ok(runner.run("train.py", *args, *ETP1, f"out={tmp_path / 'etp1'}", nproc=2, timeout=600))
+    one, etp1 = losses(tmp_path / "one"), losses(tmp_path / "etp1")
+    assert len(one) == 2 and all(abs(a - b) < 1e-4 for a, b in zip(one, etp1, strict=True)), \
+        (one, etp1)
+    names = sorted(p.name for p in cache.iterdir())
+    assert any(n.endswith("tp1-pp1-ep1") for n in names), names
+    assert any(n.endswith("tp2-pp1-ep2-etp1") for n in names), names
+
+
 def test_expert_tp_other_than_tp_at_ep1_refused_in_one_line(tmp_path, capsys):
     """Expert-TP other than TP at EP = 1 (megatron-core 0.16.1 gives the experts' linears
     megatron's dense all-reduce there, over the dense DP group, not the experts': such a run
