@@ -1,0 +1,175 @@
+"""What context parallelism costs the Gated DeltaNet layer (Qwen3.5), measured side by side in
+one run: the layer at CP = 1 (the whole sequence on one rank) against CP = 2 (each rank its
+zig-zag share; the layer all-gathers the shares, runs on the whole sequence and keeps its share:
+models/gated_deltanet.py, the approach this project uses on every megatron-core version).
+
+Two ranks (this script starts itself under ``torch.distributed.run``; gloo on CPU, one intra-op
+thread each, fp32), the same layer weights and the same random sequence on both. Per case, the
+median of ``--repeats`` rounds (after one warm-up round; the cases take turns in each round) of
+forward + backward of the sum of the layer's output:
+
+- ``cp1``: each rank runs the layer's mixer on the whole sequence (``_mix``, no communication:
+  what the one rank of a CP = 1 run does per layer);
+- ``cp2``: the layer under CP = 2 on this rank's share (gather, whole-sequence mixer, share back;
+  backward: the all-reduce of the gathered sequence's gradient);
+- ``gather``: the gather alone (forward all-gather of the (s / 2, b, h) shares, backward
+  all-reduce of (s, b, h)), on the same tensors.
+
+Reported per case: milliseconds of each, ``cp2 / cp1`` (0.5 would be a perfect split of the
+layer's work; the gather gives ~1.0: every CP rank computes the whole sequence), the gather's
+share of ``cp2``, and the bytes a rank receives per layer (``received``: the forward all-gather
+(CP - 1) / CP * s * b * h, the backward ring all-reduce 2 (CP - 1) / CP * s * b * h), also at
+the published Qwen3.5-9B / 27B hidden sizes for a 32K-token sequence in bf16. Where the time
+goes decides what to build next: the gather moves one activation per layer (as sequence-parallel
+attention's all-gather does); the redundant compute is the cost.
+
+Usage: python bench/bench_deltanet_cp.py --out bench_out/deltanet_cp [--tokens 2048] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+#: (name, hidden, key heads, value heads, head dim): a scaled Qwen3.5 DeltaNet (the 9B layer has
+#: hidden 4096, 16 key / 32 value heads of 128: too slow for a CPU bench) and the tiny test layer
+CASES = [("h1024", 1024, 4, 8, 128), ("h512", 512, 2, 4, 128)]
+#: published hidden sizes for the byte counts (config.json of the hub models)
+PUBLISHED = {"Qwen3.5-9B": 4096, "Qwen3.5-27B": 5120}
+
+
+def received(tokens: int, hidden: int, element_bytes: int, cp: int = 2) -> float:
+    """Bytes a rank receives per DeltaNet layer and step under CP: the forward all-gather
+    ((CP - 1) / CP of the sequence) and the backward ring all-reduce (2 (CP - 1) / CP)."""
+    return 3 * (cp - 1) / cp * tokens * hidden * element_bytes
+
+
+def build_layer(hidden: int, key_heads: int, value_heads: int, head_dim: int):
+    """A GatedDeltaNet layer of the given shape (seeded: the same weights on every rank)."""
+    from models.families.qwen3_5.config import load_yaml
+    from models.families.qwen3_5.model import lm_transformer_config
+    from models.gated_deltanet import GatedDeltaNet
+
+    cfg = load_yaml(REPO / "configs" / "qwen3_5_tiny.yaml", [
+        f"lm.hidden_size={hidden}", f"vision.out_hidden_size={hidden}",
+        f"lm.linear_num_key_heads={key_heads}",
+        f"lm.linear_num_value_heads={value_heads}", f"lm.linear_key_head_dim={head_dim}",
+        f"lm.linear_value_head_dim={head_dim}"])
+    torch.manual_seed(0)
+    return GatedDeltaNet(lm_transformer_config(cfg), layer_number=1).train()
+
+
+def interleaved_ms(fns: dict, repeats: int) -> dict[str, float]:
+    """name -> median milliseconds of ``fn()``, the cases taking turns in each round (after one
+    warm-up round), both ranks in step."""
+    import torch.distributed as dist
+
+    times = {name: [] for name in fns}
+    for round_ in range(repeats + 1):
+        for name, fn in fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def fwd_bwd(forward, x: torch.Tensor, layer):
+    def run():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        forward(x)[0].sum().backward()
+    return run
+
+
+def measure(tokens: int, repeats: int) -> list[dict]:
+    """Both ranks (CP = 2): every case's layer on the whole sequence (its CP = 1 computation,
+    ``_mix``), under CP = 2 on this rank's share, and the gather alone; rank 0 returns the rows."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from models.gated_deltanet import _GatherSequence, zigzag
+    from models.parallel import init_parallel
+
+    init_parallel(cp=2)
+    rank, group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
+    rows = []
+    for name, hidden, key_heads, value_heads, head_dim in CASES:
+        torch.manual_seed(1)
+        whole = torch.randn(tokens, 1, hidden)
+        layer = build_layer(hidden, key_heads, value_heads, head_dim)
+        share = zigzag(whole, 0, 2, rank).contiguous().requires_grad_()
+
+        def gather(share=share):
+            share.grad = None
+            _GatherSequence.apply(share, 2, rank, group).sum().backward()
+
+        ms = interleaved_ms({
+            "cp1": fwd_bwd(lambda x, layer=layer: layer._mix(x, None, None),
+                           whole.clone().requires_grad_(), layer),
+            "cp2": fwd_bwd(layer, share, layer), "gather": gather}, repeats)
+        cp1, cp2, gathered = ms["cp1"], ms["cp2"], ms["gather"]
+        rows.append({"case": name, "tokens": tokens, "hidden": hidden,
+                     "heads": f"{key_heads} key / {value_heads} value of {head_dim}",
+                     "cp1_ms": cp1, "cp2_ms": cp2, "gather_ms": gathered,
+                     "cp2_over_cp1": cp2 / cp1, "gather_share_of_cp2": gathered / cp2,
+                     "received_mb_per_layer_fp32": received(tokens, hidden, 4) / 1e6})
+        if dist.get_rank() == 0:
+            print(f"[deltanet_cp] {name} {tokens} tokens: cp1 {cp1:.0f} ms, cp2 {cp2:.0f} ms "
+                  f"(x{cp2 / cp1:.2f}), gather {gathered:.1f} ms ({gathered / cp2:.1%} of cp2)",
+                  flush=True)
+    return rows
+
+
+def report(rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    published = {name: received(32768, hidden, 2) / 1e6 for name, hidden in PUBLISHED.items()}
+    (out / "deltanet_cp.json").write_text(json.dumps(
+        {"rows": rows, "received_mb_per_layer_bf16_32k_tokens_cp2": published,
+         "torch": torch.__version__, "threads_per_rank": 1}, indent=1))
+    lines = ["| case | tokens | CP=1 ms | CP=2 ms | CP=2 / CP=1 | gather ms | gather share |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} ({r['heads']}) | {r['tokens']} | {r['cp1_ms']:.0f} | "
+                     f"{r['cp2_ms']:.0f} | {r['cp2_over_cp1']:.2f} | {r['gather_ms']:.1f} | "
+                     f"{r['gather_share_of_cp2']:.1%} |")
+    lines.append("")
+    lines += [f"- received per DeltaNet layer at CP=2, 32K tokens, bf16, {name}: {mb:.0f} MB"
+              for name, mb in published.items()]
+    (out / "deltanet_cp.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+@click.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_out/deltanet_cp"))
+@click.option("--tokens", type=int, default=2048, help="sequence length (divisible by 4)")
+@click.option("--repeats", type=int, default=3)
+def main(out: Path, tokens: int, repeats: int) -> None:
+    if "RANK" not in os.environ:  # start the 2 ranks
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", __file__, "--out", str(out), "--tokens", str(tokens),
+               "--repeats", str(repeats)]
+        sys.exit(subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rows = measure(tokens, repeats)
+    if dist.get_rank() == 0:
+        report(rows, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
