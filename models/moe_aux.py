@@ -78,6 +78,16 @@ def begin_step() -> None:
     _TALLY.clear()
 
 
+def forget() -> None:
+    """Drops megatron's aux-loss tracker entries (sized by the layer count of the model that
+    first logged into them: another model of other depth would index past them) and the router
+    tallies; called when a model is built (``models.families.build_model``)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    _TALLY.clear()
+
+
 def _in_backward() -> bool:
     """True inside an autograd backward pass (a recomputed forward)."""
     return torch._C._current_graph_task_id() != -1

@@ -147,10 +147,13 @@ def model_class(cfg) -> type:
 
 def build_model(cfg, use_te: bool | None = None, vision_dp_over_cp: bool | None = None):
     """The model of ``cfg``'s family (``QwenVL`` / ``NemotronOmni``) at this process's parallel
-    layout (``models.parallel.init_parallel`` first), on the GPU when present."""
-    from models import cpu
+    layout (``models.parallel.init_parallel`` first), on the GPU when present. megatron's MoE
+    aux-loss tracker (process-wide, sized by the layer count of the first model that logs into it)
+    is dropped, so that a second model of another depth in the process never indexes past it."""
+    from models import cpu, moe_aux
 
     model = model_class(cfg)(cfg, use_te=use_te, vision_dp_over_cp=vision_dp_over_cp)
+    moe_aux.forget()
     return model.to(cpu.compute_device())
 
 
