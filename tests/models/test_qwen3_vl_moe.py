@@ -264,6 +264,22 @@ def test_tiny_config_trains():
     assert len(experts) == 2 * 4 * 2 and all(p.grad is not None for p in experts)
 
 
+def test_moe_models_of_other_depths_train_in_one_process():
+    """megatron's aux-loss tracker is process-wide and sized by the first model that logs into
+    it: a 4-layer MoE model trained after a 3-layer one in the same process (a test worker, a
+    notebook) used to end in an IndexError inside megatron; building a model empties it."""
+    from models.families import build_model, config_from_dict
+    from models.parallel import init_parallel
+    from models.verify_inputs import make_inputs
+    from tests.models.conftest import train_steps
+
+    init_parallel()
+    for name in ("qwen3_vl_moe_tiny.yaml", "qwen3_5_moe_tiny.yaml"):  # 3 layers, then 4
+        cfg = config_from_dict(yaml.safe_load((REPO / "configs" / name).read_text()))
+        model = build_model(cfg, use_te=False).train()
+        assert len(train_steps(model, make_inputs(cfg)["images_interleaved"], steps=1)) == 1
+
+
 def test_flops_count_active_experts(moe_hf):
     """``models.flops``' LM formula (router + the top-k experts per token) equals torch's
     FlopCounterMode on transformers' model within 1e-3 (its eager expert loop runs only the
