@@ -1,29 +1,26 @@
 """What context parallelism costs the Gated DeltaNet layer (Qwen3.5), measured side by side in
-one run: the layer at CP = 1 (the whole sequence on one rank) against CP = 2 (each rank its
-zig-zag share; the layer all-gathers the shares, runs on the whole sequence and keeps its share:
-models/gated_deltanet.py, the approach this project uses on every megatron-core version).
+one run: the layer at CP = 1 (the whole sequence on one rank) against its two CP = 2 paths
+(models/gated_deltanet.py): the heads shared over the CP ranks (two all-to-alls; the default
+where the key heads split evenly) and the whole sequence gathered (the fallback).
 
 Two ranks (this script starts itself under ``torch.distributed.run``; gloo on CPU, one intra-op
 thread each, fp32), the same layer weights and the same random sequence on both. Per case, the
 median of ``--repeats`` rounds (after one warm-up round; the cases take turns in each round) of
 forward + backward of the sum of the layer's output:
 
-- ``cp1``: each rank runs the layer's mixer on the whole sequence (``_mix``, no communication:
-  what the one rank of a CP = 1 run does per layer);
-- ``cp2``: the layer under CP = 2 on this rank's share (gather, whole-sequence mixer, share back;
-  backward: the all-reduce of the gathered sequence's gradient);
-- ``gather``: the gather alone (forward all-gather of the (s / 2, b, h) shares, backward
-  all-reduce of (s, b, h)), on the same tensors.
+- ``cp1``: each rank runs the layer on the whole sequence (``_mix``, no communication: what the
+  one rank of a CP = 1 run does per layer);
+- ``heads``: the layer under CP = 2 on this rank's zig-zag share, the heads shared;
+- ``gathered``: the same with the sequence gathered (every rank runs all of it, keeps its share).
 
-Reported per case: milliseconds of each, ``cp2 / cp1`` (0.5 would be a perfect split of the
-layer's work; the gather gives ~1.0: every CP rank computes the whole sequence), the gather's
-share of ``cp2``, and the bytes a rank receives per layer (``received``: the forward all-gather
-(CP - 1) / CP * s * b * h, the backward ring all-reduce 2 (CP - 1) / CP * s * b * h), also at
-the published Qwen3.5-9B / 27B hidden sizes for a 32K-token sequence in bf16. Where the time
-goes decides what to build next: the gather moves one activation per layer (as sequence-parallel
-attention's all-gather does); the redundant compute is the cost.
+Reported per case: milliseconds of each and their ratios to ``cp1`` (0.5 would be a perfect split
+of the layer's work), and the bytes a rank receives per layer and step: gathered, the forward
+all-gather (CP - 1) / CP of (s, b, h) and the backward ring all-reduce 2 (CP - 1) / CP of it;
+heads shared, two all-to-alls each way of (CP - 1) / CP of this rank's share of the projections
+(q, k, v, z, b, a) and of the mixer's output (v wide), per token; also at the published
+Qwen3.5-9B / 27B shapes for a 32K-token sequence in bf16.
 
-Usage: python bench/bench_deltanet_cp.py --out bench_out/deltanet_cp [--tokens 2048] [--repeats 3]
+Usage: python bench/bench_deltanet_cp.py --out bench_out/deltanet_cp [--tokens 4096] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -45,14 +42,20 @@ sys.path.insert(0, str(REPO))
 #: (name, hidden, key heads, value heads, head dim): a scaled Qwen3.5 DeltaNet (the 9B layer has
 #: hidden 4096, 16 key / 32 value heads of 128: too slow for a CPU bench) and the tiny test layer
 CASES = [("h1024", 1024, 4, 8, 128), ("h512", 512, 2, 4, 128)]
-#: published hidden sizes for the byte counts (config.json of the hub models)
-PUBLISHED = {"Qwen3.5-9B": 4096, "Qwen3.5-27B": 5120}
+#: published shapes for the byte counts (config.json of the hub models): hidden, key heads, value
+#: heads, head dim of the DeltaNet layers
+PUBLISHED = {"Qwen3.5-9B": (4096, 16, 32, 128), "Qwen3.5-27B": (5120, 16, 48, 128)}
 
 
-def received(tokens: int, hidden: int, element_bytes: int, cp: int = 2) -> float:
-    """Bytes a rank receives per DeltaNet layer and step under CP: the forward all-gather
-    ((CP - 1) / CP of the sequence) and the backward ring all-reduce (2 (CP - 1) / CP)."""
-    return 3 * (cp - 1) / cp * tokens * hidden * element_bytes
+def received(tokens: int, shape: tuple[int, int, int, int], element_bytes: int,
+             cp: int = 2) -> dict[str, float]:
+    """Bytes a rank receives per DeltaNet layer and step under CP (see module docstring)."""
+    hidden, key_heads, value_heads, dim = shape
+    part = (cp - 1) / cp * tokens * element_bytes
+    projections = 2 * key_heads * dim + 2 * value_heads * dim + 2 * value_heads  # q k v z b a
+    return {"gathered": 3 * part * hidden,  # all-gather + ring all-reduce of (s, b, h)
+            # of this rank's s / cp tokens, (cp - 1) / cp of the widths, forward and backward
+            "heads": 2 * part / cp * (projections + value_heads * dim)}
 
 
 def build_layer(hidden: int, key_heads: int, value_heads: int, head_dim: int):
@@ -95,8 +98,8 @@ def fwd_bwd(forward, x: torch.Tensor, layer):
 
 
 def measure(tokens: int, repeats: int) -> list[dict]:
-    """Both ranks (CP = 2): every case's layer on the whole sequence (its CP = 1 computation,
-    ``_mix``), under CP = 2 on this rank's share, and the gather alone; rank 0 returns the rows."""
+    """Both ranks (CP = 2): every case's layer on the whole sequence, with its heads shared and
+    with the sequence gathered; rank 0 returns the rows."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -112,41 +115,46 @@ def measure(tokens: int, repeats: int) -> list[dict]:
         layer = build_layer(hidden, key_heads, value_heads, head_dim)
         share = zigzag(whole, 0, 2, rank).contiguous().requires_grad_()
 
-        def gather(share=share):
-            share.grad = None
-            _GatherSequence.apply(share, 2, rank, group).sum().backward()
+        def gathered(x, layer=layer):  # the fallback path of GatedDeltaNet.forward
+            out, _ = layer._mix(_GatherSequence.apply(x, 2, rank, group), None, None)
+            return zigzag(out, 0, 2, rank), None
 
         ms = interleaved_ms({
             "cp1": fwd_bwd(lambda x, layer=layer: layer._mix(x, None, None),
                            whole.clone().requires_grad_(), layer),
-            "cp2": fwd_bwd(layer, share, layer), "gather": gather}, repeats)
-        cp1, cp2, gathered = ms["cp1"], ms["cp2"], ms["gather"]
+            "heads": fwd_bwd(layer, share, layer), "gathered": fwd_bwd(gathered, share, layer)},
+            repeats)
+        shape = (hidden, key_heads, value_heads, head_dim)
         rows.append({"case": name, "tokens": tokens, "hidden": hidden,
-                     "heads": f"{key_heads} key / {value_heads} value of {head_dim}",
-                     "cp1_ms": cp1, "cp2_ms": cp2, "gather_ms": gathered,
-                     "cp2_over_cp1": cp2 / cp1, "gather_share_of_cp2": gathered / cp2,
-                     "received_mb_per_layer_fp32": received(tokens, hidden, 4) / 1e6})
+                     "heads_of_layer": f"{key_heads} key / {value_heads} value of {head_dim}",
+                     **{f"{k}_ms": v for k, v in ms.items()},
+                     "heads_over_cp1": ms["heads"] / ms["cp1"],
+                     "gathered_over_cp1": ms["gathered"] / ms["cp1"],
+                     **{f"received_mb_{k}_fp32": v / 1e6
+                        for k, v in received(tokens, shape, 4).items()}})
         if dist.get_rank() == 0:
-            print(f"[deltanet_cp] {name} {tokens} tokens: cp1 {cp1:.0f} ms, cp2 {cp2:.0f} ms "
-                  f"(x{cp2 / cp1:.2f}), gather {gathered:.1f} ms ({gathered / cp2:.1%} of cp2)",
-                  flush=True)
+            print(f"[deltanet_cp] {name} {tokens} tokens: cp1 {ms['cp1']:.0f} ms, heads shared "
+                  f"{ms['heads']:.0f} ms (x{ms['heads'] / ms['cp1']:.2f}), gathered "
+                  f"{ms['gathered']:.0f} ms (x{ms['gathered'] / ms['cp1']:.2f})", flush=True)
     return rows
 
 
 def report(rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    published = {name: received(32768, hidden, 2) / 1e6 for name, hidden in PUBLISHED.items()}
+    published = {name: {k: v / 1e6 for k, v in received(32768, shape, 2).items()}
+                 for name, shape in PUBLISHED.items()}
     (out / "deltanet_cp.json").write_text(json.dumps(
         {"rows": rows, "received_mb_per_layer_bf16_32k_tokens_cp2": published,
          "torch": torch.__version__, "threads_per_rank": 1}, indent=1))
-    lines = ["| case | tokens | CP=1 ms | CP=2 ms | CP=2 / CP=1 | gather ms | gather share |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| layer | tokens | CP=1 ms | CP=2 heads shared ms (/ CP=1) | "
+             "CP=2 gathered ms (/ CP=1) |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} ({r['heads']}) | {r['tokens']} | {r['cp1_ms']:.0f} | "
-                     f"{r['cp2_ms']:.0f} | {r['cp2_over_cp1']:.2f} | {r['gather_ms']:.1f} | "
-                     f"{r['gather_share_of_cp2']:.1%} |")
+        lines.append(f"| {r['case']} ({r['heads_of_layer']}) | {r['tokens']} | {r['cp1_ms']:.0f} "
+                     f"| {r['heads_ms']:.0f} ({r['heads_over_cp1']:.2f}) | "
+                     f"{r['gathered_ms']:.0f} ({r['gathered_over_cp1']:.2f}) |")
     lines.append("")
-    lines += [f"- received per DeltaNet layer at CP=2, 32K tokens, bf16, {name}: {mb:.0f} MB"
+    lines += [f"- received per DeltaNet layer and step at CP=2, 32K tokens, bf16, {name}: heads "
+              f"shared {mb['heads']:.0f} MB, gathered {mb['gathered']:.0f} MB"
               for name, mb in published.items()]
     (out / "deltanet_cp.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

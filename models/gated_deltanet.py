@@ -42,12 +42,16 @@ megatron's own layer, once the project moves to >= 0.18, is a spec change (its c
 differ: one fused ``in_proj``).
 
 Context parallelism (CP > 1, unpacked rows: each rank holds its zig-zag share of the
-sequence, ``zigzag``): the layer gathers the whole sequence from the CP ranks, runs on it (every
-rank the same, all heads) and keeps its own share of the output; the gather's gradient is summed
-over the ranks. The recurrence then sees the tokens in order, so CP = 2 equals CP = 1; the cost
-is the all-gather of (s, b, h) per layer and CP-fold DeltaNet compute. Cheaper (later): an
-all-to-all that gives each rank the whole sequence of 1 / CP of the heads (they are
-independent), as megatron >= 0.18's layer does.
+sequence, ``zigzag``). Where this rank's key heads split evenly over the CP ranks
+(``shares_heads``), the heads are shared, as megatron >= 0.18's layer does: each rank projects
+its share of the tokens (all heads), an all-to-all gives every rank the whole sequence (in order)
+of 1 / CP of the heads, which runs its conv, recurrence and gated norm (the heads are
+independent), and a second all-to-all returns each rank its tokens of every head for
+``out_proj``. Every op then works on 1 / CP of the layer (measured: bench/bench_deltanet_cp.py,
+docs/models.md). Otherwise (e.g. one key head per TP rank at CP 2) the layer gathers the whole
+sequence from the CP ranks, runs on it (every rank the same, all heads) and keeps its own share
+of the output; the gather's gradient is summed over the ranks: CP-fold DeltaNet compute. Either
+way the recurrence sees the tokens in order, so CP = 2 equals CP = 1 (tested for both paths).
 """
 
 from __future__ import annotations
@@ -104,6 +108,28 @@ class _GatherSequence(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return zigzag(grad, 0, ctx.size, ctx.rank), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """(CP, ...) chunks, chunk r to CP rank r -> (CP, ...) chunks, chunk r from CP rank r (equal
+    shapes); backward: the same exchange of the gradients."""
+
+    @staticmethod
+    def forward(ctx, chunks: torch.Tensor, group):
+        ctx.group = group
+        received = [torch.empty_like(chunk) for chunk in chunks]
+        dist.all_to_all(received, [chunk.contiguous() for chunk in chunks], group=group)
+        return torch.stack(received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+def shares_heads(key_heads: int, cp: int) -> bool:
+    """Whether a DeltaNet layer with ``key_heads`` key heads on this TP rank shares its heads over
+    ``cp`` context-parallel ranks (else it gathers the sequence: module docstring)."""
+    return cp > 1 and key_heads % cp == 0
 
 
 class GatedRMSNorm(nn.Module):
@@ -204,24 +230,63 @@ class GatedDeltaNet(MegatronModule):
         if context is not None and self.training:
             context = None
         cp_size = parallel_state.get_context_parallel_world_size()
-        if cp_size > 1:  # module docstring: the whole sequence here, this rank's share back
+        if cp_size > 1:  # module docstring: heads shared, or the whole sequence gathered
             if packed_seq_params is not None or context is not None:
                 raise ValueError("Gated DeltaNet under context parallelism takes unpacked rows "
                                  "and no generation")
             cp_rank = parallel_state.get_context_parallel_rank()
-            whole = _GatherSequence.apply(hidden_states, cp_size, cp_rank,
-                                          parallel_state.get_context_parallel_group())
+            group = parallel_state.get_context_parallel_group()
+            if shares_heads(self.key_heads, cp_size):
+                return self._heads_over_cp(hidden_states, cp_size, cp_rank, group)
+            whole = _GatherSequence.apply(hidden_states, cp_size, cp_rank, group)
             out, bias = self._mix(whole, None, None)
             return zigzag(out, 0, cp_size, cp_rank), bias
         return self._mix(hidden_states, context, packed_seq_params)
 
+    def _project(self, hidden_states) -> dict[str, torch.Tensor]:
+        """The input projections of (s, b, h): name -> (b, s, width) (this TP rank's heads)."""
+        return {name: getattr(self, f"in_proj_{name}")(hidden_states)[0].transpose(0, 1)
+                for name in ("q", "k", "v", "z", "b", "a")}
+
     def _mix(self, hidden_states, context, packed_seq_params):
         """The layer on (s, b, h) (this rank's whole sequence) -> ((s, b, h), None)."""
-        proj = {name: getattr(self, f"in_proj_{name}")(hidden_states)[0].transpose(0, 1)
-                for name in ("q", "k", "v", "z", "b", "a")}  # (b, s, width) each
+        out = self._mixer(self._project(hidden_states), context, packed_seq_params)
+        return self.out_proj(out.transpose(0, 1).contiguous())[0], None
+
+    def _heads_over_cp(self, hidden_states, cp: int, rank: int, group):
+        """The layer on this rank's zig-zag share (s / cp, b, h), the heads shared over the CP
+        ranks (module docstring) -> ((s / cp, b, h), None)."""
+        proj = self._project(hidden_states)
+        names = list(proj)
+        batch, share = proj["q"].shape[:2]
+        # (cp, b, s / cp, width / cp): chunk r holds head group r of every projection
+        send = torch.cat([proj[n].reshape(batch, share, cp, -1) for n in names], -1)
+        got = _AllToAll.apply(send.permute(2, 0, 1, 3), group)  # chunk r: rank r's tokens
+        pieces = [None] * (2 * cp)
+        for r, tokens in enumerate(got):  # rank r holds chunks r and 2 * cp - 1 - r
+            pieces[r], pieces[2 * cp - 1 - r] = tokens.chunk(2, 1)
+        whole = torch.cat(pieces, 1)  # (b, s, width / cp), the tokens in order
+        widths = [proj[n].shape[-1] // cp for n in names]
+        out = self._mixer(dict(zip(names, whole.split(widths, -1))), None, None,
+                          heads=(rank, cp))
+        back = torch.stack([zigzag(out, 1, cp, r) for r in range(cp)])  # rank r's tokens
+        mine = _AllToAll.apply(back, group)  # (cp, b, s / cp, width / cp): head group r
+        out = mine.permute(1, 2, 0, 3).reshape(batch, share, -1)
+        return self.out_proj(out.transpose(0, 1).contiguous())[0], None
+
+    def _mixer(self, proj: dict, context, packed_seq_params, heads: tuple[int, int] = (0, 1)):
+        """Conv, gated delta rule and gated norm of the projections ``proj`` (name -> (b, s,
+        width)) of head group ``heads`` = (index, groups) of this TP rank's heads -> (b, s, value
+        width of the group)."""
+        index, groups = heads
+        key_heads, value_heads = self.key_heads // groups, self.value_heads // groups
+        widths = {"q": key_heads * self.key_dim, "k": key_heads * self.key_dim,
+                  "v": value_heads * self.value_dim}
         batch, length = proj["q"].shape[:2]
         x = torch.cat([proj[name] for name in PARTS], -1)  # the conv's input channels
-        weight = torch.cat([getattr(self, f"conv_{name}") for name in PARTS], 0)
+        weight = torch.cat([getattr(self, f"conv_{name}")[index * widths[name]:
+                                                          (index + 1) * widths[name]]
+                            for name in PARTS], 0)
         decode = context is not None and context.sequence_len_offset > 0
         if decode:
             conv_state, state = context.key_value_memory_dict[self.layer_number]
@@ -235,14 +300,15 @@ class GatedDeltaNet(MegatronModule):
                 seq_idx = segment_index(cu, length)
             mixed = causal_conv1d_fn(x.transpose(1, 2), weight, None, seq_idx=seq_idx,
                                      activation="silu").transpose(1, 2)
-        sizes = [self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim]
-        q, k, v = mixed.split(sizes, -1)
-        repeat = self.value_heads // self.key_heads
-        q, k = (t.reshape(batch, length, self.key_heads, self.key_dim)
+        q, k, v = mixed.split([widths[name] for name in PARTS], -1)
+        repeat = value_heads // key_heads
+        q, k = (t.reshape(batch, length, key_heads, self.key_dim)
                 .repeat_interleave(repeat, dim=2) for t in (q, k))
-        v = v.reshape(batch, length, self.value_heads, self.value_dim)
+        v = v.reshape(batch, length, value_heads, self.value_dim)
         beta = proj["b"].sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(proj["a"].float() + self.dt_bias.float())
+        heads_of = slice(index * value_heads, (index + 1) * value_heads)
+        g = -self.A_log[heads_of].float().exp() * F.softplus(
+            proj["a"].float() + self.dt_bias[heads_of].float())
         if decode:
             out, state = fused_recurrent_gated_delta_rule(
                 q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
@@ -256,6 +322,5 @@ class GatedDeltaNet(MegatronModule):
                 tail = F.pad(x.transpose(1, 2), (max(self.width - 1 - length, 0), 0))
                 context.key_value_memory_dict[self.layer_number] = (
                     tail[..., -(self.width - 1):].contiguous(), state.float())
-        z = proj["z"].reshape(batch, length, self.value_heads, self.value_dim)
-        out = self.norm(out, z).reshape(batch, length, -1).transpose(0, 1)
-        return self.out_proj(out.contiguous())[0], None
+        z = proj["z"].reshape(batch, length, value_heads, self.value_dim)
+        return self.norm(out, z).reshape(batch, length, -1)

@@ -24,8 +24,9 @@ on the GPU (megatron's DDP and optimizer as train.py sets them up):
   width of every norm (attention assumed flash: no score matrix; TP-sharded widths / tp, or
   under megatron's sequence parallelism, forced with MoE layers at TP > 1, every width on a
   1 / tp share of the tokens; an expert's linears once per routed token: top-k of them, the
-  active experts, not all; a Gated DeltaNet's conv its input and output, and the whole
-  sequence, CP-fold, as its layer all-gathers the CP shares (models/gated_deltanet.py)); under
+  active experts, not all; a Gated DeltaNet's conv its input and output, and, where its layer
+  all-gathers the CP shares instead of sharing its heads over them, the whole sequence, CP-fold
+  (models/gated_deltanet.py)); under
   ``recompute=full`` (where the LM honours it) one hidden vector per layer plus one layer's
   worth; the logits (fp32 for the loss, V / tp wide) on the last stage; the vision tower at
   ``max_visual_tokens`` x merge² patches per row (shared over CP by vision DP), only when the
@@ -151,6 +152,7 @@ def estimate(model, cfg, gpus: int, bf16: bool, split: _Split | None = None) -> 
     from megatron.core.utils import get_model_config, unwrap_model
 
     from models.families import family_of
+    from models.gated_deltanet import shares_heads
 
     p, t, te = cfg.parallel, cfg.train, cfg.task_encoder
     local = split is None
@@ -166,6 +168,9 @@ def estimate(model, cfg, gpus: int, bf16: bool, split: _Split | None = None) -> 
     routed = (config.moe_router_topk / (experts / (p.ep if local else 1))) if experts else 1.0
     group = family_of(cfg.model).parameter_group
     sequence_parallel = bool(experts) and p.tp > 1
+    # a Gated DeltaNet under CP shares its heads, or (too few per TP rank) gathers the sequence
+    deltanet_gathers = p.cp > 1 and not shares_heads(
+        (getattr(config, "linear_num_key_heads", None) or 0) // p.tp, p.cp)
     weights = trainable = trainable_experts = 0.0
     lm_width = vision_width = 0.0
     lm_layers, vision_layers, vision_trains = set(), set(), False
@@ -189,7 +194,7 @@ def estimate(model, cfg, gpus: int, bf16: bool, split: _Split | None = None) -> 
         else:
             shard = 1 / p.tp if local else 1
         width = _widths(name, param, shard)
-        if layer and _DELTANET.search(name):  # under CP it runs on the whole (gathered) sequence
+        if layer and _DELTANET.search(name) and deltanet_gathers:  # the whole sequence
             width *= p.cp
         if layer:
             lm_layers.add(layer.group(1))

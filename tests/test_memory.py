@@ -95,15 +95,18 @@ def test_published_30b_a3b_layout():
     assert "GiB GPU" in summary([one])
 
 
-def test_gated_deltanet_layers_keep_the_whole_sequence_under_cp():
-    """Qwen3.5 MoE's Gated DeltaNet layers all-gather the CP shares (models/gated_deltanet.py):
-    at CP = 2 their mixers keep the activations of the whole sequence (per DeltaNet layer: 4 of
-    them count 4 / 3 of 3), the rest of the LM (norms, router, experts, attention, logits) half;
-    the conv counts its input and output channels (not its kernel width)."""
+def test_gated_deltanet_layers_keep_the_whole_sequence_under_cp_where_they_gather():
+    """Qwen3.5 MoE's Gated DeltaNet layers under CP = 2 (models/gated_deltanet.py): with 1 key
+    head per TP rank they all-gather the CP shares, and their mixers keep the activations of the
+    whole sequence (per DeltaNet layer: 4 of them count 4 / 3 of 3), the rest of the LM (norms,
+    router, experts, attention, logits) half; with 2 key heads they share the heads over the CP
+    ranks and everything halves. The conv counts its input and output channels (not its kernel
+    width)."""
     from recipes.memory import estimate_run
 
     config = REPO / "configs" / "train_qwen3_5_moe_mantis.yaml"
-    shared = [*FP32, "model.freeze_vision_model=true", "train.micro_batch_size=1"]
+    shared = [*FP32, "model.freeze_vision_model=true", "train.micro_batch_size=1",
+              "model.lm.linear_num_key_heads=1"]
 
     def layer_acts(layers: str, cp: int) -> float:
         cfg = load_run_config(config, [*shared, f"model.lm.layer_types={layers}",
@@ -119,6 +122,9 @@ def test_gated_deltanet_layers_keep_the_whole_sequence_under_cp():
     mixed = "[linear_attention,linear_attention,linear_attention,full_attention]"
     assert 0 < deltanet(linear) < layer_acts(linear, 1)  # norms, router, experts: halved
     assert deltanet(linear) == pytest.approx(4 / 3 * deltanet(mixed))  # 4 DeltaNet layers : 3
+    shared[-1] = "model.lm.linear_num_key_heads=2"  # heads shared over CP: all of it halves
+    assert deltanet(linear) == pytest.approx(0, abs=1e-6 * layer_acts(linear, 1))
+    shared[-1] = "model.lm.linear_num_key_heads=1"
     # the conv keeps its input and output channels, whatever its kernel width
     wide = load_run_config(config, [*shared, f"model.lm.layer_types={linear}",
                                     "model.lm.linear_conv_kernel=8"])

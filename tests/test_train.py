@@ -361,22 +361,31 @@ def test_cp2_equals_single_process(mantis_reference, mantis_out, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni", "qwen3_5", "qwen3_5_gathered"])
 def test_cp2_equals_single_process_other_families(family, mantis_out, tmp_path):
     """Qwen3-VL under CP: each rank adds the DeepStack rows of its own zig-zag share.
     Nemotron-Omni ("M*M-"): the hybrid LM's attention layers under CP, its MLP layers per token,
     its Mamba layers by megatron's CP (all-to-all: the whole sequence, half the heads per rank).
-    Qwen3.5: its Gated DeltaNet layers gather the whole sequence (models.gated_deltanet)."""
+    Qwen3.5: its Gated DeltaNet layers share their 2 key heads over the CP ranks (all-to-all:
+    the whole sequence, one head group per rank); with 1 key head they gather the whole sequence
+    (models.gated_deltanet): both give one process's losses and gradient norms."""
     args = [f"data.path={mantis_out}/metadataset.yaml", "train.steps=3", *FAST]
-    if family in ("qwen3_vl", "qwen3_5"):
-        args = [str(MANTIS_CFG), *args, f"model.base=configs/{family}_tiny.yaml",
-                "model.lm.vocab_size=640", f"task_encoder.model={family}"]
+    if family.startswith(("qwen3_vl", "qwen3_5")):
+        base = family.removesuffix("_gathered")
+        args = [str(MANTIS_CFG), *args, f"model.base=configs/{base}_tiny.yaml",
+                "model.lm.vocab_size=640", f"task_encoder.model={base}"]
+        if family.endswith("_gathered"):
+            args.append("model.lm.linear_num_key_heads=1")
     else:
         args = [str(NEMOTRON_MANTIS_CFG), *args]
     ok(train(*args, f"out={tmp_path / 'one'}"))
     ok(train(*args, f"out={tmp_path / 'cp2'}", "parallel.cp=2", nproc=2))
     for a, b in zip(losses(tmp_path / "cp2"), losses(tmp_path / "one"), strict=True):
         assert abs(a - b) < 1e-4
+    if family.startswith("qwen3_5"):  # the heads' parameter gradients, summed over CP
+        norms = [[r["grad_norm"] for r in records(tmp_path / run, "grad_norm")]
+                 for run in ("cp2", "one")]
+        assert all(abs(a - b) < 1e-4 * b for a, b in zip(*norms, strict=True)), norms
 
 
 @pytest.mark.slow
