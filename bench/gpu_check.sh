@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check of issues 4 and 5 (<= 8 minutes on one H200): real-shaped vision towers forward +
-# backward (TransformerEngine specs when TE is installed) and a few real-shaped train.py steps,
+# GPU check of issues 4, 5, 23, 24 (<= 8 minutes on one H200): real-shaped vision towers forward +
+# backward (TransformerEngine specs when TE is installed), packed-row parity, the MoE models'
+# grouped-GEMM experts against the sequential ones, and a few real-shaped train.py steps,
 # printing tokens/s, TFLOP/s and MFU (bench/gpu_check.py; results in $OUT/gpu_check.json).
 #
 # The device machine has torch + CUDA but none of this project's dependencies: carry them as

@@ -1,6 +1,6 @@
-"""bench/gpu_check.py, the GPU check of issues 4 and 5: its CPU smoke mode runs the same code
-(real tower classes, train.py) on the tiny configs, so the script is known to work before a GPU
-is lent."""
+"""bench/gpu_check.py, the GPU check of issues 4, 5, 23 and 24: its CPU smoke mode runs the same
+code (real tower classes, the MoE models, train.py) on the tiny configs, so the script is known to
+work before a GPU is lent."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ def test_gpu_check_smoke_runs_every_part(mantis_out, tmp_path):
     packed = {row["family"]: row for row in report["packed"]}
     assert set(packed) == {"qwen2_5_vl", "qwen3_vl", "nemotron_omni"}
     assert all(row["max_abs_diff"] < 1e-4 for row in packed.values())  # fp32 on CPU
+    moe = {row["family"]: row for row in report["moe"]}
+    assert set(moe) == {"qwen3_vl_moe", "qwen3_5_moe"}
+    assert all(row["max_abs_logit_diff"] < 1e-5 and row["grad_norm_rel_diff"] < 1e-5
+               for row in moe.values())  # the same spec on CPU: the plumbing
     train = report["train"]
     assert train["steps"] == 3 and train["tokens_per_s"] > 0 and 0 <= train["mfu"] < 1
 
