@@ -22,7 +22,8 @@ agreed by a collective): rank 0 prints the line at once, the other ranks wait ``
 first, with SIGTERM back at its default, so the launcher ending them then ends them silently and
 the line is printed once; an error only a later rank meets is still printed, after the wait.
 ``recipes.launch`` (the project's torchrun) then exits with the rank's code without a traceback
-of its own.
+of its own. Such a rank ends right after its line (``os._exit`` with its code: no interpreter
+teardown, which can abort with a process group whose peer is gone).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def run_click(command: click.Command, prog: str, argv: list[str] | None = None,
     except RunFailure as failure:
         _peer_wait()
         _say(error_line(prog, str(failure)))
-        return failure.exit_code
+        return _rank_code(failure.exit_code)
     except click.ClickException as error:
         message = error.format_message()
     except (*USER_ERRORS, *user_errors) as error:
@@ -88,7 +89,20 @@ def run_click(command: click.Command, prog: str, argv: list[str] | None = None,
         return result if isinstance(result, int) else 0
     _peer_wait()
     _say(error_line(prog, message))
-    return 2
+    return _rank_code(2)
+
+
+def _rank_code(code: int) -> int:
+    """``code``; in a torchrun worker (``TORCHELASTIC_RUN_ID``) of more than one rank the process
+    ends here with it (``os._exit``, after the line is out): the interpreter's teardown with a
+    live process group whose peer is gone could abort in its C++ threads ("terminate called
+    ...", SIGABRT), and the launcher would then report a signal instead of the rank's code.
+    Every ``finally`` of the command has run by now."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _peer_wait() -> None:
