@@ -401,10 +401,28 @@ def _can_fork() -> bool:
     return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
 
 
+#: MASTER_PORTs of multi-rank runs: below the kernel's ephemeral range (32768-60999 here: no
+#: connection is given a local port there) and below slurm/train.sbatch's 20000 + job id, in a
+#: block of its own per pytest-xdist worker, so that another worker's run never takes a port
+#: between its check here and rank 0's bind (a port 0 from the kernel could: EADDRINUSE, seen)
+PORT_BASE, PORT_BLOCK, PORT_BLOCKS = 10000, 1500, 6
+_ports_used = 0
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    global _ports_used
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = PORT_BASE + (int(worker) % PORT_BLOCKS if worker.isdigit() else 0) * PORT_BLOCK
+    for _ in range(PORT_BLOCK):
+        port = base + _ports_used % PORT_BLOCK
+        _ports_used += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}..{base + PORT_BLOCK - 1}")
 
 
 def launch(script: str, *args: str, nproc: int = 1, env: dict | None = None,
