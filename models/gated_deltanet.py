@@ -52,6 +52,9 @@ docs/models.md). Otherwise (e.g. one key head per TP rank at CP 2) the layer gat
 sequence from the CP ranks, runs on it (every rank the same, all heads) and keeps its own share
 of the output; the gather's gradient is summed over the ranks: CP-fold DeltaNet compute. Either
 way the recurrence sees the tokens in order, so CP = 2 equals CP = 1 (tested for both paths).
+With sequence parallelism too (TP and CP with MoE layers) a rank holds a TP piece of its share:
+the heads-shared path is unchanged (its projections gather the pieces), the gather path gathers
+the pieces over TP first (``_sequence_over_cp``); TP 2 x CP 2 equals one process on both.
 """
 
 from __future__ import annotations
@@ -238,9 +241,7 @@ class GatedDeltaNet(MegatronModule):
             group = parallel_state.get_context_parallel_group()
             if shares_heads(self.key_heads, cp_size):
                 return self._heads_over_cp(hidden_states, cp_size, cp_rank, group)
-            whole = _GatherSequence.apply(hidden_states, cp_size, cp_rank, group)
-            out, bias = self._mix(whole, None, None)
-            return zigzag(out, 0, cp_size, cp_rank), bias
+            return self._sequence_over_cp(hidden_states, cp_size, cp_rank, group)
         return self._mix(hidden_states, context, packed_seq_params)
 
     def _project(self, hidden_states) -> dict[str, torch.Tensor]:
@@ -252,6 +253,31 @@ class GatedDeltaNet(MegatronModule):
         """The layer on (s, b, h) (this rank's whole sequence) -> ((s, b, h), None)."""
         out = self._mixer(self._project(hidden_states), context, packed_seq_params)
         return self.out_proj(out.transpose(0, 1).contiguous())[0], None
+
+    def _sequence_over_cp(self, hidden_states, cp: int, rank: int, group):
+        """The layer on the whole sequence gathered from the CP ranks (module docstring) ->
+        this rank's share of its output. Under sequence parallelism (TP > 1 with MoE layers) the
+        input and output are this TP rank's contiguous piece of the share: the pieces are
+        gathered over TP before the CP gather, the whole sequence is handed to the projections
+        as SP pieces again (they gather it), and the output's pieces are gathered back before
+        this rank's share is taken. Every TP rank then holds the same gathered tensors, so each
+        gather's gradient is this rank's piece, not a sum (``tensor_parallel_output_grad``)."""
+        sp = self.config.sequence_parallel and (
+            parallel_state.get_tensor_model_parallel_world_size() > 1)
+        if sp:
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
+        whole = _GatherSequence.apply(hidden_states, cp, rank, group)
+        if sp:
+            whole = tensor_parallel.scatter_to_sequence_parallel_region(whole)
+        out, bias = self._mix(whole, None, None)
+        if sp:
+            out = tensor_parallel.gather_from_sequence_parallel_region(
+                out, tensor_parallel_output_grad=False)
+        out = zigzag(out, 0, cp, rank)
+        if sp:
+            out = tensor_parallel.scatter_to_sequence_parallel_region(out)
+        return out, bias
 
     def _heads_over_cp(self, hidden_states, cp: int, rank: int, group):
         """The layer on this rank's zig-zag share (s / cp, b, h), the heads shared over the CP

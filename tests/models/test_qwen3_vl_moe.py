@@ -446,7 +446,7 @@ def layouts_equal_one_process(mantis_out, tmp_path, layouts: dict, *shared: str,
 
     config = str(REPO / "configs" / name)
     ok(runner.run("tests/init_checkpoint.py", config, str(tmp_path / "init"), *FOUR_LAYERS,
-                  timeout=300))
+                  *shared, timeout=300))
     args = run_args(mantis_out, tmp_path, *shared, name=name)
     for run, (nproc, extra) in {"one": (1, ["data.virtual_dp=2", *one]), **layouts}.items():
         proc = runner.run("train.py", *args, *extra, f"out={tmp_path / run}", nproc=nproc,
@@ -502,6 +502,26 @@ def test_dp2_pp2_cp2_tp2_equal_one_process(mantis_out, tmp_path, name):
                       f"out={tmp_path / f'{run}_resumed'}", "--resume", str(step), nproc=2,
                       timeout=600))
         assert losses(tmp_path / f"{run}_resumed") == losses(tmp_path / run)[2:], run  # bit-exact
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,shared", [
+    ("train_qwen3_vl_moe_mantis.yaml", ()),
+    ("train_qwen3_5_moe_mantis.yaml", ()),
+    ("train_qwen3_5_moe_mantis.yaml", ("model.lm.linear_num_key_heads=4",
+                                       "model.lm.linear_num_value_heads=8"))],
+    ids=["qwen3_vl_moe", "qwen3_5_moe_gathered", "qwen3_5_moe_heads"])
+def test_tp2_cp2_ep2_equals_one_process(mantis_out, tmp_path, name, shared):
+    """TP = 2 (sequence parallel) and CP = 2 together, the 4 experts over EP = 2 (expert-TP 2), on
+    4 processes: each rank holds a TP piece of its zig-zag CP share. Qwen3-VL MoE: DeepStack rows
+    and the visual scatter follow both splits. Qwen3.5 MoE: with 1 key head per TP rank the
+    Gated DeltaNet gathers the pieces over TP and the shares over CP (its SP path); with 2 it
+    shares them over CP after its projections gathered the TP pieces. Losses, gradient norms,
+    aux-loss terms and expert loads equal one process's (``layouts_equal_one_process``)."""
+    layouts_equal_one_process(mantis_out, tmp_path, {
+        "tp2cp2ep2": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2",
+                             "data.virtual_dp=2"])}, *shared,
+        name=name)
 
 
 #: the published Qwen3-VL-235B-A22B SFT layout's expert side, at 2 processes: TP 2 (sequence

@@ -57,14 +57,9 @@ def vision_geometry(cfg: config.Qwen35ModelConfig) -> dict[str, int]:
 
 
 def layout_problems(cfg: config.Qwen35ModelConfig, parallel) -> list[str]:
-    """Dense: none (the Gated DeltaNet gathers the sequence under CP: ``models.gated_deltanet``).
-    With MoE layers TP runs megatron's sequence parallelism (as Qwen3-VL MoE's); TP with CP
-    together is refused: the DeltaNet's CP gather takes whole zig-zag shares, which sequence
-    parallelism splits again over TP."""
-    if num_experts(cfg) and parallel.tp > 1 and parallel.cp > 1:
-        return [f"parallel.tp {parallel.tp} with parallel.cp {parallel.cp} and model.family "
-                f"{cfg.family!r} (MoE layers: sequence parallel) is not supported yet: use "
-                "one of them, with parallel.pp / ep"]
+    """None: every layout train.py checks runs (with MoE layers TP runs megatron's sequence
+    parallelism, as Qwen3-VL MoE's; the Gated DeltaNet's CP paths follow it:
+    ``models.gated_deltanet``)."""
     return []
 
 
