@@ -529,34 +529,45 @@ def test_tp2_cp2_ep2_equals_one_process(mantis_out, tmp_path, name, shared):
 ETP1 = ["parallel.tp=2", "parallel.etp=1", "parallel.ep=2", "data.virtual_dp=2"]
 
 
+#: expert-TP above TP, at 4 processes: the dense layers whole on each of 4 DP ranks, each
+#: expert's linears sliced over 2 of them (expert-TP 2), the 4 experts over EP 2
+ETP2 = ["parallel.tp=1", "parallel.etp=2", "parallel.ep=2"]
+
+
 @pytest.mark.slow
-def test_tp2_etp1_ep2_equals_one_process_resumes_and_exports(mantis_out, tmp_path):
-    """TP = 2 with expert-TP 1 and EP = 2 (the dense layers sliced over both ranks, each expert
-    whole on the rank of its EP group) gives one process's losses, gradient norms and aux-loss
-    terms (``layouts_equal_one_process``); its step-2 checkpoint resumes bit-exactly; its export
-    (``models.convert mcore-to-hf``) holds the one-process export's tensors within float
-    tolerance, and transformers loads it with our logits. (Measured on CPU: equal losses,
-    gradient norms within 2e-7 relative.)"""
+@pytest.mark.parametrize("run,nproc,layout,dp", [("etp1", 2, ETP1, 2), ("etp2", 4, ETP2, 4)])
+def test_expert_tp_other_than_tp_equals_one_process_resumes_and_exports(mantis_out, tmp_path,
+                                                                        run, nproc, layout, dp):
+    """Expert-TP other than TP: TP 2 with expert-TP 1 and EP 2 (the dense layers sliced over both
+    ranks, each expert whole on the rank of its EP group), and TP 1 with expert-TP 2 and EP 2 on
+    4 processes (each expert sliced over 2 ranks that hold the whole dense layers), give one
+    process's losses, gradient norms and aux-loss terms (``layouts_equal_one_process``, read as
+    as many DP ranks); the step-2 checkpoint resumes bit-exactly; the export (``models.convert
+    mcore-to-hf``) holds the one-process export's tensors within float tolerance, and
+    transformers loads it with our logits. (Measured on CPU: equal losses, gradient norms within
+    2e-7 relative.)"""
     from models.convert import mcore_to_hf
     from tests import runner
     from tests.test_hf_journey import logits_diff
     from tests.test_train import losses, ok
 
     final = "checkpoint.save_final=true"
-    etp1 = [*ETP1, "checkpoint.interval=2", final]
-    layouts_equal_one_process(mantis_out, tmp_path, {"etp1": (2, etp1)}, one=(final,))
-    step = tmp_path / "etp1" / "checkpoints" / "step_000002"  # experts whole, dense over TP
-    ok(runner.run("train.py", *run_args(mantis_out, tmp_path), *etp1,
-                  f"out={tmp_path / 'resumed'}", "--resume", str(step), nproc=2, timeout=600))
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "etp1")[2:]  # bit-exact on CPU
-    for run in ("one", "etp1"):
-        mcore_to_hf(tmp_path / run, tmp_path / f"{run}_hf")
+    args = [*layout, "checkpoint.interval=2", final]
+    layouts_equal_one_process(mantis_out, tmp_path, {run: (nproc, args)},
+                              one=(final, f"data.virtual_dp={dp}"))
+    step = tmp_path / run / "checkpoints" / "step_000002"
+    ok(runner.run("train.py", *run_args(mantis_out, tmp_path), *args,
+                  f"out={tmp_path / 'resumed'}", "--resume", str(step), nproc=nproc,
+                  timeout=600))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / run)[2:]  # bit-exact on CPU
+    for name in ("one", run):
+        mcore_to_hf(tmp_path / name, tmp_path / f"{name}_hf")
     one = load_file(str(tmp_path / "one_hf" / "model.safetensors"))
-    got = load_file(str(tmp_path / "etp1_hf" / "model.safetensors"))
+    got = load_file(str(tmp_path / f"{run}_hf" / "model.safetensors"))
     assert sorted(got) == sorted(one)
     for key in one:  # 3 Adam steps of up to 3e-3 amplify the float noise: 4.4e-6 measured
         torch.testing.assert_close(got[key], one[key], rtol=0, atol=1e-5, msg=key)
-    assert max(logits_diff(tmp_path / "etp1", tmp_path / "etp1_hf").values()) <= TOL
+    assert max(logits_diff(tmp_path / run, tmp_path / f"{run}_hf").values()) <= TOL
 
 
 @pytest.mark.slow
