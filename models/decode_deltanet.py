@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from models.decode_layers import Unsupported, linear_of, plain
+from models.norms import gated_rms_norm
 
 #: the input projections in the layer's order of the conv's channels (q | k | v), then the rest
 PROJECTIONS = ("q", "k", "v", "z", "b", "a")
@@ -57,24 +58,21 @@ def deltanet_step(mixer, prefilled) -> Callable:
     repeat, scale = value_heads // key_heads, key_dim ** -0.5
     decay = -mixer.A_log.float().exp()  # (Hv,)
     dt_bias = mixer.dt_bias.float()
-    norm = plain(mixer.norm)
+    norm_weight, norm_eps = plain(mixer.norm).weight, mixer.norm.eps
     conv, state = prefilled.row_states(mixer.layer_number)  # (B, C, w - 1), (B, Hv, K, V)
     batch = prefilled.batch
     states = {"conv": conv, "recurrent": state.float()}
-
-    def l2norm(t):  # (B, key heads * K) -> (B, Hv, K) float32, normalised per key head
-        t = t.float().view(batch, key_heads, key_dim)
-        t = t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6)
-        return t.repeat_interleave(repeat, dim=1)
 
     def deltanet(x):
         mix, z, b, a = F.linear(x, w_in).split(split, dim=-1)
         window = torch.cat((states["conv"], mix[..., None].to(states["conv"].dtype)), dim=-1)
         states["conv"] = window[..., 1:]
         mixed = F.silu((window.float() * conv_w).sum(-1)).to(x.dtype)  # (B, C)
-        q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim],
-                              dim=-1)
-        q, k = l2norm(q) * scale, l2norm(k)
+        qk, v = mixed.split([2 * key_heads * key_dim, value_heads * value_dim], dim=-1)
+        qk = qk.float().view(batch, 2 * key_heads, key_dim)  # q heads, then k heads
+        qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)  # fla's L2 norm
+        qk = qk.repeat_interleave(repeat, dim=1)  # each key head for its value heads
+        q, k = qk[:, :value_heads] * scale, qk[:, value_heads:]
         v = v.float().view(batch, value_heads, value_dim)
         beta = b.sigmoid().float()  # (B, Hv)
         g = decay * F.softplus(a.float() + dt_bias)
@@ -83,7 +81,8 @@ def deltanet_step(mixer, prefilled) -> Callable:
         s = s + k[..., None] * delta[:, :, None]
         states["recurrent"] = s
         out = (q[:, :, None] @ s).squeeze(2).to(x.dtype)  # (B, Hv, V)
-        out = norm(out, z.view(batch, value_heads, value_dim)).reshape(batch, -1)
+        out = gated_rms_norm(out, z.view(batch, value_heads, value_dim), norm_weight, norm_eps)
+        out = out.reshape(batch, -1)
         return F.linear(out, w_out, b_out)
 
     return deltanet

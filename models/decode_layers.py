@@ -59,7 +59,7 @@ def norm_of(module) -> Callable[[torch.Tensor], torch.Tensor]:
     if isinstance(module, ZeroCenteredRMSNorm):  # its forward: float32, times 1 + w, cast back
         shape, eps = module.weight.shape, module.eps
         scale = 1.0 + module.weight.float()
-        return lambda x: (F.rms_norm(x.float(), shape, None, eps) * scale).type_as(x)
+        return lambda x: (torch.rms_norm(x.float(), shape, None, eps) * scale).type_as(x)
     if isinstance(module, nn.LayerNorm):
         shape, weight, bias, eps = (module.normalized_shape, module.weight, module.bias,
                                     module.eps)

@@ -67,6 +67,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
+from models.norms import gated_rms_norm
+
 try:  # GPU kernels (flash-linear-attention, causal-conv1d); CPU: models.cpu binds torch ones
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 except ImportError:
@@ -146,14 +148,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.weight
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight)
-        out = weight * out.to(dtype)
-        return (out * F.silu(z.float())).to(dtype)
+        return gated_rms_norm(x, z, weight, self.eps)
 
 
 class GatedDeltaNet(MegatronModule):
