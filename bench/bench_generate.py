@@ -3,13 +3,14 @@ the time of a decode step goes.
 
 For each family's tiny random model (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE built with transformers;
 Nemotron-Omni with the hybrid LM "M*E-": Mamba2, attention, MoE with a shared expert, MLP;
-imported with `models.convert hf-to-mcore`) the same prompts (text + one image + text, of
-unequal length: 1 to 10 extra text tokens) are answered greedily, a fixed number of new tokens
-(no early stop), on CPU in one process with one intra-op thread, at batch 1 and batch 4 (both
-left-padded; transformers with its attention mask, ours with the prefill's mask and the pads
-kept out of the Mamba states, then one batched lean decode). Time is CPU time of this process
-(`time.process_time`, robust to other load on a shared machine); the generators alternate in
-each repeat (after one warm-up each) and the median of `--repeats` is reported.
+Qwen3.5 and Qwen3.5-MoE: three Gated DeltaNet layers, then gated attention, MoE with a gated
+shared expert; imported with `models.convert hf-to-mcore`) the same prompts (text + one image +
+text, of unequal length: 1 to 10 extra text tokens) are answered greedily, a fixed number of new
+tokens (no early stop), on CPU in one process with one intra-op thread, at batch 1 and batch 4
+(both left-padded; transformers with its attention mask, ours with the prefill's mask and the
+pads kept out of the Mamba / DeltaNet states, then one batched lean decode). Time is CPU time of
+this process (`time.process_time`, robust to other load on a shared machine); the generators
+alternate in each repeat (after one warm-up each) and the median of `--repeats` is reported.
 
 Reported per model and batch: transformers' time / ours (the speed-up), our share of prefill;
 per decode step (batch 4): CPU ms and Python function calls (cProfile) of our lean step,
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 NEVER = 10 ** 6  # an id outside the tiny vocabularies: generation runs to max_new_tokens
-MODELS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "nemotron_omni")
+MODELS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "nemotron_omni", "qwen3_5", "qwen3_5_moe")
 #: Nemotron's bench LM: every layer kind; MoE widths as small as the rest of the tiny model
 NEMOTRON = dict(pattern="M*E-", text=dict(moe_intermediate_size=96,
                                           moe_shared_expert_intermediate_size=96))
@@ -51,11 +52,13 @@ def build(name: str, out: Path):
     writer keeps a process of its own)."""
     from models.checkpoint import load_checkpoint
     from models.convert import load_hf_model
-    from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni
+    from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
 
     hf_dir = out / name / "hf"
     if name == "nemotron_omni":
         build_tiny_nemotron_omni(hf_dir, **NEMOTRON)
+    elif name in ("qwen3_5", "qwen3_5_moe"):
+        build_tiny_qwen3_5(hf_dir, moe=name == "qwen3_5_moe", max_positions=2048)
     else:
         build_tiny_hf(name, hf_dir, max_positions=2048, vision_depth=2)
     subprocess.run([sys.executable, "-m", "models.convert", "hf-to-mcore", "--hf", str(hf_dir),

@@ -3,15 +3,20 @@ into a closure over its parameters (read once) that takes the residual stream of
 row, (B, H), and returns the layer's output, advancing the layer's own cache / state.
 
 - ``transformer_layer``: megatron's ``TransformerLayer`` / the hybrid stack's ``MLPLayer``:
-  attention (GQA, q/k norms, biases; keys cached after RoPE), dense MLP, MoE (the router's
-  gating and top-k as megatron computes them at inference; the picked experts on all rows,
-  weighted by the router's probabilities; the shared expert);
+  attention (GQA, q/k norms, biases, the output gate sigmoid(gate) of ``attention_output_gate``;
+  rotary on all or the first part of each head; keys cached after RoPE), or a ``self_attention``
+  mixer with its own ``lean_decoder(prefilled)`` (the Gated DeltaNet:
+  models/decode_deltanet.py); dense MLP, MoE (the router's gating and top-k as megatron computes
+  them at inference; the picked experts on all rows, weighted by the router's probabilities; the
+  shared expert, with its sigmoid gate where it has one);
 - ``mamba_layer``: megatron's ``MambaLayer`` (Mamba2 mixer: conv window, SSM state, gated norm);
   ``mamba_pad_hooks``: the hooks that keep left padding out of its prefill state.
 
-A builder raises ``Unsupported`` for a part it does not cover (the generator then runs
-megatron's own decode step). ``prefilled`` is ``models.decode_step.Prefilled`` (the prefill's
-caches and the run's geometry).
+Norms: torch's ``RMSNorm`` / ``LayerNorm`` and the zero-centred
+``models.norms.ZeroCenteredRMSNorm`` (weight applied as 1 + w in float32). A builder raises
+``Unsupported`` for a part it does not cover (the generator then runs megatron's own decode
+step). ``prefilled`` is ``models.decode_step.Prefilled`` (the prefill's caches and the run's
+geometry).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.norms import ZeroCenteredRMSNorm
 
 
 class Unsupported(Exception):
@@ -49,6 +56,10 @@ def norm_of(module) -> Callable[[torch.Tensor], torch.Tensor]:
     if isinstance(module, nn.RMSNorm):
         shape, weight, eps = module.normalized_shape, module.weight, module.eps
         return lambda x: F.rms_norm(x, shape, weight, eps)
+    if isinstance(module, ZeroCenteredRMSNorm):  # its forward: float32, times 1 + w, cast back
+        shape, eps = module.weight.shape, module.eps
+        scale = 1.0 + module.weight.float()
+        return lambda x: (torch.rms_norm(x.float(), shape, None, eps) * scale).type_as(x)
     if isinstance(module, nn.LayerNorm):
         shape, weight, bias, eps = (module.normalized_shape, module.weight, module.bias,
                                     module.eps)
@@ -146,19 +157,29 @@ def router_step(router) -> Callable:
     return route
 
 
+def shared_expert_step(module) -> Callable:
+    """x (B, H) -> a megatron ``SharedExpertMLP``'s output: its MLP, times sigmoid(x gate) where
+    it has a gate (``moe_shared_expert_gate``: one (1, H) weight)."""
+    mlp = mlp_step(module)
+    gate = module.gate_weight if getattr(module, "use_shared_expert_gate", False) else None
+    if gate is None:
+        return mlp
+    return lambda x: mlp(x) * torch.sigmoid(F.linear(x, gate))
+
+
 def moe_step(module) -> Callable:
     """x (B, H) -> a megatron ``MoELayer``'s output: its router's choice, the picked experts
     weighted by their probabilities, the shared expert."""
     experts = getattr(module.experts, "local_experts", None)
     cfg = module.config
-    if (experts is None or getattr(cfg, "moe_latent_size", None)
-            or getattr(cfg, "moe_shared_expert_gate", False)):
-        raise Unsupported("MoE layout (grouped experts, latent projections or a gated shared "
-                          "expert)")
+    if experts is None or getattr(cfg, "moe_latent_size", None):
+        raise Unsupported("MoE layout (grouped experts or latent projections)")
+    if getattr(cfg, "moe_shared_expert_overlap", False):
+        raise Unsupported("MoE shared expert overlapped with the dispatcher")
     route = router_step(module.router)
     mlps = [mlp_step(e) for e in experts]
-    shared = (mlp_step(module.shared_experts) if getattr(module, "use_shared_expert", False)
-              else None)
+    shared = (shared_expert_step(module.shared_experts)
+              if getattr(module, "use_shared_expert", False) else None)
 
     def moe(x):
         probs, top = route(x)  # (B, k) each
@@ -173,7 +194,10 @@ def moe_step(module) -> Callable:
 
 def attention_step(attn, prefilled) -> Callable:
     """x (B, H) (normed) -> a megatron ``SelfAttention``'s output, over its cache (keys after
-    RoPE) of the prefill and the steps so far."""
+    RoPE) of the prefill and the steps so far. ``linear_qkv`` gives per KV group its query heads,
+    with ``attention_output_gate`` as many gate heads, a key and a value; the gate multiplies the
+    attention's output by sigmoid(gate) in float32 before ``linear_proj`` (megatron's
+    ``_apply_output_gate``)."""
     cfg = attn.config
     if (getattr(cfg, "multi_latent_attention", False) or getattr(cfg, "rotary_interleaved", False)
             or getattr(cfg, "apply_query_key_layer_scaling", False)):
@@ -186,6 +210,8 @@ def attention_step(attn, prefilled) -> Callable:
     wo, bo = linear_of(attn.linear_proj)
     groups = attn.num_query_groups_per_partition
     per_group = attn.num_attention_heads_per_partition // groups
+    gated = getattr(cfg, "attention_output_gate", False)
+    parts = (2 if gated else 1) * per_group + 2  # per KV group: queries | gates | key | value
     dim = attn.hidden_size_per_attention_head
     qnorm = norm_of(getattr(attn, "q_layernorm", None))
     knorm = norm_of(getattr(attn, "k_layernorm", None))
@@ -204,9 +230,9 @@ def attention_step(attn, prefilled) -> Callable:
 
     def attention(x):
         col = width + prefilled.step
-        qkv = F.linear(x, wqkv, bqkv).view(batch, groups, per_group + 2, dim)
+        qkv = F.linear(x, wqkv, bqkv).view(batch, groups, parts, dim)
         q = qnorm(qkv[:, :, :per_group].reshape(batch, heads, dim))
-        k, v = knorm(qkv[:, :, per_group]), qkv[:, :, per_group + 1]
+        k, v = knorm(qkv[:, :, -2]), qkv[:, :, -1]
         if prefilled.rotary is not None:  # q and k in one rotation
             cos, sin = prefilled.rotary[0][col], prefilled.rotary[1][col]  # (B, 1, rot_dim)
             qk = rotate(torch.cat((q, k), dim=1), cos, sin)
@@ -216,8 +242,11 @@ def attention_step(attn, prefilled) -> Callable:
         out = F.scaled_dot_product_attention(
             q[:, :, None], cache_k[:, :, :col + 1], cache_v[:, :, :col + 1],
             attn_mask=None if attend is None else attend[..., :col + 1], scale=scale,
-            enable_gqa=per_group > 1)
-        return F.linear(out.reshape(batch, -1), wo, bo)
+            enable_gqa=per_group > 1).reshape(batch, -1)
+        if gated:  # the gate heads in the order of the query heads
+            gate = qkv[:, :, per_group:2 * per_group].reshape(batch, -1)
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
+        return F.linear(out, wo, bo)
 
     return attention
 
@@ -228,9 +257,11 @@ def transformer_layer(layer, prefilled) -> Callable:
     if not is_identity(layer.cross_attention):
         raise Unsupported("cross attention")
     parts = []
-    if not is_identity(layer.self_attention):
+    mixer = layer.self_attention
+    if not is_identity(mixer):  # a mixer with its own step (a recurrent one), else attention
         parts.append((norm_of(layer.input_layernorm),
-                      attention_step(layer.self_attention, prefilled)))
+                      mixer.lean_decoder(prefilled) if hasattr(mixer, "lean_decoder")
+                      else attention_step(mixer, prefilled)))
     if not is_identity(layer.mlp):
         mlp = layer.mlp
         kind = type(mlp).__name__

@@ -12,21 +12,29 @@ torch calls per layer and no Python work that grows with the prefix.
 takes the (B,) tokens just chosen and returns the next (B, V) logits. None means some part of
 the model is not one this module knows (then the generator runs megatron's own decode step): a
 tensor-parallel split, a layer kind without a builder, rotary other than M-RoPE / none,
-interleaved rotary, forward hooks on a linear or norm it would read (an unmerged LoRA adapter),
-non-torch norms, grouped-GEMM experts, latent MoE projections, a gated shared expert.
+interleaved rotary (megatron's ``rotary_interleaved``; the interleaved M-RoPE frequencies of
+Qwen3-VL / Qwen3.5 are megatron's chunked ``mrope_section`` and covered), forward hooks on a
+linear or norm it would read (an unmerged LoRA adapter), norms other than torch's and the
+zero-centred RMSNorm, grouped-GEMM experts, latent MoE projections.
 
 Layer kinds (``LAYER_DECODERS``, by megatron module class; the builders live in
 models/decode_layers.py, each returns a ``LayerDecoder`` or raises ``Unsupported``):
-``TransformerLayer`` / ``MLPLayer`` (attention with keys cached after RoPE, dense MLP, MoE) and
-``MambaLayer`` (Mamba2 conv window and SSM state per row).
+``TransformerLayer`` / ``MLPLayer`` (attention with keys cached after RoPE, rotary on all or
+the first ``rotary_percent`` of each head, q/k norms, the output gate; or the layer's
+``self_attention`` mixer's own step: the Gated DeltaNet of Qwen3.5, models/decode_deltanet.py;
+dense MLP, MoE with a shared expert, gated or not) and ``MambaLayer`` (Mamba2 conv window and
+SSM state per row). So the lean step covers every family: Qwen2.5-VL, Qwen3-VL (MoE),
+Nemotron-Omni, Qwen3.5 (MoE), at TP = 1 with the local layer spec.
 
-A recurrent layer with its own cached state (e.g. a Gated DeltaNet) plugs in at two places:
-its decode step, with an entry in ``LAYER_DECODERS`` or a ``lean_decoder(prefilled)`` method on
-its layer module (asked first), returning a ``LayerDecoder`` built from
+A recurrent layer with its own cached state plugs in at two places: its decode step, with an
+entry in ``LAYER_DECODERS`` or a ``lean_decoder(prefilled)`` method on its layer module (asked
+first; on a ``TransformerLayer``'s ``self_attention`` module: the mixer alone, the layer adding
+its pre-norm and residual, as the Gated DeltaNet does), returning a ``LayerDecoder`` built from
 ``prefilled.row_states(...)``; and, when its prefill has no padding mask, hooks that keep left
 padding out of its state (``PREFILL_PAD_HOOKS`` or a ``prefill_pad_hooks(keep)`` method on the
-module; ``padded_prefill``), as the Mamba mixer's do. Without them a batch of unequal prompt
-lengths would carry the pads into the state (the tests compare each row with transformers).
+module; ``padded_prefill``), as the Mamba mixer's and the Gated DeltaNet's do. Without them a
+batch of unequal prompt lengths would carry the pads into the state (the tests compare each row
+with transformers).
 
 Geometry (``Prefilled``): B rows left-padded to the longest prompt W; row r's prompt fills
 columns [W - n_r, W); generated token s sits in column W + s. The prefill may have run in

@@ -27,9 +27,12 @@ Generation (megatron's static ``inference_context``, as its Mamba mixer): the pr
 (``sequence_len_offset == 0``) runs the chunked rule and stores, per layer, the conv state (the
 last w - 1 inputs of the conv, (b, channels, w - 1)) and the recurrent state (b, heads, K, V)
 float32 in ``key_value_memory_dict[layer_number]``; every decode step (one token) updates both in
-place (``causal_conv1d_update``, ``fused_recurrent_gated_delta_rule``). A left pad would enter
-the state: callers generate prompts of unequal length apart (models/generate.py does so for
-recurrent layers).
+place (``causal_conv1d_update``, ``fused_recurrent_gated_delta_rule``): megatron's own decode
+step. The layer has no padding mask: a left-padded prefill of prompts of unequal length keeps the
+pads out of both states through ``prefill_pad_hooks`` (zero conv input, beta = 0 and decay g = 0
+on pads), and greedy generation's lean decode step runs the layer from those states in plain
+torch (``lean_decoder``); both live in models/decode_deltanet.py (models/decode_step.py's plug-in
+points for a recurrent layer).
 
 Kernels: flash-linear-attention (``fla-core``: ``chunk_gated_delta_rule``,
 ``fused_recurrent_gated_delta_rule``) and Dao's ``causal_conv1d`` on GPU; without them (CPU) the
@@ -68,6 +71,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from models.multimodal import zigzag  # megatron's CP share of a rank
+from models.norms import gated_rms_norm
 
 try:  # GPU kernels (flash-linear-attention, causal-conv1d); CPU: models.cpu binds torch ones
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -142,22 +146,15 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.weight
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight)
-        out = weight * out.to(dtype)
-        return (out * F.silu(z.float())).to(dtype)
+        return gated_rms_norm(x, z, weight, self.eps)
 
 
 class GatedDeltaNet(MegatronModule):
     """The Gated DeltaNet mixer (module docstring); megatron's ``self_attention`` interface:
     (s, b, h) -> ((s, b, h), None)."""
-
-    #: generation keeps a state per row that a left pad would enter (models/generate.py)
-    recurrent_state = True
 
     def __init__(self, config, layer_number: int | None = None, **_unused):
         super().__init__(config=config)
@@ -219,6 +216,21 @@ class GatedDeltaNet(MegatronModule):
             out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
                                                   metadata, tp_group=tp))
         return out
+
+    # ---------------------------------------------------------------- generation
+    def lean_decoder(self, prefilled):
+        """The lean decode step of this mixer over the prefill's states (a
+        ``models.decode_step.Prefilled``): x (B, H) normed -> (B, H)."""
+        from models.decode_deltanet import deltanet_step
+
+        return deltanet_step(self, prefilled)
+
+    def prefill_pad_hooks(self, keep: torch.Tensor) -> list:
+        """Hooks that keep the left pads of a padded prefill out of the states (``keep`` (b, s):
+        True on real tokens); returns their handles."""
+        from models.decode_deltanet import deltanet_pad_hooks
+
+        return deltanet_pad_hooks(self, keep)
 
     # ---------------------------------------------------------------- forward
     def forward(self, hidden_states, attention_mask=None, inference_context=None,

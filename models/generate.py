@@ -3,23 +3,23 @@
 ``greedy_generate(model, prompts, eos_id=..., max_new_tokens=...)`` left-pads the prompts to the
 longest and runs the model's own prefill (``LanguageModelRunner.prefill``: vision encoded once,
 DeepStack applied there, the LM over every prompt token with megatron's
-``StaticInferenceContext``; causal mask hiding the padding; recurrent layers such as Mamba,
-which have no padding mask, keep the pads out of their states through
+``StaticInferenceContext``; causal mask hiding the padding; recurrent layers, which have no
+padding mask (Mamba, Gated DeltaNet), keep the pads out of their states through
 ``decode_step.padded_prefill``) for all rows at once (``_row_groups``: one row at a time only on
 megatron >= 0.17 with Mamba layers). Then every row decodes in one batch through
 ``models.decode_step``: one token per row per step in plain torch over the model's own weights,
-keys cached after RoPE (rotated once), Mamba conv / SSM states per row, no megatron per-token
-machinery. Where that module does not cover the model (it says which parts it covers; e.g.
-TP > 1), each group decodes with
-megatron's own step (``language_model(...)`` on the context, which re-rotates the cached keys
-every step). M-RoPE: a generated token gets the same position on all three axes,
-``max(prompt positions) + 1`` for the first and +1 per step after (what HF's ``rope_deltas``
-do). One host sync per step (``tolist`` of the B new tokens) decides which rows stopped; the
-batch stops when all have. Runs under ``torch.inference_mode``.
+keys cached after RoPE (rotated once), Mamba conv / SSM and DeltaNet conv / recurrent states per
+row, no megatron per-token machinery. Where that module does not cover the model (it says which
+parts it covers; e.g. TP > 1), each group decodes with megatron's own step
+(``language_model(...)`` on the context, which re-rotates the cached keys every step). M-RoPE: a
+generated token gets the same position on all three axes, ``max(prompt positions) + 1`` for the
+first and +1 per step after (what HF's ``rope_deltas`` do). One host sync per step (``tolist``
+of the B new tokens) decides which rows stopped; the batch stops when all have. Runs under
+``torch.inference_mode``.
 
-Gated DeltaNet layers (``models.gated_deltanet``, ``recurrent_state``) keep each row's conv and
-recurrent state in the same inference context and have no padding mask: with them, prompts of
-unequal length prefill in groups of equal length (same tokens as alone).
+Gated DeltaNet layers (``models.gated_deltanet``) keep each row's conv and recurrent state in
+the same inference context; their pad hooks (models/decode_deltanet.py: zero conv input, no
+state step on pads) make a left-padded batch prefill give each row's states of its prompt alone.
 
 megatron >= 0.17's static-batching Mamba decode step hands the mixer's (1, B, d) projection to
 a step that reads it as (B, s, d): right for one row only, so there rows run one at a time
@@ -101,16 +101,12 @@ def _mamba_mixers(lm) -> list:
 
 def _row_groups(lm, lengths: list[int]) -> list[list[int]]:
     """The prompts (row indices) that prefill as one batch: all of them, except with Mamba
-    layers on megatron >= 0.17 (one row at a time; module docstring) and with Gated DeltaNet
-    layers (no padding mask: rows of equal length together)."""
+    layers on megatron >= 0.17 (one row at a time; module docstring)."""
     from megatron.core import __version__
     from packaging.version import Version
 
     if _mamba_mixers(lm) and Version(__version__) >= Version("0.17"):
         return [[row] for row in range(len(lengths))]
-    if any(getattr(m, "recurrent_state", False) for m in lm.modules()):
-        return [[row for row, n in enumerate(lengths) if n == length]
-                for length in sorted(set(lengths))]
     return [list(range(len(lengths)))]
 
 

@@ -2,10 +2,12 @@
 models/decode_step.py) against transformers' greedy ``generate``, for every family and LM layer
 kind: attention (Qwen2.5-VL with q/k/v biases, Qwen3-VL with q/k norms), MoE (Qwen3-VL-MoE's
 softmax router, Nemotron's sigmoid router with a shared expert), Mamba2 and MLP (Nemotron-Omni's
-hybrid stack); four prompts of unequal length, alone (batch 1) and together (batch 4, one row
-stopping early); the plain-torch MoE routing equals the router modules'; megatron's own decode
-step (the fallback, also taken when a hook sits on a weight the lean step reads) gives the same
-tokens."""
+hybrid stack), Qwen3.5's Gated DeltaNet (conv and recurrent state; its pads kept out of them in
+the padded prefill), gated attention with zero-centred norms and rotary on a quarter of each
+head, and Qwen3.5 MoE's sigmoid-gated shared expert; four prompts of unequal length, alone
+(batch 1) and together (batch 4, one row stopping early); the lean step is the one taken; the
+plain-torch MoE routing equals the router modules'; megatron's own decode step (the fallback,
+also taken when a hook sits on a weight the lean step reads) gives the same tokens."""
 
 from __future__ import annotations
 
@@ -129,3 +131,8 @@ def test_qwen3_vl_moe_tokens_equal_transformers(tmp_path, monkeypatch):
 def test_nemotron_omni_tokens_equal_transformers(pattern, tiny_nemotron_hf, nemotron_imported,
                                                  monkeypatch):
     _check(tiny_nemotron_hf[pattern], nemotron_imported[pattern], monkeypatch)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_tokens_equal_transformers(family, qwen3_5_hf, qwen3_5_imported, monkeypatch):
+    _check(qwen3_5_hf[family], qwen3_5_imported[family], monkeypatch)

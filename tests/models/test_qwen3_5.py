@@ -3,7 +3,8 @@ transformers' ``Qwen3_5(Moe)ForConditionalGeneration`` on tiny models (tests/tin
 Gated DeltaNet layers then gated attention, rotary on a quarter of each head, two value heads per
 key head, K != V; MoE: 4 experts + a gated shared expert): the CPU kernels against transformers'
 torch path (several chunks, packed segments, the decode step), logits with images and a video,
-the export in the published layout with the MTP weights carried unchanged, greedy generation."""
+the export in the published layout with the MTP weights carried unchanged (greedy generation:
+tests/models/test_generate.py)."""
 
 from __future__ import annotations
 
@@ -96,33 +97,6 @@ def test_export_round_trip_is_the_published_layout(qwen3_5_hf, qwen3_5_imported,
     assert ours.keys() == theirs.keys()
     for key in theirs:
         assert torch.equal(ours[key], theirs[key]), key
-
-
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_greedy_tokens_equal_transformers_generate(qwen3_5_hf, qwen3_5_imported, family):
-    """models.generate (the DeltaNet's conv and recurrent states and the attention's KV cache in
-    megatron's inference context: one prefill, then one-token steps) gives transformers'
-    ``generate`` tokens on one image, interleaved images and a video; the three prompts in one
-    call (unequal lengths: one run per length) give what each gives alone."""
-    from models.checkpoint import load_checkpoint
-    from models.convert import load_hf_model
-    from models.generate import greedy_generate
-    from models.verify_inputs import hf_inputs, make_inputs
-    from tests.models.test_nemotron_omni import _hf_greedy, _prompt
-
-    never = 10 ** 6  # outside the vocabulary: never generated
-    model, cfg = load_checkpoint(qwen3_5_imported[family], use_te=False)
-    hf = load_hf_model(qwen3_5_hf[family])
-    cases = make_inputs(cfg)
-    alone = []
-    for name, case in cases.items():
-        ours = greedy_generate(model, [_prompt(case)], eos_id=never, max_new_tokens=6)[0]
-        theirs = _hf_greedy(hf, hf_inputs(cfg, case), 6, never)
-        assert len(ours) == 6 and ours == theirs, (name, ours, theirs)
-        alone.append(ours)
-    batched = greedy_generate(model, [_prompt(c) for c in cases.values()], eos_id=never,
-                              max_new_tokens=6)
-    assert batched == alone
 
 
 @pytest.mark.slow
