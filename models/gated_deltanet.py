@@ -70,7 +70,6 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
-from models.multimodal import zigzag  # megatron's CP share of a rank
 from models.norms import gated_rms_norm
 
 try:  # GPU kernels (flash-linear-attention, causal-conv1d); CPU: models.cpu binds torch ones
@@ -83,6 +82,13 @@ except ImportError:
     causal_conv1d_fn = causal_conv1d_update = None
 
 PARTS = ("q", "k", "v")
+
+
+def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """megatron's CP share of rank ``rank``: chunks rank and 2 * cp - 1 - rank of 2 * cp (as
+    ``models.multimodal.zigzag``, which this module cannot import: models.cpu imports both)."""
+    chunks = t.chunk(2 * cp, dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim)
 
 
 def segment_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
