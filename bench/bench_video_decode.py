@@ -9,17 +9,22 @@ after FFmpeg's rgb24, the loader's conversion):
 - ``decode_all``: PyAV decoding every frame in order, converting the picks only;
 - ``torchcodec``: ``VideoDecoder(seek_mode="exact").get_frames_at`` (torchcodec 0.17);
 - ``decord``: ``VideoReader.get_batch`` (decord 0.6);
-- ``keyframe``: the project with ``sampling="keyframe"`` (the keyframe nearest each pick);
+- ``keyframe``: the project with ``sampling="keyframe"`` (the keyframe nearest each pick; a
+  keyframe two picks share is decoded and converted once), checked against a sequential decode:
+  the nearest keyframe to each pick, its pixels and its true timestamp (``keyframe_check``);
 - ``bound``: the exact-reader CPU bound, computed in the same run: the decode CPU of just the
   packets an exact reader must decode (from each pick's keyframe, GOPs shared between nearby
   picks; the keyframe and the reference frames up to the pick, and the pick: the H.264 NAL
   headers' ``nal_ref_idc`` says which frames others reference), each packet's CPU measured in
-  a single-thread sequential decode of the clip, plus the picks' conversions.
+  a single-thread sequential decode of the clip, plus the picks' conversions. ``bound /
+  project`` is the median over rounds of the per-round ratio, with the rounds' range.
 
-Readers that are not installed (``pip install -e .[bench]``) or that cannot load (the
-torchcodec wheel on PyPI links CUDA's libraries, which a CPU-only torch does not have: run the
-bench in a venv with a CUDA build of torch, docs/benchmarks.md) are listed as such, with the
-reason, never timed with something else. The frames each reader returns are compared with
+Readers that are not installed (``pip install -e .[bench]``) or that cannot load are listed as
+such, with the reason, never timed with something else. The torchcodec wheel on PyPI links
+CUDA's libraries (``libtorch_cuda.so``, ``libcudart``), which a CPU-only torch does not have: run
+the bench with a venv that holds a CUDA build of torch (it imports and decodes on a machine
+without a GPU), torchcodec, av, numpy, pillow, click, pyyaml and decord, with this checkout on
+``PYTHONPATH`` (docs/benchmarks.md). The frames each reader returns are compared with
 decode_all's (``equal``). The report names the interpreter, torch, torchcodec, decord and the
 FFmpeg each reader decodes with.
 
@@ -34,8 +39,8 @@ Clips (generated with PyAV, cached in ``--cache``): 640x360 30 fps x264 (veryfas
 3 B-frames, pyramid) of a panned textured scene with moving shapes, 60 s, keyframe every 2, 5 or
 10 s; and 854x480 30 fps, 180 s, keyframe every 5 s.
 
-Usage: python bench/bench_video_decode.py --out bench_out/video_decode [--rounds 5] [--quick]
-       [--clips 360p_60s_gop5 ...]
+Usage: [PYTHONPATH=.] python bench/bench_video_decode.py --out bench_out/video_decode [--rounds 9]
+       [--quick] [--clips 360p_60s_gop5 ...]
 Writes <out>/video_decode.json and prints the markdown table of docs/benchmarks.md.
 """
 

@@ -267,10 +267,11 @@ class _Reader:
         came out a keyframe or an intra frame (an I-frame flagged a sync sample without a
         recovery point SEI is no H.264 keyframe to FFmpeg)."""
         key = False
+        self.decoded += len(frames)
         for frame in frames:
-            self.decoded += 1
             pts = frame.pts
-            key |= pts == key_pts and (frame.key_frame or frame.pict_type == _INTRA)
+            if pts == key_pts:
+                key = key or bool(frame.key_frame or frame.pict_type == _INTRA)
             found = pts_rows.get(pts)
             if found is not None:
                 video_frame_pixels(frame, size, out=out, rows=found)
