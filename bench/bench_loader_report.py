@@ -42,7 +42,7 @@ Workers per GPU = CPU seconds the loader spends per step / step time, rounded up
 STEP_S seconds that consumes TOKENS_PER_STEP tokens (one packed row of 16,384 tokens) takes
 TOKENS_PER_STEP / tokens per sample samples.
 
-Usage: python bench/bench_loader_report.py --out bench_out/loader [--quick]
+Usage: python bench/bench_loader_report.py --out bench_out/loader [--quick] [--video-only]
 Writes <out>/loader_report.json and prints the two markdown tables of
 docs/benchmarks_task_encoder.md ("Loader report").
 """
@@ -338,7 +338,7 @@ def tables(results: dict) -> str:
              ">= 1.5) | reference / (decode + resize): the bound |",
              "|---|---|---|---|---|---|---|---|---|"]
     for model, sets in results.items():
-        for name in IMAGE_SETS:
+        for name in (n for n in IMAGE_SETS if n in sets):
             r = sets[name]
             ms = r["cpu_ms_per_sample"]
             lines.append(f"| {model} | {name} | {ms['reference']:.1f} | {ms['floor']:.1f} "
@@ -350,8 +350,7 @@ def tables(results: dict) -> str:
               f"samples per {TOKENS_PER_STEP}-token step | loader CPU-s per step | workers per "
               f"GPU at {STEP_S:g} s / step |", "|---|---|---|---|---|---|---|"]
     for model, sets in results.items():
-        for name in (*IMAGE_SETS, "llava_video"):
-            r = sets[name]
+        for name, r in sets.items():
             w = r["workers_per_gpu"]
             lines.append(f"| {model} | {name} | {r['tokens_per_sample']:.0f} "
                          f"({r['visual_tokens_per_sample']:.0f}) | "
@@ -364,7 +363,8 @@ def tables(results: dict) -> str:
 @click.command()
 @click.option("--out", default="bench_out/loader", type=click.Path(path_type=Path))
 @click.option("--quick", is_flag=True, help="fewer samples, 2 rounds")
-def main(out: Path, quick: bool) -> None:
+@click.option("--video-only", is_flag=True, help="the llava_video rows only")
+def main(out: Path, quick: bool, video_only: bool) -> None:
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
 
     torch.set_num_threads(1)
@@ -373,7 +373,7 @@ def main(out: Path, quick: bool) -> None:
     tokenizer_dir = Path(tempfile.mkdtemp()) / "tokenizer"
     build_test_tokenizer(tokenizer_dir)
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    sets = image_sets(quick)
+    sets = {} if video_only else image_sets(quick)
     clips = [(seconds, make_video(seconds, 30, 640, 360, 60))
              for seconds in ((30,) if quick else (30, 60))]
     rounds = 2 if quick else ROUNDS

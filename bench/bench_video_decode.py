@@ -9,17 +9,22 @@ after FFmpeg's rgb24, the loader's conversion):
 - ``decode_all``: PyAV decoding every frame in order, converting the picks only;
 - ``torchcodec``: ``VideoDecoder(seek_mode="exact").get_frames_at`` (torchcodec 0.17);
 - ``decord``: ``VideoReader.get_batch`` (decord 0.6);
-- ``keyframe``: the project with ``sampling="keyframe"`` (the keyframe nearest each pick);
+- ``keyframe``: the project with ``sampling="keyframe"`` (the keyframe nearest each pick; a
+  keyframe two picks share is decoded and converted once), checked against a sequential decode:
+  the nearest keyframe to each pick, its pixels and its true timestamp (``keyframe_check``);
 - ``bound``: the exact-reader CPU bound, computed in the same run: the decode CPU of just the
   packets an exact reader must decode (from each pick's keyframe, GOPs shared between nearby
   picks; the keyframe and the reference frames up to the pick, and the pick: the H.264 NAL
   headers' ``nal_ref_idc`` says which frames others reference), each packet's CPU measured in
-  a single-thread sequential decode of the clip, plus the picks' conversions.
+  a single-thread sequential decode of the clip, plus the picks' conversions. ``bound /
+  project`` is the median over rounds of the per-round ratio, with the rounds' range.
 
-Readers that are not installed (``pip install -e .[bench]``) or that cannot load (the
-torchcodec wheel on PyPI links CUDA's libraries, which a CPU-only torch does not have: run the
-bench in a venv with a CUDA build of torch, docs/benchmarks.md) are listed as such, with the
-reason, never timed with something else. The frames each reader returns are compared with
+Readers that are not installed (``pip install -e .[bench]``) or that cannot load are listed as
+such, with the reason, never timed with something else. The torchcodec wheel on PyPI links
+CUDA's libraries (``libtorch_cuda.so``, ``libcudart``), which a CPU-only torch does not have: run
+the bench with a venv that holds a CUDA build of torch (it imports and decodes on a machine
+without a GPU), torchcodec, av, numpy, pillow, click, pyyaml and decord, with this checkout on
+``PYTHONPATH`` (docs/benchmarks.md). The frames each reader returns are compared with
 decode_all's (``equal``). The report names the interpreter, torch, torchcodec, decord and the
 FFmpeg each reader decodes with.
 
@@ -34,8 +39,8 @@ Clips (generated with PyAV, cached in ``--cache``): 640x360 30 fps x264 (veryfas
 3 B-frames, pyramid) of a panned textured scene with moving shapes, 60 s, keyframe every 2, 5 or
 10 s; and 854x480 30 fps, 180 s, keyframe every 5 s.
 
-Usage: python bench/bench_video_decode.py --out bench_out/video_decode [--rounds 5] [--quick]
-       [--clips 360p_60s_gop5 ...]
+Usage: [PYTHONPATH=.] python bench/bench_video_decode.py --out bench_out/video_decode [--rounds 9]
+       [--quick] [--clips 360p_60s_gop5 ...]
 Writes <out>/video_decode.json and prints the markdown table of docs/benchmarks.md.
 """
 
@@ -174,6 +179,36 @@ def decode_all(data: bytes, picks: list[int], frames: int) -> np.ndarray:
     return np.stack(out)
 
 
+def keyframe_check(data: bytes, picks: list[int], frames: int) -> dict:
+    """The keyframe mode against a sequential decode: each returned frame is the keyframe
+    (``key_frame`` or an I-frame) nearest its pick in time (the earlier one on a tie), with that
+    frame's pixels and true timestamp (pts - first pts, seconds); and how many distinct frames
+    it returned (each converted once)."""
+    from av.video.frame import PictureType
+
+    video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**9, frames=frames,
+                                sampling="keyframe")
+    stamps, keys, pixels, wanted = [], [], {}, set(video.indices)
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1
+        base = float(stream.time_base)  # read while open: a closed stream's is freed memory
+        for index, frame in enumerate(container.decode(stream)):
+            stamps.append(frame.pts)
+            if frame.key_frame or frame.pict_type == PictureType.I:
+                keys.append(index)
+            if index in wanted:
+                pixels[index] = video_frame_pixels(frame, SIZE[::-1])
+    seconds = [(pts - stamps[0]) * base for pts in stamps]
+    nearest = [min(keys, key=lambda k, p=p: (abs(seconds[k] - seconds[p]), k)) for p in picks]
+    return {"nearest_keyframes": list(video.indices) == nearest,
+            "pixels_equal": all(np.array_equal(f, pixels[k])
+                                for f, k in zip(video.frames, video.indices, strict=True)),
+            "true_timestamps": all(abs(t - seconds[k]) < 1e-9
+                                   for t, k in zip(video.timestamps, video.indices, strict=True)),
+            "distinct_frames": len(wanted)}
+
+
 def load_torchcodec():
     """(reader, None) or (None, why it cannot be used)."""
     try:
@@ -278,6 +313,7 @@ def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> 
              "keyframe": lambda: project(data, picks, frames, "keyframe")}
     calls.update({k: (lambda r=r: r(data, picks, frames)) for k, r in readers.items()})
     equal = {k: bool(np.array_equal(f(), reference)) for k, f in calls.items() if k != "keyframe"}
+    keyframes = keyframe_check(data, picks, frames)
     times = {k: [] for k in [*calls, "bound", "conversions"]}
     for round_ in range(rounds + 1):  # round 0 warms up
         for key, call in calls.items():
@@ -291,10 +327,11 @@ def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> 
             times["conversions"].append(convert)
     median = {k: statistics.median(v) for k, v in times.items()}
     # ratios per round (the readers and the bound of one round ran back to back), then median
-    ratios = {"bound_over_project": statistics.median(
-        b / p for b, p in zip(times["bound"], times["project"], strict=True))}
+    per_round = [b / p for b, p in zip(times["bound"], times["project"], strict=True)]
+    ratios = {"bound_over_project": statistics.median(per_round),
+              "bound_over_project_range": [min(per_round), max(per_round)]}
     return {"clip": name, "frames": frames, "picks": count, "cpu_s": median, "ratios": ratios,
-            "equal": equal, "rounds_cpu_s": times}
+            "equal": equal, "keyframe_check": keyframes, "rounds_cpu_s": times}
 
 
 def _speedup(result: dict, key: str, missing: dict) -> str:
@@ -307,17 +344,23 @@ def _speedup(result: dict, key: str, missing: dict) -> str:
 
 def table(results: list[dict], missing: dict) -> str:
     head = ("| clip, picks | decode-all CPU ms | project vs decode-all | torchcodec exact vs "
-            "decode-all | decord vs decode-all | bound vs decode-all | bound / project | "
+            "decode-all | decord vs decode-all | bound vs decode-all | bound / project (rounds) | "
             "keyframe vs decode-all | keyframe vs decode-all, decoding only |")
     lines = [head, "|" + "---|" * 9]
     for r in results:
         t = r["cpu_s"]
         cells = [_speedup(r, key, missing) for key in ("project", "torchcodec", "decord")]
-        decoding = (t["decode_all"] - t["conversions"]) / (t["keyframe"] - t["conversions"])
+        low, high = r["ratios"]["bound_over_project_range"]
+        # the keyframe mode converts each distinct frame once
+        check = r["keyframe_check"]
+        converted = t["conversions"] * check["distinct_frames"] / r["picks"]
+        decoding = (t["decode_all"] - t["conversions"]) / (t["keyframe"] - converted)
+        flag = "" if all(v for k, v in check.items() if k != "distinct_frames") else " (wrong)"
         lines.append(f"| {r['clip']}, {r['picks']} | {1000 * t['decode_all']:.0f} | "
                      + " | ".join(cells) + f" | {_speedup(r, 'bound', missing)} | "
-                     f"{r['ratios']['bound_over_project']:.2f} | "
-                     f"{_speedup(r, 'keyframe', missing)} | {decoding:.1f}x |")
+                     f"{r['ratios']['bound_over_project']:.2f} ({low:.2f}-{high:.2f}) | "
+                     f"{_speedup(r, 'keyframe', missing)}{flag} | {decoding:.1f}x "
+                     f"({check['distinct_frames']} frames) |")
     lines += [f"\n{k}: not measured ({why})" for k, why in missing.items()]
     return "\n".join(lines)
 

@@ -14,9 +14,11 @@ This module owns what a frame index means and how the chosen frames are read:
   lies between two picks; packets that are not picks are fed with ``skip_frame = NONREF`` (frames
   no other frame references are not decoded: the kept frames are bit for bit the same); after a
   run's last pick the decoder is drained, never fed the next GOP; one thread (loader workers fill
-  the cores); only the picks are converted to RGB; the decoder is opened before ``skip_frame`` is
-  first set (libdav1d reads it once, when opened: an AV1 decoder opened skipping would never show
-  a non-reference pick);
+  the cores); only the picks are converted to RGB, each as it comes out of the decoder, straight
+  into its rows of the output (the decoded frame goes back to the decoder's pool; a frame two
+  picks share is converted once); the decoder is opened before ``skip_frame`` is first set
+  (libdav1d reads it once, when opened: an AV1 decoder opened skipping would never show a
+  non-reference pick);
 - **the decoder's word over the container's**: a planned run whose first packet does not decode to
   a keyframe or an intra frame (``frame.key_frame``, ``pict_type`` I: flags that call every packet
   a keyframe, e.g. an mp4 without ``stss``), or that leaves a pick undecoded, sends the whole read
@@ -147,6 +149,9 @@ def decode_video_frames(
         raise MediaError("undecodable_video", f"{name}: {type(error).__name__}: {error}") from None
 
 
+_INTRA = 1  #: ``av.video.frame.PictureType.I`` (AV_PICTURE_TYPE_I)
+
+
 class _Unplannable(Exception):
     """The decoder refuted the plan: a run's first packet decoded to no keyframe (nor intra
     frame), or a pick is missing."""
@@ -161,7 +166,7 @@ class _Reader:
         self.base = float(stream.time_base) if stream.time_base else 0.0
         self.rate = float(stream.average_rate or stream.guessed_rate or 0)
         self.packets = [p for p in container.demux(stream) if p.size]
-        stamps = [p.pts for p in self.packets]
+        self.stamps = stamps = [p.pts for p in self.packets]
         self.planned = self.base > 0 and packets_map_to_frames(
             stamps, bool(self.packets) and self.packets[0].is_keyframe, frames)
         self.order = sorted(range(len(stamps)), key=stamps.__getitem__) if self.planned else []
@@ -182,15 +187,18 @@ class _Reader:
         else:
             wanted = [self.order[k] for k in picks]
             runs = self._runs(sorted(set(wanted)))
+        rows: dict[int, list[int]] = {}  # packet position -> the output rows showing it
+        for row, position in enumerate(wanted):
+            rows.setdefault(position, []).append(row)
+        out = np.empty((len(picks), size[1], size[0], 3), np.uint8)
         try:
-            got = self._decode_runs(runs, wanted)
+            self._decode_runs(runs, rows, out, size)
         except _Unplannable:
             return self._sequential(picks, size, name)
-        first = self.packets[self.order[0]].pts
+        first = self.stamps[self.order[0]]
         return DecodedVideo(
-            frames=np.stack([video_frame_pixels(got[p], size) for p in wanted]),
-            indices=tuple(rank[p] for p in wanted),
-            timestamps=tuple((self.packets[p].pts - first) * self.base for p in wanted),
+            frames=out, indices=tuple(rank[p] for p in wanted),
+            timestamps=tuple((self.stamps[p] - first) * self.base for p in wanted),
             decoded_frames=self.decoded, seeks=self.seeks)
 
     def _start(self, position: int) -> int:
@@ -218,67 +226,72 @@ class _Reader:
                 runs.append((start, end))
         return runs
 
-    def _decode_runs(self, runs: list[tuple[int, int]], wanted: list[int]) -> dict:
-        """Frames of the packets ``wanted`` (positions), decoded by ``runs``; non-picks are fed
-        skipping non-reference frames, each run is drained (never fed the next GOP's packet).
+    def _decode_runs(self, runs: list[tuple[int, int]], rows: dict[int, list[int]],
+                     out: np.ndarray, size: tuple[int, int]) -> None:
+        """Decode ``runs`` and write the frame of each packet in ``rows`` (positions) into its
+        rows of ``out`` as it comes out (converted once, however many rows show it); non-picks
+        are fed skipping non-reference frames, each run is drained (never fed the next GOP's
+        packet).
 
         Raises:
             _Unplannable: a run's first packet did not decode to a keyframe or intra frame, or a
                 pick is missing.
         """
-        pts_wanted = {self.packets[p].pts: p for p in wanted}
-        got, skip = {}, None
+        stamps, packets, decode = self.stamps, self.packets, self.codec.decode
+        pts_rows = {stamps[p]: found for p, found in rows.items()}
+        shown, skip = set(), None
         if not self.codec.is_open:
             self.codec.open(strict=False)  # with skip_frame DEFAULT (libdav1d reads it here)
         for start, end in runs:
             self._restart()
-            key_pts, key = self.packets[start].pts, False
+            key_pts, key = stamps[start], False
             for position in range(start, end + 1):
-                packet = self.packets[position]
-                if skip != (skip := packet.pts not in pts_wanted):
+                if skip != (skip := stamps[position] not in pts_rows):
                     self.codec.skip_frame = "NONREF" if skip else "DEFAULT"
-                key |= self._keep(self.codec.decode(packet), pts_wanted, got, key_pts)
-            key |= self._keep(self.codec.decode(None), pts_wanted, got, key_pts)  # drain
+                if frames := decode(packets[position]):
+                    key |= self._keep(frames, pts_rows, out, size, shown, key_pts)
+            key |= self._keep(decode(None), pts_rows, out, size, shown, key_pts)  # drain
             if not key:
                 raise _Unplannable
-        if any(p not in got for p in wanted):
+        if len(shown) != len(pts_rows):
             raise _Unplannable
-        return got
 
     def _restart(self) -> None:
         if self.seeks:
             self.codec.flush_buffers()
         self.seeks += 1
 
-    def _keep(self, frames, pts_wanted: dict, got: dict, key_pts) -> bool:
-        """Keep the wanted frames; True when the frame at ``key_pts`` came out a keyframe or an
-        intra frame (an I-frame flagged a sync sample without a recovery point SEI is no H.264
-        keyframe to FFmpeg)."""
-        from av.video.frame import PictureType
-
+    def _keep(self, frames, pts_rows: dict, out: np.ndarray, size: tuple[int, int], shown: set,
+              key_pts) -> bool:
+        """Write the wanted frames into their rows of ``out``; True when the frame at ``key_pts``
+        came out a keyframe or an intra frame (an I-frame flagged a sync sample without a
+        recovery point SEI is no H.264 keyframe to FFmpeg)."""
         key = False
+        self.decoded += len(frames)
         for frame in frames:
-            self.decoded += 1
-            key |= frame.pts == key_pts and (frame.key_frame or frame.pict_type == PictureType.I)
-            position = pts_wanted.get(frame.pts)
-            if position is not None:
-                got[position] = frame
+            pts = frame.pts
+            if pts == key_pts:
+                key = key or bool(frame.key_frame or frame.pict_type == _INTRA)
+            found = pts_rows.get(pts)
+            if found is not None:
+                video_frame_pixels(frame, size, out=out, rows=found)
+                shown.add(pts)
         return key
 
     def _sequential(self, picks: list[int], size: tuple[int, int], name: str) -> DecodedVideo:
         """Every packet decoded in order; the k-th frame out is frame k."""
         self._restart()
         self.codec.skip_frame = "DEFAULT"
-        kept, stamps, first = {}, {}, None
-        wanted = set(picks)
-        count = 0
+        out = np.empty((len(picks), size[1], size[0], 3), np.uint8)
+        row_of = {k: row for row, k in enumerate(picks)}
+        stamps, first, count = {}, None, 0
         for packet in [*self.packets, None]:
             for frame in self.codec.decode(packet):
                 self.decoded += 1
                 if first is None:
                     first = frame.pts
-                if count in wanted:
-                    kept[count] = video_frame_pixels(frame, size)
+                if count in row_of:
+                    video_frame_pixels(frame, size, out=out, rows=[row_of[count]])
                     stamps[count] = self._seconds(frame.pts, first, count)
                 count += 1
             if count > picks[-1]:
@@ -286,7 +299,7 @@ class _Reader:
         if count <= picks[-1]:
             raise MediaError("undecodable_video", f"{name}: frame {picks[-1]} asked, "
                              f"{count} decode")
-        return DecodedVideo(frames=np.stack([kept[k] for k in picks]), indices=tuple(picks),
+        return DecodedVideo(frames=out, indices=tuple(picks),
                             timestamps=tuple(stamps[k] for k in picks),
                             decoded_frames=self.decoded, seeks=self.seeks, sequential=True)
 
@@ -327,13 +340,17 @@ def _frame_sequence(data: bytes, picks: list[int], size: tuple[int, int], max_so
                         seeks=0)
 
 
-def video_frame_pixels(frame, size: tuple[int, int]) -> np.ndarray:
+def video_frame_pixels(frame, size: tuple[int, int], *, out: np.ndarray | None = None,
+                       rows: list[int] | None = None) -> np.ndarray:
     """(H, W, 3) uint8 RGB of a decoded PyAV frame at ``size`` (width, height).
 
     FFmpeg's rgb24 conversion (the same pixels as ``frame.to_image()``, whose Python row copy
-    costs ~10x more), then PIL bicubic when the size differs, as the image path.
+    costs ~10x more), then PIL bicubic when the size differs, as the image path. With ``out``
+    ((T, H, W, 3)) and ``rows``, the pixels are also written into those rows of ``out``.
     """
     rgb = frame.to_ndarray(format="rgb24")
-    if (rgb.shape[1], rgb.shape[0]) == tuple(size):
-        return rgb
-    return np.asarray(Image.fromarray(rgb).resize(size, Image.BICUBIC), dtype=np.uint8)
+    if (rgb.shape[1], rgb.shape[0]) != tuple(size):
+        rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.BICUBIC), dtype=np.uint8)
+    if out is not None:
+        out[rows] = rgb
+    return rgb
