@@ -14,7 +14,9 @@ Nothing a header claims is trusted:
   sequential read does: a packet that does not decode rejects the clip, and the frames that come
   out are its frames (what a frame index counts, docs/format.md).
   Where the loader would map packets to frames without decoding (`packets_map_to_frames`), the
-  decoded frames' timestamps must be the packets' in order, else the clip is rejected. The stored
+  decoded frames' timestamps must be the packets' in order, else the clip is rejected; where
+  the packets' timestamps count decode order (H.264 with B-frames in AVI), the loader reads
+  from the start and the clip is kept. The stored
   frame count (decoded frames), duration and rate are the measured ones; when the container
   claimed another frame count the sample records the fixup `video_frames_measured`. The first
   packet must be a keyframe: flagged one by the container or, where it is not, decoded to one (the
@@ -235,6 +237,7 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
                                  f"{MIN_VIDEO_FRAMES} (one temporal patch)")
             rate = float(stream.average_rate or stream.guessed_rate or 0)
             codec = stream.codec_context.name
+            reorders = stream.codec_context.has_b_frames
         stamps, width, height, decoded_key = _decode_all(data, name, limits)
         frames = len(stamps)
         if frames == 0:
@@ -247,7 +250,8 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
         if frames < MIN_VIDEO_FRAMES:
             raise MediaError("too_few_frames", f"{name}: {frames} frame decodes of "
                              f"{len(packets)} packets; a video needs {MIN_VIDEO_FRAMES}")
-        if packets_map_to_frames(packets, first_key, frames) and sorted(packets) != stamps:
+        if packets_map_to_frames(packets, first_key, frames, reorders) and \
+                sorted(packets) != stamps:
             raise MediaError("unreadable_video", f"{name}: the decoded frames' timestamps are "
                              "not the packets' (frames cannot be located without decoding)")
         fps = frames / seconds if seconds > 0 else rate

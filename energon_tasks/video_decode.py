@@ -24,9 +24,12 @@ This module owns what a frame index means and how the chosen frames are read:
   a keyframe, e.g. an mp4 without ``stss``), or that leaves a pick undecoded, sends the whole read
   down the sequential path;
 - **sequential reads**: a stream whose packets cannot be mapped to frames without decoding (a
-  packet without a timestamp, two packets with one, a first packet that is not a keyframe, or a
-  packet count other than the frames the converter decoded) is decoded from its start, and the
-  k-th decoded frame is frame k: slower, never wrong (``DecodedVideo.sequential``);
+  packet without a timestamp, two packets with one, a first packet that is not a keyframe, a
+  packet count other than the frames the converter decoded, or timestamps that count decode
+  order: ``decode_order_stamps``, e.g. H.264 with B-frames in AVI) is decoded from its start, and
+  the k-th decoded frame is frame k: slower, never wrong (``DecodedVideo.sequential``); its
+  timestamps are the frames' presentation timestamps where those rise frame after frame, else
+  (decode-order stamps) frame count / frame rate (such containers have a constant rate);
 - ``keyframe`` sampling (``TaskEncoderConfig.video_sampling``): each pick is replaced by the
   keyframe nearest to it in time (the earlier one on a tie), decoded alone; the indices and
   timestamps returned are the keyframes' (two picks may share one). A stream read sequentially
@@ -80,12 +83,26 @@ def video_stream(container):
     return None
 
 
-def packets_map_to_frames(stamps: list, first_is_key: bool, frames: int | None) -> bool:
+def decode_order_stamps(stamps: list, reorders: bool) -> bool:
+    """True when the packets' timestamps count decode order, not presentation: they rise packet
+    after packet although the codec reorders frames (``reorders``: the codec context's
+    ``has_b_frames``). AVI stores no presentation times: H.264 with B-frames there gets each
+    packet's decode position as its pts, and a frame shown out of decode order carries the
+    stamp of another position (a planned read would swap frames 1 and 2)."""
+    return bool(reorders) and None not in stamps and all(
+        a < b for a, b in zip(stamps, stamps[1:]))
+
+
+def packets_map_to_frames(stamps: list, first_is_key: bool, frames: int | None,
+                          reorders: bool) -> bool:
     """True when frame k is surely the packet with the k-th smallest pts: every packet has a
-    pts, no two share one, the first is a keyframe and there are as many packets as decoded
-    frames (``frames``; None: not known). Else only a sequential decode locates the frames."""
+    pts, no two share one, the first is a keyframe, there are as many packets as decoded frames
+    (``frames``; None: not known) and the pts are presentation times (not
+    ``decode_order_stamps``; ``reorders``: the codec's ``has_b_frames``). Else only a
+    sequential decode locates the frames."""
     return (bool(stamps) and first_is_key and None not in stamps
-            and len(set(stamps)) == len(stamps) and frames in (None, len(stamps)))
+            and len(set(stamps)) == len(stamps) and frames in (None, len(stamps))
+            and not decode_order_stamps(stamps, reorders))
 
 
 def decode_video_frames(
@@ -167,8 +184,10 @@ class _Reader:
         self.rate = float(stream.average_rate or stream.guessed_rate or 0)
         self.packets = [p for p in container.demux(stream) if p.size]
         self.stamps = stamps = [p.pts for p in self.packets]
+        reorders = self.codec.has_b_frames
+        self.presentation_stamps = not decode_order_stamps(stamps, reorders)
         self.planned = self.base > 0 and packets_map_to_frames(
-            stamps, bool(self.packets) and self.packets[0].is_keyframe, frames)
+            stamps, bool(self.packets) and self.packets[0].is_keyframe, frames, reorders)
         self.order = sorted(range(len(stamps)), key=stamps.__getitem__) if self.planned else []
         self.keys = [i for i, p in enumerate(self.packets) if p.is_keyframe]
         self.decoded = self.seeks = 0
@@ -284,29 +303,30 @@ class _Reader:
         self.codec.skip_frame = "DEFAULT"
         out = np.empty((len(picks), size[1], size[0], 3), np.uint8)
         row_of = {k: row for row, k in enumerate(picks)}
-        stamps, first, count = {}, None, 0
+        shown: list = []  # each decoded frame's pts, in presentation order
         for packet in [*self.packets, None]:
             for frame in self.codec.decode(packet):
                 self.decoded += 1
-                if first is None:
-                    first = frame.pts
-                if count in row_of:
-                    video_frame_pixels(frame, size, out=out, rows=[row_of[count]])
-                    stamps[count] = self._seconds(frame.pts, first, count)
-                count += 1
-            if count > picks[-1]:
+                if len(shown) in row_of:
+                    video_frame_pixels(frame, size, out=out, rows=[row_of[len(shown)]])
+                shown.append(frame.pts)
+            if len(shown) > picks[-1]:
                 break
-        if count <= picks[-1]:
+        if len(shown) <= picks[-1]:
             raise MediaError("undecodable_video", f"{name}: frame {picks[-1]} asked, "
-                             f"{count} decode")
+                             f"{len(shown)} decode")
         return DecodedVideo(frames=out, indices=tuple(picks),
-                            timestamps=tuple(stamps[k] for k in picks),
+                            timestamps=self._seconds(shown, picks),
                             decoded_frames=self.decoded, seeks=self.seeks, sequential=True)
 
-    def _seconds(self, pts, first, count: int) -> float:
-        if pts is not None and first is not None and self.base > 0:
-            return (pts - first) * self.base
-        return count / self.rate if self.rate else 0.0
+    def _seconds(self, shown: list, picks: list[int]) -> tuple[float, ...]:
+        """Seconds after frame 0 of the frames ``picks`` of a sequential decode whose frames
+        came out with the pts ``shown``: from the pts where they are presentation times (every
+        frame has one and they rise), else frame count / frame rate."""
+        if (self.presentation_stamps and self.base > 0 and None not in shown
+                and all(a < b for a, b in zip(shown, shown[1:]))):
+            return tuple((shown[k] - shown[0]) * self.base for k in picks)
+        return tuple(k / self.rate if self.rate else 0.0 for k in picks)
 
 
 def _frame_sequence(data: bytes, picks: list[int], size: tuple[int, int], max_source_pixels: int,

@@ -314,6 +314,8 @@ HOSTILE_VIDEOS = {
     "mp4_bframes": (encoded_clip, "mp4", None),
     "mpegts": (lambda: encoded_clip("mpegts"), "ts", None),
     "avi_bframes": (lambda: encoded_clip("avi", "mpeg4"), "avi", None),
+    # H.264 with B-frames in AVI: the packets' pts count decode order (a sequential read)
+    "avi_h264_bframes": (lambda: encoded_clip("avi"), "avi", None),
     "vfr": (vfr_clip, "mp4", None),
     "open_gop": (lambda: encoded_clip(open_gop=True), "mp4", None),
     "open_gop_cut": (open_gop_cut_clip, "mp4", None),
@@ -333,6 +335,7 @@ HOSTILE_VIDEOS = {
 #: the kept clips whose frames the loader reads by a decode from the start, and why
 SEQUENTIAL_READS = {
     "raw_h264": "no packet has a timestamp",
+    "avi_h264_bframes": "the packets' timestamps count decode order while the codec reorders",
     "hevc_unflagged": "no packet is flagged a keyframe",
     "hevc_no_stss": "every packet is flagged a keyframe: the decoder refutes the planned read",
 }

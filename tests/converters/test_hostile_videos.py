@@ -43,16 +43,22 @@ def converted(tmp_path_factory):
 
 
 def sequential(data: bytes) -> tuple[list, list]:
-    """Every frame of a sequential decode of the loader's stream: (pixels, (seconds, key))."""
+    """Every frame of a sequential decode of the loader's stream: (pixels, (seconds, key));
+    seconds from the frames' pts, or frame count / rate where the pts do not rise frame after
+    frame (AVI's decode-order stamps: they are no presentation times)."""
     with av.open(io.BytesIO(data)) as container:
         stream = video_stream(container)
-        base = float(stream.time_base)
+        base, rate = float(stream.time_base), float(stream.average_rate or 0)
         frames = [(video_frame_pixels(f, SIZE[::-1]), f.pts, f.key_frame)
                   for f in container.decode(stream)]
-    first = frames[0][1]
-    stamps = [((pts - first) * base if first is not None else None, key)
-              for _, pts, key in frames]
-    return [f[0] for f in frames], stamps
+    pts = [f[1] for f in frames]
+    if None in pts:
+        seconds = [None] * len(pts)
+    elif all(a < b for a, b in zip(pts, pts[1:])):
+        seconds = [(p - pts[0]) * base for p in pts]
+    else:
+        seconds = [k / rate for k in range(len(pts))]
+    return [f[0] for f in frames], [(s, f[2]) for s, f in zip(seconds, frames)]
 
 
 def kept_video(converted, name: str) -> tuple[dict, bytes, list, list]:
