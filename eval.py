@@ -4,7 +4,8 @@
     make eval-qwen-vl-infovqa CKPT=runs/qwen_vl_infovqa LIMIT=50
 
 The checkpoint is either a train.py checkpoint (a run folder, its ``checkpoints`` folder (the
-newest complete step) or one ``step_N`` folder; loaded at this process's layout, TP=1), whose
+newest complete step) or one ``step_N`` folder; loaded at this process's layout, TP=1; a MoE
+model too big for one GPU: under torchrun with its experts over the ranks, ``expert_ranks``), whose
 stored run config (recipes/run_config.py) decides what the model sees, exactly as in training:
 its ``task_encoder`` section (every budget knob) and ``data.path``; or an imported Hugging Face
 checkpoint (``python -m models.convert hf-to-mcore``: a baseline before fine-tuning), which needs
@@ -26,6 +27,7 @@ stdout is not a terminal). Bad input: one line on stderr, exit code 2.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,8 +148,47 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     encoder = task_encoder_for(te_cfg, tokenizer)
     check_compatible(found.model_config, te_cfg, weights=f"checkpoint {args.ckpt}",
                      tokenizer=tokenizer, encoder=encoder, token_ids=tuple(TOKEN_IDS))
-    init_parallel(seed=cfg.train.seed)
+    init_parallel(seed=cfg.train.seed, ep=expert_ranks(cfg, found.model_config, world_size()))
     return tokenizer, encoder, load_model(found, use_te=False)
+
+
+def world_size() -> int:
+    """The processes of this eval: torchrun's ``WORLD_SIZE``, else 1."""
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE {os.environ['WORLD_SIZE']!r} is not a number") from None
+
+
+def expert_ranks(cfg, model_config, world: int) -> int:
+    """The expert-parallel size of an eval over ``world`` processes. One process: 1, whatever
+    layout the run trained at. Under torchrun (a MoE model too big for one GPU): the experts over
+    all ranks (``parallel.ep`` = the world size, TP = PP = CP = 1); every rank generates the same
+    answers in step (the experts' all-to-all needs it), rank 0 writes them.
+
+    Raises:
+        UsageError: another layout, or a dense model, at world > 1 (one line saying what to pass).
+    """
+    if world == 1:
+        return 1
+    from models.families import family_of
+
+    p = cfg.parallel
+    experts = family_of(model_config).num_experts(model_config)
+    fix = f"torchrun --nproc-per-node {world} eval.py ... parallel.tp=1 parallel.pp=1 " \
+          f"parallel.cp=1 parallel.ep={world} parallel.etp=1"
+    if not experts:
+        raise UsageError(f"eval.py over {world} processes holds the experts of a MoE model over "
+                         f"the ranks; {model_config.family} has none: run it in one process")
+    if (p.tp, p.pp, p.cp, p.ep, p.etp or p.tp) != (1, 1, 1, world, 1):
+        got = f"parallel.tp {p.tp}, pp {p.pp}, cp {p.cp}, ep {p.ep}, etp " \
+              f"{p.tp if p.etp is None else p.etp}"
+        raise UsageError(f"eval.py over {world} processes runs at expert parallel {world} only "
+                         f"(got {got}, e.g. the run's training layout): {fix}")
+    if experts % world:
+        raise UsageError(f"{experts} experts do not split over {world} ranks: run eval.py over "
+                         "a number of processes that divides them")
+    return world
 
 
 def summarize(args: Args, cfg, found, answers, blank: bool) -> dict:
@@ -177,7 +218,10 @@ def summarize(args: Args, cfg, found, answers, blank: bool) -> dict:
 
 
 def write_and_report(out: Path, answers, result: dict) -> None:
-    """predictions.jsonl + scores.json under ``out``; the table and a summary on stdout."""
+    """predictions.jsonl + scores.json under ``out``; the table and a summary on stdout (rank 0
+    of a torchrun eval only: the others generated the same answers)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     with open(out / "predictions.jsonl", "w") as f:
         for r in answers.records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -204,10 +248,11 @@ def run(args: Args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer, encoder, model = build_encoder_and_model(cfg, found, args, out)
     samples = read_samples(cfg.data.path, args.split, cfg.task_encoder, tokenizer, args.limit)
+    progress = Progress("eval", args.progress_every)
+    progress.enabled &= os.environ.get("RANK", "0") == "0"  # torchrun: rank 0 reports
     answers = answer_questions(model, encoder, tokenizer, samples, batch_size=args.batch_size,
                                max_new_tokens=args.max_new_tokens, turns=args.turns,
-                               blank_media=blank, progress=Progress("eval", args.progress_every),
-                               limit=args.limit)
+                               blank_media=blank, progress=progress, limit=args.limit)
     if answers.conversations == 0:
         raise UsageError(f"split {args.split!r} of {cfg.data.path} is empty")
     if not answers.records:
@@ -216,7 +261,7 @@ def run(args: Args) -> dict:
                          f"{json.dumps(answers.budget())}): relax the task_encoder budget knobs")
     result = summarize(args, cfg, found, answers, blank)
     write_and_report(out, answers, result)
-    if quiet.summary("log.all_warnings=true"):
+    if quiet.summary("log.all_warnings=true") and os.environ.get("RANK", "0") == "0":
         print(f"[eval] {quiet.summary('log.all_warnings=true')}", flush=True)
     return result
 

@@ -176,6 +176,8 @@ def moe_step(module) -> Callable:
         raise Unsupported("MoE layout (grouped experts or latent projections)")
     if getattr(cfg, "moe_shared_expert_overlap", False):
         raise Unsupported("MoE shared expert overlapped with the dispatcher")
+    if len(experts) != cfg.num_moe_experts:
+        raise Unsupported("experts over ranks (expert parallel)")
     route = router_step(module.router)
     mlps = [mlp_step(e) for e in experts]
     shared = (shared_expert_step(module.shared_experts)

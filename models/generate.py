@@ -10,7 +10,7 @@ megatron >= 0.17 with Mamba layers). Then every row decodes in one batch through
 ``models.decode_step``: one token per row per step in plain torch over the model's own weights,
 keys cached after RoPE (rotated once), Mamba conv / SSM and DeltaNet conv / recurrent states per
 row, no megatron per-token machinery. Where that module does not cover the model (it says which
-parts it covers; e.g. TP > 1), each group decodes with megatron's own step
+parts it covers; e.g. TP > 1, experts over ranks), each group decodes with megatron's own step
 (``language_model(...)`` on the context, which re-rotates the cached keys every step). M-RoPE: a
 generated token gets the same position on all three axes, ``max(prompt positions) + 1`` for the
 first and +1 per step after (what HF's ``rope_deltas`` do). One host sync per step (``tolist``

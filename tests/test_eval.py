@@ -207,6 +207,72 @@ def test_eval_end_to_end_qwen3_5(mantis_out, tmp_path):
     assert scores["generation"]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_eval_moe_over_two_processes_equals_one(family, mantis_out, tmp_path):
+    """A MoE checkpoint (Qwen3-VL-MoE; Qwen3.5 MoE with its Gated DeltaNet states) evaluated
+    under torchrun with its experts over 2 ranks (``parallel.ep=2``: every rank generates the
+    same answers, megatron's decode step with the experts' all-to-all; rank 0 writes) writes the
+    one-process eval's predictions; a layout it does not run is one line."""
+    from tests.tiny_hf import build_tiny_qwen3_5
+
+    if family == "qwen3_vl_moe":
+        hf = build_tiny_hf(family, tmp_path / "hf", vocab=640, tokens=TEST_TOKENS,
+                           max_positions=2048, vision_depth=2)
+    else:
+        hf = build_tiny_qwen3_5(tmp_path / "hf", moe=True, vocab=640, tokens=TEST_TOKENS,
+                                max_positions=2048)
+    ckpt = _import(hf, tmp_path / "mcore")
+    common = ["configs/train_qwen_vl_mantis.yaml", f"data.path={mantis_out}",
+              f"task_encoder.model={family}", *SMALL, "--ckpt", str(ckpt), "--limit", "3",
+              "--max-new-tokens", "6", "--progress-every", "0"]
+    one = run_eval(*common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = runner.run("eval.py", *common, "parallel.ep=2", "--out", str(tmp_path / "two"),
+                     nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    def predictions(name):
+        lines = (tmp_path / name / "predictions.jsonl").read_text().splitlines()
+        return [(r["key"], r["prediction"], r["generated_tokens"]) for r in map(json.loads, lines)]
+
+    assert predictions("two") == predictions("one") and len(predictions("one")) >= 3
+    assert two.stdout.count("[overall]") == 1  # rank 0 reports, once
+    assert sum(r[2] for r in predictions("two")) > 0
+    wrong = runner.run("eval.py", *common, "parallel.ep=2", "parallel.tp=2", "--out",
+                       str(tmp_path / "bad"), nproc=2)
+    line = _one_line_exit_2(wrong)
+    assert "parallel.tp 2" in line and "parallel.ep=2" in line, line
+
+
+def test_eval_layouts_over_processes():
+    """eval.py's layout: one process whatever the run trained at; over N processes a MoE model's
+    experts over the N ranks, nothing else (one line saying what to pass)."""
+    sys.path.insert(0, str(REPO))
+    import eval as script
+    from contract.errors import UsageError
+    from models.families.qwen_vl.config import load_yaml
+    from recipes.run_config import load_run_config
+
+    moe = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml")  # 4 experts
+    dense = load_yaml(REPO / "configs" / "qwen3_vl_tiny.yaml")
+    trained = load_run_config(REPO / "configs" / "train_qwen_vl_mantis.yaml",
+                              ["parallel.tp=2", "parallel.ep=4"])
+    assert script.expert_ranks(trained, moe, 1) == 1
+    for world in (2, 4):
+        cfg = load_run_config(REPO / "configs" / "train_qwen_vl_mantis.yaml",
+                              [f"parallel.ep={world}"])
+        assert script.expert_ranks(cfg, moe, world) == world
+    with pytest.raises(UsageError, match=r"parallel.tp 2, pp 1, cp 1, ep 4, etp 2.*"
+                                         r"parallel.tp=1 .*parallel.ep=4 parallel.etp=1"):
+        script.expert_ranks(trained, moe, 4)
+    with pytest.raises(UsageError, match="qwen3_vl has none: run it in one process"):
+        script.expert_ranks(cfg, dense, 4)
+    three = load_run_config(REPO / "configs" / "train_qwen_vl_mantis.yaml", ["parallel.ep=3"])
+    with pytest.raises(UsageError, match="4 experts do not split over 3 ranks"):
+        script.expert_ranks(three, moe, 3)
+
+
 # ------------------------------------------------------------------ 3. bad input
 def _one_line_exit_2(proc):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
