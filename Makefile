@@ -118,7 +118,7 @@ EXPORT_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),export-$(f)-$(
 EVAL_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),eval-$(f)-$(d)))
 .PHONY: $(TRAIN_TARGETS) $(EXPORT_TARGETS) $(EVAL_TARGETS)
 NPROC ?= 1
-TRAIN_LAUNCH = $(if $(filter-out 1,$(NPROC)),$(PY) -m recipes.launch --standalone --nproc-per-node $(NPROC),$(PY))
+LAUNCH = $(if $(filter-out 1,$(NPROC)),$(PY) -m recipes.launch --standalone --nproc-per-node $(NPROC),$(PY))
 # dataset_of(qwen-vl-llava-video) -> llava-video
 dataset_of = $(strip $(foreach f,$(FAMILIES),$(patsubst $(f)-%,%,$(filter $(f)-%,$(1)))))
 TRAIN_ARGS = data.path=$(or $(DATA),$(DATA_ROOT)/$(call dataset_of,$*)/metadataset.yaml) $(if $(HF),model.hf=$(HF)) $(if $(STEPS),train.steps=$(STEPS)) $(if $(OUT),out=$(OUT)) $(ARGS)
@@ -126,7 +126,7 @@ TRAIN_ARGS = data.path=$(or $(DATA),$(DATA_ROOT)/$(call dataset_of,$*)/metadatas
 run_config = configs/train_$(subst -,_,$(1)).yaml
 
 $(TRAIN_TARGETS): train-%: $(STAMP)
-	$(TRAIN_LAUNCH) train.py $(or $(CONFIG),$(call run_config,$*)) $(TRAIN_ARGS)
+	$(LAUNCH) train.py $(or $(CONFIG),$(call run_config,$*)) $(TRAIN_ARGS)
 
 # --- export (models.convert mcore-to-hf): a train.py checkpoint as a Hugging Face model folder
 #     (weights, config, tokenizer, chat template, processor files) that transformers loads.
@@ -140,14 +140,16 @@ $(EXPORT_TARGETS): export-%: $(STAMP)
 #     folder or a step folder, whose stored run config is used; or an hf-to-mcore import, which
 #     takes configs/train_<family>_<dataset>.yaml), CONFIG= (a YAML refining it), DATA=, SPLIT=
 #     (default val), LIMIT= (val conversations), OUT= (predictions.jsonl + scores.json; default
-#     eval_<step> beside the checkpoint), ARGS=. The checkpoint must be of the target's family
-#     and trained on its dataset (--expect: one line otherwise).
-EVAL_ARGS = --ckpt $(CKPT) --expect $(call run_config,$*) --split $(or $(SPLIT),val) $(if $(LIMIT),--limit $(LIMIT)) $(if $(OUT),--out $(OUT)) $(if $(DATA),data.path=$(DATA)) $(ARGS)
-EVAL_USAGE = usage: make $@ CKPT=<run folder | checkpoints folder | step folder | hf-to-mcore import> [DATA=] [SPLIT=] [LIMIT=] [OUT=] [CONFIG=] [ARGS=]
+#     eval_<step> beside the checkpoint), NPROC= (a MoE model too big for one GPU: its experts
+#     over NPROC torchrun ranks), ARGS=. The checkpoint must be of the target's family and
+#     trained on its dataset (--expect: one line otherwise).
+EVAL_LAYOUT = $(if $(filter-out 1,$(NPROC)),parallel.tp=1 parallel.pp=1 parallel.cp=1 parallel.ep=$(NPROC) parallel.etp=1)
+EVAL_ARGS = --ckpt $(CKPT) --expect $(call run_config,$*) --split $(or $(SPLIT),val) $(if $(LIMIT),--limit $(LIMIT)) $(if $(OUT),--out $(OUT)) $(if $(DATA),data.path=$(DATA)) $(EVAL_LAYOUT) $(ARGS)
+EVAL_USAGE = usage: make $@ CKPT=<run folder | checkpoints folder | step folder | hf-to-mcore import> [DATA=] [SPLIT=] [LIMIT=] [OUT=] [CONFIG=] [NPROC=] [ARGS=]
 
 $(EVAL_TARGETS): eval-%: $(STAMP)
 	$(if $(CKPT),,$(error $(EVAL_USAGE)))
-	$(PY) eval.py $(or $(CONFIG),$(if $(wildcard $(CKPT)/model_config.json $(CKPT)/qwen_vl_model.json),$(call run_config,$*))) $(EVAL_ARGS)
+	$(LAUNCH) eval.py $(or $(CONFIG),$(if $(wildcard $(CKPT)/model_config.json $(CKPT)/qwen_vl_model.json),$(call run_config,$*))) $(EVAL_ARGS)
 
 # --- SLURM (slurm/*.sbatch, docs/training.md "SLURM"): print the sbatch command, or submit it
 #     with SUBMIT=1. make slurm-prepare-<dataset> PARTS=<P> (array size, default 8) SOURCE= OUT=

@@ -269,6 +269,10 @@ def test_make_eval_checks_family_and_dataset(exports, capsys):
     line = subprocess.run(["make", "-n", "eval-nemotron-omni-infovqa", f"CKPT={run}"], cwd=REPO,
                           capture_output=True, text=True, check=True).stdout
     assert "--expect configs/train_nemotron_omni_infovqa.yaml" in line
+    many = subprocess.run(["make", "-n", "eval-qwen-vl-mantis", f"CKPT={run}", "NPROC=4"],
+                          cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "-m recipes.launch --standalone --nproc-per-node 4 eval.py" in many  # MoE: EP 4
+    assert "parallel.tp=1 parallel.pp=1 parallel.cp=1 parallel.ep=4 parallel.etp=1" in many
     for config, wanted in (("train_nemotron_omni_mantis", "nemotron_omni on mantis"),
                            ("train_qwen_vl_infovqa", "qwen2_5_vl on infovqa")):
         assert eval_script.main(["--ckpt", str(run), "--expect", f"configs/{config}.yaml"]) == 2
