@@ -209,6 +209,8 @@ def summarize(args: Args, cfg, found, answers, blank: bool) -> dict:
             "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
             "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
             "forwards": stats.forwards, "generate_seconds": round(stats.seconds, 3),
+            # the last generate call's decode: the lean step (models/decode_step.py) or megatron's
+            "lean_decode": stats.extra.get("lean_decode"),
             "samples_per_s": round(stats.prompts / stats.seconds, 3) if stats.seconds else None,
             "tokens_per_s": (round(stats.generated_tokens / stats.seconds, 2)
                              if stats.seconds else None),

@@ -169,26 +169,40 @@ def shared_expert_step(module) -> Callable:
 
 def moe_step(module) -> Callable:
     """x (B, H) -> a megatron ``MoELayer``'s output: its router's choice, the picked experts
-    weighted by their probabilities, the shared expert."""
+    weighted by their probabilities, the shared expert. Experts over ranks (EP > 1, each
+    expert whole: expert-TP 1): each rank adds its own experts' share and one all-reduce over
+    the expert-parallel group sums them; that needs the same rows on every EP rank
+    (``decode_step.build`` checks it)."""
     experts = getattr(module.experts, "local_experts", None)
     cfg = module.config
     if experts is None or getattr(cfg, "moe_latent_size", None):
         raise Unsupported("MoE layout (grouped experts or latent projections)")
     if getattr(cfg, "moe_shared_expert_overlap", False):
         raise Unsupported("MoE shared expert overlapped with the dispatcher")
+    group = None
     if len(experts) != cfg.num_moe_experts:
-        raise Unsupported("experts over ranks (expert parallel)")
+        from megatron.core import parallel_state
+
+        if parallel_state.get_expert_tensor_parallel_world_size() > 1:
+            raise Unsupported("experts' linears over ranks (expert tensor parallel)")
+        group = parallel_state.get_expert_model_parallel_group()
     route = router_step(module.router)
-    mlps = [mlp_step(e) for e in experts]
+    mlps = dict(zip(getattr(module, "local_expert_indices", range(len(experts))),
+                    (mlp_step(e) for e in experts)))  # global expert index -> its MLP
     shared = (shared_expert_step(module.shared_experts)
               if getattr(module, "use_shared_expert", False) else None)
 
     def moe(x):
         probs, top = route(x)  # (B, k) each
-        out = shared(x) if shared is not None else torch.zeros_like(x)
+        out = shared(x) if shared is not None and group is None else torch.zeros_like(x)
         for e in top.unique().tolist():  # the experts this step needs (one host sync)
-            weight = (probs * (top == e)).sum(-1)  # (B,): 0 where a row did not pick e
-            out = out + mlps[e](x, weight)
+            if e in mlps:
+                weight = (probs * (top == e)).sum(-1)  # (B,): 0 where a row did not pick e
+                out = out + mlps[e](x, weight)
+        if group is not None:  # the other ranks' experts, then the shared expert once
+            torch.distributed.all_reduce(out, group=group)
+            if shared is not None:
+                out = out + shared(x)
         return out
 
     return moe

@@ -10,7 +10,8 @@ megatron >= 0.17 with Mamba layers). Then every row decodes in one batch through
 ``models.decode_step``: one token per row per step in plain torch over the model's own weights,
 keys cached after RoPE (rotated once), Mamba conv / SSM and DeltaNet conv / recurrent states per
 row, no megatron per-token machinery. Where that module does not cover the model (it says which
-parts it covers; e.g. TP > 1, experts over ranks), each group decodes with megatron's own step
+parts it covers; e.g. TP > 1, or experts over ranks that hold other rows), each group decodes
+with megatron's own step
 (``language_model(...)`` on the context, which re-rotates the cached keys every step). M-RoPE: a
 generated token gets the same position on all three axes, ``max(prompt positions) + 1`` for the
 first and +1 per step after (what HF's ``rope_deltas`` do). One host sync per step (``tolist``
@@ -234,7 +235,7 @@ def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_
     first = torch.empty(len(prompts), firsts[0].shape[-1], dtype=firsts[0].dtype, device=device)
     for (_, rows, _), logits in zip(groups, firsts):
         first[rows] = logits
-    decoder = decode_step.build(lm, contexts, pos, valid, width)
+    decoder = decode_step.build(lm, contexts, pos, valid, width, ids=ids)
     if decoder is not None:
         out, forwards = _decode(first, decoder, eos, max_new_tokens)
     else:  # megatron's own decode step, group by group

@@ -237,12 +237,41 @@ def test_eval_moe_over_two_processes_equals_one(family, mantis_out, tmp_path):
         return [(r["key"], r["prediction"], r["generated_tokens"]) for r in map(json.loads, lines)]
 
     assert predictions("two") == predictions("one") and len(predictions("one")) >= 3
+    for name in ("one", "two"):  # EP 2: the lean step with one all-reduce per MoE layer
+        scores = json.loads((tmp_path / name / "scores.json").read_text())
+        assert scores["generation"]["lean_decode"] is True, name
     assert two.stdout.count("[overall]") == 1  # rank 0 reports, once
     assert sum(r[2] for r in predictions("two")) > 0
     wrong = runner.run("eval.py", *common, "parallel.ep=2", "parallel.tp=2", "--out",
                        str(tmp_path / "bad"), nproc=2)
     line = _one_line_exit_2(wrong)
     assert "parallel.tp 2" in line and "parallel.ep=2" in line, line
+
+
+def same_rows_worker(argv=None) -> int:
+    """One of 2 ranks at EP 2 (``runner.run("tests.test_eval:same_rows_worker", nproc=2)``): the
+    lean MoE step's precondition holds for the same ids on both ranks only."""
+    import torch.distributed as dist
+
+    from models.decode_step import same_rows_on_expert_ranks
+    from models.parallel import init_parallel
+
+    init_parallel(ep=2)
+    rank = dist.get_rank()
+    ids = torch.arange(12).reshape(2, 6)
+    one_token = ids.clone()
+    one_token[1, 3] += rank
+    swapped = ids.flip(0) if rank else ids  # the same tokens, rows in another order
+    wider = torch.zeros(2, 6 + rank, dtype=torch.long)
+    checks = [same_rows_on_expert_ranks(t) for t in (ids, one_token, swapped, wider)]
+    return 0 if checks == [True, False, False, False] else 1
+
+
+def test_the_lean_moe_step_needs_the_same_rows_on_expert_ranks():
+    """Experts over ranks: the lean step (each rank's experts summed by one all-reduce) runs only
+    where every EP rank decodes the same rows; other rows take megatron's step."""
+    proc = runner.run("tests.test_eval:same_rows_worker", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_eval_layouts_over_processes():
