@@ -208,23 +208,29 @@ def test_eval_end_to_end_qwen3_5(mantis_out, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe", "nemotron_omni"])
 def test_eval_moe_over_two_processes_equals_one(family, mantis_out, tmp_path):
-    """A MoE checkpoint (Qwen3-VL-MoE; Qwen3.5 MoE with its Gated DeltaNet states) evaluated
-    under torchrun with its experts over 2 ranks (``parallel.ep=2``: every rank generates the
-    same answers, megatron's decode step with the experts' all-to-all; rank 0 writes) writes the
-    one-process eval's predictions; a layout it does not run is one line."""
+    """A MoE checkpoint (Qwen3-VL-MoE; Qwen3.5 MoE with its Gated DeltaNet states; Nemotron-Omni
+    with MoE and Mamba layers, randomly initialised) evaluated under torchrun with its experts
+    over 2 ranks (``parallel.ep=2``: every rank generates the same answers, the lean decode
+    step summing each rank's experts; rank 0 writes) writes the one-process eval's predictions;
+    a layout it does not run is one line."""
     from tests.tiny_hf import build_tiny_qwen3_5
 
-    if family == "qwen3_vl_moe":
-        hf = build_tiny_hf(family, tmp_path / "hf", vocab=640, tokens=TEST_TOKENS,
-                           max_positions=2048, vision_depth=2)
+    ckpt = tmp_path / "mcore"
+    if family == "nemotron_omni":
+        config, small = "configs/train_nemotron_omni_mantis.yaml", SMALL[2:]
+        init = runner.run("tests/init_checkpoint.py", config, str(ckpt), "model.lm.pattern=*E-E")
+        assert init.returncode == 0, init.stderr[-3000:]
     else:
-        hf = build_tiny_qwen3_5(tmp_path / "hf", moe=True, vocab=640, tokens=TEST_TOKENS,
-                                max_positions=2048)
-    ckpt = _import(hf, tmp_path / "mcore")
-    common = ["configs/train_qwen_vl_mantis.yaml", f"data.path={mantis_out}",
-              f"task_encoder.model={family}", *SMALL, "--ckpt", str(ckpt), "--limit", "3",
+        config, small = "configs/train_qwen_vl_mantis.yaml", [*SMALL,
+                                                              f"task_encoder.model={family}"]
+        hf = (build_tiny_hf(family, tmp_path / "hf", vocab=640, tokens=TEST_TOKENS,
+                            max_positions=2048, vision_depth=2) if family == "qwen3_vl_moe"
+              else build_tiny_qwen3_5(tmp_path / "hf", moe=True, vocab=640, tokens=TEST_TOKENS,
+                                      max_positions=2048))
+        _import(hf, ckpt)
+    common = [config, f"data.path={mantis_out}", *small, "--ckpt", str(ckpt), "--limit", "3",
               "--max-new-tokens", "6", "--progress-every", "0"]
     one = run_eval(*common, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
