@@ -30,7 +30,9 @@ a step that reads it as (B, s, d): right for one row only, so there rows run one
 flag (its Mamba mixer uses the context only when it is set), which is set for the run as
 megatron's engines do. Needs a layer spec whose attention takes an explicit mask (the local
 spec; ``models.checkpoint.load_checkpoint(..., use_te=False)``). TP > 1: megatron's decode step
-(it gathers the vocab-parallel logits, ``runtime_gather_output``).
+(it gathers the vocab-parallel logits, ``runtime_gather_output``); at TP 2 it gives transformers'
+tokens for Qwen2.5-VL, Qwen3-VL, Nemotron-Omni (MoE, Mamba) and Qwen3.5 (the Gated DeltaNet's
+states split over the TP ranks) (tests/models/test_generate.py, 2 gloo ranks).
 """
 
 from __future__ import annotations

@@ -136,3 +136,21 @@ def test_nemotron_omni_tokens_equal_transformers(pattern, tiny_nemotron_hf, nemo
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_qwen3_5_tokens_equal_transformers(family, qwen3_5_hf, qwen3_5_imported, monkeypatch):
     _check(qwen3_5_hf[family], qwen3_5_imported[family], monkeypatch)
+
+
+@pytest.mark.parametrize("check", ["tp2_qwen", "tp2_nemotron_ME*E", "tp2_qwen3_5"])
+def test_tokens_at_tp2_equal_transformers(world2, check):
+    """Greedy generation at TP = 2 (2 gloo ranks; megatron's decode step, the vocab-parallel
+    logits gathered): two prompts of unequal length as one batch give transformers' tokens
+    (Qwen2.5-VL, Qwen3-VL, Nemotron-Omni with MoE and Mamba layers, Qwen3.5 with the Gated
+    DeltaNet's states split over the TP ranks)."""
+    import json
+
+    from tests.models.conftest import world2_result
+
+    out = world2_result(world2, check)
+    generated = json.loads((out / "tp2_generate.json").read_text())
+    assert generated
+    for family, got in generated.items():
+        assert "error" not in got, (family, got)
+        assert got["ours"] == got["hf"] and got["lean_decode"] is False, (family, got)

@@ -22,7 +22,7 @@ def run(out: Path, hf_paths: list[Path]) -> None:
     from models.convert import hf_logits, hf_to_mcore, load_hf_model, our_logits
     from models.verify_inputs import hf_inputs, make_inputs
 
-    report = {}
+    report, generated = {}, {}
     for hf in hf_paths:
         family = json.loads((hf / "config.json").read_text())["model_type"]
         hf_to_mcore(str(hf), out / family, tp=2, pp=1)
@@ -33,9 +33,29 @@ def run(out: Path, hf_paths: list[Path]) -> None:
             for name, x in make_inputs(cfg).items()}
         if family == "qwen3_5":  # the DeltaNet gated norms' gradients (replicated over TP)
             torch.save(deltanet_norm_grads(model, cfg), out / f"norm_grads{dist.get_rank()}.pt")
+        generated[family] = greedy_at_tp2(model, cfg, hf_model)
     if dist.get_rank() == 0:
         (out / "tp2_report.json").write_text(json.dumps(report))
+        (out / "tp2_generate.json").write_text(json.dumps(generated))
     dist.barrier()
+
+
+def greedy_at_tp2(model, cfg, hf_model) -> dict:
+    """Greedy tokens of the first two verify inputs, as one left-padded batch, at TP = 2
+    (megatron's decode step: the lean one is TP = 1 only) and transformers' of each alone:
+    {"ours": [[...], [...]], "hf": [[...], [...]]}, or {"error": the exception's line}."""
+    from models.generate import GenerationStats, greedy_generate
+    from tests.models.test_generate import NEVER, _cases, _hf_greedy, _prompt
+
+    cases = _cases(cfg)[:2]
+    stats = GenerationStats()
+    try:
+        ours = greedy_generate(model, [_prompt(c) for c in cases], eos_id=NEVER,
+                               max_new_tokens=4, stats=stats)
+    except Exception as error:  # noqa: BLE001 - the test reports it
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+    return {"ours": ours, "hf": [_hf_greedy(hf_model, cfg, c, NEVER)[:4] for c in cases],
+            "lean_decode": stats.extra.get("lean_decode")}
 
 
 def deltanet_norm_grads(model, cfg) -> dict:
