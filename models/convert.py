@@ -73,18 +73,44 @@ def pipeline_forward(model, inputs: dict) -> torch.Tensor | None:
     return None
 
 
+def sequence_parallel_padded(model, inputs: dict) -> tuple[dict, int]:
+    """(inputs, L): under megatron's sequence parallelism (a MoE LM at TP > 1), whose shares
+    split the sequence over the TP ranks, the (B, L) rows right-padded to a multiple of TP with
+    a text token, positions continuing after each row's last: the causal model's logits at the
+    first L positions are the unpadded ones. Unchanged otherwise."""
+    from megatron.core import parallel_state as ps
+
+    ids = inputs["input_ids"]
+    length, tp = ids.shape[-1], ps.get_tensor_model_parallel_world_size()
+    lm = getattr(model, "language_model", None)
+    if tp == 1 or lm is None or not lm.config.sequence_parallel or length % tp == 0:
+        return inputs, length
+    extra = tp - length % tp
+    media = {getattr(model.cfg, f"{k}_token_id", None) for k in ("image", "video")}
+    filler = next(t for t in range(3) if t not in media)
+    pos = inputs["position_ids"]  # (3, B, L) M-RoPE or (B, L)
+    after = pos.amax(dim=-1, keepdim=True) + torch.arange(1, extra + 1, device=pos.device)
+    padded = dict(inputs, input_ids=torch.cat([ids, ids.new_full((*ids.shape[:-1], extra),
+                                                                 filler)], dim=-1),
+                  position_ids=torch.cat([pos, after.to(pos.dtype)], dim=-1))
+    return padded, length
+
+
 def our_logits(model, inputs: dict) -> torch.Tensor | None:
-    """Logits (B, L, V) of our model (TP gathered); None on a pipeline stage other than the last."""
+    """Logits (B, L, V) of our model (TP gathered; under sequence parallelism the rows padded to
+    a multiple of TP, ``sequence_parallel_padded``); None on a pipeline stage other than the
+    last."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    inputs, length = sequence_parallel_padded(model, inputs)
     with torch.no_grad():
         logits = pipeline_forward(model, inputs)
         if logits is None:
             return None
         if ps.get_tensor_model_parallel_world_size() > 1:
             logits = gather_from_tensor_model_parallel_region(logits)
-        return logits.float()
+        return logits[:, :length].float()
 
 
 def load_hf_model(path: Path):

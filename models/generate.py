@@ -142,8 +142,16 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
 
     Returns:
         The generated token ids of each prompt (without the stop token).
+
+    Raises:
+        ValueError: a model under sequence parallelism (megatron's MoE layers at TP > 1), which
+            splits the sequence over the TP ranks: a one-token decode step cannot be split.
     """
     qwen = _unwrap(model)
+    if qwen.language_model.config.sequence_parallel:
+        raise ValueError("greedy_generate: a model under sequence parallelism (MoE layers at "
+                         "TP > 1) cannot split a one-token decode step over the TP ranks: load "
+                         "it at TP 1, its experts over ranks if it needs them (EP)")
     with _inference_mode():
         return _generate(qwen, qwen.language_model, prompts, eos_id, max_new_tokens, pad_id,
                          stats)

@@ -124,6 +124,8 @@ def world2(tiny_hf, tiny_nemotron_hf, qwen_imported, nemotron_imported, qwen3_5_
         **{f"pp2_nemotron_{p}": ("pp2", [tiny_nemotron_hf[p], nemotron_imported[p]])
            for p in ("M*M-", "ME*E")},
         "tp2_qwen3_5": ("tp2", [qwen3_5_hf["qwen3_5"]]),
+        "tp2_moe": ("tp2", [build_tiny_hf("qwen3_vl_moe", root / "qwen3_vl_moe_hf"),
+                            qwen3_5_hf["qwen3_5_moe"]]),
         "pp2_qwen3_5": ("pp2", [qwen3_5_hf["qwen3_5"], qwen3_5_imported["qwen3_5"]]),
         "vision_dp_cp2": ("vision_dp", []),
         "nemotron_vision_dp_cp2": ("nemotron_vision_dp", []),

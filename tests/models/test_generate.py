@@ -154,3 +154,24 @@ def test_tokens_at_tp2_equal_transformers(world2, check):
     for family, got in generated.items():
         assert "error" not in got, (family, got)
         assert got["ours"] == got["hf"] and got["lean_decode"] is False, (family, got)
+
+
+def test_moe_models_under_sequence_parallelism_verify_and_refuse_to_generate(world2):
+    """Qwen3-VL-MoE and Qwen3.5 MoE at TP 2 (megatron's MoE layers need sequence parallelism
+    there): ``verify`` pads the odd-length inputs to a multiple of TP and gives transformers'
+    logits; generation is refused in one line (a one-token decode step cannot be split)."""
+    import json
+
+    from tests.models.conftest import world2_result
+
+    out = world2_result(world2, "tp2_moe")
+    report = json.loads((out / "tp2_report.json").read_text())
+    assert set(report) == {"qwen3_vl_moe", "qwen3_5_moe"}
+    for family, diffs in report.items():
+        assert max(diffs.values()) < 1e-4, (family, diffs)
+    generated = json.loads((out / "tp2_generate.json").read_text())
+    for family, got in generated.items():
+        assert got == {"error": "ValueError: greedy_generate: a model under sequence "
+                       "parallelism (MoE layers at TP > 1) cannot split a one-token decode step "
+                       "over the TP ranks: load it at TP 1, its experts over ranks if it needs "
+                       "them (EP)"}, (family, got)
