@@ -152,6 +152,12 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     return tokenizer, encoder, load_model(found, use_te=False)
 
 
+def reporting() -> bool:
+    """Whether this process prints and writes the results: rank 0 of a torchrun eval (the others
+    generated the same answers), or the one process."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def world_size() -> int:
     """The processes of this eval: torchrun's ``WORLD_SIZE``, else 1."""
     try:
@@ -174,15 +180,15 @@ def expert_ranks(cfg, model_config, world: int) -> int:
     from models.families import family_of
 
     p = cfg.parallel
+    etp = p.tp if p.etp is None else p.etp
     experts = family_of(model_config).num_experts(model_config)
     fix = f"torchrun --nproc-per-node {world} eval.py ... parallel.tp=1 parallel.pp=1 " \
           f"parallel.cp=1 parallel.ep={world} parallel.etp=1"
     if not experts:
         raise UsageError(f"eval.py over {world} processes holds the experts of a MoE model over "
                          f"the ranks; {model_config.family} has none: run it in one process")
-    if (p.tp, p.pp, p.cp, p.ep, p.etp or p.tp) != (1, 1, 1, world, 1):
-        got = f"parallel.tp {p.tp}, pp {p.pp}, cp {p.cp}, ep {p.ep}, etp " \
-              f"{p.tp if p.etp is None else p.etp}"
+    if (p.tp, p.pp, p.cp, p.ep, etp) != (1, 1, 1, world, 1):
+        got = f"parallel.tp {p.tp}, pp {p.pp}, cp {p.cp}, ep {p.ep}, etp {etp}"
         raise UsageError(f"eval.py over {world} processes runs at expert parallel {world} only "
                          f"(got {got}, e.g. the run's training layout): {fix}")
     if experts % world:
@@ -221,8 +227,8 @@ def summarize(args: Args, cfg, found, answers, blank: bool) -> dict:
 
 def write_and_report(out: Path, answers, result: dict) -> None:
     """predictions.jsonl + scores.json under ``out``; the table and a summary on stdout (rank 0
-    of a torchrun eval only: the others generated the same answers)."""
-    if os.environ.get("RANK", "0") != "0":
+    of a torchrun eval only: ``reporting``)."""
+    if not reporting():
         return
     with open(out / "predictions.jsonl", "w") as f:
         for r in answers.records:
@@ -251,7 +257,7 @@ def run(args: Args) -> dict:
     tokenizer, encoder, model = build_encoder_and_model(cfg, found, args, out)
     samples = read_samples(cfg.data.path, args.split, cfg.task_encoder, tokenizer, args.limit)
     progress = Progress("eval", args.progress_every)
-    progress.enabled &= os.environ.get("RANK", "0") == "0"  # torchrun: rank 0 reports
+    progress.enabled &= reporting()
     answers = answer_questions(model, encoder, tokenizer, samples, batch_size=args.batch_size,
                                max_new_tokens=args.max_new_tokens, turns=args.turns,
                                blank_media=blank, progress=progress, limit=args.limit)
@@ -263,7 +269,7 @@ def run(args: Args) -> dict:
                          f"{json.dumps(answers.budget())}): relax the task_encoder budget knobs")
     result = summarize(args, cfg, found, answers, blank)
     write_and_report(out, answers, result)
-    if quiet.summary("log.all_warnings=true") and os.environ.get("RANK", "0") == "0":
+    if quiet.summary("log.all_warnings=true") and reporting():
         print(f"[eval] {quiet.summary('log.all_warnings=true')}", flush=True)
     return result
 
