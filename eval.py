@@ -27,7 +27,6 @@ stdout is not a terminal). Bad input: one line on stderr, exit code 2.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,9 +136,11 @@ def check_expected(found, expect: str) -> None:
 def build_encoder_and_model(cfg, found, args: Args, out: Path):
     """Tokenizer and task encoder of the run config, checked against the checkpoint's model,
     then the model with the checkpoint's weights."""
+    import torch
+
     from energon_tasks import task_encoder_for
     from models.checkpoint import load_model
-    from models.parallel import init_parallel
+    from models.parallel import init_parallel, init_process_group
     from recipes.compatibility import TOKEN_IDS, check_compatible
     from recipes.data import load_run_tokenizer
 
@@ -148,22 +149,18 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     encoder = task_encoder_for(te_cfg, tokenizer)
     check_compatible(found.model_config, te_cfg, weights=f"checkpoint {args.ckpt}",
                      tokenizer=tokenizer, encoder=encoder, token_ids=tuple(TOKEN_IDS))
-    init_parallel(seed=cfg.train.seed, ep=expert_ranks(cfg, found.model_config, world_size()))
+    init_process_group()  # torchrun's processes, or this one alone
+    world = torch.distributed.get_world_size()
+    init_parallel(seed=cfg.train.seed, ep=expert_ranks(cfg, found.model_config, world))
     return tokenizer, encoder, load_model(found, use_te=False)
 
 
 def reporting() -> bool:
     """Whether this process prints and writes the results: rank 0 of a torchrun eval (the others
     generated the same answers), or the one process."""
-    return os.environ.get("RANK", "0") == "0"
+    import torch
 
-
-def world_size() -> int:
-    """The processes of this eval: torchrun's ``WORLD_SIZE``, else 1."""
-    try:
-        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
-    except ValueError:
-        raise UsageError(f"WORLD_SIZE {os.environ['WORLD_SIZE']!r} is not a number") from None
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def expert_ranks(cfg, model_config, world: int) -> int:
