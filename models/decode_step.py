@@ -8,7 +8,7 @@ whole cached key prefix every step (the static context keeps keys before RoPE). 
 is a small closure over the layer's parameters (read once, at build time): a step is about ten
 torch calls per layer and no Python work that grows with the prefix.
 
-``build(lm, groups, positions, attend, width, ids=ids)`` -> ``Decoder`` or None. ``Decoder(tokens)``
+``build(lm, groups, positions, attend, width)`` -> ``Decoder`` or None. ``Decoder(tokens)``
 takes the (B,) tokens just chosen and returns the next (B, V) logits. None means some part of
 the model is not one this module knows (then the generator runs megatron's own decode step): a
 tensor-parallel split, a layer kind without a builder, rotary other than M-RoPE / none,
@@ -16,7 +16,7 @@ interleaved rotary (megatron's ``rotary_interleaved``; the interleaved M-RoPE fr
 Qwen3-VL / Qwen3.5 are megatron's chunked ``mrope_section`` and covered), forward hooks on a
 linear or norm it would read (an unmerged LoRA adapter), norms other than torch's and the
 zero-centred RMSNorm, grouped-GEMM experts, latent MoE projections, experts' linears over ranks
-(expert TP), experts over ranks (EP > 1) whose ranks hold other rows.
+(expert TP).
 
 Layer kinds (``LAYER_DECODERS``, by megatron module class; the builders live in
 models/decode_layers.py, each returns a ``LayerDecoder`` or raises ``Unsupported``):
@@ -26,8 +26,8 @@ the first ``rotary_percent`` of each head, q/k norms, the output gate; or the la
 dense MLP, MoE with a shared expert, gated or not) and ``MambaLayer`` (Mamba2 conv window and
 SSM state per row). So the lean step covers every family: Qwen2.5-VL, Qwen3-VL (MoE),
 Nemotron-Omni, Qwen3.5 (MoE), at TP = 1 with the local layer spec; experts over ranks (EP > 1,
-eval.py's multi-process eval: every rank decodes the same rows, ``same_rows_on_expert_ranks``)
-as each rank's experts summed by one all-reduce per MoE layer.
+every rank decodes the same rows, which ``models.generate`` checks with
+``same_rows_on_expert_ranks``) as each rank's experts summed by one all-reduce per MoE layer.
 
 A recurrent layer with its own cached state plugs in at two places: its decode step, with an
 entry in ``LAYER_DECODERS`` or a ``lean_decoder(prefilled)`` method on its layer module (asked
@@ -199,9 +199,10 @@ class Decoder:
 
 
 def same_rows_on_expert_ranks(ids: torch.Tensor) -> bool:
-    """Whether every expert-parallel rank decodes the same rows (the lean MoE step sums each
-    rank's experts with one all-reduce, ``decode_layers.moe_step``): the fingerprints of their
-    (B, W) token ids are equal (one all-gather; True at EP 1)."""
+    """Whether every expert-parallel rank generates for the same rows: the fingerprints of their
+    (B, W) token ids are equal (one all-gather; True at EP 1). ``models.generate`` needs it: the
+    experts' collectives need every EP rank in each step, so all must stop together, and the
+    lean MoE step sums each rank's experts over the same rows with one all-reduce."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -218,7 +219,7 @@ def same_rows_on_expert_ranks(ids: torch.Tensor) -> bool:
 
 
 def build(lm, groups: list, positions: torch.Tensor, attend: torch.Tensor,
-          width: int, ids: torch.Tensor | None = None) -> Decoder | None:
+          width: int) -> Decoder | None:
     """The lean decoder of ``lm`` over the prefill's caches, or None where a part of the model is
     not covered (module docstring).
 
@@ -229,15 +230,9 @@ def build(lm, groups: list, positions: torch.Tensor, attend: torch.Tensor,
             ``width``, then the generated tokens).
         attend: (B, total) True where a row has a real token.
         width: W, the longest prompt.
-        ids: (B, W) the left-padded prompts' token ids: with experts over ranks (EP > 1) the
-            lean step needs the same rows on every EP rank (``same_rows_on_expert_ranks``);
-            None there: megatron's step.
     """
     from megatron.core import parallel_state
 
-    expert_ranks = parallel_state.get_expert_model_parallel_world_size() > 1
-    if expert_ranks and (ids is None or not same_rows_on_expert_ranks(ids)):
-        return None
     if (parallel_state.get_tensor_model_parallel_world_size() > 1
             or not (getattr(lm, "pre_process", True) and getattr(lm, "post_process", True))
             or getattr(lm, "mtp_process", False)):

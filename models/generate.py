@@ -145,7 +145,9 @@ def greedy_generate(model, prompts: list[Prompt], *, eos_id: int | list[int], ma
 
     Raises:
         ValueError: a model under sequence parallelism (megatron's MoE layers at TP > 1), which
-            splits the sequence over the TP ranks: a one-token decode step cannot be split.
+            splits the sequence over the TP ranks: a one-token decode step cannot be split; or
+            experts over ranks (EP > 1) with other prompts on another EP rank (each rank would
+            stop after its own rows, and the experts' collectives need every rank each step).
     """
     qwen = _unwrap(model)
     if qwen.language_model.config.sequence_parallel:
@@ -231,6 +233,9 @@ def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_
     width = max(lengths)
     ids, pos, valid = (t.to(device) for t in _left_padded(prompts, lengths, pad_id,
                                                            max_new_tokens))
+    if not decode_step.same_rows_on_expert_ranks(ids):
+        raise ValueError("greedy_generate with experts over ranks (EP > 1) needs the same prompts "
+                         "on every expert-parallel rank (their steps must run together)")
     kwarg_name = _context_kwarg(lm)
     groups, firsts = [], []
     for rows in _row_groups(lm, lengths):
@@ -245,7 +250,7 @@ def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_
     first = torch.empty(len(prompts), firsts[0].shape[-1], dtype=firsts[0].dtype, device=device)
     for (_, rows, _), logits in zip(groups, firsts):
         first[rows] = logits
-    decoder = decode_step.build(lm, contexts, pos, valid, width, ids=ids)
+    decoder = decode_step.build(lm, contexts, pos, valid, width)
     if decoder is not None:
         out, forwards = _decode(first, decoder, eos, max_new_tokens)
     else:  # megatron's own decode step, group by group

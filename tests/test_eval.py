@@ -255,8 +255,8 @@ def test_eval_moe_over_two_processes_equals_one(family, mantis_out, tmp_path):
 
 
 def same_rows_worker(argv=None) -> int:
-    """One of 2 ranks at EP 2 (``runner.run("tests.test_eval:same_rows_worker", nproc=2)``): the
-    lean MoE step's precondition holds for the same ids on both ranks only."""
+    """One of 2 ranks at EP 2 (``runner.run("tests.test_eval:same_rows_worker", nproc=2)``):
+    generation's precondition holds for the same ids on both ranks only."""
     import torch.distributed as dist
 
     from models.decode_step import same_rows_on_expert_ranks
@@ -270,12 +270,27 @@ def same_rows_worker(argv=None) -> int:
     swapped = ids.flip(0) if rank else ids  # the same tokens, rows in another order
     wider = torch.zeros(2, 6 + rank, dtype=torch.long)
     checks = [same_rows_on_expert_ranks(t) for t in (ids, one_token, swapped, wider)]
-    return 0 if checks == [True, False, False, False] else 1
+    if checks != [True, False, False, False]:
+        return 1
+    from models.families import build_model
+    from models.families.qwen_vl.config import load_yaml
+    from models.generate import Prompt, greedy_generate
+
+    cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml")  # 4 experts, 2 per rank
+    model = build_model(cfg, use_te=False).eval()
+    ids = torch.arange(8, 8 + 6 + rank)  # another prompt on each rank
+    prompt = Prompt(ids, ids[None].expand(3, -1).clone())
+    try:
+        greedy_generate(model, [prompt], eos_id=10 ** 6, max_new_tokens=3)
+    except ValueError as error:
+        return 0 if "same prompts on every expert-parallel rank" in str(error) else 1
+    return 1
 
 
-def test_the_lean_moe_step_needs_the_same_rows_on_expert_ranks():
-    """Experts over ranks: the lean step (each rank's experts summed by one all-reduce) runs only
-    where every EP rank decodes the same rows; other rows take megatron's step."""
+def test_generation_with_experts_over_ranks_needs_the_same_rows():
+    """Experts over ranks: generation (every EP rank in each step; the lean step summing each
+    rank's experts by one all-reduce) runs only where every EP rank has the same rows; other
+    rows are refused (``greedy_generate``: ValueError), never a hang."""
     proc = runner.run("tests.test_eval:same_rows_worker", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
