@@ -10,8 +10,7 @@ megatron >= 0.17 with Mamba layers). Then every row decodes in one batch through
 ``models.decode_step``: one token per row per step in plain torch over the model's own weights,
 keys cached after RoPE (rotated once), Mamba conv / SSM and DeltaNet conv / recurrent states per
 row, no megatron per-token machinery. Where that module does not cover the model (it says which
-parts it covers; e.g. TP > 1, or experts over ranks that hold other rows), each group decodes
-with megatron's own step
+parts it covers; e.g. TP > 1), each group decodes with megatron's own step
 (``language_model(...)`` on the context, which re-rotates the cached keys every step). M-RoPE: a
 generated token gets the same position on all three axes, ``max(prompt positions) + 1`` for the
 first and +1 per step after (what HF's ``rope_deltas`` do). One host sync per step (``tolist``
@@ -56,6 +55,10 @@ class Prompt:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     visual_kinds: torch.Tensor | None = None  #: (items,) 0 image / 1 video, in span order
+
+
+#: a ``Prompt``'s media fields
+MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "visual_kinds")
 
 
 @dataclass(slots=True)
@@ -224,6 +227,8 @@ def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_
     """``greedy_generate``: the prefill of each row group (``_row_groups``; all prompt tokens,
     vision encoded once), then the lean decode of all rows (``models.decode_step``) or, where
     it does not cover the model, megatron's decode step per group."""
+    from megatron.core import parallel_state
+
     from models import decode_step
 
     device = next(qwen.parameters()).device
@@ -233,7 +238,9 @@ def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_
     width = max(lengths)
     ids, pos, valid = (t.to(device) for t in _left_padded(prompts, lengths, pad_id,
                                                            max_new_tokens))
-    if not decode_step.same_rows_on_expert_ranks(ids):
+    if parallel_state.get_expert_model_parallel_world_size() > 1 and not \
+            decode_step.same_rows_on_expert_ranks(ids, *(_cat([getattr(p, name) for p in prompts])
+                                                         for name in MEDIA)):
         raise ValueError("greedy_generate with experts over ranks (EP > 1) needs the same prompts "
                          "on every expert-parallel rank (their steps must run together)")
     kwarg_name = _context_kwarg(lm)

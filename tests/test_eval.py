@@ -270,7 +270,12 @@ def same_rows_worker(argv=None) -> int:
     swapped = ids.flip(0) if rank else ids  # the same tokens, rows in another order
     wider = torch.zeros(2, 6 + rank, dtype=torch.long)
     checks = [same_rows_on_expert_ranks(t) for t in (ids, one_token, swapped, wider)]
-    if checks != [True, False, False, False]:
+    pixels = torch.ones(4, 6)
+    other_pixels = pixels * (1 + rank)  # the same ids, another image on each rank
+    checks += [same_rows_on_expert_ranks(ids, pixels, None),
+               same_rows_on_expert_ranks(ids, other_pixels, None),
+               same_rows_on_expert_ranks(ids, None if rank else pixels, None)]
+    if checks != [True, False, False, False, True, False, False]:
         return 1
     from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
