@@ -47,14 +47,13 @@ NEMOTRON = dict(pattern="M*E-", text=dict(moe_intermediate_size=96,
                                           moe_shared_expert_intermediate_size=96))
 
 
-def build(name: str, out: Path):
-    """(model, cfg, hf) of one tiny model (converted in a subprocess: megatron's checkpoint
-    writer keeps a process of its own)."""
-    from models.checkpoint import load_checkpoint
-    from models.convert import load_hf_model
+def import_tiny(name: str, out: Path) -> tuple[Path, Path]:
+    """(HF folder, megatron checkpoint) of one tiny model under ``out / name``: built with
+    transformers, imported with ``models.convert hf-to-mcore`` in a subprocess (megatron's
+    checkpoint writer keeps a process of its own)."""
     from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
 
-    hf_dir = out / name / "hf"
+    hf_dir, mcore_dir = out / name / "hf", out / name / "mcore"
     if name == "nemotron_omni":
         build_tiny_nemotron_omni(hf_dir, **NEMOTRON)
     elif name in ("qwen3_5", "qwen3_5_moe"):
@@ -62,9 +61,17 @@ def build(name: str, out: Path):
     else:
         build_tiny_hf(name, hf_dir, max_positions=2048, vision_depth=2)
     subprocess.run([sys.executable, "-m", "models.convert", "hf-to-mcore", "--hf", str(hf_dir),
-                    "--out", str(out / name / "mcore")], cwd=REPO, check=True,
-                   capture_output=True)
-    model, cfg = load_checkpoint(out / name / "mcore", use_te=False)
+                    "--out", str(mcore_dir)], cwd=REPO, check=True, capture_output=True)
+    return hf_dir, mcore_dir
+
+
+def build(name: str, out: Path):
+    """(model, cfg, hf) of one tiny model (``import_tiny``)."""
+    from models.checkpoint import load_checkpoint
+    from models.convert import load_hf_model
+
+    hf_dir, mcore_dir = import_tiny(name, out)
+    model, cfg = load_checkpoint(mcore_dir, use_te=False)
     return model, cfg, load_hf_model(hf_dir)
 
 

@@ -86,21 +86,10 @@ def main(out: Path, names: str, new_tokens: int, repeats: int, as_worker: bool) 
     if as_worker:
         worker(out, names.split(","), new_tokens, repeats)
         return
-    from bench_generate import NEMOTRON
-
-    from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
+    from bench_generate import import_tiny
 
     for name in names.split(","):
-        hf_dir = out / name / "hf"
-        if name == "nemotron_omni":
-            build_tiny_nemotron_omni(hf_dir, **NEMOTRON)
-        elif name == "qwen3_5_moe":
-            build_tiny_qwen3_5(hf_dir, moe=True, max_positions=2048)
-        else:
-            build_tiny_hf(name, hf_dir, max_positions=2048, vision_depth=2)
-        subprocess.run([sys.executable, "-m", "models.convert", "hf-to-mcore", "--hf",
-                        str(hf_dir), "--out", str(out / name / "mcore")], cwd=REPO, check=True,
-                       capture_output=True)
+        import_tiny(name, out)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "2", __file__, "--worker", "--out", str(out), "--models",
                     names, "--new-tokens", str(new_tokens), "--repeats", str(repeats)],

@@ -83,14 +83,18 @@ def video_stream(container):
     return None
 
 
+def _rising(stamps: list) -> bool:
+    """Every stamp is there and each is above the one before."""
+    return None not in stamps and all(a < b for a, b in zip(stamps, stamps[1:]))
+
+
 def decode_order_stamps(stamps: list, reorders: bool) -> bool:
     """True when the packets' timestamps count decode order, not presentation: they rise packet
     after packet although the codec reorders frames (``reorders``: the codec context's
     ``has_b_frames``). AVI stores no presentation times: H.264 with B-frames there gets each
     packet's decode position as its pts, and a frame shown out of decode order carries the
     stamp of another position (a planned read would swap frames 1 and 2)."""
-    return bool(reorders) and None not in stamps and all(
-        a < b for a, b in zip(stamps, stamps[1:]))
+    return bool(reorders) and _rising(stamps)
 
 
 def packets_map_to_frames(stamps: list, first_is_key: bool, frames: int | None,
@@ -323,8 +327,7 @@ class _Reader:
         """Seconds after frame 0 of the frames ``picks`` of a sequential decode whose frames
         came out with the pts ``shown``: from the pts where they are presentation times (every
         frame has one and they rise), else frame count / frame rate."""
-        if (self.presentation_stamps and self.base > 0 and None not in shown
-                and all(a < b for a, b in zip(shown, shown[1:]))):
+        if self.presentation_stamps and self.base > 0 and _rising(shown):
             return tuple((shown[k] - shown[0]) * self.base for k in picks)
         return tuple(k / self.rate if self.rate else 0.0 for k in picks)
 

@@ -172,7 +172,7 @@ def moe_step(module) -> Callable:
     weighted by their probabilities, the shared expert. Experts over ranks (EP > 1, each
     expert whole: expert-TP 1): each rank adds its own experts' share and one all-reduce over
     the expert-parallel group sums them; that needs the same rows on every EP rank
-    (``models.generate`` checks it: ``decode_step.same_rows_on_expert_ranks``)."""
+    (``models.generate.same_prompts_on_expert_ranks`` checks it)."""
     experts = getattr(module.experts, "local_experts", None)
     cfg = module.config
     if experts is None or getattr(cfg, "moe_latent_size", None):

@@ -27,7 +27,7 @@ dense MLP, MoE with a shared expert, gated or not) and ``MambaLayer`` (Mamba2 co
 SSM state per row). So the lean step covers every family: Qwen2.5-VL, Qwen3-VL (MoE),
 Nemotron-Omni, Qwen3.5 (MoE), at TP = 1 with the local layer spec; experts over ranks (EP > 1,
 every rank decodes the same rows, which ``models.generate`` checks with
-``same_rows_on_expert_ranks``) as each rank's experts summed by one all-reduce per MoE layer.
+``same_prompts_on_expert_ranks``) as each rank's experts summed by one all-reduce per MoE layer.
 
 A recurrent layer with its own cached state plugs in at two places: its decode step, with an
 entry in ``LAYER_DECODERS`` or a ``lean_decoder(prefilled)`` method on its layer module (asked
@@ -196,35 +196,6 @@ class Decoder:
             x = layer(x)
         self.prefilled.step += 1
         return F.linear(self.final_norm(x), self.output, self.output_bias)
-
-
-def same_rows_on_expert_ranks(*tensors: torch.Tensor | None) -> bool:
-    """Whether every expert-parallel rank generates for the same rows: the fingerprints (first
-    dimension, size and two weighted sums of each) of their ``tensors`` (the (B, W) token ids,
-    the media; None where a rank has none) are equal (one all-gather; True at EP 1).
-    ``models.generate`` needs it: the experts' collectives need every EP rank in each step, so
-    all must stop together, and the lean MoE step sums each rank's experts over the same rows
-    with one all-reduce."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
-        return True
-    group = parallel_state.get_expert_model_parallel_group()
-    parts = []
-    for tensor in tensors:
-        if tensor is None:
-            parts.append(torch.full((4,), -1.0, dtype=torch.float64))
-            continue
-        flat = tensor.reshape(-1).to(device="cpu", dtype=torch.float64)
-        at = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
-        parts.append(torch.stack([torch.tensor(float(tensor.shape[0])),
-                                  torch.tensor(float(flat.numel())),
-                                  (flat * at).sum(), (flat * torch.sin(at)).sum()]))
-    mine = torch.cat(parts).to(tensors[0].device if tensors[0] is not None else "cpu")
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return all(torch.equal(other, mine) for other in every)
 
 
 def build(lm, groups: list, positions: torch.Tensor, attend: torch.Tensor,

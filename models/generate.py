@@ -222,13 +222,40 @@ def _megatron_step(lm, context, kwarg: dict, pos, valid, width: int):
     return step
 
 
+def same_prompts_on_expert_ranks(ids: torch.Tensor, prompts: list[Prompt]) -> bool:
+    """Whether every expert-parallel rank generates for the same prompts: the fingerprints (first
+    dimension, size and two weighted sums) of their (B, W) left-padded token ids and of each of
+    their media fields (``MEDIA``, concatenated over the prompts) are equal (one all-gather;
+    True at EP 1, without one). Generation needs it: the experts' collectives need every EP rank
+    in each step, so all must stop together, and the lean MoE step sums each rank's experts
+    over the same rows with one all-reduce (``decode_layers.moe_step``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return True
+    parts = []
+    for tensor in (ids, *(_cat([getattr(p, name) for p in prompts]) for name in MEDIA)):
+        if tensor is None:
+            parts.append(torch.full((4,), -1.0, dtype=torch.float64))
+            continue
+        flat = tensor.reshape(-1).to(device="cpu", dtype=torch.float64)
+        at = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+        parts.append(torch.stack([torch.tensor(float(tensor.shape[0])),
+                                  torch.tensor(float(flat.numel())),
+                                  (flat * at).sum(), (flat * torch.sin(at)).sum()]))
+    mine = torch.cat(parts).to(ids.device)
+    group = parallel_state.get_expert_model_parallel_group()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return all(torch.equal(other, mine) for other in every)
+
+
 def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_id: int,
               stats: GenerationStats | None) -> list[list[int]]:
     """``greedy_generate``: the prefill of each row group (``_row_groups``; all prompt tokens,
     vision encoded once), then the lean decode of all rows (``models.decode_step``) or, where
     it does not cover the model, megatron's decode step per group."""
-    from megatron.core import parallel_state
-
     from models import decode_step
 
     device = next(qwen.parameters()).device
@@ -238,9 +265,7 @@ def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_
     width = max(lengths)
     ids, pos, valid = (t.to(device) for t in _left_padded(prompts, lengths, pad_id,
                                                            max_new_tokens))
-    if parallel_state.get_expert_model_parallel_world_size() > 1 and not \
-            decode_step.same_rows_on_expert_ranks(ids, *(_cat([getattr(p, name) for p in prompts])
-                                                         for name in MEDIA)):
+    if not same_prompts_on_expert_ranks(ids, prompts):
         raise ValueError("greedy_generate with experts over ranks (EP > 1) needs the same prompts "
                          "on every expert-parallel rank (their steps must run together)")
     kwarg_name = _context_kwarg(lm)

@@ -256,30 +256,33 @@ def test_eval_moe_over_two_processes_equals_one(family, mantis_out, tmp_path):
 
 def same_rows_worker(argv=None) -> int:
     """One of 2 ranks at EP 2 (``runner.run("tests.test_eval:same_rows_worker", nproc=2)``):
-    generation's precondition holds for the same ids on both ranks only."""
+    generation's precondition holds for the same ids and media on both ranks only."""
     import torch.distributed as dist
 
-    from models.decode_step import same_rows_on_expert_ranks
+    from models.generate import Prompt, same_prompts_on_expert_ranks
     from models.parallel import init_parallel
 
     init_parallel(ep=2)
     rank = dist.get_rank()
+
+    def same(ids, pixels=None):
+        rows = [Prompt(row, row[None].expand(3, -1), pixel_values=pixels) for row in ids]
+        return same_prompts_on_expert_ranks(ids, rows)
+
     ids = torch.arange(12).reshape(2, 6)
     one_token = ids.clone()
     one_token[1, 3] += rank
     swapped = ids.flip(0) if rank else ids  # the same tokens, rows in another order
     wider = torch.zeros(2, 6 + rank, dtype=torch.long)
-    checks = [same_rows_on_expert_ranks(t) for t in (ids, one_token, swapped, wider)]
+    checks = [same(t) for t in (ids, one_token, swapped, wider)]
     pixels = torch.ones(4, 6)
     other_pixels = pixels * (1 + rank)  # the same ids, another image on each rank
-    checks += [same_rows_on_expert_ranks(ids, pixels, None),
-               same_rows_on_expert_ranks(ids, other_pixels, None),
-               same_rows_on_expert_ranks(ids, None if rank else pixels, None)]
+    checks += [same(ids, pixels), same(ids, other_pixels), same(ids, None if rank else pixels)]
     if checks != [True, False, False, False, True, False, False]:
         return 1
     from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
-    from models.generate import Prompt, greedy_generate
+    from models.generate import greedy_generate
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml")  # 4 experts, 2 per rank
     model = build_model(cfg, use_te=False).eval()
