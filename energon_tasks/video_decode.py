@@ -42,7 +42,10 @@ from __future__ import annotations
 
 import bisect
 import io
+import math
+import sys
 import tarfile
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -170,6 +173,30 @@ def decode_video_frames(
         raise MediaError("undecodable_video", f"{name}: {type(error).__name__}: {error}") from None
 
 
+#: buffers that reads write their frames into, reused once no array references them (the most
+#: recent ``_POOLED`` of at most ``_POOL_BYTES`` each: one per video of a two-video sample)
+_pool: list[bytearray] = []
+_pool_lock = threading.Lock()
+_POOLED, _POOL_BYTES = 2, 256 << 20
+
+
+def _frames_out(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialised uint8 array of ``shape`` for a read's frames: the front of a pooled
+    buffer that nothing references but the pool (every array or view of it holds a reference
+    to the buffer), else a new buffer, pooled when it is at most ``_POOL_BYTES``."""
+    size = math.prod(shape)
+    with _pool_lock:
+        for buffer in _pool:
+            # references: the pool's, this loop's and getrefcount's argument: no array left
+            if len(buffer) >= size and sys.getrefcount(buffer) == 3:
+                return np.frombuffer(buffer, np.uint8, size).reshape(shape)
+        buffer = bytearray(size)
+        if size <= _POOL_BYTES:
+            _pool.append(buffer)
+            del _pool[:-_POOLED]
+    return np.frombuffer(buffer, np.uint8, size).reshape(shape)
+
+
 _INTRA = 1  #: ``av.video.frame.PictureType.I`` (AV_PICTURE_TYPE_I)
 
 
@@ -213,7 +240,7 @@ class _Reader:
         rows: dict[int, list[int]] = {}  # packet position -> the output rows showing it
         for row, position in enumerate(wanted):
             rows.setdefault(position, []).append(row)
-        out = np.empty((len(picks), size[1], size[0], 3), np.uint8)
+        out = _frames_out((len(picks), size[1], size[0], 3))
         try:
             self._decode_runs(runs, rows, out, size)
         except _Unplannable:
@@ -305,7 +332,7 @@ class _Reader:
         """Every packet decoded in order; the k-th frame out is frame k."""
         self._restart()
         self.codec.skip_frame = "DEFAULT"
-        out = np.empty((len(picks), size[1], size[0], 3), np.uint8)
+        out = _frames_out((len(picks), size[1], size[0], 3))
         row_of = {k: row for row, k in enumerate(picks)}
         shown: list = []  # each decoded frame's pts, in presentation order
         for packet in [*self.packets, None]:

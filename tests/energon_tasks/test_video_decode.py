@@ -88,6 +88,32 @@ def test_video_skips_non_reference_frames_before_a_pick(b_frame_clip):
     assert video.seeks <= 3 and video.decoded_frames < 3 * 30 * 0.8
 
 
+def test_a_read_reuses_the_memory_of_released_frames_never_of_kept_ones(b_frame_clip):
+    data, every = b_frame_clip
+    size = (56, 84)
+
+    def read(picks):
+        return decode_video_frames(data, picks, size=size, max_source_pixels=BIG).frames
+
+    def expected(picks):
+        return np.stack([np.asarray(every[i].resize(size[::-1], Image.BICUBIC)) for i in picks])
+
+    def address(frames):
+        return frames.__array_interface__["data"][0]
+
+    kept = read([0, 75, 149])
+    views = [kept[:, ::2], kept[1]]  # a view alone keeps the memory too
+    first = address(kept)
+    del kept
+    other = read([10, 20, 140])
+    assert address(other) != first
+    assert np.array_equal(views[0], expected([0, 75, 149])[:, ::2])
+    assert np.array_equal(views[1], expected([75])[0])
+    del views
+    reused = read([1, 2])  # smaller than the released buffer: its front
+    assert address(reused) == first
+    assert np.array_equal(reused, expected([1, 2]))
+    assert np.array_equal(other, expected([10, 20, 140]))
 
 
 def test_a_pick_past_the_stream_and_bad_indices_are_skip_reasons(b_frame_clip):
