@@ -43,6 +43,7 @@ from __future__ import annotations
 import bisect
 import io
 import math
+import os
 import sys
 import tarfile
 import threading
@@ -178,6 +179,15 @@ def decode_video_frames(
 _pool: list[bytearray] = []
 _pool_lock = threading.Lock()
 _POOLED, _POOL_BYTES = 2, 256 << 20
+
+
+def _new_pool_lock() -> None:
+    """A fresh lock in a forked loader worker (a thread of the parent may have held it)."""
+    global _pool_lock
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_pool_lock)
 
 
 def _frames_out(shape: tuple[int, ...]) -> np.ndarray:
