@@ -21,15 +21,23 @@ such a checkpoint, in which every pickle goes through a restricted unpickler:
 - a non-empty ``_extra_state`` (``check_extra_state``): the pickle TransformerEngine will load is
   read first by ``ExtraStateUnpickler`` (its recipe dataclasses and enums, tensors whose storages
   go through ``load_blob``, containers, dtypes): what it refuses never reaches TE;
-- ``metadata.json``: plain JSON, and only the ``torch_dist`` / ``torch`` backends are read;
-  every item's file is a name inside the checkpoint folder, with no storage transform.
+- ``metadata.json``: plain JSON, and only the ``torch_dist`` sharded backend is read (with the
+  ``torch`` common backend where one is named); every item's file is a name inside the
+  checkpoint folder, with no storage transform;
+- the **common state** (``_common_state``), whichever megatron-core wrote it: ``common.pt``
+  (<= 0.18; ``metadata.json`` names ``common_backend: torch``) or the ``common_state`` byte item
+  of the ``.distcp`` files (>= 0.19, no ``common_backend``), both by ``load_blob``; either
+  version reads either kind.
 
 ``check_dist_checkpoint(folder)`` reads all of that before a model is built (``read_checkpoint``,
 ``read_train_state``: a planted checkpoint fails in seconds). ``load(sharded_state_dict, folder)``
 is ``dist_checkpointing.load`` with megatron's own strategies at two seams replaced (the DCP
 reader: ``MetadataUnpickler``, file names checked; the planner's ``load_bytes``: ``load_blob``)
-and a common strategy that reads ``common.pt`` with ``load_blob``; the extra states it loaded are
-checked before the caller hands them to the model. ``models.checkpoint`` (import folders, eval,
+and its common-state reader replaced by ``_common_state`` (megatron-core <= 0.16: a common
+strategy passed to ``load``; 0.17 and 0.18: ``serialization.load_common``; >= 0.19:
+``serialization.load_common_state_dict``, which would otherwise read the item with torch's
+full unpickler); the extra states it loaded are checked before the caller hands them to the
+model. ``models.checkpoint`` (import folders, eval,
 export, ``train.init_checkpoint``) and ``recipes.checkpointing`` (resume) load only through it.
 
 Every refusal is ``RefusedCheckpoint`` (a ``contract.errors.UsageError``): one line naming the
@@ -57,8 +65,10 @@ from contract.errors import UsageError
 METADATA = ".metadata"
 COMMON = "common.pt"
 CONFIG = "metadata.json"
-#: megatron's dist_checkpointing backends this module reads (``metadata.json``)
+#: megatron's dist_checkpointing backends this module reads (``metadata.json``; megatron-core
+#: >= 0.19 names no common backend: its common state is a DCP item, ``COMMON_ITEM``)
 BACKENDS = {"sharded_backend": "torch_dist", "common_backend": "torch"}
+COMMON_ITEM = "common_state"
 #: what the weights-only unpickler accepts besides torch's own allowlist
 EXTRA_SAFE = (io.BytesIO,)
 _SIMPLE_NAME = re.compile(r"^[\w.-]+$")
@@ -227,14 +237,19 @@ def check_extra_states(state: Any, where: str, _key: str = "") -> None:
 # ---- the checks before anything is built ----------------------------------------------------
 
 def _check_backends(folder: Path) -> None:
+    """``metadata.json`` names the ``torch_dist`` sharded backend and, where it names a common
+    backend (megatron-core <= 0.18), ``torch``."""
     path = folder / CONFIG
     try:
         config = json.loads(path.read_text())
-        backends = {key: config[key] for key in BACKENDS}
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        backends = {key: config[key] for key in BACKENDS if key in config}
+    except (OSError, ValueError, TypeError) as error:
         raise _refused(f"{folder}: {CONFIG}", "megatron's checkpoint description",
                        f"{type(error).__name__}: {str(error)[:80]}") from None
-    if backends != BACKENDS:
+    if "sharded_backend" not in backends:
+        raise _refused(f"{folder}: {CONFIG}", "megatron's checkpoint description",
+                       "it names no sharded_backend")
+    if any(BACKENDS[key] != value for key, value in backends.items()):
         raise _refused(f"{folder}: {CONFIG}", "a torch_dist checkpoint",
                        f"backends {backends}; only {BACKENDS} are read")
 
@@ -270,42 +285,67 @@ def check_dist_checkpoint(folder: str | Path) -> None:
         path = _check_file_name(folder, getattr(info, "relative_path", None), index.fqn)
         if not isinstance(items.get(index.fqn), BytesStorageMetadata):
             continue  # a tensor: torch reads it with weights_only=True (under load's allowlist)
-        if getattr(info, "transform_descriptors", None):
-            raise _refused(f"{path.name}: {index.fqn}", "plain checkpoint data",
-                           "stored with a storage transform this project does not write")
-        with open(path, "rb") as file:
-            file.seek(int(info.offset))
-            data = file.read(int(info.length))
-        where = f"{path}: {index.fqn}"
-        value = load_blob(data, where)
+        value = _byte_item(folder, info, index.fqn)
         if index.fqn.split("/", 1)[0].endswith("_extra_state"):
-            check_extra_state(value, where)
+            check_extra_state(value, f"{path}: {index.fqn}")
+
+
+def _byte_item(folder: Path, info, fqn: str) -> Any:
+    """The ``load_blob`` of one byte item (its file, offset and length from ``.metadata``)."""
+    path = _check_file_name(folder, getattr(info, "relative_path", None), fqn)
+    if getattr(info, "transform_descriptors", None):
+        raise _refused(f"{path.name}: {fqn}", "plain checkpoint data",
+                       "stored with a storage transform this project does not write")
+    with open(path, "rb") as file:
+        file.seek(int(info.offset))
+        data = file.read(int(info.length))
+    return load_blob(data, f"{path}: {fqn}")
+
+
+def _common_state(folder: str | Path) -> dict:
+    """A dist checkpoint's common (non-sharded) state: ``common.pt`` (megatron-core <= 0.18) or
+    its ``.distcp`` item ``common_state`` (>= 0.19: ``torch.save([state])``), by ``load_blob``.
+
+    Raises:
+        RefusedCheckpoint: it holds anything but checkpoint data, or the checkpoint has neither.
+    """
+    folder = Path(folder)
+    if (folder / COMMON).is_file():
+        return load_blob(folder / COMMON, f"{folder}: {COMMON}")
+    metadata = read_metadata(folder)
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        if index.fqn.split("/", 1)[0] == COMMON_ITEM:
+            state = _byte_item(folder, info, index.fqn)
+            if not (isinstance(state, list) and len(state) == 1 and isinstance(state[0], dict)):
+                raise _refused(f"{folder}: {index.fqn}", "megatron's common state",
+                               f"a {type(state).__name__}, not [dict]")
+            return state[0]
+    raise _refused(str(folder), "a complete dist checkpoint",
+                   f"neither {COMMON} nor a {COMMON_ITEM} item")
 
 
 # ---- loading ------------------------------------------------------------------------------------
 
-def _strategies(folder: Path):
-    """(sharded, common) load strategies: megatron's torch_dist / torch ones with the DCP reader
-    and the planner's ``load_bytes`` replaced, and ``common.pt`` read by ``load_blob``."""
+def _sharded_strategy(folder: Path):
+    """megatron's torch_dist load strategy with the DCP reader and the planner's ``load_bytes``
+    replaced."""
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
-    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
-        CachedMetadataFileSystemReader,
-    )
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class Reader(CachedMetadataFileSystemReader):
-        """DCP's file reader: ``.metadata`` by ``MetadataUnpickler``, item files confined."""
+    class Reader(FileSystemReader):
+        """DCP's file reader: ``.metadata`` by ``MetadataUnpickler`` (read once per reader),
+        item files confined."""
 
         def read_metadata(self, *args, **kwargs):
-            if self._cached_metadata is None:
+            if getattr(self, "_read", None) is None:
                 metadata = read_metadata(folder)
                 if getattr(metadata, "storage_meta", None) is None:
                     metadata.storage_meta = StorageMeta()
                 metadata.storage_meta.load_id = self.load_id
-                self._cached_metadata = metadata
-            return self._cached_metadata
+                self._read = metadata
+            return self._read
 
         def read_data(self, plan, planner):
             for item in plan.items:
@@ -336,14 +376,14 @@ def _strategies(folder: Path):
     def seams():
         stack = contextlib.ExitStack()
         stack.enter_context(_patch(torch_strategy, "_get_filesystem_reader",
-                                   lambda path, cache_metadata=False: Reader(path)))
+                                   lambda path, *_, **__: Reader(path)))
         stack.enter_context(_patch(torch_strategy, "MCoreLoadPlanner", Planner))
         return stack
 
     class Sharded(torch_strategy.TorchDistLoadShardedStrategy):
-        def load(self, sharded_state_dict, checkpoint_dir):
-            with seams():
-                return super().load(sharded_state_dict, checkpoint_dir)
+        def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+            with seams():  # >= 0.17 passes its async strategy too
+                return super().load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
         def load_tensors_metadata(self, checkpoint_dir, metadata=None):
             with seams():
@@ -353,18 +393,23 @@ def _strategies(folder: Path):
             with seams():
                 return super().load_sharded_metadata(checkpoint_dir)
 
+    return Sharded()
+
+
+def _common_strategy():
+    """megatron-core <= 0.16's common load strategy, reading the common state by
+    ``_common_state`` (0.17 dropped the class)."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
     class Common(TorchCommonLoadStrategy):
         def load_common(self, checkpoint_dir):
-            path = Path(checkpoint_dir) / COMMON
-            if not path.is_file():
-                return super().load_common(checkpoint_dir)  # megatron's own "does not exist"
-            return load_blob(path, f"{checkpoint_dir}: {COMMON}")
+            return _common_state(checkpoint_dir)
 
         def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
             raise _refused(str(checkpoint_dir), "a torch_dist checkpoint",
                            "ShardedObjects stored as separate .pt files are not read")
 
-    return Sharded(), Common()
+    return Common()
 
 
 @contextlib.contextmanager
@@ -390,24 +435,32 @@ def load(sharded_state_dict: dict, folder: str | Path) -> dict:
         Exception: megatron's / torch's own error of a checkpoint that does not fit (the first
             rank's, for DCP's gathered ``CheckpointException``).
     """
-    from megatron.core import dist_checkpointing
+    from megatron.core import __version__, dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+    from packaging.version import Version
     from torch.distributed.checkpoint.api import CheckpointException
 
     folder = Path(folder)
     if (folder / METADATA).is_file():  # read here too: DCP would turn a refusal into its own
         read_metadata(folder)
         _check_backends(folder)
-    sharded, common = _strategies(folder)
-    try:
-        with _torch_allowlist_only():
-            state = dist_checkpointing.load(sharded_state_dict, str(folder),
-                                            sharded_strategy=sharded, common_strategy=common)
-    except CheckpointException as error:
-        failures = [failure[0] for failure in error.failures.values()]
-        refused = [f for f in failures if isinstance(f, RefusedCheckpoint)]
-        first = (refused or [f for f in failures if isinstance(f, Exception)] or [None])[0]
-        if first is None:
-            raise
-        raise first from None
+    strategies = {"sharded_strategy": _sharded_strategy(folder)}
+    with contextlib.ExitStack() as seams:
+        if Version(__version__) < Version("0.17"):  # the common state through a strategy
+            strategies["common_strategy"] = _common_strategy()
+        else:  # a module function of megatron's serialization reads it
+            reader = "load_common" if Version(__version__) < Version("0.19") else \
+                "load_common_state_dict"
+            seams.enter_context(_patch(serialization, reader, _common_state))
+        try:
+            with _torch_allowlist_only():
+                state = dist_checkpointing.load(sharded_state_dict, str(folder), **strategies)
+        except CheckpointException as error:
+            failures = [failure[0] for failure in error.failures.values()]
+            refused = [f for f in failures if isinstance(f, RefusedCheckpoint)]
+            first = (refused or [f for f in failures if isinstance(f, Exception)] or [None])[0]
+            if first is None:
+                raise
+            raise first from None
     check_extra_states(state, str(folder))
     return state

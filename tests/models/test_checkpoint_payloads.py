@@ -92,9 +92,45 @@ def plant_item(folder: Path, key: str, blob: bytes) -> None:
         pickle.dump(metadata, file)
 
 
+def as_common_state_layout(folder: Path) -> None:
+    """Rewrite the dist checkpoint ``folder`` as megatron-core >= 0.19 writes one, whichever
+    version wrote it: no ``common.pt``, its state the byte item ``common_state/shard_0_1``
+    (``torch.save([state])``), ``metadata.json`` naming no common backend."""
+    import json
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from models.dist_load import load_blob
+
+    common = folder / "common.pt"
+    if not common.is_file():
+        return  # written so already
+    metadata = _metadata(folder)
+    key = "common_state/shard_0_1"
+    info = next(iter(metadata.storage_data.values()))
+    blob = saved_blob([load_blob(common, "common.pt")])
+    path = folder / info.relative_path
+    offset = path.stat().st_size
+    with open(path, "ab") as file:
+        file.write(blob)
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(fqn=key)] = dataclasses.replace(
+        info, offset=offset, length=len(blob))
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    common.unlink()
+    config = json.loads((folder / "metadata.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("common_backend")}
+    (folder / "metadata.json").write_text(json.dumps(config))
+
+
 def plant(folder: Path, kind: str, marker: Path) -> str:
     """Plant a payload in the item of ``kind`` of the dist checkpoint ``folder`` (``.metadata``,
-    ``common.pt``, ``te_extra_state`` or a kind of ``item_kinds``); the file (and key) named."""
+    ``common.pt``, ``te_extra_state``, ``common_state`` (the folder first rewritten in that
+    layout: ``as_common_state_layout``) or a kind of ``item_kinds``); the file (and key)
+    named."""
+    if kind == "common_state":
+        as_common_state_layout(folder)
     if kind == ".metadata":
         (folder / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
         return f"{folder}: .metadata"
@@ -130,7 +166,9 @@ def tiny_saved(request, tmp_path_factory):
     return request.param, model, out
 
 
-MODEL_KINDS = (".metadata", "common.pt", "_extra_state", "te_extra_state", "tensor")
+#: ``common.pt`` (megatron-core <= 0.18) and ``common_state`` (>= 0.19): the common state
+MODEL_KINDS = (".metadata", "common.pt", "common_state", "_extra_state", "te_extra_state",
+               "tensor")
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
@@ -157,12 +195,21 @@ def test_the_load_refuses_a_planted_item(kind, tiny_saved, tmp_path):
     assert set(torch.serialization.get_safe_globals()) == registered
 
 
-def test_the_loaded_weights_are_the_saved_ones(tiny_saved):
-    """A legitimate checkpoint loads through the restricted reading, every weight equal."""
+@pytest.mark.parametrize("layout", ["as_saved", "common_state"])
+def test_the_loaded_weights_are_the_saved_ones(layout, tiny_saved, tmp_path):
+    """A legitimate checkpoint loads through the restricted reading, every weight equal, in the
+    layout this megatron-core writes and in the other one (``common.pt`` or the ``common_state``
+    item: a checkpoint of either version loads with the other)."""
     from models import dist_load
 
     _family, model, saved = tiny_saved
-    state = dist_load.load(model.sharded_state_dict(), saved)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    if layout == "common_state":
+        as_common_state_layout(folder)
+        assert not (folder / "common.pt").exists()
+    dist_load.check_dist_checkpoint(folder)
+    state = dist_load.load(model.sharded_state_dict(), folder)
     weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     assert all(torch.equal(state[k], v) for k, v in weights.items())
 
@@ -245,8 +292,8 @@ FAMILY_ARGS = {
     "nemotron_omni": [str(NEMOTRON_CFG)],
 }
 #: every kind of item a train.py step folder holds (model_optim/ + the RNG state file)
-TRAIN_KINDS = (".metadata", "common.pt", "_extra_state", "te_extra_state", "optimizer",
-               "per_bucket_numel", "per_bucket_numel_unpadded", "tensor", "rng")
+TRAIN_KINDS = (".metadata", "common.pt", "common_state", "_extra_state", "te_extra_state",
+               "optimizer", "per_bucket_numel", "per_bucket_numel_unpadded", "tensor", "rng")
 
 
 def train(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
