@@ -176,6 +176,11 @@ class ExtraStateUnpickler(pickle.Unpickler):
     the weights-only unpickler), ``OrderedDict``, ``torch.Size``, dtypes; nothing else."""
 
     RECIPE = "transformer_engine.common.recipe"
+    #: how plain pickle names a storage's loader: torch's, or megatron-core >= 0.19's, which
+    #: replaces ``torch.storage._load_from_bytes`` with its own weights-only version on import
+    #: (a state pickled in a process that imported it names that); both read by ours
+    STORAGE_FROM_BYTES = {("torch.storage", "_load_from_bytes"),
+                          ("megatron.core.safe_globals", "safe_load_from_bytes")}
     NAMES = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"),
              ("torch", "Size")}
 
@@ -185,7 +190,7 @@ class ExtraStateUnpickler(pickle.Unpickler):
             if (isinstance(found, type) and found.__module__ == module
                     and (dataclasses.is_dataclass(found) or issubclass(found, (enum.Enum, tuple)))):
                 return found
-        elif (module, name) == ("torch.storage", "_load_from_bytes"):
+        elif (module, name) in self.STORAGE_FROM_BYTES:
             return _storage_from_bytes
         elif (module, name) in self.NAMES:
             return getattr(importlib.import_module(module), name)

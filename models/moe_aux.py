@@ -78,13 +78,24 @@ def begin_step() -> None:
     _TALLY.clear()
 
 
+def _tracked() -> dict:
+    """megatron's aux-loss tracker itself: name -> entry (its per-layer ``values``). megatron-core
+    >= 0.18 keeps it in ``moe_logging``'s metrics tracker (``get_moe_layer_wise_logging_tracker``
+    then returns a copy); before, that function returns the tracker."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe import moe_utils
+
+        return moe_utils.get_moe_layer_wise_logging_tracker()
+    return get_moe_metrics_tracker().metrics
+
+
 def forget() -> None:
     """Drops megatron's aux-loss tracker entries (sized by the layer count of the model that
     first logged into them: another model of other depth would index past them) and the router
     tallies; called when a model is built (``models.families.build_model``)."""
-    from megatron.core.transformer.moe import moe_utils
-
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    _tracked().clear()
     _TALLY.clear()
 
 
@@ -167,10 +178,11 @@ def _aux_loss(config, micro_batches: int) -> dict[str, float]:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe import moe_utils
 
-    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-    if TRACKED not in tracker:
+    entry = _tracked().get(TRACKED)
+    if entry is None:
         return {}
-    total = tracker[TRACKED]["values"].sum().reshape(1).double()
+    values = entry["values"] if isinstance(entry, dict) else entry.values
+    total = values.sum().reshape(1).double()
     _sum_over_token_shares(total, config, pipeline=True)
     if torch.distributed.is_initialized():
         total /= ps.get_data_parallel_world_size()

@@ -52,7 +52,7 @@ def test_manifest_records_every_file(four):
         folder = ckpts / f"step_{step:06d}"
         files = json.loads((folder / COMPLETE).read_text())["files"]
         assert sorted(files) == checkpoint_files(folder)
-        assert any(name.endswith(".distcp") for name in files) and "model_optim/common.pt" in files
+        assert any(name.endswith(".distcp") for name in files) and "model_optim/.metadata" in files
     assert (ckpts / "latest").read_text().strip() == "step_000004"
     assert not list(ckpts.glob("*.partial")) and not (four / "train.lock").exists()
 
@@ -66,7 +66,10 @@ def test_damaged_checkpoints_are_named_and_auto_resume_falls_back(four, mantis_o
     step = {n: ckpts / f"step_{n:06d}" for n in range(1, 5)}
     truncated = step[4] / "model_optim" / "__0_1.distcp"
     truncated.write_bytes(truncated.read_bytes()[:-100])
-    (step[3] / "model_optim" / "common.pt").unlink()
+    # megatron-core <= 0.18 writes common.pt; 0.19 keeps that state inside the .distcp files
+    deleted = next(name for name in ("common.pt", "metadata.json")
+                   if (step[3] / "model_optim" / name).is_file())
+    (step[3] / "model_optim" / deleted).unlink()
     flipped = step[2] / "model_optim" / "__0_0.distcp"
     data = bytearray(flipped.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit inside a tensor
@@ -75,7 +78,7 @@ def test_damaged_checkpoints_are_named_and_auto_resume_falls_back(four, mantis_o
     line = main_error(capsys, *base, "--resume", str(step[4]))  # before any process group
     assert "__0_1.distcp: " in line and "recorded at save (truncated)" in line, line
     line = main_error(capsys, *base, "--resume", str(step[3]))
-    assert "common.pt: missing" in line, line
+    assert f"{deleted}: missing" in line, line
     from models.convert import main as convert_main  # the export checks the sizes too
 
     export = ["mcore-to-hf", "--mcore", str(step[4]), "--out", str(tmp_path / "hf")]

@@ -256,6 +256,30 @@ def test_extra_state_pickles_are_read_as_transformer_engine_data(tmp_path):
     assert ("SHORT_BINUNICODE", "system") in ops and ("REDUCE", None) in ops
 
 
+def test_extra_state_pickled_after_megatron_0_19_replaced_the_storage_loader(monkeypatch):
+    """megatron-core >= 0.19 sets ``torch.storage._load_from_bytes`` to its own
+    ``megatron.core.safe_globals.safe_load_from_bytes`` on import, so a TE extra state pickled in
+    such a process names that loader: it is read as checkpoint data (the same pickle made here on
+    any version, as 0.19 makes it)."""
+    import megatron.core.safe_globals as safe_globals
+
+    from models.dist_load import check_extra_state
+
+    def safe_load_from_bytes(b):  # what 0.19 assigns; never called here
+        raise AssertionError("the checkpoint reader must not call a loader a pickle names")
+
+    safe_load_from_bytes.__module__ = "megatron.core.safe_globals"
+    safe_load_from_bytes.__qualname__ = "safe_load_from_bytes"
+    monkeypatch.setattr(safe_globals, "safe_load_from_bytes", safe_load_from_bytes,
+                        raising=False)
+    monkeypatch.setattr(torch.storage, "_load_from_bytes", safe_load_from_bytes)
+    state = te_state({"scale_fwd": torch.ones(3), "amax": torch.zeros(2, 4)})
+    names = [arg for op, arg, _pos in pickletools.genops(state.numpy().tobytes())
+             if op.name == "SHORT_BINUNICODE"]
+    assert "megatron.core.safe_globals" in names and "safe_load_from_bytes" in names
+    check_extra_state(state, "layer._extra_state")
+
+
 def test_other_backends_and_foreign_files_are_refused(tiny_saved, tmp_path):
     """metadata.json naming another backend, an item stored outside the folder: one line."""
     import json
