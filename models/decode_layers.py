@@ -306,8 +306,10 @@ def mamba_layer(layer, prefilled) -> Callable:
     pre_norm = norm_of(layer.norm)
     w_in, b_in = linear_of(mixer.in_proj)
     w_out, b_out = linear_of(mixer.out_proj)
-    conv_w = mixer.conv1d.weight.reshape(mixer.conv1d.weight.shape[0], -1)  # (conv dim, width)
-    conv_b = mixer.conv1d.bias
+    conv1d = getattr(mixer, "conv1d", None)  # megatron-core <= 0.18 an nn.Conv1d; 0.19 params
+    conv_w = mixer.conv1d_weight if conv1d is None else conv1d.weight
+    conv_b = mixer.conv1d_bias if conv1d is None else conv1d.bias
+    conv_w = conv_w.reshape(conv_w.shape[0], -1)  # (conv dim, width)
     inner, heads, state = mixer.d_inner_local_tp, mixer.nheads_local_tp, mixer.d_state
     groups, head_dim = mixer.ngroups_local_tp, mixer.headdim
     split = [inner, inner + 2 * groups * state, heads]
