@@ -450,12 +450,12 @@ def load(sharded_state_dict: dict, folder: str | Path) -> dict:
         read_metadata(folder)
         _check_backends(folder)
     strategies = {"sharded_strategy": _sharded_strategy(folder)}
+    version = Version(__version__)
     with contextlib.ExitStack() as seams:
-        if Version(__version__) < Version("0.17"):  # the common state through a strategy
+        if version < Version("0.17"):  # the common state through a strategy
             strategies["common_strategy"] = _common_strategy()
         else:  # a module function of megatron's serialization reads it
-            reader = "load_common" if Version(__version__) < Version("0.19") else \
-                "load_common_state_dict"
+            reader = "load_common" if version < Version("0.19") else "load_common_state_dict"
             seams.enter_context(_patch(serialization, reader, _common_state))
         try:
             with _torch_allowlist_only():
