@@ -22,7 +22,7 @@ install: $(STAMP)
 
 # torch==2.13.0 first (an unpinned torch pulled by a dependency would be a multi-GB CUDA build),
 # unless the venv already imports a torch (e.g. a CUDA build installed by the cluster's recipe).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml energon_tasks/_resample.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0

@@ -1,0 +1,238 @@
+/* PIL's bicubic resize of RGB uint8 pixels, the same arithmetic vectorised (energon_tasks.resize).
+ *
+ * Pillow resizes in two separable passes (libImaging/Resample.c): the weights of each output
+ * position come from the bicubic kernel (a = -0.5) in double precision, normalised, then rounded
+ * to 22-bit fixed point; each output value is clip8((0.5 << 22 + sum(pixel * weight)) >> 22),
+ * summed in int32, and the first pass is rounded to uint8 before the second reads it. Integer
+ * sums do not depend on their order, so this module computes the same values several lanes at a
+ * time: the vertical pass along a row (every value of a row has the same weights), the horizontal
+ * pass over blocks of ROWS rows transposed so that one output column of the block is contiguous.
+ * Which pass runs first is the caller's (Pillow changed its rule in 13.0); the coefficient code
+ * is compiled without FMA contraction (-ffp-contract=off) so its doubles round as Pillow's do.
+ * energon_tasks.resize checks the result against the installed Pillow before it is used.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PRECISION_BITS (32 - 8 - 2)
+#define ROWS 16             /* rows per block of the horizontal pass */
+#define LANES (ROWS * 3)    /* values per output column of a block */
+#define SPAN 512            /* values per chunk of the vertical pass */
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+static double bicubic_weight(double x) {
+    const double a = -0.5;
+    if (x < 0.0) x = -x;
+    if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
+    if (x < 2.0) return (((x - 5) * x + 8) * x - 4) * a;
+    return 0.0;
+}
+
+/* One axis: for each output position its first input and input count (bounds) and its
+   fixed-point weights (ksize per position). Returns ksize, 0 when out of memory. */
+static int axis_weights(int in_size, int out_size, int **bounds_out, int32_t **weights_out) {
+    double scale = (double)in_size / out_size;
+    double filterscale = scale < 1.0 ? 1.0 : scale;
+    double support = 2.0 * filterscale, inverse = 1.0 / filterscale;
+    int ksize = (int)ceil(support) * 2 + 1;
+    double *row = malloc(sizeof(double) * ksize);
+    int32_t *weights = malloc(sizeof(int32_t) * (size_t)out_size * ksize);
+    int *bounds = malloc(sizeof(int) * 2 * (size_t)out_size);
+    if (!row || !weights || !bounds) {
+        free(row); free(weights); free(bounds);
+        return 0;
+    }
+    for (int o = 0; o < out_size; o++) {
+        double center = (o + 0.5) * scale, total = 0.0;
+        int first = (int)(center - support + 0.5), count;
+        if (first < 0) first = 0;
+        count = (int)(center + support + 0.5);
+        if (count > in_size) count = in_size;
+        count -= first;
+        for (int i = 0; i < count; i++) {
+            row[i] = bicubic_weight((i + first - center + 0.5) * inverse);
+            total += row[i];
+        }
+        for (int i = 0; i < ksize; i++) {
+            double w = i < count ? (total != 0.0 ? row[i] / total : row[i]) : 0.0;
+            weights[(size_t)o * ksize + i] = w < 0 ? (int32_t)(-0.5 + w * (1 << PRECISION_BITS))
+                                                   : (int32_t)(0.5 + w * (1 << PRECISION_BITS));
+        }
+        bounds[2 * o] = first;
+        bounds[2 * o + 1] = count;
+    }
+    free(row);
+    *bounds_out = bounds;
+    *weights_out = weights;
+    return ksize;
+}
+
+static inline uint8_t clip8(int32_t sum) {
+    int32_t v = sum >> PRECISION_BITS;
+    return v < 0 ? 0 : v > 255 ? 255 : (uint8_t)v;
+}
+
+/* Rows [y0, y1) of src (w pixels, rows src_stride bytes apart) resampled to w2 pixels into
+   dst's rows 0.. (w2 * 3 bytes each). Returns -1 when out of memory. */
+VECTOR_CLONES
+static int horizontal(const uint8_t *src, Py_ssize_t src_stride, int w, int y0, int y1,
+                      uint8_t *dst, int w2, int ksize, const int *bounds, const int32_t *weights) {
+    uint8_t *block = malloc((size_t)w * LANES), *done = malloc((size_t)w2 * LANES);
+    int32_t acc[LANES];
+    if (!block || !done) {
+        free(block); free(done);
+        return -1;
+    }
+    for (int y = y0; y < y1; y += ROWS) {
+        int rows = y1 - y < ROWS ? y1 - y : ROWS;
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *line = src + (size_t)(y + r) * src_stride;
+            for (int x = 0; x < w; x++) memcpy(block + (size_t)x * LANES + r * 3, line + x * 3, 3);
+        }
+        for (int o = 0; o < w2; o++) {
+            const int32_t *k = weights + (size_t)o * ksize;
+            const uint8_t *in = block + (size_t)bounds[2 * o] * LANES;
+            int count = bounds[2 * o + 1];
+            for (int l = 0; l < LANES; l++) acc[l] = 1 << (PRECISION_BITS - 1);
+            for (int t = 0; t < count; t++) {
+                int32_t weight = k[t];
+                const uint8_t *tap = in + (size_t)t * LANES;
+                for (int l = 0; l < LANES; l++) acc[l] += tap[l] * weight;
+            }
+            uint8_t *column = done + (size_t)o * LANES;
+            for (int l = 0; l < LANES; l++) column[l] = clip8(acc[l]);
+        }
+        for (int r = 0; r < rows; r++) {
+            uint8_t *line = dst + (size_t)(y - y0 + r) * w2 * 3;
+            for (int o = 0; o < w2; o++) memcpy(line + o * 3, done + (size_t)o * LANES + r * 3, 3);
+        }
+    }
+    free(block);
+    free(done);
+    return 0;
+}
+
+/* h2 output rows of row_bytes values each into dst, output row y from src's rows
+   bounds[2y] .. (rows src_stride bytes apart). */
+VECTOR_CLONES
+static void vertical(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t row_bytes,
+                     uint8_t *dst, int h2, int ksize, const int *bounds, const int32_t *weights) {
+    int32_t acc[SPAN];
+    for (int y = 0; y < h2; y++) {
+        const int32_t *k = weights + (size_t)y * ksize;
+        int first = bounds[2 * y], count = bounds[2 * y + 1];
+        for (Py_ssize_t i0 = 0; i0 < row_bytes; i0 += SPAN) {
+            int len = row_bytes - i0 < SPAN ? (int)(row_bytes - i0) : SPAN;
+            for (int i = 0; i < len; i++) acc[i] = 1 << (PRECISION_BITS - 1);
+            for (int t = 0; t < count; t++) {
+                int32_t weight = k[t];
+                const uint8_t *tap = src + (size_t)(first + t) * src_stride + i0;
+                for (int i = 0; i < len; i++) acc[i] += tap[i] * weight;
+            }
+            uint8_t *line = dst + (size_t)y * row_bytes + i0;
+            for (int i = 0; i < len; i++) line[i] = clip8(acc[i]);
+        }
+    }
+}
+
+/* Pillow's ImagingResampleInner for bicubic on 3 x uint8 pixels. Returns -1 out of memory. */
+static int resize(const uint8_t *src, Py_ssize_t src_stride, int h, int w, uint8_t *dst, int h2,
+                  int w2, int vertical_first) {
+    int *hb = NULL, *vb = NULL, status = 0;
+    int32_t *hw = NULL, *vw = NULL;
+    uint8_t *tmp = NULL;
+    int hk = axis_weights(w, w2, &hb, &hw), vk = axis_weights(h, h2, &vb, &vw);
+    if (!hk || !vk) {
+        status = -1;
+    } else if (w == w2 && h == h2) {
+        for (int y = 0; y < h; y++) memcpy(dst + (size_t)y * w * 3, src + (size_t)y * src_stride, (size_t)w * 3);
+    } else if (w == w2) {
+        vertical(src, src_stride, (Py_ssize_t)w * 3, dst, h2, vk, vb, vw);
+    } else if (h == h2) {
+        status = horizontal(src, src_stride, w, 0, h, dst, w2, hk, hb, hw);
+    } else if (vertical_first) {
+        if (!(tmp = malloc((size_t)h2 * w * 3))) {
+            status = -1;
+        } else {
+            vertical(src, src_stride, (Py_ssize_t)w * 3, tmp, h2, vk, vb, vw);
+            status = horizontal(tmp, (Py_ssize_t)w * 3, w, 0, h2, dst, w2, hk, hb, hw);
+        }
+    } else {
+        int first = vb[0], last = vb[2 * h2 - 2] + vb[2 * h2 - 1];
+        if (!(tmp = malloc((size_t)(last - first) * w2 * 3))) {
+            status = -1;
+        } else if (!(status = horizontal(src, src_stride, w, first, last, tmp, w2, hk, hb, hw))) {
+            for (int y = 0; y < h2; y++) vb[2 * y] -= first;
+            vertical(tmp, (Py_ssize_t)w2 * 3, (Py_ssize_t)w2 * 3, dst, h2, vk, vb, vw);
+        }
+    }
+    free(tmp); free(hb); free(hw); free(vb); free(vw);
+    return status;
+}
+
+/* (H, W, 3) uint8 with rows of contiguous pixels; dst C-contiguous */
+static int rgb_view(PyObject *object, Py_buffer *view, int writable, const char *name) {
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(object, view, flags) < 0) return -1;
+    int ok = view->ndim == 3 && view->itemsize == 1 && view->format &&
+             (!strcmp(view->format, "B") || !strcmp(view->format, "<B") || !strcmp(view->format, "=B")) &&
+             view->shape[0] > 0 && view->shape[1] > 0 && view->shape[2] == 3 &&
+             view->strides[2] == 1 && view->strides[1] == 3 && view->strides[0] >= view->shape[1] * 3 &&
+             view->shape[0] <= INT_MAX && view->shape[1] <= INT_MAX / 3 &&
+             (!writable || view->strides[0] == view->shape[1] * 3);
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s: expected (H, W, 3) uint8 pixels with contiguous rows%s",
+                     name, writable ? ", C-contiguous" : "");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_bicubic(PyObject *self, PyObject *args) {
+    PyObject *src_object, *dst_object;
+    int vertical_first, status;
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "OOp", &src_object, &dst_object, &vertical_first)) return NULL;
+    if (rgb_view(src_object, &src, 0, "src") < 0) return NULL;
+    if (rgb_view(dst_object, &dst, 1, "dst") < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    const char *s0 = src.buf, *s1 = s0 + (src.shape[0] - 1) * src.strides[0] + src.shape[1] * 3;
+    const char *d0 = dst.buf, *d1 = d0 + dst.len;
+    if (s0 < d1 && d0 < s1) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "src and dst overlap");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    status = resize(src.buf, src.strides[0], (int)src.shape[0], (int)src.shape[1], dst.buf,
+                    (int)dst.shape[0], (int)dst.shape[1], vertical_first);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (status < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"bicubic", py_bicubic, METH_VARARGS,
+     "bicubic(src, dst, vertical_first): PIL's bicubic resize of src (H, W, 3) uint8 into dst "
+     "(H2, W2, 3) uint8, C-contiguous; vertical_first: the vertical pass runs first."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_resample", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__resample(void) { return PyModule_Create(&module); }

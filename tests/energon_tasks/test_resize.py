@@ -1,0 +1,120 @@
+"""The exact uint8 resize (energon_tasks.resize): PIL's bicubic pixels bit for bit, from the
+native kernel where it is built and agrees with the installed Pillow, else from PIL."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from energon_tasks import resize
+
+
+def pil_bicubic(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
+    return np.asarray(Image.fromarray(np.ascontiguousarray(pixels)).resize(
+        (width, height), Image.BICUBIC))
+
+
+def pixels_of(kind: str, height: int, width: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    noise = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    if kind == "edges":  # black / white: bicubic overshoot is clipped at both ends
+        return (255 * (noise > 127)).astype(np.uint8)
+    if kind == "smooth":
+        ramp = np.add.outer(np.arange(height), 2 * np.arange(width))[..., None] * [1, 3, 7]
+        return (ramp % 256).astype(np.uint8)
+    return noise
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch):
+    """resize's per-process check run again (and its result restored after the test)."""
+    monkeypatch.setattr(resize, "_kernel", None)
+    return resize
+
+
+def test_the_native_kernel_is_built_and_agrees_with_this_pillow():
+    assert resize.kernel().startswith("native ("), resize.kernel()
+
+
+@settings(max_examples=300, deadline=None)
+@given(height=st.integers(1, 90), width=st.integers(1, 90), new_height=st.integers(1, 120),
+       new_width=st.integers(1, 120), kind=st.sampled_from(["noise", "edges", "smooth"]),
+       seed=st.integers(0, 2**16))
+def test_resize_is_pils_bicubic_bit_for_bit(height, width, new_height, new_width, kind, seed):
+    pixels = pixels_of(kind, height, width, seed)
+    assert np.array_equal(resize.resize_rgb(pixels, new_width, new_height),
+                          pil_bicubic(pixels, new_width, new_height))
+
+
+@pytest.mark.parametrize("source, target", [
+    ((5000, 1400, 3), (1568, 448, 3)),   # an InfoVQA page to Qwen's budget: both passes shrink
+    ((3000, 200, 3), (300, 260, 3)),     # height shrinks > 2x the width: Pillow 13 vertical first
+    ((360, 640, 3), (336, 616, 3)),      # a video frame
+    ((400, 300, 3), (400, 300, 3)),      # the same size: a copy
+    ((1, 1, 3), (33, 47, 3)),
+])
+def test_resize_on_the_sizes_the_loader_meets(source, target):
+    pixels = pixels_of("smooth", *source[:2], seed=1)
+    pixels[::7] = 255 - pixels[::7]  # stripes: strokes
+    assert np.array_equal(resize.resize_rgb(pixels, target[1], target[0]),
+                          pil_bicubic(pixels, target[1], target[0]))
+
+
+def test_rows_with_padding_in_and_rows_of_a_larger_array_out():
+    source = pixels_of("noise", 50, 90, seed=2)[:, 10:80]  # rows 90 pixels apart
+    out = np.zeros((4, 21, 33, 3), np.uint8)
+    resized = resize.resize_rgb(source, 33, 21, out=out[2])
+    assert np.shares_memory(resized, out[2])
+    assert np.array_equal(out[2], pil_bicubic(source, 33, 21))
+    assert not out[[0, 1, 3]].any()
+
+
+def test_pixels_the_kernel_cannot_read_are_resized_by_pil():
+    source = pixels_of("noise", 30, 40, seed=3)[:, ::2]  # pixels 6 bytes apart
+    assert np.array_equal(resize.resize_rgb(source, 11, 13), pil_bicubic(source, 11, 13))
+
+
+def test_the_kernel_refuses_what_it_cannot_write_in_one_line():
+    if resize._resample is None:
+        pytest.skip(resize.kernel())
+    source = pixels_of("noise", 20, 20, seed=4)
+    bad = {"a float source": (source.astype(np.float32), np.empty((5, 5, 3), np.uint8)),
+           "4 channels": (np.empty((20, 20, 4), np.uint8), np.empty((5, 5, 4), np.uint8)),
+           "2 dimensions": (source[..., 0], np.empty((5, 5), np.uint8)),
+           "an empty target": (source, np.empty((0, 5, 3), np.uint8)),
+           "a read-only target": (source, np.empty((5, 5, 3), np.uint8)),
+           "a strided target": (source, np.empty((5, 10, 3), np.uint8)[:, ::2]),
+           "the source's own memory": (source, source.reshape(-1)[:75].reshape(5, 5, 3))}
+    bad["a read-only target"][1].flags.writeable = False
+    for what, (src, dst) in bad.items():
+        with pytest.raises(ValueError) as caught:
+            resize._resample.bicubic(src, dst, False)
+        assert "\n" not in str(caught.value), what
+    with pytest.raises(TypeError):
+        resize._resample.bicubic([[[0, 0, 0]]], np.empty((1, 1, 3), np.uint8), False)
+
+
+def test_without_the_compiled_kernel_pil_resizes(fresh_kernel, monkeypatch):
+    monkeypatch.setattr(fresh_kernel, "_resample", None)
+    assert fresh_kernel.kernel().startswith("PIL (the native kernel is"), fresh_kernel.kernel()
+    pixels = pixels_of("edges", 61, 97, seed=5)
+    assert np.array_equal(fresh_kernel.resize_rgb(pixels, 13, 80), pil_bicubic(pixels, 13, 80))
+
+
+def test_a_pillow_whose_pixels_differ_is_not_trusted_to_the_kernel(fresh_kernel, monkeypatch):
+    """Only the rule of another Pillow known (the order that Pillow 13 no longer uses where the
+    height shrinks most): the check finds pixels that differ and PIL resizes."""
+    if resize._resample is None:
+        pytest.skip(resize.kernel())
+    used = fresh_kernel.kernel()
+    wrong = [rule for rule in resize._ORDER_RULES if not used.startswith(f"native ({rule[0]} ")]
+    assert len(wrong) == len(resize._ORDER_RULES) - 1
+    monkeypatch.setattr(fresh_kernel, "_ORDER_RULES", tuple(wrong))
+    monkeypatch.setattr(fresh_kernel, "_kernel", None)
+    assert fresh_kernel.kernel().startswith("PIL (the native kernel's pixels differ"), \
+        fresh_kernel.kernel()
+    pixels = pixels_of("noise", 97, 61, seed=6)
+    assert np.array_equal(fresh_kernel.resize_rgb(pixels, 80, 13), pil_bicubic(pixels, 80, 13))
