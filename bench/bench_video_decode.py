@@ -69,6 +69,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from energon_tasks.resize import kernel, resize_rgb  # noqa: E402
 from energon_tasks.video_decode import decode_video_frames, video_frame_pixels  # noqa: E402
 
 SIZE = (336, 616)  #: (height, width) every pick is resized to
@@ -149,7 +150,8 @@ def environment() -> dict:
             "machine": platform.processor() or platform.machine(),
             "pyav": av.__version__, "pyav_ffmpeg": av.ffmpeg_version_info,
             "torch": version("torch"), "torchcodec": version("torchcodec"),
-            "decord": version("decord"), "ffmpeg_libs": os.environ.get(_LINKED)}
+            "decord": version("decord"), "ffmpeg_libs": os.environ.get(_LINKED),
+            "resize": kernel()}
     if "torchcodec.decoders" in sys.modules:
         from torchcodec._core import _ffmpeg_ops
 
@@ -158,9 +160,8 @@ def environment() -> dict:
     return info
 
 def _resize(rgb: np.ndarray) -> np.ndarray:
-    from PIL import Image
-
-    return np.asarray(Image.fromarray(rgb).resize(SIZE[::-1], Image.BICUBIC), dtype=np.uint8)
+    """The other readers' frames resized as the project's are (the same kernel for all)."""
+    return resize_rgb(rgb, *SIZE[::-1])
 
 
 def project(data: bytes, picks: list[int], frames: int, sampling: str = "exact") -> np.ndarray:

@@ -4,8 +4,9 @@ This module owns turning stored image bytes into RGB pixels of exactly the plann
 
 - images, two ways (``TaskEncoderConfig.image_decode``, docs/benchmarks_task_encoder.md):
   ``exact`` decodes the whole image and resizes it as the model's transformers processor does,
-  so the pixel values equal the processor's: PIL bicubic on uint8 (Qwen-VL: qwen-vl-utils'
-  ``fetch_image`` and ``Qwen2VLImageProcessorPil``; InternVL's tiling) or torch's antialiased
+  so the pixel values equal the processor's: PIL's bicubic on uint8 (``resize.resize_rgb``: PIL's
+  arithmetic, vectorised; Qwen-VL: qwen-vl-utils' ``fetch_image`` and
+  ``Qwen2VLImageProcessorPil``; InternVL's tiling) or torch's antialiased
   bicubic in float32, unclamped (Nemotron-Omni's image processor: torchvision ``resize`` on a
   float32 tensor = ``F.interpolate(..., "bicubic", antialias=True)``); ``fast`` decodes a JPEG at
   a reduced DCT scale (``Image.draft``) when the target is at most half the source per side, then
@@ -29,6 +30,7 @@ import torch
 from PIL import Image, ImageOps
 
 from contract.errors import MediaError
+from energon_tasks.resize import resize_rgb
 
 #: image resize filters: "pil" = PIL bicubic on uint8, "torch" = torch antialiased bicubic in
 #: float32 (``decode_image``'s ``resize``)
@@ -127,14 +129,12 @@ def _decode_image(data: bytes, width: int, height: int, max_source_pixels: int, 
 
 
 def _resized(image: Image.Image, width: int, height: int, resize: str) -> np.ndarray:
-    """(height, width, 3) pixels of an RGB image: PIL bicubic (uint8), or torch's antialiased
-    bicubic in float32 (``_torch_resized``; the Nemotron-Omni processor resizes in float32 to
-    keep the overshoot)."""
-    if resize == "pil":
-        if image.size != (width, height):
-            image = image.resize((width, height), Image.BICUBIC)
-        return np.asarray(image, dtype=np.uint8)
+    """(height, width, 3) pixels of an RGB image: PIL's bicubic (uint8, ``resize.resize_rgb``),
+    or torch's antialiased bicubic in float32 (``_torch_resized``; the Nemotron-Omni processor
+    resizes in float32 to keep the overshoot)."""
     pixels = np.asarray(image, dtype=np.uint8)
+    if resize == "pil":
+        return pixels if image.size == (width, height) else resize_rgb(pixels, width, height)
     if image.size == (width, height):
         return pixels.astype(np.float32)
     return _torch_resized(pixels, height, width)

@@ -57,6 +57,7 @@ from PIL import Image
 from contract.errors import MediaError
 from energon_tasks.config import VIDEO_SAMPLINGS
 from energon_tasks.decode import _to_rgb
+from energon_tasks.resize import resize_rgb
 from energon_tasks.sample_format import is_frame_sequence, unpack_frames
 
 
@@ -385,7 +386,7 @@ def _frame_sequence(data: bytes, picks: list[int], size: tuple[int, int], max_so
                                  f"pixels > max_source_pixels {max_source_pixels}")
             rgb = np.asarray(_to_rgb(image), dtype=np.uint8)
             if (rgb.shape[1], rgb.shape[0]) != size:
-                rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.BICUBIC), np.uint8)
+                rgb = resize_rgb(rgb, *size)
             frames.append(rgb)
     except MediaError:
         raise
@@ -405,12 +406,17 @@ def video_frame_pixels(frame, size: tuple[int, int], *, out: np.ndarray | None =
     """(H, W, 3) uint8 RGB of a decoded PyAV frame at ``size`` (width, height).
 
     FFmpeg's rgb24 conversion (the same pixels as ``frame.to_image()``, whose Python row copy
-    costs ~10x more), then PIL bicubic when the size differs, as the image path. With ``out``
+    costs ~10x more), then PIL's bicubic when the size differs (``resize.resize_rgb``), as the
+    image path. With ``out``
     ((T, H, W, 3)) and ``rows``, the pixels are also written into those rows of ``out``.
     """
     rgb = frame.to_ndarray(format="rgb24")
-    if (rgb.shape[1], rgb.shape[0]) != tuple(size):
-        rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.BICUBIC), dtype=np.uint8)
+    width, height = size
+    if (rgb.shape[1], rgb.shape[0]) != (width, height):
+        if out is None:
+            return resize_rgb(rgb, width, height)
+        rgb = resize_rgb(rgb, width, height, out=out[rows[0]])  # straight into its first row
+        rows = rows[1:]
     if out is not None:
         out[rows] = rgb
     return rgb
