@@ -29,9 +29,10 @@ run):
   torchvision's resize on float32 = one ``F.interpolate(bicubic, antialias=True)`` call, the
   fused rescale + normalise of ``TorchvisionBackend`` and ``convert_image_to_patches``;
 - floor: the work the exact path cannot skip, each step once: full decode (PIL ``load``), one
-  resize (PIL bicubic on uint8 for Qwen; for Nemotron-Omni the same banded float32 resize ours
-  uses, ``energon_tasks.decode._torch_resized``), one normalise expression, one patchify copy
-  (Qwen: both temporal slots);
+  resize with the project's exact kernels (Qwen: PIL's bicubic on uint8 as
+  ``energon_tasks.resize.resize_rgb`` computes it, the native kernel where it is built; for
+  Nemotron-Omni the same banded float32 resize ours uses, ``energon_tasks.decode._torch_resized``),
+  one normalise expression, one patchify copy (Qwen: both temporal slots);
 - ours (pixels): the task encoder's ``decode_media`` and its hooks' ``write_pixel_rows``;
 - ours (encode): the whole ``encode_sample`` steps (tokens, labels, positions as well).
 
@@ -42,7 +43,8 @@ Workers per GPU = CPU seconds the loader spends per step / step time, rounded up
 STEP_S seconds that consumes TOKENS_PER_STEP tokens (one packed row of 16,384 tokens) takes
 TOKENS_PER_STEP / tokens per sample samples.
 
-Usage: python bench/bench_loader_report.py --out bench_out/loader [--quick] [--video-only]
+Usage: python bench/bench_loader_report.py --out bench_out/loader [--quick]
+       [--video-only | --images-only]
 Writes <out>/loader_report.json and prints the two markdown tables of
 docs/benchmarks_task_encoder.md ("Loader report").
 """
@@ -77,6 +79,7 @@ from bench_task_encoder import (  # noqa: E402
     ours_path,
 )
 
+from energon_tasks.resize import kernel, resize_rgb  # noqa: E402
 from lookalikes.media import photo_jpeg  # noqa: E402
 
 MODELS = ("qwen2_5_vl", "qwen3_vl", "nemotron_omni")
@@ -172,22 +175,22 @@ def make_processor(geometry):
 
 
 def decoded_resized(geometry, data: bytes, size: tuple[int, int]) -> np.ndarray:
-    """Full decode + the one resize: (H, W, 3) uint8 (Qwen) or float32 (Nemotron-Omni)."""
-    from energon_tasks.decode import _torch_resized
+    """Full decode + the one resize: (H, W, 3) uint8 (Qwen) or float32 (Nemotron-Omni), the
+    decoded pixels read in place as the exact path reads them (``decode.pil_pixels``)."""
+    from energon_tasks.decode import _torch_resized, pil_in_one_block, pil_pixels
 
     height, width = size
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    if image.mode != "RGB":
-        image = image.convert("RGB")
+    with pil_in_one_block():
+        image = Image.open(io.BytesIO(data))
+        image.load()
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        pixels = pil_pixels(image)
+    if image.size == (width, height):
+        return pixels.astype(np.float32) if geometry.image_resize == "torch" else pixels
     if geometry.image_resize == "torch":
-        pixels = np.asarray(image)
-        if image.size == (width, height):
-            return pixels.astype(np.float32)
         return _torch_resized(pixels, height, width)
-    if image.size != (width, height):
-        image = image.resize((width, height), Image.BICUBIC)
-    return np.asarray(image)
+    return resize_rgb(pixels, width, height)
 
 
 def floor_path(geometry, images: list[bytes], sizes: list[tuple[int, int]]) -> np.ndarray:
@@ -364,7 +367,8 @@ def tables(results: dict) -> str:
 @click.option("--out", default="bench_out/loader", type=click.Path(path_type=Path))
 @click.option("--quick", is_flag=True, help="fewer samples, 2 rounds")
 @click.option("--video-only", is_flag=True, help="the llava_video rows only")
-def main(out: Path, quick: bool, video_only: bool) -> None:
+@click.option("--images-only", is_flag=True, help="the image rows only")
+def main(out: Path, quick: bool, video_only: bool, images_only: bool) -> None:
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
 
     torch.set_num_threads(1)
@@ -382,11 +386,13 @@ def main(out: Path, quick: bool, video_only: bool) -> None:
     for model in MODELS:
         results[model] = {name: image_section(model, tokenizer, samples, rounds)
                           for name, samples in sets.items()}
-        results[model]["llava_video"] = video_section(model, tokenizer, clips, rounds)
+        if not images_only:
+            results[model]["llava_video"] = video_section(model, tokenizer, clips, rounds)
         for row in results[model].values():
             row["workers_per_gpu"] = workers_per_gpu(row)
         print(f"[bench] {model} done {time.perf_counter() - start:.0f} s", file=sys.stderr)
     record = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
+                          "resize": kernel(),
                           "cpus": os.cpu_count(), "load_average_start": load_start,
                           "load_average_end": os.getloadavg()},
               "rounds": rounds, "seq_length": SEQ_LENGTH, "tokens_per_step": TOKENS_PER_STEP,

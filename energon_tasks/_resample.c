@@ -7,6 +7,7 @@
  * sums do not depend on their order, so this module computes the same values several lanes at a
  * time: the vertical pass along a row (every value of a row has the same weights), the horizontal
  * pass over blocks of ROWS rows transposed so that one output column of the block is contiguous.
+ * Sources may be packed RGB or PIL's own RGBX rows (4 bytes a pixel, read without a copy).
  * Which pass runs first is the caller's (Pillow changed its rule in 13.0); the coefficient code
  * is compiled without FMA contraction (-ffp-contract=off) so its doubles round as Pillow's do.
  * energon_tasks.resize checks the result against the installed Pillow before it is used.
@@ -81,11 +82,12 @@ static inline uint8_t clip8(int32_t sum) {
     return v < 0 ? 0 : v > 255 ? 255 : (uint8_t)v;
 }
 
-/* Rows [y0, y1) of src (w pixels, rows src_stride bytes apart) resampled to w2 pixels into
-   dst's rows 0.. (w2 * 3 bytes each). Returns -1 when out of memory. */
+/* Rows [y0, y1) of src (w pixels pixel_bytes apart, rows src_stride bytes apart) resampled to
+   w2 pixels into dst's rows 0.. (w2 * 3 bytes each). Returns -1 when out of memory. */
 VECTOR_CLONES
-static int horizontal(const uint8_t *src, Py_ssize_t src_stride, int w, int y0, int y1,
-                      uint8_t *dst, int w2, int ksize, const int *bounds, const int32_t *weights) {
+static int horizontal(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int w, int y0,
+                      int y1, uint8_t *dst, int w2, int ksize, const int *bounds,
+                      const int32_t *weights) {
     uint8_t *block = malloc((size_t)w * LANES), *done = malloc((size_t)w2 * LANES);
     int32_t acc[LANES];
     if (!block || !done) {
@@ -96,7 +98,8 @@ static int horizontal(const uint8_t *src, Py_ssize_t src_stride, int w, int y0, 
         int rows = y1 - y < ROWS ? y1 - y : ROWS;
         for (int r = 0; r < rows; r++) {
             const uint8_t *line = src + (size_t)(y + r) * src_stride;
-            for (int x = 0; x < w; x++) memcpy(block + (size_t)x * LANES + r * 3, line + x * 3, 3);
+            for (int x = 0; x < w; x++)
+                memcpy(block + (size_t)x * LANES + r * 3, line + (size_t)x * pixel_bytes, 3);
         }
         for (int o = 0; o < w2; o++) {
             const int32_t *k = weights + (size_t)o * ksize;
@@ -144,33 +147,45 @@ static void vertical(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t row_b
     }
 }
 
-/* Pillow's ImagingResampleInner for bicubic on 3 x uint8 pixels. Returns -1 out of memory. */
-static int resize(const uint8_t *src, Py_ssize_t src_stride, int h, int w, uint8_t *dst, int h2,
-                  int w2, int vertical_first) {
+/* Pillow's ImagingResampleInner for bicubic on RGB uint8: src pixels are pixel_bytes (3, or 4:
+   RGBX, PIL's own layout) apart, dst is packed RGB. Returns -1 when out of memory. */
+static int resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int h, int w,
+                  uint8_t *dst, int h2, int w2, int vertical_first) {
     int *hb = NULL, *vb = NULL, status = 0;
     int32_t *hw = NULL, *vw = NULL;
     uint8_t *tmp = NULL;
+    Py_ssize_t src_values = (Py_ssize_t)w * pixel_bytes;  /* values per source row */
     int hk = axis_weights(w, w2, &hb, &hw), vk = axis_weights(h, h2, &vb, &vw);
     if (!hk || !vk) {
         status = -1;
     } else if (w == w2 && h == h2) {
-        for (int y = 0; y < h; y++) memcpy(dst + (size_t)y * w * 3, src + (size_t)y * src_stride, (size_t)w * 3);
-    } else if (w == w2) {
-        vertical(src, src_stride, (Py_ssize_t)w * 3, dst, h2, vk, vb, vw);
+        for (int y = 0; y < h; y++)
+            for (int x = 0; x < w; x++)
+                memcpy(dst + ((size_t)y * w + x) * 3,
+                       src + (size_t)y * src_stride + (size_t)x * pixel_bytes, 3);
     } else if (h == h2) {
-        status = horizontal(src, src_stride, w, 0, h, dst, w2, hk, hb, hw);
-    } else if (vertical_first) {
-        if (!(tmp = malloc((size_t)h2 * w * 3))) {
+        status = horizontal(src, src_stride, pixel_bytes, w, 0, h, dst, w2, hk, hb, hw);
+    } else if (w == w2 || vertical_first) {
+        /* the vertical pass over every value of a row (RGBX: the X too), then the horizontal
+           one, or for RGBX with the width kept, the X dropped */
+        uint8_t *target = dst;
+        if (w != w2 || pixel_bytes != 3) target = tmp = malloc((size_t)h2 * src_values);
+        if (!target) {
             status = -1;
         } else {
-            vertical(src, src_stride, (Py_ssize_t)w * 3, tmp, h2, vk, vb, vw);
-            status = horizontal(tmp, (Py_ssize_t)w * 3, w, 0, h2, dst, w2, hk, hb, hw);
+            vertical(src, src_stride, src_values, target, h2, vk, vb, vw);
+            if (w != w2)
+                status = horizontal(tmp, src_values, pixel_bytes, w, 0, h2, dst, w2, hk, hb, hw);
+            else if (pixel_bytes != 3)
+                for (size_t i = 0; i < (size_t)h2 * w; i++)
+                    memcpy(dst + i * 3, tmp + i * pixel_bytes, 3);
         }
     } else {
         int first = vb[0], last = vb[2 * h2 - 2] + vb[2 * h2 - 1];
         if (!(tmp = malloc((size_t)(last - first) * w2 * 3))) {
             status = -1;
-        } else if (!(status = horizontal(src, src_stride, w, first, last, tmp, w2, hk, hb, hw))) {
+        } else if (!(status = horizontal(src, src_stride, pixel_bytes, w, first, last, tmp, w2,
+                                         hk, hb, hw))) {
             for (int y = 0; y < h2; y++) vb[2 * y] -= first;
             vertical(tmp, (Py_ssize_t)w2 * 3, (Py_ssize_t)w2 * 3, dst, h2, vk, vb, vw);
         }
@@ -179,19 +194,23 @@ static int resize(const uint8_t *src, Py_ssize_t src_stride, int h, int w, uint8
     return status;
 }
 
-/* (H, W, 3) uint8 with rows of contiguous pixels; dst C-contiguous */
+/* (H, W, 3) uint8, each pixel's 3 values contiguous, pixels 3 (packed) or 4 (RGBX) bytes apart
+   along a row; dst (writable) C-contiguous */
 static int rgb_view(PyObject *object, Py_buffer *view, int writable, const char *name) {
     int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(object, view, flags) < 0) return -1;
     int ok = view->ndim == 3 && view->itemsize == 1 && view->format &&
-             (!strcmp(view->format, "B") || !strcmp(view->format, "<B") || !strcmp(view->format, "=B")) &&
+             (!strcmp(view->format, "B") || !strcmp(view->format, "<B") ||
+              !strcmp(view->format, "=B")) &&
              view->shape[0] > 0 && view->shape[1] > 0 && view->shape[2] == 3 &&
-             view->strides[2] == 1 && view->strides[1] == 3 && view->strides[0] >= view->shape[1] * 3 &&
+             view->strides[2] == 1 &&
+             (view->strides[1] == 3 || (!writable && view->strides[1] == 4)) &&
+             view->strides[0] >= view->shape[1] * view->strides[1] &&
              view->shape[0] <= INT_MAX && view->shape[1] <= INT_MAX / 3 &&
              (!writable || view->strides[0] == view->shape[1] * 3);
     if (!ok) {
-        PyErr_Format(PyExc_ValueError, "%s: expected (H, W, 3) uint8 pixels with contiguous rows%s",
-                     name, writable ? ", C-contiguous" : "");
+        PyErr_Format(PyExc_ValueError, "%s: expected (H, W, 3) uint8 pixels %s", name,
+                     writable ? "C-contiguous" : "3 or 4 bytes apart, rows of ascending addresses");
         PyBuffer_Release(view);
         return -1;
     }
@@ -208,7 +227,8 @@ static PyObject *py_bicubic(PyObject *self, PyObject *args) {
         PyBuffer_Release(&src);
         return NULL;
     }
-    const char *s0 = src.buf, *s1 = s0 + (src.shape[0] - 1) * src.strides[0] + src.shape[1] * 3;
+    const char *s0 = src.buf;
+    const char *s1 = s0 + (src.shape[0] - 1) * src.strides[0] + src.shape[1] * src.strides[1];
     const char *d0 = dst.buf, *d1 = d0 + dst.len;
     if (s0 < d1 && d0 < s1) {
         PyBuffer_Release(&src);
@@ -217,8 +237,9 @@ static PyObject *py_bicubic(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    status = resize(src.buf, src.strides[0], (int)src.shape[0], (int)src.shape[1], dst.buf,
-                    (int)dst.shape[0], (int)dst.shape[1], vertical_first);
+    status = resize(src.buf, src.strides[0], (int)src.strides[1], (int)src.shape[0],
+                    (int)src.shape[1], dst.buf, (int)dst.shape[0], (int)dst.shape[1],
+                    vertical_first);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
@@ -228,8 +249,9 @@ static PyObject *py_bicubic(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"bicubic", py_bicubic, METH_VARARGS,
-     "bicubic(src, dst, vertical_first): PIL's bicubic resize of src (H, W, 3) uint8 into dst "
-     "(H2, W2, 3) uint8, C-contiguous; vertical_first: the vertical pass runs first."},
+     "bicubic(src, dst, vertical_first): PIL's bicubic resize of src (H, W, 3) uint8, pixels 3 "
+     "or 4 bytes apart, into dst (H2, W2, 3) uint8, C-contiguous; vertical_first: the vertical "
+     "pass runs first."},
     {NULL, NULL, 0, NULL},
 };
 

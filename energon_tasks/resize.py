@@ -93,12 +93,15 @@ def kernel() -> str:
 
 def resize_rgb(pixels: np.ndarray, width: int, height: int, *,
                out: np.ndarray | None = None) -> np.ndarray:
-    """(height, width, 3) uint8: ``pixels`` ((H, W, 3) uint8, rows of contiguous pixels) as
+    """(height, width, 3) uint8: ``pixels`` ((H, W, 3) uint8) as
     ``Image.fromarray(pixels).resize((width, height), Image.BICUBIC)`` gives them, written into
-    ``out`` ((height, width, 3) uint8, C-contiguous) when given."""
+    ``out`` ((height, width, 3) uint8, C-contiguous) when given. The kernel reads pixels 3 or 4
+    bytes apart (``decode.pil_pixels``' view of PIL's RGBX memory) in rows of any stride."""
     kernel()
     rule = _kernel[0]
-    if rule is not None and pixels.strides[1:] == (3, 1) and pixels.dtype == np.uint8:
+    row_stride, pixel_stride, value_stride = pixels.strides
+    if (rule is not None and pixels.dtype == np.uint8 and value_stride == 1
+            and pixel_stride in (3, 4) and row_stride >= pixels.shape[1] * pixel_stride):
         return _native(pixels, width, height, rule, out)
     resized = _pil(np.ascontiguousarray(pixels), width, height)
     if out is None:

@@ -3,13 +3,17 @@ native kernel where it is built and agrees with the installed Pillow, else from 
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from contract.errors import MediaError
 from energon_tasks import resize
+from energon_tasks.decode import decode_image, pil_in_one_block, pil_pixels
 
 
 def pil_bicubic(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
@@ -118,3 +122,34 @@ def test_a_pillow_whose_pixels_differ_is_not_trusted_to_the_kernel(fresh_kernel,
         fresh_kernel.kernel()
     pixels = pixels_of("noise", 97, 61, seed=6)
     assert np.array_equal(fresh_kernel.resize_rgb(pixels, 80, 13), pil_bicubic(pixels, 80, 13))
+
+
+def test_pils_own_rgbx_rows_are_read_in_place_and_resized_as_pil_does():
+    image = Image.fromarray(pixels_of("smooth", 300, 200, seed=7))
+    with pil_in_one_block():
+        decoded = Image.open(io.BytesIO(_png(image)))
+        decoded.load()
+        view = pil_pixels(decoded)
+    assert view.strides[1] == 4, "PIL's memory is read in place (Pillow >= 11.2)"
+    assert np.array_equal(view, np.asarray(image))
+    for width, height in ((120, 90), (200, 77), (64, 300), (200, 300), (500, 20)):
+        assert np.array_equal(resize.resize_rgb(view, width, height),
+                              pil_bicubic(np.asarray(image), width, height)), (width, height)
+
+
+def test_an_image_in_several_blocks_is_copied_and_the_block_size_restored():
+    before = Image.core.get_block_size()
+    pixels = pixels_of("noise", 3000, 2000, seed=8)  # 24 MB of RGBX: two of PIL's 16 MB blocks
+    image = Image.fromarray(pixels)
+    copied = pil_pixels(image)
+    assert copied.strides[1] == 3 and np.array_equal(copied, pixels)
+    with pytest.raises(MediaError):
+        decode_image(b"not an image", size=(10, 10), max_source_pixels=10**9)
+    decode_image(_png(Image.fromarray(pixels[:40, :30])), size=(10, 10), max_source_pixels=10**9)
+    assert Image.core.get_block_size() == before
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
