@@ -97,6 +97,8 @@ def resize_rgb(pixels: np.ndarray, width: int, height: int, *,
     ``Image.fromarray(pixels).resize((width, height), Image.BICUBIC)`` gives them, written into
     ``out`` ((height, width, 3) uint8, C-contiguous) when given. The kernel reads pixels 3 or 4
     bytes apart (``decode.pil_pixels``' view of PIL's RGBX memory) in rows of any stride."""
+    if out is not None and out.shape != (height, width, 3):
+        raise ValueError(f"out: shape {out.shape}, expected {(height, width, 3)}")
     kernel()
     rule = _kernel[0]
     row_stride, pixel_stride, value_stride = pixels.strides

@@ -76,6 +76,12 @@ def test_rows_with_padding_in_and_rows_of_a_larger_array_out():
     assert not out[[0, 1, 3]].any()
 
 
+def test_an_output_of_another_size_is_refused():
+    with pytest.raises(ValueError, match="expected"):
+        resize.resize_rgb(pixels_of("noise", 20, 20, seed=9), 10, 12,
+                          out=np.empty((10, 12, 3), np.uint8))
+
+
 def test_pixels_the_kernel_cannot_read_are_resized_by_pil():
     source = pixels_of("noise", 30, 40, seed=3)[:, ::2]  # pixels 6 bytes apart
     assert np.array_equal(resize.resize_rgb(source, 11, 13), pil_bicubic(source, 11, 13))
