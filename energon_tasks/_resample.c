@@ -98,8 +98,13 @@ static int horizontal(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes
         int rows = y1 - y < ROWS ? y1 - y : ROWS;
         for (int r = 0; r < rows; r++) {
             const uint8_t *line = src + (size_t)(y + r) * src_stride;
-            for (int x = 0; x < w; x++)
-                memcpy(block + (size_t)x * LANES + r * 3, line + (size_t)x * pixel_bytes, 3);
+            uint8_t *lane = block + r * 3;
+            int x = 0;
+            /* 4-byte moves: the 4th byte lands in the next row's lane, written after it */
+            if (r + 1 < ROWS)
+                for (; x < w - 1; x++)
+                    memcpy(lane + (size_t)x * LANES, line + (size_t)x * pixel_bytes, 4);
+            for (; x < w; x++) memcpy(lane + (size_t)x * LANES, line + (size_t)x * pixel_bytes, 3);
         }
         for (int o = 0; o < w2; o++) {
             const int32_t *k = weights + (size_t)o * ksize;
@@ -116,7 +121,11 @@ static int horizontal(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes
         }
         for (int r = 0; r < rows; r++) {
             uint8_t *line = dst + (size_t)(y - y0 + r) * w2 * 3;
-            for (int o = 0; o < w2; o++) memcpy(line + o * 3, done + (size_t)o * LANES + r * 3, 3);
+            int o = 0;
+            /* 4-byte moves: the 4th byte lands on the next pixel, written after it */
+            for (; o < w2 - 1; o++)
+                memcpy(line + (size_t)o * 3, done + (size_t)o * LANES + r * 3, 4);
+            memcpy(line + (size_t)o * 3, done + (size_t)o * LANES + r * 3, 3);
         }
     }
     free(block);
