@@ -46,9 +46,14 @@ def test_the_native_kernel_is_built_and_agrees_with_this_pillow():
 @settings(max_examples=300, deadline=None)
 @given(height=st.integers(1, 90), width=st.integers(1, 90), new_height=st.integers(1, 120),
        new_width=st.integers(1, 120), kind=st.sampled_from(["noise", "edges", "smooth"]),
-       seed=st.integers(0, 2**16))
-def test_resize_is_pils_bicubic_bit_for_bit(height, width, new_height, new_width, kind, seed):
+       seed=st.integers(0, 2**16), rgbx=st.booleans())
+def test_resize_is_pils_bicubic_bit_for_bit(height, width, new_height, new_width, kind, seed,
+                                            rgbx):
     pixels = pixels_of(kind, height, width, seed)
+    if rgbx:  # 4 bytes a pixel, as PIL keeps them (decode.pil_pixels)
+        padded = np.full((height, width, 4), 7, np.uint8)
+        padded[..., :3] = pixels
+        pixels = padded[..., :3]
     assert np.array_equal(resize.resize_rgb(pixels, new_width, new_height),
                           pil_bicubic(pixels, new_width, new_height))
 
