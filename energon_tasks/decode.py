@@ -154,8 +154,10 @@ def pil_pixels(image: Image.Image) -> np.ndarray:
     through its Arrow export: Pillow >= 11.2, an image in one block) where it can be had, else
     ``np.asarray``'s copy (the RGBX to RGB copy of a 10 MP page costs ~12 ms)."""
     if image.mode == "RGB" and hasattr(image, "__arrow_c_array__"):
-        import pyarrow as pa  # a dependency (datasets needs it too); imported on first use
-
+        try:
+            import pyarrow as pa  # a dependency (datasets needs it too); imported on first use
+        except ImportError:
+            return np.asarray(image, dtype=np.uint8)
         try:
             values = pa.array(image).values  # fixed_size_list<uint8>[4] per pixel
         except (ValueError, TypeError, AttributeError, pa.ArrowException):

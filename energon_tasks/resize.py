@@ -23,9 +23,9 @@ import numpy as np
 from PIL import Image
 
 try:
-    from energon_tasks import _resample
+    from energon_tasks._resample import bicubic as _bicubic
 except ImportError as error:  # built at install; optional (pyproject.toml)
-    _resample, _MISSING = None, f"not built ({error})"
+    _bicubic, _MISSING = None, f"not built ({error})"
 else:
     _MISSING = ""
 
@@ -61,13 +61,13 @@ def _native(pixels: np.ndarray, width: int, height: int, rule, out: np.ndarray |
             ) -> np.ndarray:
     if out is None:
         out = np.empty((height, width, 3), np.uint8)
-    _resample.bicubic(pixels, out, rule(*pixels.shape[:2], height, width))
+    _bicubic(pixels, out, rule(*pixels.shape[:2], height, width))
     return out
 
 
 def _checked_rule() -> tuple:
     """(the order rule whose pixels are the installed Pillow's, or None; what kernel() says)."""
-    if _resample is None:
+    if _bicubic is None:
         return None, f"PIL (the native kernel is {_MISSING})"
     rng = np.random.default_rng(0)
     cases = []

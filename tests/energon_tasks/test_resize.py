@@ -93,7 +93,7 @@ def test_pixels_the_kernel_cannot_read_are_resized_by_pil():
 
 
 def test_the_kernel_refuses_what_it_cannot_write_in_one_line():
-    if resize._resample is None:
+    if resize._bicubic is None:
         pytest.skip(resize.kernel())
     source = pixels_of("noise", 20, 20, seed=4)
     bad = {"a float source": (source.astype(np.float32), np.empty((5, 5, 3), np.uint8)),
@@ -106,14 +106,14 @@ def test_the_kernel_refuses_what_it_cannot_write_in_one_line():
     bad["a read-only target"][1].flags.writeable = False
     for what, (src, dst) in bad.items():
         with pytest.raises(ValueError) as caught:
-            resize._resample.bicubic(src, dst, False)
+            resize._bicubic(src, dst, False)
         assert "\n" not in str(caught.value), what
     with pytest.raises(TypeError):
-        resize._resample.bicubic([[[0, 0, 0]]], np.empty((1, 1, 3), np.uint8), False)
+        resize._bicubic([[[0, 0, 0]]], np.empty((1, 1, 3), np.uint8), False)
 
 
 def test_without_the_compiled_kernel_pil_resizes(fresh_kernel, monkeypatch):
-    monkeypatch.setattr(fresh_kernel, "_resample", None)
+    monkeypatch.setattr(fresh_kernel, "_bicubic", None)
     assert fresh_kernel.kernel().startswith("PIL (the native kernel is"), fresh_kernel.kernel()
     pixels = pixels_of("edges", 61, 97, seed=5)
     assert np.array_equal(fresh_kernel.resize_rgb(pixels, 13, 80), pil_bicubic(pixels, 13, 80))
@@ -122,7 +122,7 @@ def test_without_the_compiled_kernel_pil_resizes(fresh_kernel, monkeypatch):
 def test_a_pillow_whose_pixels_differ_is_not_trusted_to_the_kernel(fresh_kernel, monkeypatch):
     """Only the rule of another Pillow known (the order that Pillow 13 no longer uses where the
     height shrinks most): the check finds pixels that differ and PIL resizes."""
-    if resize._resample is None:
+    if resize._bicubic is None:
         pytest.skip(resize.kernel())
     used = fresh_kernel.kernel()
     wrong = [rule for rule in resize._ORDER_RULES if not used.startswith(f"native ({rule[0]} ")]
