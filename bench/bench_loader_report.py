@@ -31,7 +31,8 @@ run):
 - floor: the work the exact path cannot skip, each step once: full decode (PIL ``load``), one
   resize with the project's exact kernels (Qwen: PIL's bicubic on uint8 as
   ``energon_tasks.resize.resize_rgb`` computes it, the native kernel where it is built; for
-  Nemotron-Omni the same banded float32 resize ours uses, ``energon_tasks.decode._torch_resized``),
+  Nemotron-Omni torch's float32 antialiased bicubic as ours computes it,
+  ``energon_tasks.resize.resize_rgb_float``),
   one normalise expression, one patchify copy (Qwen: both temporal slots);
 - ours (pixels): the task encoder's ``decode_media`` and its hooks' ``write_pixel_rows``;
 - ours (encode): the whole ``encode_sample`` steps (tokens, labels, positions as well).
@@ -79,7 +80,7 @@ from bench_task_encoder import (  # noqa: E402
     ours_path,
 )
 
-from energon_tasks.resize import kernel, resize_rgb  # noqa: E402
+from energon_tasks.resize import float_kernel, kernel, resize_rgb, resize_rgb_float  # noqa: E402
 from lookalikes.media import photo_jpeg  # noqa: E402
 
 MODELS = ("qwen2_5_vl", "qwen3_vl", "nemotron_omni")
@@ -177,7 +178,7 @@ def make_processor(geometry):
 def decoded_resized(geometry, data: bytes, size: tuple[int, int]) -> np.ndarray:
     """Full decode + the one resize: (H, W, 3) uint8 (Qwen) or float32 (Nemotron-Omni), the
     decoded pixels read in place as the exact path reads them (``decode.pil_pixels``)."""
-    from energon_tasks.decode import _torch_resized, pil_in_one_block, pil_pixels
+    from energon_tasks.decode import pil_in_one_block, pil_pixels
 
     height, width = size
     with pil_in_one_block():
@@ -189,7 +190,7 @@ def decoded_resized(geometry, data: bytes, size: tuple[int, int]) -> np.ndarray:
     if image.size == (width, height):
         return pixels.astype(np.float32) if geometry.image_resize == "torch" else pixels
     if geometry.image_resize == "torch":
-        return _torch_resized(pixels, height, width)
+        return resize_rgb_float(pixels, width, height)
     return resize_rgb(pixels, width, height)
 
 
@@ -392,7 +393,7 @@ def main(out: Path, quick: bool, video_only: bool, images_only: bool) -> None:
             row["workers_per_gpu"] = workers_per_gpu(row)
         print(f"[bench] {model} done {time.perf_counter() - start:.0f} s", file=sys.stderr)
     record = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
-                          "resize": kernel(),
+                          "resize": kernel(), "float_resize": float_kernel(),
                           "cpus": os.cpu_count(), "load_average_start": load_start,
                           "load_average_end": os.getloadavg()},
               "rounds": rounds, "seq_length": SEQ_LENGTH, "tokens_per_step": TOKENS_PER_STEP,

@@ -203,6 +203,86 @@ static int resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, in
     return status;
 }
 
+/* ---- torch's antialiased bicubic in float32 (F.interpolate on a float32 tensor) ----
+ * The weights are torch's own, passed in (energon_tasks.resize reads them off F.interpolate's
+ * impulse responses). Each output value is torch's sum: the first tap's product, then the
+ * others in order, the first `group` * k of them as a product and an add, the rest fused
+ * (what torch's build runs on x86-64 with FMA: group 4; group 1 = never fused). The caller
+ * checks the result against F.interpolate before it uses the kernel. */
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define FMA_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#else
+#define FMA_CLONES
+#endif
+
+typedef struct {
+    const int32_t *first, *count;  /* per output: first input, inputs summed */
+    const float *weights;          /* per output: ksize weights */
+    int ksize, group;
+} float_taps;
+
+/* out[l] = the taps of output o over inputs lanes apart (lanes values each) */
+static inline void float_sum(float *acc, const float *in, size_t lanes, int n, const float_taps *t,
+                             int o) {
+    const float *w = t->weights + (size_t)o * t->ksize;
+    const float *tap = in + (size_t)t->first[o] * lanes;
+    int count = t->count[o], plain = (count - 1) / t->group * t->group;
+    for (size_t l = 0; l < (size_t)n; l++) acc[l] = tap[l] * w[0];
+    for (int j = 1; j < count; j++) {
+        const float *v = tap + (size_t)j * lanes;
+        float weight = w[j];
+        if (j <= plain)
+            for (int l = 0; l < n; l++) acc[l] = acc[l] + v[l] * weight;
+        else
+            for (int l = 0; l < n; l++) acc[l] = fmaf(v[l], weight, acc[l]);
+    }
+}
+
+/* rows of src (w pixels pixel_bytes apart) -> planes[c][y][o] (w2 wide); w2 == w: a copy */
+FMA_CLONES
+static int float_horizontal(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int h,
+                            int w, float *planes, int w2, const float_taps *t) {
+    float *block = malloc(sizeof(float) * (size_t)w * LANES), acc[LANES];
+    size_t plane = (size_t)h * w2;
+    if (!block) return -1;
+    for (int y = 0; y < h; y += ROWS) {
+        int rows = h - y < ROWS ? h - y : ROWS;
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *line = src + (size_t)(y + r) * src_stride;
+            for (int x = 0; x < w; x++)
+                for (int c = 0; c < 3; c++)
+                    block[(size_t)x * LANES + r * 3 + c] = line[(size_t)x * pixel_bytes + c];
+        }
+        for (int o = 0; o < w2; o++) {
+            const float *value = acc;
+            if (t) float_sum(acc, block, LANES, rows * 3, t, o);
+            else value = block + (size_t)o * LANES;
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < 3; c++)
+                    planes[c * plane + (size_t)(y + r) * w2 + o] = value[r * 3 + c];
+        }
+    }
+    free(block);
+    return 0;
+}
+
+/* each plane (h rows of w) -> h2 rows into out's plane */
+FMA_CLONES
+static void float_vertical(const float *planes, int h, int w, float *out, int h2,
+                           const float_taps *t) {
+    float acc[SPAN];
+    for (int c = 0; c < 3; c++) {
+        const float *plane = planes + (size_t)c * h * w;
+        for (int y = 0; y < h2; y++)
+            for (int x0 = 0; x0 < w; x0 += SPAN) {
+                int len = w - x0 < SPAN ? w - x0 : SPAN;
+                float_sum(acc, plane + x0, (size_t)w, len, t, y);
+                memcpy(out + ((size_t)c * h2 + y) * w + x0, acc, sizeof(float) * len);
+            }
+    }
+}
+
 /* (H, W, 3) uint8, each pixel's 3 values contiguous, pixels 3 (packed) or 4 (RGBX) bytes apart
    along a row; dst (writable) C-contiguous */
 static int rgb_view(PyObject *object, Py_buffer *view, int writable, const char *name) {
@@ -256,11 +336,113 @@ static PyObject *py_bicubic(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* one axis's taps from Python: first, count (int32, out_size), weights (float32, out_size x k) */
+static int taps_view(PyObject *first_o, PyObject *count_o, PyObject *weights_o, int in_size,
+                     int out_size, int group, Py_buffer views[3], float_taps *t) {
+    PyObject *objects[3] = {first_o, count_o, weights_o};
+    for (int i = 0; i < 3; i++) {
+        if (PyObject_GetBuffer(objects[i], &views[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            for (int j = 0; j < i; j++) PyBuffer_Release(&views[j]);
+            return -1;
+        }
+    }
+    int ok = views[0].itemsize == 4 && views[1].itemsize == 4 && views[2].itemsize == 4 &&
+             views[0].format && views[1].format && views[2].format &&
+             strchr("il", views[0].format[strlen(views[0].format) - 1]) &&
+             strchr("il", views[1].format[strlen(views[1].format) - 1]) &&
+             views[2].format[strlen(views[2].format) - 1] == 'f' &&
+             views[0].len == 4 * (Py_ssize_t)out_size && views[1].len == views[0].len &&
+             views[2].ndim == 2 && views[2].shape[0] == out_size && views[2].shape[1] >= 1 &&
+             views[2].shape[1] <= INT_MAX && group >= 1;
+    if (ok) {
+        t->first = views[0].buf;
+        t->count = views[1].buf;
+        t->weights = views[2].buf;
+        t->ksize = (int)views[2].shape[1];
+        t->group = group;
+        for (int o = 0; o < out_size && ok; o++)
+            ok = t->first[o] >= 0 && t->count[o] >= 1 && t->count[o] <= t->ksize &&
+                 t->first[o] <= in_size - t->count[o];
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "taps: expected int32 first and count per output, "
+                        "float32 weights (outputs, k), inside the input");
+        for (int i = 0; i < 3; i++) PyBuffer_Release(&views[i]);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_bicubic_float(PyObject *self, PyObject *args) {
+    PyObject *src_o, *out_o, *hf, *hc, *hw, *vf, *vc, *vw;
+    int group, status = 0, with_h, with_v;
+    Py_buffer src, out, hv[3], vv[3];
+    float_taps ht, vt;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOi", &src_o, &out_o, &hf, &hc, &hw, &vf, &vc, &vw, &group))
+        return NULL;
+    if (rgb_view(src_o, &src, 0, "src") < 0) return NULL;
+    if (PyObject_GetBuffer(out_o, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    int h = (int)src.shape[0], w = (int)src.shape[1];
+    if (out.ndim != 3 || out.shape[0] != 3 || out.shape[1] < 1 || out.shape[2] < 1 ||
+        out.shape[1] > INT_MAX || out.shape[2] > INT_MAX || out.itemsize != 4 || !out.format ||
+        out.format[strlen(out.format) - 1] != 'f') {
+        PyErr_SetString(PyExc_ValueError, "out: expected (3, H2, W2) float32, C-contiguous");
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    int h2 = (int)out.shape[1], w2 = (int)out.shape[2];
+    with_h = hf != Py_None;
+    with_v = vf != Py_None;
+    if ((!with_h && w != w2) || (!with_v && h != h2) ||
+        (with_h && taps_view(hf, hc, hw, w, w2, group, hv, &ht) < 0)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "taps missing for a resized side");
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    if (with_v && taps_view(vf, vc, vw, h, h2, group, vv, &vt) < 0) {
+        if (with_h) for (int i = 0; i < 3; i++) PyBuffer_Release(&hv[i]);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (!with_v) {
+        status = float_horizontal(src.buf, src.strides[0], (int)src.strides[1], h, w, out.buf, w2,
+                                  with_h ? &ht : NULL);
+    } else {
+        float *tmp = malloc(sizeof(float) * 3 * (size_t)h * w2);
+        if (!tmp) {
+            status = -1;
+        } else {
+            status = float_horizontal(src.buf, src.strides[0], (int)src.strides[1], h, w, tmp, w2,
+                                      with_h ? &ht : NULL);
+            if (!status) float_vertical(tmp, h, w2, out.buf, h2, &vt);
+            free(tmp);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (with_h) for (int i = 0; i < 3; i++) PyBuffer_Release(&hv[i]);
+    if (with_v) for (int i = 0; i < 3; i++) PyBuffer_Release(&vv[i]);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    if (status < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"bicubic", py_bicubic, METH_VARARGS,
      "bicubic(src, dst, vertical_first): PIL's bicubic resize of src (H, W, 3) uint8, pixels 3 "
      "or 4 bytes apart, into dst (H2, W2, 3) uint8, C-contiguous; vertical_first: the vertical "
      "pass runs first."},
+    {"bicubic_float", py_bicubic_float, METH_VARARGS,
+     "bicubic_float(src, out, h_first, h_count, h_weights, v_first, v_count, v_weights, group): "
+     "torch's antialiased bicubic of src (H, W, 3) uint8 in float32 into out (3, H2, W2) "
+     "float32 with the given taps (None: that side kept); group: the summing rule."},
     {NULL, NULL, 0, NULL},
 };
 

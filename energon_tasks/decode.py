@@ -27,11 +27,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps
 
 from contract.errors import MediaError
-from energon_tasks.resize import resize_rgb
+from energon_tasks.resize import resize_rgb, resize_rgb_float
 
 #: image resize filters: "pil" = PIL bicubic on uint8, "torch" = torch antialiased bicubic in
 #: float32 (``decode_image``'s ``resize``)
@@ -171,58 +170,12 @@ def pil_pixels(image: Image.Image) -> np.ndarray:
 
 def _resized(image: Image.Image, width: int, height: int, resize: str) -> np.ndarray:
     """(height, width, 3) pixels of an RGB image: PIL's bicubic (uint8, ``resize.resize_rgb``),
-    or torch's antialiased bicubic in float32 (``_torch_resized``; the Nemotron-Omni processor
-    resizes in float32 to keep the overshoot)."""
+    or torch's antialiased bicubic in float32 (``resize.resize_rgb_float``; the Nemotron-Omni
+    processor resizes in float32 to keep the overshoot)."""
     pixels = pil_pixels(image)
     if resize == "pil":
         return pixels if image.size == (width, height) else resize_rgb(pixels, width, height)
     if image.size == (width, height):
         return pixels.astype(np.float32)
-    return _torch_resized(pixels, height, width)
-
-
-#: source rows per band of the horizontal pass (a band's float rows stay in the cache)
-_BAND_ROWS = 128
-#: sources from this many pixels are resized band by band (below, one call is as cheap)
-_BANDED_FROM_PIXELS = 2_000_000
-
-
-def _torch_resized(pixels: np.ndarray, height: int, width: int,
-                   banded: bool | None = None) -> np.ndarray:
-    """(height, width, 3) float32 of uint8 (H, W, 3) pixels: bit for bit
-    ``F.interpolate(float32 (1, 3, H, W), (height, width), "bicubic", antialias=True)``, what
-    torchvision's ``resize`` runs on a float32 tensor.
-
-    Large sources (``banded``; default: from ``_BANDED_FROM_PIXELS``) cost about half as much
-    on one core this way: torch's antialiased kernel is separable, the horizontal pass (weights
-    from the widths only) then the vertical one (weights from the heights only), each output
-    value a sum over one row or one column. So each channel is resized alone, its horizontal
-    pass over bands of ``_BAND_ROWS`` source rows (converted to float32 band by band, never the
-    whole image) and its vertical pass over the whole plane: the same sums in the same order,
-    on data that stays in the cache. The result is then a view of (3, height, width) planes.
-    """
-    source_h, source_w = pixels.shape[:2]
-    interpolate = torch.nn.functional.interpolate
-    options = {"mode": "bicubic", "align_corners": False, "antialias": True}
-    if not (source_h * source_w >= _BANDED_FROM_PIXELS if banded is None else banded):
-        planes = np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
-        tensor = torch.from_numpy(planes)[None]
-        return interpolate(tensor, size=(height, width), **options)[0].permute(1, 2, 0).numpy()
-    out = np.empty((3, height, width), dtype=np.float32)
-    rows = torch.empty((1, 1, source_h, width), dtype=torch.float32)
-    for channel in range(3):
-        if source_w == width:
-            rows[0, 0] = torch.from_numpy(pixels[:, :, channel].astype(np.float32))
-        else:
-            for first in range(0, source_h, _BAND_ROWS):
-                last = min(first + _BAND_ROWS, source_h)
-                band = torch.from_numpy(pixels[first:last, :, channel].astype(np.float32))
-                rows[:, :, first:last] = interpolate(band[None, None], size=(last - first, width),
-                                                     **options)
-        plane = torch.from_numpy(out[channel])
-        if source_h == height:
-            plane.copy_(rows[0, 0])
-        else:
-            plane.copy_(interpolate(rows, size=(height, width), **options)[0, 0])
-    return out.transpose(1, 2, 0)
+    return resize_rgb_float(pixels, width, height)
 

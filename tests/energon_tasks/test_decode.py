@@ -16,9 +16,10 @@ from transformers.image_transforms import convert_to_rgb
 from contract.errors import ConfigError
 from energon_tasks import task_encoder_for
 from energon_tasks.config import TaskEncoderConfig
-from energon_tasks.decode import MediaError, _torch_resized, decode_image
+from energon_tasks.decode import MediaError, decode_image
 from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI
 from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL
+from energon_tasks.resize import torch_resized
 from energon_tasks.sample_format import Media
 from energon_tasks.task_encoder import cook_conversation
 from energon_tasks.video_decode import decode_video_frames
@@ -318,13 +319,13 @@ def test_fuzzed_exif_is_a_skip_never_a_traceback():
 @pytest.mark.parametrize("banded", [False, True])
 def test_float32_resize_equals_one_interpolate_call(banded, one_torch_thread):
     """Nemotron-Omni's float32 resize, one call or per channel with the horizontal pass in row
-    bands (``_torch_resized``), is bit for bit the processor's one ``F.interpolate`` call:
+    bands (``resize.torch_resized``), is bit for bit the processor's one ``F.interpolate`` call:
     shrinking, enlarging, one side unchanged, heights below, at and across the band size."""
     rng = np.random.default_rng(5)
     for (height, width), target in [((300, 200), (96, 64)), ((128, 90), (256, 96)),
                                     ((257, 64), (112, 64)), ((40, 330), (40, 160)),
                                     ((513, 77), (1024, 32)), ((1, 9), (16, 16))]:
         pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-        ours = _torch_resized(pixels, *target, banded=banded)
+        ours = torch_resized(pixels, *target, banded=banded)
         expected = nemotron_resize(pixels, *target)
         assert ours.shape == expected.shape and np.array_equal(ours, expected), (height, width)
