@@ -222,13 +222,13 @@ typedef struct {
     int ksize, group;
 } float_taps;
 
-/* out[l] = the taps of output o over inputs lanes apart (lanes values each) */
-static inline void float_sum(float *acc, const float *in, size_t lanes, int n, const float_taps *t,
-                             int o) {
+/* acc[0..n) = the taps of output o, over inputs `lanes` values apart, input i at in[i - origin] */
+static inline __attribute__((always_inline)) void float_sum(
+        float *acc, const float *in, size_t lanes, int n, const float_taps *t, int o, int origin) {
     const float *w = t->weights + (size_t)o * t->ksize;
-    const float *tap = in + (size_t)t->first[o] * lanes;
+    const float *tap = in + (size_t)(t->first[o] - origin) * lanes;
     int count = t->count[o], plain = (count - 1) / t->group * t->group;
-    for (size_t l = 0; l < (size_t)n; l++) acc[l] = tap[l] * w[0];
+    for (int l = 0; l < n; l++) acc[l] = tap[l] * w[0];
     for (int j = 1; j < count; j++) {
         const float *v = tap + (size_t)j * lanes;
         float weight = w[j];
@@ -239,48 +239,85 @@ static inline void float_sum(float *acc, const float *in, size_t lanes, int n, c
     }
 }
 
-/* rows of src (w pixels pixel_bytes apart) -> planes[c][y][o] (w2 wide); w2 == w: a copy */
+/* Source rows [y, y + rows) (rows <= ROWS) resampled horizontally (t; NULL: only converted) into
+   done: w2 columns of LANES values (row r, channel c at lane 3r + c). block: w * LANES floats. */
 FMA_CLONES
-static int float_horizontal(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int h,
-                            int w, float *planes, int w2, const float_taps *t) {
-    float *block = malloc(sizeof(float) * (size_t)w * LANES), acc[LANES];
-    size_t plane = (size_t)h * w2;
-    if (!block) return -1;
-    for (int y = 0; y < h; y += ROWS) {
-        int rows = h - y < ROWS ? h - y : ROWS;
-        for (int r = 0; r < rows; r++) {
-            const uint8_t *line = src + (size_t)(y + r) * src_stride;
-            for (int x = 0; x < w; x++)
-                for (int c = 0; c < 3; c++)
-                    block[(size_t)x * LANES + r * 3 + c] = line[(size_t)x * pixel_bytes + c];
-        }
-        for (int o = 0; o < w2; o++) {
-            const float *value = acc;
-            if (t) float_sum(acc, block, LANES, rows * 3, t, o);
-            else value = block + (size_t)o * LANES;
-            for (int r = 0; r < rows; r++)
-                for (int c = 0; c < 3; c++)
-                    planes[c * plane + (size_t)(y + r) * w2 + o] = value[r * 3 + c];
+static void float_block(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int w, int y,
+                        int rows, float *block, float *done, int w2, const float_taps *t) {
+    for (int r = 0; r < rows; r++) {
+        const uint8_t *line = src + (size_t)(y + r) * src_stride;
+        float *lane = (t ? block : done) + r * 3;
+        for (int x = 0; x < w; x++, lane += LANES, line += pixel_bytes) {
+            lane[0] = line[0];
+            lane[1] = line[1];
+            lane[2] = line[2];
         }
     }
-    free(block);
-    return 0;
+    if (t)
+        for (int o = 0; o < w2; o++)
+            float_sum(done + (size_t)o * LANES, block, LANES, LANES, t, o, 0);  /* all lanes */
 }
 
-/* each plane (h rows of w) -> h2 rows into out's plane */
+/* row r, channel c of done into dst_c's row (w2 values) */
+static inline void float_unpack_row(const float *done, int r, int c, float *row, int w2) {
+    const float *value = done + r * 3 + c;
+    for (int o = 0; o < w2; o++) row[o] = value[(size_t)o * LANES];
+}
+
+/* src (h x w) -> out planes (3, h2, w2): the horizontal pass (ht; NULL: width kept) in blocks of
+   ROWS rows, the vertical one (vt; NULL: height kept) as soon as its rows exist, from a ring of
+   the last `cap` horizontal rows kept twice (any window of them contiguous); the intermediate
+   rows never leave the cache. Returns -1 when out of memory. */
 FMA_CLONES
-static void float_vertical(const float *planes, int h, int w, float *out, int h2,
-                           const float_taps *t) {
-    float acc[SPAN];
-    for (int c = 0; c < 3; c++) {
-        const float *plane = planes + (size_t)c * h * w;
-        for (int y = 0; y < h2; y++)
-            for (int x0 = 0; x0 < w; x0 += SPAN) {
-                int len = w - x0 < SPAN ? w - x0 : SPAN;
-                float_sum(acc, plane + x0, (size_t)w, len, t, y);
-                memcpy(out + ((size_t)c * h2 + y) * w + x0, acc, sizeof(float) * len);
+static int float_resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int h, int w,
+                        float *out, int h2, int w2, const float_taps *ht, const float_taps *vt) {
+    int cap = (vt ? vt->ksize : 0) + ROWS;
+    /* zeroed: a last block of fewer than ROWS rows sums its unused lanes too */
+    float *block = calloc((size_t)w * LANES, sizeof(float));
+    float *done = calloc((size_t)(w > w2 ? w : w2) * LANES, sizeof(float));
+    float *ring = vt ? malloc(sizeof(float) * 3 * 2 * (size_t)cap * w2) : NULL;
+    int status = -1;
+    if (!block || !done || (vt && !ring)) goto end;
+    size_t plane = (size_t)h2 * w2, ring_plane = 2 * (size_t)cap * w2;
+    int made = 0;  /* horizontal rows made so far */
+    for (int y = 0; y < (vt ? h2 : h); y++) {
+        int need = vt ? vt->first[y] + vt->count[y] : y + 1;
+        while (made < need) {
+            int rows = h - made < ROWS ? h - made : ROWS;
+            float_block(src, src_stride, pixel_bytes, w, made, rows, block, done, w2, ht);
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < 3; c++) {
+                    if (!vt) {
+                        float_unpack_row(done, r, c, out + c * plane + (size_t)(made + r) * w2, w2);
+                        continue;
+                    }
+                    float *slot = ring + c * ring_plane + (size_t)((made + r) % cap) * w2;
+                    float_unpack_row(done, r, c, slot, w2);
+                    memcpy(slot + (size_t)cap * w2, slot, sizeof(float) * w2);
+                }
+            made += rows;
+        }
+        if (!vt) {
+            y = made - 1;  /* rows up to made are out */
+            continue;
+        }
+        int first = vt->first[y];
+        for (int c = 0; c < 3; c++) {
+            const float *window = ring + c * ring_plane + (size_t)(first % cap) * w2;
+            for (int x0 = 0; x0 < w2; x0 += SPAN) {
+                float acc[SPAN];
+                int len = w2 - x0 < SPAN ? w2 - x0 : SPAN;
+                float_sum(acc, window + x0, (size_t)w2, len, vt, y, first);
+                memcpy(out + c * plane + (size_t)y * w2 + x0, acc, sizeof(float) * len);
             }
+        }
     }
+    status = 0;
+end:
+    free(block);
+    free(done);
+    free(ring);
+    return status;
 }
 
 /* (H, W, 3) uint8, each pixel's 3 values contiguous, pixels 3 (packed) or 4 (RGBX) bytes apart
@@ -411,20 +448,8 @@ static PyObject *py_bicubic_float(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    if (!with_v) {
-        status = float_horizontal(src.buf, src.strides[0], (int)src.strides[1], h, w, out.buf, w2,
-                                  with_h ? &ht : NULL);
-    } else {
-        float *tmp = malloc(sizeof(float) * 3 * (size_t)h * w2);
-        if (!tmp) {
-            status = -1;
-        } else {
-            status = float_horizontal(src.buf, src.strides[0], (int)src.strides[1], h, w, tmp, w2,
-                                      with_h ? &ht : NULL);
-            if (!status) float_vertical(tmp, h, w2, out.buf, h2, &vt);
-            free(tmp);
-        }
-    }
+    status = float_resize(src.buf, src.strides[0], (int)src.strides[1], h, w, out.buf, h2, w2,
+                          with_h ? &ht : NULL, with_v ? &vt : NULL);
     Py_END_ALLOW_THREADS
     if (with_h) for (int i = 0; i < 3; i++) PyBuffer_Release(&hv[i]);
     if (with_v) for (int i = 0; i < 3; i++) PyBuffer_Release(&vv[i]);

@@ -164,3 +164,77 @@ def _png(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, "PNG")
     return buffer.getvalue()
+
+
+# ---- torch's antialiased bicubic in float32 ------------------------------------------------------
+
+
+def torch_float(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
+    """What the Nemotron-Omni processor computes: one ``F.interpolate`` on the float32 tensor."""
+    return resize.torch_resized(np.ascontiguousarray(pixels), height, width, banded=False)
+
+
+def test_the_native_float_kernel_is_built_and_agrees_with_this_torch():
+    assert resize.float_kernel().startswith("native ("), resize.float_kernel()
+
+
+@settings(max_examples=200, deadline=None)
+@given(height=st.integers(1, 90), width=st.integers(1, 90), new_height=st.integers(1, 120),
+       new_width=st.integers(1, 120), kind=st.sampled_from(["noise", "edges", "smooth"]),
+       seed=st.integers(0, 2**16), rgbx=st.booleans())
+def test_float_resize_is_torchs_bit_for_bit(height, width, new_height, new_width, kind, seed,
+                                            rgbx):
+    pixels = pixels_of(kind, height, width, seed)
+    if rgbx:
+        padded = np.full((height, width, 4), 7, np.uint8)
+        padded[..., :3] = pixels
+        pixels = padded[..., :3]
+    assert np.array_equal(resize.resize_rgb_float(pixels, new_width, new_height),
+                          torch_float(pixels, new_width, new_height))
+
+
+@pytest.mark.parametrize("source, target", [
+    ((2300, 1100), (1536, 736)),   # an InfoVQA page to Nemotron-Omni's budget
+    ((600, 800), (448, 608)),      # a photo
+    ((200, 3000), (64, 1024)),     # a steep shrink of a wide strip
+    ((40, 30), (300, 200)),        # enlarged
+    ((77, 90), (77, 1)),           # one pixel wide: torch's other loop, resized by torch
+])
+def test_float_resize_on_the_sizes_the_loader_meets(source, target):
+    pixels = pixels_of("smooth", *source, seed=10)
+    pixels[::5] = 255 - pixels[::5]
+    assert np.array_equal(resize.resize_rgb_float(pixels, target[1], target[0]),
+                          torch_float(pixels, target[1], target[0]))
+
+
+def test_a_torch_that_sums_otherwise_is_not_trusted_to_the_kernel(monkeypatch):
+    if resize._bicubic_float is None:
+        pytest.skip(resize.float_kernel())
+    monkeypatch.setattr(resize, "_float_kernel", None)
+    used = int(resize.float_kernel().split("groups of ")[1].split(",")[0])
+    monkeypatch.setattr(resize, "_FLOAT_GROUPS", tuple(g for g in resize._FLOAT_GROUPS
+                                                       if g != used))
+    monkeypatch.setattr(resize, "_float_kernel", None)
+    assert resize.float_kernel().startswith("torch (the native kernel's values differ"), \
+        resize.float_kernel()
+    pixels = pixels_of("noise", 97, 61, seed=11)
+    assert np.array_equal(resize.resize_rgb_float(pixels, 80, 13), torch_float(pixels, 80, 13))
+
+
+def test_the_float_kernel_refuses_taps_outside_the_source_in_one_line():
+    if resize._bicubic_float is None:
+        pytest.skip(resize.float_kernel())
+    source = pixels_of("noise", 20, 30, seed=12)
+    out = np.empty((3, 20, 10), np.float32)
+    first, count, weights = resize._torch_taps(30, 10)
+    bad = {"a tap past the end": (first + 30, count, weights),
+           "no tap": (first, count * 0, weights),
+           "int64 starts": (first.astype(np.int64), count, weights),
+           "float64 weights": (first, count, weights.astype(np.float64)),
+           "one output short": (first[:-1], count[:-1], weights[:-1])}
+    for what, taps in bad.items():
+        with pytest.raises(ValueError) as caught:
+            resize._bicubic_float(source, out, *taps, None, None, None, 4)
+        assert "\n" not in str(caught.value), what
+    with pytest.raises(ValueError):  # a resized side without its taps
+        resize._bicubic_float(source, out, None, None, None, None, None, None, 4)
