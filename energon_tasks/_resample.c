@@ -224,7 +224,8 @@ typedef struct {
 
 /* acc[0..n) = the taps of output o, over inputs `lanes` values apart, input i at in[i - origin] */
 static inline __attribute__((always_inline)) void float_sum(
-        float *acc, const float *in, size_t lanes, int n, const float_taps *t, int o, int origin) {
+        float *restrict acc, const float *restrict in, size_t lanes, int n, const float_taps *t,
+        int o, int origin) {
     const float *w = t->weights + (size_t)o * t->ksize;
     const float *tap = in + (size_t)(t->first[o] - origin) * lanes;
     int count = t->count[o], plain = (count - 1) / t->group * t->group;
