@@ -74,7 +74,22 @@ _CHECK_SIZES = (((97, 61), (13, 80)), ((60, 90), (20, 89)), ((61, 97), (80, 13))
                 ((300, 11), (7, 29)), ((50, 50), (50, 33)), ((50, 50), (17, 50)),
                 ((64, 48), (64, 48)))
 
-_kernel: tuple | None = None  # (rule or None, what kernel() says)
+#: each check's result, once per process: "uint8" / "float32" -> (rule or None, what it says)
+_checks: dict[str, tuple] = {}
+
+
+def _checked(name: str, check) -> tuple:
+    if name not in _checks:
+        _checks[name] = check()
+    return _checks[name]
+
+
+def _kernel_reads(pixels: np.ndarray) -> bool:
+    """Whether the kernels read ``pixels``: (H, W, 3) uint8, pixels 3 (packed) or 4 (RGBX) bytes
+    apart, rows of ascending addresses."""
+    row_stride, pixel_stride, value_stride = pixels.strides
+    return (pixels.dtype == np.uint8 and value_stride == 1 and pixel_stride in (3, 4)
+            and row_stride >= pixels.shape[1] * pixel_stride)
 
 
 def _pil(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
@@ -89,16 +104,23 @@ def _native(pixels: np.ndarray, width: int, height: int, rule, out: np.ndarray |
     return out
 
 
+def _check_cases(sizes, reference) -> list[tuple]:
+    """(pixels, width, height, the reference's result) for each (source, target) of ``sizes``:
+    noise in the top half, black and white below (hard edges: overshoot to clip)."""
+    rng = np.random.default_rng(0)
+    cases = []
+    for (height, width), (new_height, new_width) in sizes:
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        pixels[height // 2:] = 255 * (pixels[height // 2:] > 127)
+        cases.append((pixels, new_width, new_height, reference(pixels, new_width, new_height)))
+    return cases
+
+
 def _checked_rule() -> tuple:
     """(the order rule whose pixels are the installed Pillow's, or None; what kernel() says)."""
     if _bicubic is None:
         return None, f"PIL (the native kernel is {_MISSING})"
-    rng = np.random.default_rng(0)
-    cases = []
-    for (height, width), (new_height, new_width) in _CHECK_SIZES:
-        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-        pixels[height // 2:] = 255 * (pixels[height // 2:] > 127)  # hard edges: clipped overshoot
-        cases.append((pixels, new_width, new_height, _pil(pixels, new_width, new_height)))
+    cases = _check_cases(_CHECK_SIZES, _pil)
     for name, rule in _ORDER_RULES:
         if all(np.array_equal(_native(p, w, h, rule, None), expected)
                for p, w, h, expected in cases):
@@ -109,10 +131,7 @@ def _checked_rule() -> tuple:
 
 def kernel() -> str:
     """Which resize ``resize_rgb`` uses here, and why (checked once per process)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = _checked_rule()
-    return _kernel[1]
+    return _checked("uint8", _checked_rule)[1]
 
 
 def resize_rgb(pixels: np.ndarray, width: int, height: int, *,
@@ -123,11 +142,8 @@ def resize_rgb(pixels: np.ndarray, width: int, height: int, *,
     bytes apart (``decode.pil_pixels``' view of PIL's RGBX memory) in rows of any stride."""
     if out is not None and out.shape != (height, width, 3):
         raise ValueError(f"out: shape {out.shape}, expected {(height, width, 3)}")
-    kernel()
-    rule = _kernel[0]
-    row_stride, pixel_stride, value_stride = pixels.strides
-    if (rule is not None and pixels.dtype == np.uint8 and value_stride == 1
-            and pixel_stride in (3, 4) and row_stride >= pixels.shape[1] * pixel_stride):
+    rule = _checked("uint8", _checked_rule)[0]
+    if rule is not None and _kernel_reads(pixels):
         return _native(pixels, width, height, rule, out)
     resized = _pil(np.ascontiguousarray(pixels), width, height)
     if out is None:
@@ -196,8 +212,6 @@ _FLOAT_CHECK_SIZES = (((97, 61), (13, 80)), ((60, 90), (20, 89)), ((23, 31), (70
                       ((50, 50), (50, 33)), ((50, 50), (17, 50)), ((64, 48), (64, 48)),
                       ((211, 307), (40, 61)))
 
-_float_kernel: tuple | None = None  # (group or None, what float_kernel() says)
-
 
 def _torch_window(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
     """torch's window of each output (first input, inputs summed) and its weights per output,
@@ -260,12 +274,8 @@ def _native_float(pixels: np.ndarray, width: int, height: int, group: int) -> np
 def _checked_float_rule() -> tuple:
     if _bicubic_float is None:
         return None, f"torch (the native kernel is {_MISSING})"
-    rng = np.random.default_rng(1)
-    cases = []
-    for (height, width), (new_height, new_width) in _FLOAT_CHECK_SIZES:
-        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-        cases.append((pixels, new_width, new_height,
-                      torch_resized(pixels, new_height, new_width, banded=False)))
+    cases = _check_cases(_FLOAT_CHECK_SIZES, lambda pixels, width, height: torch_resized(
+        pixels, height, width, banded=False))
     for group in _FLOAT_GROUPS:
         results = [_native_float(p, w, h, group) for p, w, h, _ in cases]
         if all(r is not None and np.array_equal(r, expected)
@@ -278,22 +288,16 @@ def _checked_float_rule() -> tuple:
 
 def float_kernel() -> str:
     """Which float32 resize ``resize_rgb_float`` uses here, and why (checked once per process)."""
-    global _float_kernel
-    if _float_kernel is None:
-        _float_kernel = _checked_float_rule()
-    return _float_kernel[1]
+    return _checked("float32", _checked_float_rule)[1]
 
 
 def resize_rgb_float(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
     """(height, width, 3) float32 (a view of (3, height, width) planes): ``pixels`` ((H, W, 3)
     uint8, pixels 3 or 4 bytes apart) as ``F.interpolate`` resizes them as a float32
     (1, 3, H, W) tensor, bicubic, antialiased, unclamped."""
-    float_kernel()
-    group = _float_kernel[0]
-    row_stride, pixel_stride, value_stride = pixels.strides
+    group = _checked("float32", _checked_float_rule)[0]
     grows = width > pixels.shape[1] or height > pixels.shape[0]  # torch is as fast there
-    if (group is not None and not grows and pixels.dtype == np.uint8 and value_stride == 1
-            and pixel_stride in (3, 4) and row_stride >= pixels.shape[1] * pixel_stride):
+    if group is not None and not grows and _kernel_reads(pixels):
         resized = _native_float(pixels, width, height, group)
         if resized is not None:
             return resized

@@ -21,6 +21,23 @@ def pil_bicubic(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
         (width, height), Image.BICUBIC))
 
 
+#: the property tests' sources: sizes from 1 to 90 resized to 1 to 120 a side, kinds, seeds, and
+#: whether the pixels are 4 bytes apart (RGBX, as PIL keeps them: ``decode.pil_pixels``)
+SOURCES = {"height": st.integers(1, 90), "width": st.integers(1, 90),
+           "new_height": st.integers(1, 120), "new_width": st.integers(1, 120),
+           "kind": st.sampled_from(["noise", "edges", "smooth"]), "seed": st.integers(0, 2**16),
+           "rgbx": st.booleans()}
+
+
+def source_of(kind: str, height: int, width: int, seed: int, rgbx: bool) -> np.ndarray:
+    pixels = pixels_of(kind, height, width, seed)
+    if not rgbx:
+        return pixels
+    padded = np.full((height, width, 4), 7, np.uint8)
+    padded[..., :3] = pixels
+    return padded[..., :3]
+
+
 def pixels_of(kind: str, height: int, width: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     noise = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
@@ -35,27 +52,35 @@ def pixels_of(kind: str, height: int, width: int, seed: int) -> np.ndarray:
 @pytest.fixture
 def fresh_kernel(monkeypatch):
     """resize's per-process check run again (and its result restored after the test)."""
-    monkeypatch.setattr(resize, "_kernel", None)
+    monkeypatch.setattr(resize, "_checks", {})
     return resize
 
 
-def test_the_native_kernel_is_built_and_agrees_with_this_pillow():
-    assert resize.kernel().startswith("native ("), resize.kernel()
+def torch_float(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
+    """What the Nemotron-Omni processor computes: one ``F.interpolate`` on the float32 tensor."""
+    return resize.torch_resized(np.ascontiguousarray(pixels), height, width, banded=False)
 
 
-@settings(max_examples=300, deadline=None)
-@given(height=st.integers(1, 90), width=st.integers(1, 90), new_height=st.integers(1, 120),
-       new_width=st.integers(1, 120), kind=st.sampled_from(["noise", "edges", "smooth"]),
-       seed=st.integers(0, 2**16), rgbx=st.booleans())
-def test_resize_is_pils_bicubic_bit_for_bit(height, width, new_height, new_width, kind, seed,
-                                            rgbx):
-    pixels = pixels_of(kind, height, width, seed)
-    if rgbx:  # 4 bytes a pixel, as PIL keeps them (decode.pil_pixels)
-        padded = np.full((height, width, 4), 7, np.uint8)
-        padded[..., :3] = pixels
-        pixels = padded[..., :3]
-    assert np.array_equal(resize.resize_rgb(pixels, new_width, new_height),
-                          pil_bicubic(pixels, new_width, new_height))
+#: each resize, what says which kernel runs, and its reference
+RESIZES = {"uint8": (resize.resize_rgb, resize.kernel, pil_bicubic),
+           "float32": (resize.resize_rgb_float, resize.float_kernel, torch_float)}
+
+
+@pytest.mark.parametrize("which", RESIZES)
+def test_the_native_kernels_are_built_and_agree_with_this_pillow_and_torch(which):
+    says = RESIZES[which][1]()
+    assert says.startswith("native ("), says
+
+
+@pytest.mark.parametrize("which", RESIZES)
+@settings(max_examples=200, deadline=None)
+@given(**SOURCES)
+def test_both_resizes_are_their_references_bit_for_bit(which, height, width, new_height,
+                                                       new_width, kind, seed, rgbx):
+    ours, _, reference = RESIZES[which]
+    pixels = source_of(kind, height, width, seed, rgbx)
+    assert np.array_equal(ours(pixels, new_width, new_height),
+                          reference(pixels, new_width, new_height))
 
 
 @pytest.mark.parametrize("source, target", [
@@ -128,7 +153,7 @@ def test_a_pillow_whose_pixels_differ_is_not_trusted_to_the_kernel(fresh_kernel,
     wrong = [rule for rule in resize._ORDER_RULES if not used.startswith(f"native ({rule[0]} ")]
     assert len(wrong) == len(resize._ORDER_RULES) - 1
     monkeypatch.setattr(fresh_kernel, "_ORDER_RULES", tuple(wrong))
-    monkeypatch.setattr(fresh_kernel, "_kernel", None)
+    monkeypatch.setattr(fresh_kernel, "_checks", {})
     assert fresh_kernel.kernel().startswith("PIL (the native kernel's pixels differ"), \
         fresh_kernel.kernel()
     pixels = pixels_of("noise", 97, 61, seed=6)
@@ -169,30 +194,6 @@ def _png(image: Image.Image) -> bytes:
 # ---- torch's antialiased bicubic in float32 ------------------------------------------------------
 
 
-def torch_float(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
-    """What the Nemotron-Omni processor computes: one ``F.interpolate`` on the float32 tensor."""
-    return resize.torch_resized(np.ascontiguousarray(pixels), height, width, banded=False)
-
-
-def test_the_native_float_kernel_is_built_and_agrees_with_this_torch():
-    assert resize.float_kernel().startswith("native ("), resize.float_kernel()
-
-
-@settings(max_examples=200, deadline=None)
-@given(height=st.integers(1, 90), width=st.integers(1, 90), new_height=st.integers(1, 120),
-       new_width=st.integers(1, 120), kind=st.sampled_from(["noise", "edges", "smooth"]),
-       seed=st.integers(0, 2**16), rgbx=st.booleans())
-def test_float_resize_is_torchs_bit_for_bit(height, width, new_height, new_width, kind, seed,
-                                            rgbx):
-    pixels = pixels_of(kind, height, width, seed)
-    if rgbx:
-        padded = np.full((height, width, 4), 7, np.uint8)
-        padded[..., :3] = pixels
-        pixels = padded[..., :3]
-    assert np.array_equal(resize.resize_rgb_float(pixels, new_width, new_height),
-                          torch_float(pixels, new_width, new_height))
-
-
 @pytest.mark.parametrize("source, target", [
     ((2300, 1100), (1536, 736)),   # an InfoVQA page to Nemotron-Omni's budget
     ((600, 800), (448, 608)),      # a photo
@@ -207,14 +208,13 @@ def test_float_resize_on_the_sizes_the_loader_meets(source, target):
                           torch_float(pixels, target[1], target[0]))
 
 
-def test_a_torch_that_sums_otherwise_is_not_trusted_to_the_kernel(monkeypatch):
+def test_a_torch_that_sums_otherwise_is_not_trusted_to_the_kernel(fresh_kernel, monkeypatch):
     if resize._bicubic_float is None:
         pytest.skip(resize.float_kernel())
-    monkeypatch.setattr(resize, "_float_kernel", None)
     used = int(resize.float_kernel().split("groups of ")[1].split(",")[0])
     monkeypatch.setattr(resize, "_FLOAT_GROUPS", tuple(g for g in resize._FLOAT_GROUPS
                                                        if g != used))
-    monkeypatch.setattr(resize, "_float_kernel", None)
+    monkeypatch.setattr(resize, "_checks", {})
     assert resize.float_kernel().startswith("torch (the native kernel's values differ"), \
         resize.float_kernel()
     pixels = pixels_of("noise", 97, 61, seed=11)
