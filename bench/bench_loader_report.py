@@ -80,13 +80,7 @@ from bench_task_encoder import (  # noqa: E402
     ours_path,
 )
 
-from energon_tasks.resize import (  # noqa: E402
-    _torch_taps,
-    float_kernel,
-    kernel,
-    resize_rgb,
-    resize_rgb_float,
-)
+from energon_tasks.resize import _torch_taps, float_kernel, kernel  # noqa: E402
 from lookalikes.media import photo_jpeg  # noqa: E402
 
 MODELS = ("qwen2_5_vl", "qwen3_vl", "nemotron_omni")
@@ -183,8 +177,8 @@ def make_processor(geometry):
 
 def decoded_resized(geometry, data: bytes, size: tuple[int, int]) -> np.ndarray:
     """Full decode + the one resize: (H, W, 3) uint8 (Qwen) or float32 (Nemotron-Omni), the
-    decoded pixels read in place as the exact path reads them (``decode.pil_pixels``)."""
-    from energon_tasks.decode import pil_in_one_block, pil_pixels
+    decoded rows read in place and resized as the exact path does (``decode._resized``)."""
+    from energon_tasks.decode import _resized, pil_in_one_block
 
     height, width = size
     with pil_in_one_block():
@@ -192,12 +186,7 @@ def decoded_resized(geometry, data: bytes, size: tuple[int, int]) -> np.ndarray:
         image.load()
         if image.mode != "RGB":
             image = image.convert("RGB")
-        pixels = pil_pixels(image)
-    if image.size == (width, height):
-        return pixels.astype(np.float32) if geometry.image_resize == "torch" else pixels
-    if geometry.image_resize == "torch":
-        return resize_rgb_float(pixels, width, height)
-    return resize_rgb(pixels, width, height)
+        return _resized(image, width, height, geometry.image_resize)
 
 
 def floor_path(geometry, images: list[bytes], sizes: list[tuple[int, int]]) -> np.ndarray:

@@ -275,13 +275,13 @@ static int float_resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_byt
     int cap = (vt ? vt->ksize : 0) + ROWS;
     /* zeroed: a last block of fewer than ROWS rows sums its unused lanes too */
     float *block = calloc((size_t)w * LANES, sizeof(float));
-    float *done = calloc((size_t)(w > w2 ? w : w2) * LANES, sizeof(float));
+    float *done = calloc((size_t)w2 * LANES, sizeof(float));  /* w2 == w when ht is NULL */
     float *ring = vt ? malloc(sizeof(float) * 3 * 2 * (size_t)cap * w2) : NULL;
     int status = -1;
     if (!block || !done || (vt && !ring)) goto end;
     size_t plane = (size_t)h2 * w2, ring_plane = 2 * (size_t)cap * w2;
     int made = 0;  /* horizontal rows made so far */
-    for (int y = 0; y < (vt ? h2 : h); y++) {
+    for (int y = 0; y < h2; y++) {  /* without vt, h2 == h and output row y is horizontal row y */
         int need = vt ? vt->first[y] + vt->count[y] : y + 1;
         while (made < need) {
             int rows = h - made < ROWS ? h - made : ROWS;
@@ -298,10 +298,7 @@ static int float_resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_byt
                 }
             made += rows;
         }
-        if (!vt) {
-            y = made - 1;  /* rows up to made are out */
-            continue;
-        }
+        if (!vt) continue;
         int first = vt->first[y];
         for (int c = 0; c < 3; c++) {
             const float *window = ring + c * ring_plane + (size_t)(first % cap) * w2;

@@ -173,9 +173,7 @@ def _resized(image: Image.Image, width: int, height: int, resize: str) -> np.nda
     or torch's antialiased bicubic in float32 (``resize.resize_rgb_float``; the Nemotron-Omni
     processor resizes in float32 to keep the overshoot)."""
     pixels = pil_pixels(image)
-    if resize == "pil":
-        return pixels if image.size == (width, height) else resize_rgb(pixels, width, height)
-    if image.size == (width, height):
-        return pixels.astype(np.float32)
-    return resize_rgb_float(pixels, width, height)
+    if resize == "torch":
+        return resize_rgb_float(pixels, width, height)
+    return pixels if image.size == (width, height) else resize_rgb(pixels, width, height)
 

@@ -152,6 +152,9 @@ def resize_rgb(pixels: np.ndarray, width: int, height: int, *,
     return out
 
 
+#: F.interpolate's options for the processors' float32 resize
+_AA = {"mode": "bicubic", "align_corners": False, "antialias": True}
+
 #: source rows per band of the horizontal pass (a band's float rows stay in the cache)
 _BAND_ROWS = 128
 #: sources from this many pixels are resized band by band (below, one call is as cheap)
@@ -174,11 +177,10 @@ def torch_resized(pixels: np.ndarray, height: int, width: int,
     """
     source_h, source_w = pixels.shape[:2]
     interpolate = torch.nn.functional.interpolate
-    options = {"mode": "bicubic", "align_corners": False, "antialias": True}
     if not (source_h * source_w >= _BANDED_FROM_PIXELS if banded is None else banded):
         planes = np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
         tensor = torch.from_numpy(planes)[None]
-        return interpolate(tensor, size=(height, width), **options)[0].permute(1, 2, 0).numpy()
+        return interpolate(tensor, size=(height, width), **_AA)[0].permute(1, 2, 0).numpy()
     out = np.empty((3, height, width), dtype=np.float32)
     rows = torch.empty((1, 1, source_h, width), dtype=torch.float32)
     for channel in range(3):
@@ -189,18 +191,16 @@ def torch_resized(pixels: np.ndarray, height: int, width: int,
                 last = min(first + _BAND_ROWS, source_h)
                 band = torch.from_numpy(pixels[first:last, :, channel].astype(np.float32))
                 rows[:, :, first:last] = interpolate(band[None, None], size=(last - first, width),
-                                                     **options)
+                                                     **_AA)
         plane = torch.from_numpy(out[channel])
         if source_h == height:
             plane.copy_(rows[0, 0])
         else:
-            plane.copy_(interpolate(rows, size=(height, width), **options)[0, 0])
+            plane.copy_(interpolate(rows, size=(height, width), **_AA)[0, 0])
     return out.transpose(1, 2, 0)
 
 
 # ---- torch's antialiased bicubic in float32 -----------------------------------------------------
-
-_AA = {"mode": "bicubic", "align_corners": False, "antialias": True}
 
 #: torch's summing rules, most likely first: taps after the first summed as a product and an add
 #: in groups of this many, the rest fused (1: never fused; 10**9: always fused)
@@ -214,8 +214,9 @@ _FLOAT_CHECK_SIZES = (((97, 61), (13, 80)), ((60, 90), (20, 89)), ((23, 31), (70
 
 
 def _torch_window(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """torch's window of each output (first input, inputs summed) and its weights per output,
-    computed as its float32 kernel computes them (``_compute_indices_min_size_weights_aa``)."""
+    """torch's window of each output (first input, inputs summed) and the most inputs any
+    output sums (ksize), computed as its float32 kernel computes them
+    (``_compute_indices_min_size_weights_aa``)."""
     scale = np.float32(np.float32(in_size) / np.float32(out_size))
     support = np.float32(2.0 * float(scale)) if scale >= 1.0 else np.float32(2.0)
     ksize = int(math.ceil(support)) * 2 + 1
@@ -246,7 +247,8 @@ def _torch_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, np
     position = shifts + np.round((centers[None, :] - shifts) / period).astype(np.int64) * period
     offset = position - first[None, :].astype(np.int64)
     seen = response != 0
-    if ((offset < 0) | (offset >= count[None, :])).__and__(seen).any() or not count.all():
+    outside = (offset < 0) | (offset >= count[None, :])
+    if (seen & outside).any() or not count.all():
         return None
     weights = np.zeros((out_size, ksize), np.float32)
     rows, outputs = np.nonzero(seen)

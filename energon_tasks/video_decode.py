@@ -407,8 +407,8 @@ def video_frame_pixels(frame, size: tuple[int, int], *, out: np.ndarray | None =
 
     FFmpeg's rgb24 conversion (the same pixels as ``frame.to_image()``, whose Python row copy
     costs ~10x more), then PIL's bicubic when the size differs (``resize.resize_rgb``), as the
-    image path. With ``out``
-    ((T, H, W, 3)) and ``rows``, the pixels are also written into those rows of ``out``.
+    image path. With ``out`` ((T, H, W, 3)) and ``rows``, the pixels are also written into those
+    rows of ``out``.
     """
     rgb = frame.to_ndarray(format="rgb24")
     width, height = size
