@@ -401,6 +401,19 @@ def _frame_sequence(data: bytes, picks: list[int], size: tuple[int, int], max_so
                         seeks=0)
 
 
+_thread = threading.local()
+
+
+def _reformatter():
+    """This thread's PyAV ``VideoReformatter`` (its swscale context is cached across frames of
+    the same geometry and format, rebuilt when they change)."""
+    if (reformatter := getattr(_thread, "reformatter", None)) is None:
+        from av.video.reformatter import VideoReformatter
+
+        reformatter = _thread.reformatter = VideoReformatter()
+    return reformatter
+
+
 def video_frame_pixels(frame, size: tuple[int, int], *, out: np.ndarray | None = None,
                        rows: list[int] | None = None) -> np.ndarray:
     """(H, W, 3) uint8 RGB of a decoded PyAV frame at ``size`` (width, height).
@@ -409,8 +422,12 @@ def video_frame_pixels(frame, size: tuple[int, int], *, out: np.ndarray | None =
     costs ~10x more), then PIL's bicubic when the size differs (``resize.resize_rgb``), as the
     image path. With ``out`` ((T, H, W, 3)) and ``rows``, the pixels are also written into those
     rows of ``out``.
+
+    The conversion runs through one reformatter per thread (``frame.to_ndarray(format=...)``
+    would build a new one, and a new swscale context, for every decoded frame: 0.3 ms of a
+    0.45 ms 360p conversion); the rgb24 array is a view of the converted frame's buffer.
     """
-    rgb = frame.to_ndarray(format="rgb24")
+    rgb = _reformatter().reformat(frame, format="rgb24").to_ndarray()
     width, height = size
     if (rgb.shape[1], rgb.shape[0]) != (width, height):
         if out is None:

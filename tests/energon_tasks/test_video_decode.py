@@ -16,7 +16,7 @@ from contract.errors import ConfigError
 from energon_tasks import task_encoder_for
 from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.task_encoder import cook_conversation
-from energon_tasks.video_decode import MediaError, decode_video_frames
+from energon_tasks.video_decode import MediaError, decode_video_frames, video_frame_pixels
 from tests.energon_tasks.conftest import (
     b_frame_video_bytes,
     conversation,
@@ -189,3 +189,24 @@ def test_nemotron_frame_labels_carry_the_keyframes_times(tokenizer, video_sample
     assert "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 1.00 seconds" in text
     with pytest.raises(ConfigError, match="video_sampling: must be one of exact, keyframe"):
         TaskEncoderConfig.from_dict({"model": "qwen3-vl", "video_sampling": "nearest"})
+
+
+def test_frame_pixels_follow_each_frames_geometry_and_format():
+    """The per-thread converter is rebuilt when a frame's size or pixel format changes: every
+    frame's pixels equal PyAV's own rgb24 conversion of that frame."""
+    import av
+
+    rng = np.random.default_rng(0)
+    frames = []
+    for width, height, fmt in [(64, 48, "yuv420p"), (32, 80, "yuv420p"), (64, 48, "yuv444p"),
+                               (64, 48, "gray"), (64, 48, "yuv420p")]:
+        rgb = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        frames.append(av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format=fmt))
+    for frame in frames:
+        expected = frame.to_ndarray(format="rgb24")
+        same_size = video_frame_pixels(frame, (frame.width, frame.height))
+        assert np.array_equal(same_size, expected)
+        out = np.zeros((2, 24, 40, 3), np.uint8)
+        video_frame_pixels(frame, (40, 24), out=out, rows=[0, 1])
+        resized = Image.fromarray(expected).resize((40, 24), Image.BICUBIC)
+        assert np.array_equal(out, np.stack([np.asarray(resized)] * 2))
