@@ -210,3 +210,34 @@ def test_frame_pixels_follow_each_frames_geometry_and_format():
         video_frame_pixels(frame, (40, 24), out=out, rows=[0, 1])
         resized = Image.fromarray(expected).resize((40, 24), Image.BICUBIC)
         assert np.array_equal(out, np.stack([np.asarray(resized)] * 2))
+
+
+def _convert_in_forked_child(queue) -> None:
+    import av
+
+    rgb = np.zeros((100, 60, 3), np.uint8)
+    frame = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuv420p")
+    queue.put(video_frame_pixels(frame, (60, 100)).shape)
+
+
+def test_a_forked_loader_worker_converts_frames_after_the_parent_did():
+    """A loader worker forked after the parent converted a frame inherits this thread's
+    converter; converting a frame of another size there (the converter is rebuilt) must not
+    wait on scaling threads that the fork did not copy."""
+    import multiprocessing
+
+    import av
+
+    rgb = np.zeros((360, 640, 3), np.uint8)
+    video_frame_pixels(av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(
+        format="yuv420p"), (640, 360))
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_convert_in_forked_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked worker hung converting a frame")
+    assert child.exitcode == 0 and queue.get(timeout=5) == (100, 60, 3)
