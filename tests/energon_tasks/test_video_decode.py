@@ -191,17 +191,21 @@ def test_nemotron_frame_labels_carry_the_keyframes_times(tokenizer, video_sample
         TaskEncoderConfig.from_dict({"model": "qwen3-vl", "video_sampling": "nearest"})
 
 
+def _decoded_frame(rgb: np.ndarray, fmt: str = "yuv420p"):
+    """A PyAV frame of pixel format ``fmt`` holding ``rgb`` (H, W, 3), as a decoder gives."""
+    import av
+
+    return av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format=fmt)
+
+
 def test_frame_pixels_follow_each_frames_geometry_and_format():
     """The per-thread converter is rebuilt when a frame's size or pixel format changes: every
     frame's pixels equal PyAV's own rgb24 conversion of that frame."""
-    import av
-
     rng = np.random.default_rng(0)
-    frames = []
-    for width, height, fmt in [(64, 48, "yuv420p"), (32, 80, "yuv420p"), (64, 48, "yuv444p"),
-                               (64, 48, "gray"), (64, 48, "yuv420p")]:
-        rgb = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-        frames.append(av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format=fmt))
+    frames = [_decoded_frame(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), fmt)
+              for width, height, fmt in [(64, 48, "yuv420p"), (32, 80, "yuv420p"),
+                                         (64, 48, "yuv444p"), (64, 48, "gray"),
+                                         (64, 48, "yuv420p")]]
     for frame in frames:
         expected = frame.to_ndarray(format="rgb24")
         same_size = video_frame_pixels(frame, (frame.width, frame.height))
@@ -213,10 +217,7 @@ def test_frame_pixels_follow_each_frames_geometry_and_format():
 
 
 def _convert_in_forked_child(queue) -> None:
-    import av
-
-    rgb = np.zeros((100, 60, 3), np.uint8)
-    frame = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuv420p")
+    frame = _decoded_frame(np.zeros((100, 60, 3), np.uint8))
     queue.put(video_frame_pixels(frame, (60, 100)).shape)
 
 
@@ -226,11 +227,7 @@ def test_a_forked_loader_worker_converts_frames_after_the_parent_did():
     wait on scaling threads that the fork did not copy."""
     import multiprocessing
 
-    import av
-
-    rgb = np.zeros((360, 640, 3), np.uint8)
-    video_frame_pixels(av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(
-        format="yuv420p"), (640, 360))
+    video_frame_pixels(_decoded_frame(np.zeros((360, 640, 3), np.uint8)), (640, 360))
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_convert_in_forked_child, args=(queue,))
