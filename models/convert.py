@@ -97,12 +97,15 @@ def sequence_parallel_padded(model, inputs: dict) -> tuple[dict, int]:
 
 
 def our_logits(model, inputs: dict) -> torch.Tensor | None:
-    """Logits (B, L, V) of our model (TP gathered; under sequence parallelism the rows padded to
-    a multiple of TP, ``sequence_parallel_padded``); None on a pipeline stage other than the
-    last."""
+    """Logits (B, L, V) of our model, float32 on the CPU (TP gathered; under sequence
+    parallelism the rows padded to a multiple of TP, ``sequence_parallel_padded``); None on a
+    pipeline stage other than the last. ``inputs`` (on the CPU) go to the model's device."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    device = next(model.parameters()).device
+    inputs = {key: value.to(device) if isinstance(value, torch.Tensor) else value
+              for key, value in inputs.items()}
     inputs, length = sequence_parallel_padded(model, inputs)
     with torch.no_grad():
         logits = pipeline_forward(model, inputs)
@@ -110,7 +113,7 @@ def our_logits(model, inputs: dict) -> torch.Tensor | None:
             return None
         if ps.get_tensor_model_parallel_world_size() > 1:
             logits = gather_from_tensor_model_parallel_region(logits)
-        return logits[:, :length].float()
+        return logits[:, :length].float().cpu()
 
 
 def load_hf_model(path: Path):
