@@ -3,7 +3,8 @@ state and its seeded RNG tracker (train.py through ``recipes.layout``, eval.py,
 ``models.convert``, tests, bench/).
 
 This module owns ``init_process_group`` (gloo on CPU / nccl on GPU; under plain python a
-one-process group; first, without CUDA, the CPU accommodations ``models.cpu.activate``),
+one-process group; first, without CUDA, the CPU accommodations ``models.cpu.activate``, and on
+any device megatron-core 0.16.1's unbound ``te_general_gemm`` without TE),
 ``seed_model_parallel``, ``init_parallel``, the one call that sets up TP x PP x CP x EP (x
 expert-TP): an existing parallel state of the same sizes is kept, one of other sizes is
 replaced, and the RNG is seeded every time; ``moe_parallel_kwargs``, the parallel fields of
@@ -27,6 +28,7 @@ def init_process_group() -> None:
     import torch.distributed as dist
 
     cpu.activate()
+    _bind_missing_te_gemm()
     if dist.is_initialized():
         return
     backend = cpu.distributed_backend()
@@ -37,6 +39,17 @@ def init_process_group() -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _bind_missing_te_gemm() -> None:
+    """megatron-core 0.16.1 without TransformerEngine, on any device: ``moe_utils`` leaves
+    ``te_general_gemm`` unbound when its TE import fails, and every MoE router forward then
+    stops with a NameError (seen on an H200 without TE). None is megatron's own "no TE" value
+    (the router's plain torch GEMM)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def seed_model_parallel(seed: int) -> None:

@@ -51,16 +51,14 @@ Patches ``activate()`` applies (on CPU only; with CUDA every one of them is mega
 - ``ssm/mamba_block.TENorm`` (>= 0.19 also ``models/hybrid/hybrid_block.TENorm``): the hybrid
   stack's final norm, built with TE whatever the spec says, is megatron's ``WrappedTorchNorm``
   when TransformerEngine is absent (same parameter name).
-- ``moe_utils.te_general_gemm`` is bound to None when its failed TE import left it unbound
-  (NameError in 0.16.1): megatron's own "no TE" value, the plain torch GEMM.
 - ``ssm/mamba_mixer``: the mamba_ssm kernels (scan, gated norm) are the plain-torch versions of
   ``models/cpu/mamba.py``, the decode-step kernels None (megatron's torch decode step), packed
   training sequences reported supported (the torch scan restarts at every ``seq_idx`` change).
   GPU: mamba_ssm.
 - ``models.gated_deltanet`` (Qwen3.5's Gated DeltaNet layers): the fla-core / causal-conv1d
   kernels are the plain-torch versions of ``models/cpu/gated_delta.py`` (packed sequences
-  restart per segment, as the GPU kernels with ``cu_seqlens`` / ``seq_idx``). GPU: fla-core and
-  causal-conv1d.
+  restart per segment, as the GPU kernels with ``cu_seqlens`` / ``seq_idx``), whether those
+  packages are installed or not. GPU: fla-core, and causal-conv1d or fla-core's Triton conv.
 
 Named device decisions for the run code (each the GPU value with CUDA): ``distributed_backend``,
 ``compute_device``, ``cuda_rng_state`` / ``set_cuda_rng_state``, ``peak_memory_gb``,
@@ -240,7 +238,6 @@ def _patch_megatron() -> None:
     )
     from megatron.core.models.common.language_module import language_module
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
-    from megatron.core.transformer.moe import moe_utils
 
     post_init = model_parallel_config.ModelParallelConfig.__post_init__
 
@@ -266,8 +263,6 @@ def _patch_megatron() -> None:
     lm_class = language_module.LanguageModule
     lm_class.setup_embeddings_and_output_layer = _with_tensor_methods(
         lm_class.setup_embeddings_and_output_layer, cuda=_stay)
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     _use_cpu_rng_tracker()
     _torch_norms_under_sequence_parallelism()
     _use_local_mamba_final_norm()
@@ -409,15 +404,14 @@ def _use_torch_mamba_kernels() -> None:
 
 def _use_torch_gated_delta_kernels() -> None:
     """The Gated DeltaNet layer's kernels (``models.gated_deltanet``: fla-core's delta rule,
-    causal-conv1d) as the torch versions of ``models/cpu/gated_delta.py`` where the packages are
-    absent."""
+    causal-conv1d) as the torch versions of ``models/cpu/gated_delta.py``, installed packages or
+    not: their kernels are CUDA / Triton ones."""
     from models import gated_deltanet
     from models.cpu import gated_delta
 
     for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
                  "causal_conv1d_fn", "causal_conv1d_update"):
-        if getattr(gated_deltanet, name) is None:
-            setattr(gated_deltanet, name, getattr(gated_delta, name))
+        setattr(gated_deltanet, name, getattr(gated_delta, name))
 
 
 def _sharded_gated_norm(norm_class):
