@@ -35,7 +35,9 @@ torch (``lean_decoder``); both live in models/decode_deltanet.py (models/decode_
 points for a recurrent layer).
 
 Kernels: flash-linear-attention (``fla-core``: ``chunk_gated_delta_rule``,
-``fused_recurrent_gated_delta_rule``) and Dao's ``causal_conv1d`` on GPU; without them (CPU) the
+``fused_recurrent_gated_delta_rule``) and Dao's ``causal_conv1d`` on GPU, or fla-core's own Triton
+conv where causal-conv1d is not installed (PyPI has its source only: it needs a CUDA build); without
+them (CPU) the
 torch versions of models/cpu/gated_delta.py, bound here by ``models.cpu.activate``. Building the
 layer without either is refused with one line. megatron-core versions: 0.16.1 (installed) ships a
 ``GatedDeltaNet`` that refuses packed sequences and inference and needs ``fla`` to build; packing
@@ -80,8 +82,63 @@ try:
     from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 except ImportError:
     causal_conv1d_fn = causal_conv1d_update = None
+try:  # fla-core's Triton conv: the GPU stand-in where causal-conv1d (source-only) is not built
+    from fla.modules.causal_conv1d import causal_conv1d as _fla_conv
+    from fla.modules.causal_conv1d import causal_conv1d_update as _fla_conv_update
+except ImportError:
+    _fla_conv = _fla_conv_update = None
+
+
+def fla_causal_conv1d_fn(x, weight, bias=None, seq_idx=None, activation=None):
+    """``causal_conv1d_fn``'s contract over fla-core's Triton conv: x (b, d, l), weight (d, w) ->
+    (b, d, l); a packed row's segments (``seq_idx`` (1, l)) become fla's ``cu_seqlens``."""
+    cu = None
+    if seq_idx is not None:
+        ids = seq_idx[0]
+        starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
+        cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), ids.numel())])
+    out, _ = _fla_conv(x.transpose(1, 2), weight, bias, activation=activation, cu_seqlens=cu)
+    return out.transpose(1, 2)
+
+
+def fla_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
+    """``causal_conv1d_update``'s contract over fla-core's: x (b, d) one token, ``conv_state``
+    (b, d, w - 1) the previous inputs (updated in place) -> (b, d). fla's cache holds w inputs,
+    the newest last."""
+    cache = F.pad(conv_state, (1, 0))
+    out, cache = _fla_conv_update(x, cache, weight=weight, bias=bias, activation=activation)
+    conv_state.copy_(cache[..., 1:])
+    return out
+
+
+if causal_conv1d_fn is None and _fla_conv is not None:
+    causal_conv1d_fn, causal_conv1d_update = fla_causal_conv1d_fn, fla_causal_conv1d_update
 
 PARTS = ("q", "k", "v")
+
+
+def training_kernel_problem() -> str | None:
+    """Why fla-core's gated delta rule would refuse its backward on this machine, else None:
+    fla-core >= 0.6 raises at the first backward on Hopper GPUs (H100 / H200) with Triton >= 3.4
+    and < 3.7.1 (wrong gradients there) unless tilelang is installed; seen on an H200 with torch
+    2.11's Triton 3.6.0. train.py reports it before anything is built."""
+    import importlib.util
+
+    rule = chunk_gated_delta_rule
+    if rule is None or not rule.__module__.startswith("fla.") or not torch.cuda.is_available():
+        return None
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # an fla-core without the check
+        return None
+    if (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
+            and importlib.util.find_spec("tilelang") is None):
+        import triton
+
+        return (f"Gated DeltaNet training on {torch.cuda.get_device_name(0)}: fla-core refuses "
+                f"the delta rule's backward with Triton {triton.__version__} on Hopper GPUs "
+                f"(wrong gradients below 3.7.1); install triton>=3.7.1 or tilelang")
+    return None
 
 
 def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:

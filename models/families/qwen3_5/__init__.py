@@ -57,10 +57,14 @@ def vision_geometry(cfg: config.Qwen35ModelConfig) -> dict[str, int]:
 
 
 def layout_problems(cfg: config.Qwen35ModelConfig, parallel) -> list[str]:
-    """None: every layout train.py checks runs (with MoE layers TP runs megatron's sequence
+    """Every layout train.py checks runs (with MoE layers TP runs megatron's sequence
     parallelism, as Qwen3-VL MoE's; the Gated DeltaNet's CP paths follow it:
-    ``models.gated_deltanet``)."""
-    return []
+    ``models.gated_deltanet``); the one problem is a machine whose GPU kernels refuse the
+    Gated DeltaNet's backward (``training_kernel_problem``)."""
+    from models.gated_deltanet import training_kernel_problem
+
+    problem = training_kernel_problem()
+    return [problem] if problem else []
 
 
 def num_experts(cfg: config.Qwen35ModelConfig) -> int:
