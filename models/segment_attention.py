@@ -9,8 +9,10 @@ which breaks the per-patch 2D rotary of the vision tower. This module is therefo
 ``core_attention`` of the vision layer spec: it plugs into megatron's ``SelfAttention`` (which still
 owns the QKV/projection linears, tensor parallel sharding and rotary), reads the boundaries from
 ``packed_seq_params.cu_seqlens_q`` (passed with ``qkv_format="sbhd"`` so megatron applies rotary per
-token), and runs ``scaled_dot_product_attention`` on each segment (flash-attention varlen on GPU
-when installed).
+token), and runs flash-attention varlen on GPU when installed, otherwise
+``scaled_dot_product_attention`` over the segments of each length as one batch
+(``equal_length_batched_attention``: one call per segment took minutes per step for the windows
+of four 1 MP pages on an H200).
 
 ``PackedCausalAttention`` (causal, the language models' core attention in the local,
 non-TransformerEngine spec: ``with_packed_attention(spec)``): TE's core attention takes packed
@@ -62,13 +64,25 @@ class SegmentAttention(MegatronModule):
             out = flash_attn_varlen_func(q, k, v, cu32, cu32, longest, longest,
                                          softmax_scale=self.scale, causal=False)
         else:
-            lengths = (cu[1:] - cu[:-1]).tolist()
-            outs = []
-            for qs, ks, vs in zip(*(t.transpose(0, 1).split(lengths, dim=1) for t in (q, k, v))):
-                outs.append(F.scaled_dot_product_attention(qs[None], ks[None], vs[None],
-                                                           scale=self.scale)[0])
-            out = torch.cat(outs, dim=1).transpose(0, 1) if outs else q.new_zeros(q.shape)
+            out = equal_length_batched_attention(q, k, v, cu, self.scale)
         return out.reshape(seq, 1, -1)
+
+
+def equal_length_batched_attention(q, k, v, cu_seqlens, scale: float) -> torch.Tensor:
+    """Non-causal attention within each segment of (s, heads, d) ``q`` / ``k`` / ``v``: the
+    segments of one length go through ``scaled_dot_product_attention`` as one batch (a vision
+    batch has a few distinct lengths: its images, or its windows and their edge remainders), not
+    one call per segment (thousands of windows per layer)."""
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    out = q.new_zeros(q.shape)
+    for length in lengths.unique().tolist():
+        if length == 0:
+            continue
+        rows = (starts[lengths == length, None]
+                + torch.arange(length, device=starts.device)).to(q.device)  # (n, length)
+        part = [t[rows].transpose(1, 2) for t in (q, k, v)]  # (n, heads, length, d)
+        out[rows] = F.scaled_dot_product_attention(*part, scale=scale).transpose(1, 2)
+    return out
 
 
 class PackedCausalAttention(DotProductAttention):

@@ -57,3 +57,22 @@ def test_packed_samples_match_samples_alone(family, overrides):
                     assert not torch.allclose(leaky[r, at:at + n], alone_logits[0], atol=1e-3)
                 at += n
         assert mask[-1, at:].sum() == 0  # the pad tail of the last row carries no loss
+
+
+def test_vision_segments_of_one_length_are_attended_as_one_batch_exactly():
+    """The vision towers' block-diagonal attention batches the segments of each length (window
+    layers have thousands of equal windows): every segment's output equals attention over that
+    segment alone, and no segment sees another (lengths 1, repeated, and a lone long one)."""
+    import torch.nn.functional as F
+
+    from models.segment_attention import equal_length_batched_attention
+
+    lengths = [64, 64, 1, 64, 40, 1, 40, 97]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(int(cu[-1]), 3, 16, generator=gen) for _ in range(3))
+    out = equal_length_batched_attention(q, k, v, cu, scale=0.25)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = F.scaled_dot_product_attention(*(t[start:end].transpose(0, 1)[None]
+                                                 for t in (q, k, v)), scale=0.25)
+        torch.testing.assert_close(out[start:end], alone[0].transpose(0, 1), rtol=0, atol=1e-6)
