@@ -17,4 +17,4 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch, megatron.core; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
-timeout 480 python3 bench/gpu_check.py --out "${OUT:-bench_out}" "$@"
+timeout 420 python3 bench/gpu_check.py --out "${OUT:-bench_out}" "$@"

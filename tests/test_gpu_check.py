@@ -1,6 +1,6 @@
 """bench/gpu_check.py, the GPU check of issues 4, 5, 23 and 24: its CPU smoke mode runs the same
-code (real tower classes, the MoE models, train.py) on the tiny configs, so the script is known to
-work before a GPU is lent."""
+code (the DeltaNet kernel checks, hf-to-mcore + verify, real tower classes, the MoE models,
+train.py) on the tiny configs, so the script is known to work before a GPU is lent."""
 
 from __future__ import annotations
 
@@ -22,11 +22,19 @@ def test_gpu_check_smoke_runs_every_part(mantis_out, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = [row for part in report.values() if isinstance(part, list) for row in part]
+    assert not [row for row in rows if "error" in row]  # every row ran
+    deltanet = {row["check"]: row for row in report["deltanet"]}
+    assert set(deltanet) == {"chunk_and_decode", "conv", "speed"}
+    assert deltanet["chunk_and_decode"]["grad_beta_rel"] == 0.0  # torch against itself on CPU
+    assert deltanet["speed"]["speedup"] > 0
+    (verify,) = report["verify"]
+    assert verify["family"] == "qwen3_5_moe" and verify["max_abs_logit_diff"] < 1e-4
     towers = {row["tower"] for row in report["vision"]}
     assert towers == {"qwen2.5-vl-7b", "qwen3-vl-8b", "nemotron-omni-30b-a3b"}
     assert all(row["patches_per_s"] > 0 and row["tflops_per_s"] >= 0 for row in report["vision"])
     packed = {row["family"]: row for row in report["packed"]}
-    assert set(packed) == {"qwen2_5_vl", "qwen3_vl", "nemotron_omni"}
+    assert set(packed) == {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "nemotron_omni"}
     assert all(row["max_abs_diff"] < 1e-4 for row in packed.values())  # fp32 on CPU
     moe = {row["family"]: row for row in report["moe"]}
     assert set(moe) == {"qwen3_vl_moe", "qwen3_5_moe"}
