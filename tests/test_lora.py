@@ -302,7 +302,7 @@ def test_lora_under_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
     published expert tensors (transformers' logits equal ours); ``--adapter`` refuses them in one
     line (PEFT has no layout for transformers' fused experts)."""
     from models.convert import main
-    from tests.models.test_qwen3_vl_moe import ETP1, layouts_equal_one_process, run_args
+    from tests.models.test_moe_layouts import ETP1, layouts_equal_one_process, run_args
     from tests.test_hf_journey import LOGITS_TOLERANCE, logits_diff
 
     shared = (*LORA, "model.lora.experts=true", "train.lr=1e-2")

@@ -2,7 +2,7 @@
 --gpus N``) against the parameters of the model itself: experts shared by EP, frozen groups and
 LoRA's frozen base with no gradient or optimizer state, pipeline stages that split the weights;
 the published Qwen3-VL-30B-A3B layout from its published parameter total. (train.py prints the
-same estimate of its rank 0: equal to this one in tests/models/test_qwen3_vl_moe.py's PP = 2 and
+same estimate of its rank 0: equal to this one in tests/models/test_moe_layouts.py's PP = 2 and
 EP = 2 runs.)"""
 
 from __future__ import annotations
