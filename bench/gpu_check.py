@@ -1,6 +1,7 @@
 """GPU check of the model and training paths (issues 4, 5, 23, 24): one short run on one GPU.
 
-Four parts, each printing one JSON line (and writing ``OUT/gpu_check.json``):
+Six parts (run in the order of ``PARTS``: deltanet, verify, packed, moe, vision, train), each
+row printed as one JSON line:
 
 1. ``vision``: the real-shaped vision towers (configs/qwen2_5_vl_7b.yaml, qwen3_vl_8b.yaml,
    nemotron_omni_30b_a3b.yaml), bf16, TransformerEngine layer specs when TE is importable (the
@@ -20,7 +21,7 @@ Four parts, each printing one JSON line (and writing ``OUT/gpu_check.json``):
    same weights (saved from the local model, loaded by the dist checkpoint into the TE one), in
    fp32 on the GPU: the largest |logit difference| and the relative difference of the gradient
    norm after one backward (both must be at float32 noise, ~1e-5). The Qwen3.5 model also needs
-   fla-core and causal-conv1d for its DeltaNet layers: without them its row says so.
+   fla-core for its DeltaNet layers (its row says so otherwise). Without TE the part is skipped.
 
 5. ``deltanet``: the Gated DeltaNet kernels the Qwen3.5 layers run on GPU (fla-core's
    ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``, and the conv:
