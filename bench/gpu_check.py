@@ -311,16 +311,14 @@ def deltanet_part(smoke: bool) -> list[dict]:
         names = ("q", "k", "v", "g", "beta")
         result = {}
         grads = {}
-        for label, rule in (("kernel", kernels.chunk_gated_delta_rule),
-                            ("torch", reference.chunk_gated_delta_rule)):
+        for label, module in (("kernel", kernels), ("torch", reference)):
             xs = inputs(229, 4, 128, torch.float32, seed=1)
-            out, state = rule(*xs, output_final_state=True, cu_seqlens=cu,
-                              use_qk_l2norm_in_kernel=True)
+            out, state = module.chunk_gated_delta_rule(*xs, output_final_state=True,
+                                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
             result[label] = (out.detach(), state.detach())
             # one decode step per sample from its final state
             step = [t.detach()[:, :3].transpose(0, 1).contiguous() for t in xs]  # (3, 1, ...)
-            result[label + "_decode"] = (kernels if label == "kernel" else reference
-                                         ).fused_recurrent_gated_delta_rule(
+            result[label + "_decode"] = module.fused_recurrent_gated_delta_rule(
                 *step, initial_state=state.detach().clone(), output_final_state=True,
                 use_qk_l2norm_in_kernel=True)
             weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device)
