@@ -210,10 +210,16 @@ static int resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, in
  * (what torch's build runs on x86-64 with FMA: group 4; group 1 = never fused). The caller
  * checks the result against F.interpolate before it uses the kernel. */
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-#define FMA_CLONES __attribute__((target_clones("arch=haswell", "default")))
+/* The float code is compiled twice: with AVX2 + FMA (fmaf one instruction, 8 lanes a vector)
+ * and plain, picked at run time by the CPU's features. (GCC's target_clones("arch=haswell")
+ * dispatches on the CPU model, not its features: an AMD EPYC with AVX2 and FMA ran the plain
+ * clone, fmaf a libm call per value, 2x slower than torch.) */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define FMA_DISPATCH 1
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #else
-#define FMA_CLONES
+#define FMA_DISPATCH 0
+#define ALWAYS_INLINE static inline
 #endif
 
 typedef struct {
@@ -223,7 +229,7 @@ typedef struct {
 } float_taps;
 
 /* acc[0..n) = the taps of output o, over inputs `lanes` values apart, input i at in[i - origin] */
-static inline __attribute__((always_inline)) void float_sum(
+ALWAYS_INLINE void float_sum(
         float *restrict acc, const float *restrict in, size_t lanes, int n, const float_taps *t,
         int o, int origin) {
     const float *w = t->weights + (size_t)o * t->ksize;
@@ -242,8 +248,7 @@ static inline __attribute__((always_inline)) void float_sum(
 
 /* Source rows [y, y + rows) (rows <= ROWS) resampled horizontally (t; NULL: only converted) into
    done: w2 columns of LANES values (row r, channel c at lane 3r + c). block: w * LANES floats. */
-FMA_CLONES
-static void float_block(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int w, int y,
+ALWAYS_INLINE void float_block(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int w, int y,
                         int rows, float *block, float *done, int w2, const float_taps *t) {
     for (int r = 0; r < rows; r++) {
         const uint8_t *line = src + (size_t)(y + r) * src_stride;
@@ -260,7 +265,7 @@ static void float_block(const uint8_t *src, Py_ssize_t src_stride, int pixel_byt
 }
 
 /* row r, channel c of done into dst_c's row (w2 values) */
-static inline void float_unpack_row(const float *done, int r, int c, float *row, int w2) {
+ALWAYS_INLINE void float_unpack_row(const float *done, int r, int c, float *row, int w2) {
     const float *value = done + r * 3 + c;
     for (int o = 0; o < w2; o++) row[o] = value[(size_t)o * LANES];
 }
@@ -269,9 +274,9 @@ static inline void float_unpack_row(const float *done, int r, int c, float *row,
    ROWS rows, the vertical one (vt; NULL: height kept) as soon as its rows exist, from a ring of
    the last `cap` horizontal rows kept twice (any window of them contiguous); the intermediate
    rows never leave the cache. Returns -1 when out of memory. */
-FMA_CLONES
-static int float_resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int h, int w,
-                        float *out, int h2, int w2, const float_taps *ht, const float_taps *vt) {
+ALWAYS_INLINE int float_resize_body(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes,
+                                    int h, int w, float *out, int h2, int w2,
+                                    const float_taps *ht, const float_taps *vt) {
     int cap = (vt ? vt->ksize : 0) + ROWS;
     /* zeroed: a last block of fewer than ROWS rows sums its unused lanes too */
     float *block = calloc((size_t)w * LANES, sizeof(float));
@@ -316,6 +321,33 @@ end:
     free(done);
     free(ring);
     return status;
+}
+
+#define FLOAT_RESIZE_ARGS const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int h, \
+    int w, float *out, int h2, int w2, const float_taps *ht, const float_taps *vt
+#define FLOAT_RESIZE_CALL(fn) fn(src, src_stride, pixel_bytes, h, w, out, h2, w2, ht, vt)
+
+static int float_resize_plain(FLOAT_RESIZE_ARGS) { return FLOAT_RESIZE_CALL(float_resize_body); }
+
+#if FMA_DISPATCH
+__attribute__((target("avx2,fma")))
+static int float_resize_fma(FLOAT_RESIZE_ARGS) { return FLOAT_RESIZE_CALL(float_resize_body); }
+#endif
+
+/* which float kernel this CPU runs: "avx2+fma" or "plain" */
+static const char *float_isa(void) {
+#if FMA_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2+fma";
+#endif
+    return "plain";
+}
+
+static int float_resize(FLOAT_RESIZE_ARGS, int plain) {
+#if FMA_DISPATCH
+    if (!plain && float_isa()[0] == 'a') return FLOAT_RESIZE_CALL(float_resize_fma);
+#endif
+    return FLOAT_RESIZE_CALL(float_resize_plain);
 }
 
 /* (H, W, 3) uint8, each pixel's 3 values contiguous, pixels 3 (packed) or 4 (RGBX) bytes apart
@@ -410,10 +442,11 @@ static int taps_view(PyObject *first_o, PyObject *count_o, PyObject *weights_o, 
 
 static PyObject *py_bicubic_float(PyObject *self, PyObject *args) {
     PyObject *src_o, *out_o, *hf, *hc, *hw, *vf, *vc, *vw;
-    int group, status = 0, with_h, with_v;
+    int group, plain = 0, status = 0, with_h, with_v;
     Py_buffer src, out, hv[3], vv[3];
     float_taps ht, vt;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOi", &src_o, &out_o, &hf, &hc, &hw, &vf, &vc, &vw, &group))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOi|p", &src_o, &out_o, &hf, &hc, &hw, &vf, &vc, &vw,
+                          &group, &plain))
         return NULL;
     if (rgb_view(src_o, &src, 0, "src") < 0) return NULL;
     if (PyObject_GetBuffer(out_o, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
@@ -447,7 +480,7 @@ static PyObject *py_bicubic_float(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     status = float_resize(src.buf, src.strides[0], (int)src.strides[1], h, w, out.buf, h2, w2,
-                          with_h ? &ht : NULL, with_v ? &vt : NULL);
+                          with_h ? &ht : NULL, with_v ? &vt : NULL, plain);
     Py_END_ALLOW_THREADS
     if (with_h) for (int i = 0; i < 3; i++) PyBuffer_Release(&hv[i]);
     if (with_v) for (int i = 0; i < 3; i++) PyBuffer_Release(&vv[i]);
@@ -457,15 +490,22 @@ static PyObject *py_bicubic_float(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_float_isa(PyObject *self, PyObject *args) {
+    return PyUnicode_FromString(float_isa());
+}
+
 static PyMethodDef methods[] = {
     {"bicubic", py_bicubic, METH_VARARGS,
      "bicubic(src, dst, vertical_first): PIL's bicubic resize of src (H, W, 3) uint8, pixels 3 "
      "or 4 bytes apart, into dst (H2, W2, 3) uint8, C-contiguous; vertical_first: the vertical "
      "pass runs first."},
     {"bicubic_float", py_bicubic_float, METH_VARARGS,
-     "bicubic_float(src, out, h_first, h_count, h_weights, v_first, v_count, v_weights, group): "
-     "torch's antialiased bicubic of src (H, W, 3) uint8 in float32 into out (3, H2, W2) "
-     "float32 with the given taps (None: that side kept); group: the summing rule."},
+     "bicubic_float(src, out, h_first, h_count, h_weights, v_first, v_count, v_weights, group, "
+     "plain=False): torch's antialiased bicubic of src (H, W, 3) uint8 in float32 into out "
+     "(3, H2, W2) float32 with the given taps (None: that side kept); group: the summing rule; "
+     "plain: the plain code even where the CPU has AVX2 and FMA."},
+    {"float_isa", py_float_isa, METH_NOARGS,
+     "float_isa(): which bicubic_float code this CPU runs, \"avx2+fma\" or \"plain\"."},
     {NULL, NULL, 0, NULL},
 };
 

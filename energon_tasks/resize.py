@@ -30,9 +30,10 @@ tensor: dynamic Nemotron-Omni images, whose processor resizes so).
 - **checked before use** against ``F.interpolate`` itself on sizes that shrink, enlarge and keep
   a side, under each known summing rule; none matching (another build or CPU): torch resizes,
   band by band (``torch_resized``);
-- **used where no side grows**: 1.1-2x torch's speed per core where both sides shrink (the
-  more they shrink, the more), 0.7-0.9x where a side grows (few taps a value), so torch resizes
-  those.
+- **compiled twice**: with AVX2 + FMA (8 lanes a vector, each fused step one instruction) and
+  plain, chosen by the CPU's features at run time (``float_kernel()`` says which);
+  ``bench/bench_resize.py`` measures both against ``F.interpolate`` per core
+  (docs/benchmarks_task_encoder.md, "Resize kernels").
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ from PIL import Image
 try:
     from energon_tasks._resample import bicubic as _bicubic
     from energon_tasks._resample import bicubic_float as _bicubic_float
+    from energon_tasks._resample import float_isa as _float_isa
 except ImportError as error:  # built at install; optional (pyproject.toml)
-    _bicubic = _bicubic_float = None
+    _bicubic = _bicubic_float = _float_isa = None
     _MISSING = f"not built ({error})"
 else:
     _MISSING = ""
@@ -256,9 +258,11 @@ def _torch_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, np
     return first, count, weights
 
 
-def _native_float(pixels: np.ndarray, width: int, height: int, group: int) -> np.ndarray | None:
+def _native_float(pixels: np.ndarray, width: int, height: int, group: int,
+                  plain: bool = False) -> np.ndarray | None:
     """The kernel's resize, or None where torch sums otherwise: a target one pixel wide (torch
-    then iterates the rows, another loop of its build)."""
+    then iterates the rows, another loop of its build). ``plain``: the kernel's code without
+    AVX2 + FMA even where the CPU has them (what a CPU without them runs)."""
     source_h, source_w = pixels.shape[:2]
     if width == 1:
         return None
@@ -269,7 +273,7 @@ def _native_float(pixels: np.ndarray, width: int, height: int, group: int) -> np
             return None
         sides += list(taps) if taps is not None else [None, None, None]
     out = np.empty((3, height, width), np.float32)
-    _bicubic_float(pixels, out, *sides, group)
+    _bicubic_float(pixels, out, *sides, group, plain)
     return out.transpose(1, 2, 0)
 
 
@@ -282,8 +286,9 @@ def _checked_float_rule() -> tuple:
         results = [_native_float(p, w, h, group) for p, w, h, _ in cases]
         if all(r is not None and np.array_equal(r, expected)
                for r, (*_, expected) in zip(results, cases, strict=True)):
-            return group, (f"native (taps summed in groups of {group}, checked against torch "
-                           f"{torch.__version__} on {torch.backends.cpu.get_cpu_capability()})")
+            return group, (f"native ({_float_isa()}, taps summed in groups of {group}, checked "
+                           f"against torch {torch.__version__} on "
+                           f"{torch.backends.cpu.get_cpu_capability()})")
     return None, (f"torch (the native kernel's values differ from torch {torch.__version__}'s "
                   "under every known summing rule)")
 
@@ -298,8 +303,7 @@ def resize_rgb_float(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
     uint8, pixels 3 or 4 bytes apart) as ``F.interpolate`` resizes them as a float32
     (1, 3, H, W) tensor, bicubic, antialiased, unclamped."""
     group = _checked("float32", _checked_float_rule)[0]
-    grows = width > pixels.shape[1] or height > pixels.shape[0]  # torch is as fast there
-    if group is not None and not grows and _kernel_reads(pixels):
+    if group is not None and _kernel_reads(pixels):
         resized = _native_float(pixels, width, height, group)
         if resized is not None:
             return resized

@@ -7,7 +7,7 @@ import io
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -206,6 +206,20 @@ def test_float_resize_on_the_sizes_the_loader_meets(source, target):
     pixels[::5] = 255 - pixels[::5]
     assert np.array_equal(resize.resize_rgb_float(pixels, target[1], target[0]),
                           torch_float(pixels, target[1], target[0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(**SOURCES)
+def test_the_float_kernels_plain_code_gives_torchs_values_too(height, width, new_height,
+                                                              new_width, kind, seed, rgbx):
+    """The code a CPU without AVX2 + FMA runs (fmaf a libm call) sums as the vector code does."""
+    if resize._bicubic_float is None:
+        pytest.skip(resize.float_kernel())
+    assume(new_width > 1)  # torch's other loop: torch resizes those
+    group = resize._checked("float32", resize._checked_float_rule)[0]
+    pixels = source_of(kind, height, width, seed, rgbx)
+    assert np.array_equal(resize._native_float(pixels, new_width, new_height, group, plain=True),
+                          torch_float(pixels, new_width, new_height))
 
 
 def test_a_torch_that_sums_otherwise_is_not_trusted_to_the_kernel(fresh_kernel, monkeypatch):
