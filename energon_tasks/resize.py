@@ -33,7 +33,7 @@ tensor: dynamic Nemotron-Omni images, whose processor resizes so).
 - **compiled twice**: with AVX2 + FMA (8 lanes a vector, each fused step one instruction) and
   plain, chosen by the CPU's features at run time (``float_kernel()`` says which);
   ``bench/bench_resize.py`` measures both against ``F.interpolate`` per core
-  (docs/benchmarks_task_encoder.md, "Resize kernels").
+  (docs/benchmarks_task_encoder.md, "Fifth run").
 """
 
 from __future__ import annotations
