@@ -213,7 +213,7 @@ static int resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, in
 /* The float code is compiled twice: with AVX2 + FMA (fmaf one instruction, 8 lanes a vector)
  * and plain, picked at run time by the CPU's features. (GCC's target_clones("arch=haswell")
  * dispatches on the CPU model, not its features: an AMD EPYC with AVX2 and FMA ran the plain
- * clone, fmaf a libm call per value, 2x slower than torch.) */
+ * clone, fmaf a libm call per value: 0.4-1.5x torch's speed against 2.7-3.4x.) */
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define FMA_DISPATCH 1
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -248,8 +248,9 @@ ALWAYS_INLINE void float_sum(
 
 /* Source rows [y, y + rows) (rows <= ROWS) resampled horizontally (t; NULL: only converted) into
    done: w2 columns of LANES values (row r, channel c at lane 3r + c). block: w * LANES floats. */
-ALWAYS_INLINE void float_block(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int w, int y,
-                        int rows, float *block, float *done, int w2, const float_taps *t) {
+ALWAYS_INLINE void float_block(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes,
+                               int w, int y, int rows, float *block, float *done, int w2,
+                               const float_taps *t) {
     for (int r = 0; r < rows; r++) {
         const uint8_t *line = src + (size_t)(y + r) * src_stride;
         float *lane = (t ? block : done) + r * 3;
