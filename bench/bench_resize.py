@@ -3,9 +3,10 @@ meets: ``resize_rgb`` (PIL's bicubic on uint8) against ``Image.resize``, ``resiz
 (torch's antialiased bicubic in float32) against ``F.interpolate`` on the float32 tensor, and
 the float kernel's plain code (what a CPU without AVX2 + FMA runs) against its vector code.
 
-One process, one thread, process CPU time; per size pair one warm-up, then ROUNDS rounds in which
-every compared path runs once in turn, the least time of each kept (a shared machine only adds
-time). Every path's values are checked equal to its reference, bit for bit, before timing.
+One process, one thread, process CPU time; per size pair one warm-up, then ``--rounds`` rounds in
+which every compared path runs once in turn, the least time of each kept (a shared machine only
+adds time; ``bench_loader_report.best_cpu``). Every path's values are checked equal to its
+reference, bit for bit, before timing.
 
 Usage: python bench/bench_resize.py --out bench_out/resize [--rounds N]
 Writes <out>/resize.json and prints the markdown table of docs/benchmarks_task_encoder.md.
@@ -17,7 +18,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -31,6 +31,8 @@ from PIL import Image  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_loader_report import best_cpu  # noqa: E402
+
 from energon_tasks import resize  # noqa: E402
 
 #: (what, (source height, width), (target height, width))
@@ -43,18 +45,6 @@ CASES = (
     ("large page to the budget", (5000, 2000), (1568, 644)),
     ("video frame", (360, 640), (336, 616)),
 )
-
-
-def best_cpu_ms(fns: dict, rounds: int) -> dict:
-    best = {name: float("inf") for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.process_time()
-            fn()
-            best[name] = min(best[name], time.process_time() - start)
-    return {name: seconds * 1e3 for name, seconds in best.items()}
 
 
 def pixels_of(height: int, width: int) -> np.ndarray:
@@ -84,7 +74,9 @@ def measure(source: tuple[int, int], target: tuple[int, int], rounds: int) -> di
                             ("float_ours_plain", "float_torch")):
         if not np.array_equal(paths[ours](), paths[reference]()):
             raise RuntimeError(f"{source} -> {target}: {ours} differs from {reference}")
-    ms = best_cpu_ms(paths, rounds)
+    ms = {name: 1e3 * seconds for name, seconds in
+          best_cpu({name: lambda _, path=path: path() for name, path in paths.items()}, 1,
+                   rounds).items()}
     return {"source": source, "target": target, "cpu_ms": ms,
             "uint8_speedup": ms["uint8_pil"] / ms["uint8_ours"],
             "float_speedup": ms["float_torch"] / ms["float_ours"],

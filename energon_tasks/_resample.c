@@ -335,18 +335,19 @@ __attribute__((target("avx2,fma")))
 static int float_resize_fma(FLOAT_RESIZE_ARGS) { return FLOAT_RESIZE_CALL(float_resize_body); }
 #endif
 
-/* which float kernel this CPU runs: "avx2+fma" or "plain" */
-static const char *float_isa(void) {
+/* whether this CPU runs the AVX2 + FMA code */
+static int float_vector(void) {
 #if FMA_DISPATCH
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2+fma";
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
 #endif
-    return "plain";
 }
 
 static int float_resize(FLOAT_RESIZE_ARGS, int plain) {
 #if FMA_DISPATCH
-    if (!plain && float_isa()[0] == 'a') return FLOAT_RESIZE_CALL(float_resize_fma);
+    if (!plain && float_vector()) return FLOAT_RESIZE_CALL(float_resize_fma);
 #endif
     return FLOAT_RESIZE_CALL(float_resize_plain);
 }
@@ -492,7 +493,7 @@ static PyObject *py_bicubic_float(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_float_isa(PyObject *self, PyObject *args) {
-    return PyUnicode_FromString(float_isa());
+    return PyUnicode_FromString(float_vector() ? "avx2+fma" : "plain");
 }
 
 static PyMethodDef methods[] = {

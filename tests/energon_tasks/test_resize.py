@@ -83,7 +83,7 @@ def cpu_flags() -> set[str]:
 
 def test_a_cpu_with_avx2_and_fma_runs_the_float_kernels_vector_code():
     """The vector code is chosen by the CPU's features: GCC's target_clones("arch=haswell")
-    chose by CPU model, and an AMD EPYC ran the plain code (fmaf a libm call, 3-7x slower)."""
+    chose by CPU model, and an AMD EPYC ran the plain code (fmaf a libm call, 2-7x slower)."""
     if resize._bicubic_float is None or not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("no native float kernel, or a CPU without AVX2 and FMA (or not Linux)")
     assert resize.float_kernel().startswith("native (avx2+fma, "), resize.float_kernel()
