@@ -40,6 +40,7 @@ KNOWN_WARNINGS = (
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     "Please use DTensor instead and we are deprecating ShardedTensor",
     "`load_state_dict` is deprecated and will be removed in future versions",
+    "you have no need to set 'core_attn' to recompute",  # megatron, selective recompute
 )
 
 

@@ -7,6 +7,8 @@ EP = 2 runs.)"""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ FP32 = ("train.precision=fp32", "task_encoder.fixed_length=true")
 
 
 def _estimates(*overrides: str, gpus: int = 1):
-    from recipes.memory import estimate_run
+    from recipes.estimate import estimate_run
 
     return estimate_run(load_run_config(MOE, [*FP32, *overrides]), gpus)
 
@@ -77,22 +79,86 @@ def test_refusals_are_one_line(capsys):
     assert "add model.peft=lora" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_published_30b_a3b_layout():
-    """configs/train_qwen3_vl_30b_a3b_mantis.yaml (TP1 EP8, 8 GPUs, bf16): each GPU holds the
-    dense 2,079,724,784 parameters and 1/8 of the 28,991,029,248 expert ones (31,070,754,032
-    published in all); fp32 gradients of both; the dense optimizer state over 8 DP ranks, the
-    experts' over expert-DP 1; the line says whether it fits."""
-    from recipes.memory import estimate_run, summary
+    """Qwen3-VL-30B-A3B at Megatron-Bridge's published layout (TP1 EP8, 8 GPUs, bf16): each GPU
+    holds the dense 2,079,724,784 parameters and 1/8 of the 28,991,029,248 expert ones
+    (31,070,754,032 published in all); fp32 gradients of both; the dense optimizer state over 8
+    DP ranks, the experts' over expert-DP 1; the line says it does not fit 80 GiB."""
+    from recipes.estimate import estimate_run, summary
 
-    cfg = load_run_config(REPO / "configs" / "train_qwen3_vl_30b_a3b_mantis.yaml")
+    cfg = load_run_config(REPO / "configs" / "train_qwen3_vl_30b_a3b_mantis.yaml",
+                          ["recipe=none", "parallel.ep=8", "train.micro_batch_size=2",
+                           "task_encoder.seq_length=4096", "task_encoder.max_visual_tokens=3072",
+                           "task_encoder.fixed_length=true"])
     experts = 48 * 128 * 3 * 2048 * 768
     dense = 31_070_754_032 - experts
     one, = estimate_run(cfg, 8)
     assert one.weights == 2 * (dense + experts / 8)
     assert one.grads == 4 * (dense + experts / 8)
     assert one.optimizer == 12 * (dense / 8 + experts / 8)
-    assert "GiB GPU" in summary([one])
+    assert "(stage 0): does NOT fit a 80 GiB GPU" in summary([one])
+
+
+def test_meta_model_holds_and_marks_what_an_initialised_one_does():
+    """``models.families.meta_model`` (built without initialising a weight) gives the estimate's
+    table of a model built with megatron's initialisation, every part of every family: the same
+    parameters, cut by TP the same way."""
+    from models.families import meta_model, model_class
+    from models.parallel import init_parallel
+    from recipes.estimate import table_of
+
+    init_parallel()
+    for name, config in (("qwen3_vl_moe", MOE), ("qwen3_5_moe", "train_qwen3_5_moe_mantis"),
+                         ("nemotron_omni", "train_nemotron_omni_mantis"),
+                         ("qwen2_5_vl", "train_qwen_vl_mantis")):
+        path = config if isinstance(config, type(MOE)) else REPO / "configs" / f"{config}.yaml"
+        cfg = load_run_config(path, [*FP32, "model.lm.num_experts=4"] if "moe" in name else FP32)
+        with torch.device("meta"):
+            initialised = model_class(cfg.model)(cfg.model, use_te=False)
+        assert table_of(meta_model(cfg.model), cfg) == table_of(initialised, cfg), name
+
+
+def test_suggest_lists_layouts_that_fit_fastest_first_and_reproducible(capsys):
+    """``--suggest --json``: every listed layout fits (its largest stage + the reserve within
+    the GPU), they come fastest first, and its overrides give ``--json``'s estimate of it."""
+    from recipes.memory import RESERVE_GIB, main
+
+    args = [str(MOE), "--gpus", "2", *FP32, "train.micro_batch_size=4"]
+    assert main([*args, "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    memory = RESERVE_GIB + own["gib_per_gpu"] * 0.8  # the config's own layout does not fit
+    assert main([*args, "--json", "--gpu-memory", str(memory)]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+    assert main([*args, "--suggest", "--json", "--gpu-memory", str(memory), "--top", "50"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert len(found) >= 3
+    assert [s["step_seconds"] for s in found] == sorted(s["step_seconds"] for s in found)
+    for suggestion in found:
+        assert suggestion["gib_per_gpu"] + RESERVE_GIB <= memory
+        assert main([str(MOE), "--gpus", "2", *FP32, *suggestion["overrides"], "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["gib_per_gpu"] == suggestion["gib_per_gpu"]
+
+
+def test_train_refuses_a_layout_over_the_gpu_with_the_planners_best(tmp_path, capsys):
+    """train.py, before it builds anything: a layout whose estimate does not fit the GPU
+    (``train.gpu_memory_gib``) is one line with the planner's best layout; applying that layout
+    passes the check; ``train.force_layout=true`` trains the first one anyway (here: up to the
+    data check that follows)."""
+    import train
+    from recipes.estimate import RESERVE_GIB, estimate_run
+
+    args = [str(MOE), *FP32, "train.micro_batch_size=4", f"data.path={tmp_path / 'none'}",
+            f"out={tmp_path / 'run'}"]
+    own = max(e.total for e in estimate_run(load_run_config(MOE, args[1:]), 1)) / 2 ** 30
+    limit = f"train.gpu_memory_gib={RESERVE_GIB + own * 0.8}"
+    assert train.main([*args, limit]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "by the memory estimate (recipes/memory.py), over the" in err
+    best = err.split("the planner's best of 1 GPUs: ")[1].split(": ", 1)[1].split(" (python")[0]
+    assert train.main([*args, limit, *best.split()]) == 2  # now only the data path is missing
+    assert "data.path" in capsys.readouterr().err
+    assert train.main([*args, limit, "train.force_layout=true"]) == 2
+    assert "data.path" in capsys.readouterr().err
 
 
 def test_gated_deltanet_layers_keep_the_whole_sequence_under_cp_where_they_gather():
@@ -102,7 +168,7 @@ def test_gated_deltanet_layers_keep_the_whole_sequence_under_cp_where_they_gathe
     router, experts, attention, logits) half; with 2 key heads they share the heads over the CP
     ranks and everything halves. The conv counts its input and output channels (not its kernel
     width)."""
-    from recipes.memory import estimate_run
+    from recipes.estimate import estimate_run
 
     config = REPO / "configs" / "train_qwen3_5_moe_mantis.yaml"
     shared = [*FP32, "model.freeze_vision_model=true", "train.micro_batch_size=1",

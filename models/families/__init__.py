@@ -157,6 +157,57 @@ def build_model(cfg, use_te: bool | None = None, vision_dp_over_cp: bool | None 
     return model.to(cpu.compute_device())
 
 
+def meta_model(cfg):
+    """The model of ``cfg`` on the meta device, shapes only: built at this process's parallel
+    layout (the local spec, no TransformerEngine) without initialising a weight (megatron's
+    ``perform_initialization`` off while it is built: the normal draws and master-weight copies
+    on meta tensors took 27 of the 29 s a Qwen3-VL-30B-A3B took), then every megatron parallel
+    linear and embedding marked as megatron's initialisation marks it (``tensor_model_parallel``,
+    ``partition_dim``, ``partition_stride``: how TP splits it). What the memory estimate and the
+    layout planner read (recipes/memory.py; tests/test_memory.py checks it equals an
+    initialised build)."""
+    import torch
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    post_init = ModelParallelConfig.__post_init__
+
+    def shapes_only(config) -> None:
+        post_init(config)
+        config.perform_initialization = False
+
+    ModelParallelConfig.__post_init__ = shapes_only
+    try:
+        with torch.device("meta"):
+            model = model_class(cfg)(cfg, use_te=False)
+    finally:
+        ModelParallelConfig.__post_init__ = post_init
+    _mark_tensor_parallel(model)
+    return model
+
+
+def _mark_tensor_parallel(model) -> None:
+    """What megatron's weight initialisation sets on the weights of its TP layers (column
+    parallel: the output rows, with the bias; row parallel and the vocabulary embedding: as
+    megatron splits them), on weights it left unmarked."""
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for module in model.modules():
+        if isinstance(module, layers.ColumnParallelLinear):
+            marks = [(module.weight, 0)] + ([(module.bias, 0)] if module.bias is not None
+                                            else [])
+        elif isinstance(module, layers.RowParallelLinear):
+            marks = [(module.weight, 1)]
+        elif isinstance(module, layers.VocabParallelEmbedding):
+            marks = [(module.weight, 0)]
+        else:
+            continue
+        for tensor, dim in marks:
+            if tensor is not None and not hasattr(tensor, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(tensor, is_parallel=True, dim=dim,
+                                                     stride=getattr(module, "stride", 1))
+
+
 def mapping_module(cfg) -> ModuleType:
     """The HF weight table module of a config's family."""
     return family_of(cfg).mapping()

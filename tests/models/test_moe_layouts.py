@@ -20,7 +20,7 @@ TOL = 1e-4
 def assert_memory_line(proc, args: list[str], gpus: int) -> None:
     """The memory estimate train.py printed for its rank 0 (from the parameters it holds) is
     ``python -m recipes.memory``'s for stage 0 (from the whole model on the meta device)."""
-    from recipes.memory import estimate_run
+    from recipes.estimate import estimate_run
     from recipes.run_config import load_run_config
 
     printed = [line for line in proc.stdout.splitlines() if "[train] memory of rank 0" in line]
@@ -188,9 +188,9 @@ def test_train_from_hf_at_tp2_etp1_ep2_equals_one_process(tmp_path, mantis_out):
     """``model.hf`` imported at TP 2 / expert-TP 1 / EP 2 (each expert whole on its rank: the HF
     experts are sliced by expert-TP, the dense weights by TP) trains with one process's losses
     from the same HF weights; each layout's import is cached under its own name."""
+    from lookalikes.models import build_tiny_hf_model
     from tests import runner
     from tests.test_train import FAST, MANTIS_CFG, losses, ok
-    from tests.tiny_hf import build_tiny_hf_model
 
     hf = build_tiny_hf_model("qwen3_vl_moe", tmp_path / "hf", pixels=(3136, 6272))
     cache = tmp_path / "cache"
