@@ -51,9 +51,9 @@ from recipes.checkpointing import (
     save_checkpoint,
     verified_resume,
 )
+from recipes.estimate import estimate as estimate_memory
 from recipes.forward import NonFiniteGuard, optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
-from recipes.memory import estimate as estimate_memory
 from recipes.metrics import MetricsLogger, StepMeter
 from recipes.model_setup import base_source, build_model, check_base, freeze, import_hf_weights
 from recipes.resume import reconcile
@@ -92,14 +92,15 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank of torchrun: it ends with torchrun
         die_with_parent()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    resumed = reconcile(load_run_config(config, overrides), config, overrides, resume_from,
-                        overwrite, world)  # --resume: the checkpoint's model, changes checked
+    resumed = reconcile(load_run_config(config, overrides, world=world), config, overrides,
+                        resume_from, overwrite, world)  # --resume: its model, changes checked
     cfg = resumed.config
     quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
     plan = resolve_plan(cfg, world, resume_from, overwrite)
     plan, run = start_run(plan, automatic=resume_from in (None, "latest"))
-    for note in resumed.notes if run.is_logger else ():
-        print(f"[train] resume: {note}", flush=True)
+    notes = [*cfg.notes, *(f"resume: {note}" for note in resumed.notes)]
+    for note in notes if run.is_logger else ():
+        print(f"[train] {note}", flush=True)
     loaders = build_loaders(plan, run)
     trainee = build_model_and_optimizer(plan, run)
     start = restore(plan, run, trainee, loaders, resumed.fresh_loader)
@@ -227,11 +228,14 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
                                                use_distributed_optimizer=sharded,
                                                bucket_size=None)
     model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    state = {} if t.optimizer_state == "fp32" else dict(  # megatron's precision-aware Adam
+        use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
         params_dtype=torch.float32, use_distributed_optimizer=sharded,
-        clip_grad=t.clip_grad), [model])
+        clip_grad=t.clip_grad, **state), [model])
     expert_grads_counted_once(optimizer)
     if plan.resume is not None and recorded is None:
         base = None  # an earlier checkpoint of this run holds every weight: so do the next ones

@@ -100,7 +100,7 @@ def reconcile(cfg: RunConfig, config: str, overrides: tuple[str, ...], resume_fr
     given = {item.split("=", 1)[0].strip() for item in overrides}
     rest = tuple(item for item in overrides
                  if not item.split("=", 1)[0].strip().startswith("model."))
-    ours = load_run_config(config, rest, stored={"model": stored["model"]})
+    ours = load_run_config(config, rest, stored={"model": stored["model"]}, world=world)
     now, then = to_dict(cfg), to_dict(ours)
     for key in sorted(k for k in given if k.startswith("model.")):
         if key in ("model.base", "model.hf"):

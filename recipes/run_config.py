@@ -69,6 +69,10 @@ class TrainConfig:
     steps: int = 30  #: optimizer steps
     micro_batch_size: int = 1  #: rows per micro-batch per data-parallel rank
     grad_accum: int = 1  #: micro-batches per step
+    #: rows (packed or not) per optimizer step over every data-parallel rank; when set,
+    #: grad_accum is derived from it: global_batch_size / (micro_batch_size x DP), which must
+    #: divide it (so a recipe keeps its batch at any GPU count)
+    global_batch_size: int | None = None
     seed: int = 1234
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -86,6 +90,15 @@ class TrainConfig:
     #: shard the optimizer state (fp32 master weights, Adam moments) over the data-parallel ranks
     #: (megatron's DistributedOptimizer: reduce-scatter of grads, all-gather of updated params)
     distributed_optimizer: bool = True
+    #: Adam's two moments in fp32, or bf16 (megatron's precision-aware optimizer: 4 of the 12
+    #: optimizer bytes per parameter saved; needs TransformerEngine's FusedAdam, bf16 and the
+    #: distributed optimizer)
+    optimizer_state: str = "fp32"
+    #: GiB of one GPU that the layout must fit by the memory estimate (recipes/memory.py; None:
+    #: the GPU's own; no check without a GPU unless set)
+    gpu_memory_gib: float | None = None
+    #: train a layout whose memory estimate exceeds the GPU (train.py refuses it otherwise)
+    force_layout: bool = False
     #: validation loss on data.val_split_part every N steps (0: never), over eval_batches
     #: micro-batches per data-parallel rank (the same ones each time)
     eval_interval: int = 0
@@ -152,6 +165,11 @@ class RunConfig:
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     #: ``model.peft=lora`` + ``model.lora.*``: the LoRA adapters (None: no adapters)
     lora: LoRAConfig | None = None
+    #: the recipe applied (configs/recipes/<name>.yaml, recipes/model_recipes.py), None: none
+    recipe: str | None = None
+    #: what building the config has to say (the recipe applied, CPU-demo values left in a run
+    #: of a real model): one line each, printed by train.py
+    notes: tuple[str, ...] = ()
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -262,19 +280,27 @@ def _task_encoder_section(raw: Any, cp: int, errors: list[str]) -> TaskEncoderCo
 
 
 # ------------------------------------------------------------------ public API
-def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset()) -> RunConfig:
+def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(),
+              world: int | None = None) -> RunConfig:
     """Build and validate a RunConfig from the nested YAML layout.
 
-    ``command_line``: the dotted keys given as overrides (they win over what ``model.hf``
-    sets).
+    ``command_line``: the dotted keys given as overrides (they win over what ``model.hf`` and
+    the recipe set). ``world``: the run's GPUs (processes), when known: the recipe's layout for
+    it and ``train.global_batch_size``'s grad_accum.
 
     Raises:
         ConfigError: every unknown key, wrong type or invalid setting, in one message.
     """
+    from recipes.model_recipes import resolve as resolve_recipe
+    from recipes.model_recipes import tiny_value_warnings
+
     errors: list[str] = []
     raw = dict(raw)
     hf = _hf_model(raw, set(command_line), errors)
     hf_failed = bool(errors)  # model.hf unusable: its model section is not built
+    applied = None if hf_failed else resolve_recipe(
+        raw, raw.pop("recipe", "auto"), set(command_line), world, errors, hf=hf is not None)
+    raw.pop("recipe", None)
     known = {"out", "model", "task_encoder", *SECTIONS}
     errors += [unknown_key(str(key), str(key), sorted(known), "") for key in raw
                if key not in known]
@@ -292,10 +318,39 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
                                          processor=hf[1])
     if hf is not None and sections["train"].init_checkpoint:
         errors.append("model.hf and train.init_checkpoint exclude each other")
+    if world is not None and not errors:
+        _derive_grad_accum(sections, world, command_line, errors)
     raise_problems(errors)
-    return RunConfig(out=str(raw.get("out", "runs/train")), model=model,
-                     task_encoder=task_encoder, hf=hf and hf[0], freeze=freeze, lora=lora,
-                     **sections)
+    config = RunConfig(out=str(raw.get("out", "runs/train")), model=model,
+                       task_encoder=task_encoder, hf=hf and hf[0], freeze=freeze, lora=lora,
+                       recipe=applied and applied.recipe.name, **sections)
+    notes = [applied.line()] if applied else []
+    tiny = tiny_value_warnings(config)
+    if tiny:
+        notes.append("warning: a real model with CPU-demo values: " + "; ".join(tiny)
+                     + " (configs/recipes/ has real recipes: recipe=<name>)")
+    return dataclasses.replace(config, notes=tuple(notes))
+
+
+def _derive_grad_accum(s: dict, world: int, command_line, errors: list[str]) -> None:
+    """``train.global_batch_size`` set: ``train.grad_accum`` = it / (micro-batch x DP x
+    virtual DP) on ``world`` processes (a grad_accum given on the command line must agree)."""
+    t, p = s["train"], s["parallel"]
+    if not t.global_batch_size:
+        return
+    dp = max(1, world // (p.tp * p.pp * p.cp)) * s["data"].virtual_dp
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        errors.append(f"train.global_batch_size {t.global_batch_size} is not a multiple of "
+                      f"train.micro_batch_size x DP = {t.micro_batch_size} x {dp}")
+        return
+    accum = t.global_batch_size // per_step
+    if "train.grad_accum" in command_line and t.grad_accum != accum:
+        errors.append(f"train.grad_accum={t.grad_accum} disagrees with "
+                      f"train.global_batch_size {t.global_batch_size} / (micro-batch "
+                      f"{t.micro_batch_size} x DP {dp}) = {accum}: give one of them")
+        return
+    t.grad_accum = accum
 
 
 def _check_values(s: dict) -> list[str]:
@@ -314,6 +369,15 @@ def _check_values(s: dict) -> list[str]:
         problems.append(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
     if t.lr < t.min_lr:
         problems.append(f"train.lr ({t.lr}) is below train.min_lr ({t.min_lr})")
+    if t.global_batch_size is not None and t.global_batch_size < 1:
+        problems.append(f"train.global_batch_size must be >= 1, got {t.global_batch_size}")
+    if t.optimizer_state not in ("fp32", "bf16"):
+        problems.append(f"train.optimizer_state must be fp32 or bf16, got {t.optimizer_state!r}")
+    elif t.optimizer_state == "bf16" and (not t.distributed_optimizer or t.precision == "fp32"):
+        problems.append("train.optimizer_state=bf16 needs train.distributed_optimizer=true and "
+                        "bf16 training (megatron's precision-aware optimizer)")
+    if t.gpu_memory_gib is not None and not t.gpu_memory_gib > 0:
+        problems.append(f"train.gpu_memory_gib must be > 0, got {t.gpu_memory_gib}")
     return problems
 
 
@@ -327,12 +391,13 @@ def _merged(base: dict, top: dict) -> dict:
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
-                    stored: dict | None = None) -> RunConfig:
+                    stored: dict | None = None, world: int | None = None) -> RunConfig:
     """Read ``path`` (YAML), apply dotted ``key=value`` overrides, build and validate.
 
     ``stored``: the run config saved with a checkpoint (eval.py). It is the base: the file, when
     given, only refines it (its ``model`` section is ignored: the checkpoint's model is the one
-    evaluated), then the overrides apply.
+    evaluated), then the overrides apply. ``world``: the run's processes (train.py,
+    ``recipes.memory --gpus``): the recipe's layout for them, ``train.global_batch_size``.
 
     Raises:
         ConfigError: the file is missing or not YAML, or any invalid key/value (all listed).
@@ -350,6 +415,8 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
             raise ConfigError(f"config {path}: not a mapping of sections")
     if stored is not None:
         raw = _merged(stored, {k: v for k, v in raw.items() if k != "model"})
+        if set(stored) - {"model"}:  # a saved run config holds resolved values: no recipe
+            raw.setdefault("recipe", "none")
     errors = []
     # ``model.base=<yaml>`` or ``model.hf=<model>`` on the command line swaps the model: it
     # replaces the file's whole model section (whose inline keys describe another model), and
@@ -365,7 +432,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
         except ConfigError as error:
             errors.append(str(error))
     raise_problems(errors)
-    return from_dict(raw, command_line=keys)
+    return from_dict(raw, command_line=keys, world=world)
 
 
 def to_dict(config: RunConfig) -> dict:
@@ -373,10 +440,14 @@ def to_dict(config: RunConfig) -> dict:
     model = {**config.model.to_dict(), **dataclasses.asdict(config.freeze)}
     if config.lora is not None:
         model |= {"peft": "lora", "lora": dataclasses.asdict(config.lora)}
-    return {"out": config.out, "model": {"hf": config.hf, **model} if config.hf else model,
+    # resolved values: a recipe is never applied twice (``dump_yaml`` names the one used)
+    return {"out": config.out, "recipe": "none",
+            "model": {"hf": config.hf, **model} if config.hf else model,
             "task_encoder": config.task_encoder.to_dict(),
             **{name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}}
 
 
 def dump_yaml(config: RunConfig) -> str:
-    return yaml.safe_dump(to_dict(config), sort_keys=False)
+    head = (f"# resolved with recipe {config.recipe} (configs/recipes/{config.recipe}.yaml)\n"
+            if config.recipe else "")
+    return head + yaml.safe_dump(to_dict(config), sort_keys=False)

@@ -28,6 +28,8 @@ from recipes.checkpointing import read_train_state
 from recipes.compatibility import check_compatible
 from recipes.data import check_data_path, check_split, load_run_tokenizer, probe_first_batch
 from recipes.layout import check_layout
+from recipes.memory import check_memory
+from recipes.planner import te_adam_available
 from recipes.run_config import RunConfig, dump_yaml
 from recipes.run_folder import plan_start
 
@@ -105,6 +107,11 @@ def check_run(cfg: RunConfig, world: int) -> None:
                          "the dense data-parallel group at ep 1, which then differs from the "
                          "experts' one)")
     check_layout(world, p.tp, p.pp, p.cp, te_cfg.fixed_length, p.ep, p.etp)
+    if cfg.train.optimizer_state == "bf16" and not te_adam_available():
+        raise UsageError("train.optimizer_state=bf16 needs TransformerEngine's FusedAdam "
+                         "(megatron-core's precision-aware optimizer; TE >= 2.1): install it or "
+                         "keep train.optimizer_state=fp32")
+    check_memory(cfg, world)
     check_data_path(cfg.data.path)
     if cfg.train.eval_interval:
         check_split(cfg.data.path, cfg.data.val_split_part, "train.eval_interval")

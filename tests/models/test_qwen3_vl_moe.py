@@ -15,8 +15,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from lookalikes.models import build_tiny_hf
 from tests.conftest import REPO
-from tests.tiny_hf import build_tiny_hf
 
 TOL = 1e-4
 EXPERTS = "model.language_model.layers.{i}.mlp.experts."
@@ -311,9 +311,9 @@ def test_train_from_hf_logs_aux_loss_and_exports(tmp_path, mantis_out):
     """make train-qwen-vl-mantis HF=<a Qwen3-VL MoE folder>: the family comes from the folder's
     model_type; the run logs the aux-loss term on its own; its export gives transformers our
     logits (the HF journey of tests/test_hf_journey.py for this family)."""
+    from lookalikes.models import build_tiny_hf_model
     from tests.test_hf_journey import export, logits_diff
     from tests.test_train import FAST, MANTIS_CFG, ok, train
-    from tests.tiny_hf import build_tiny_hf_model
 
     hf = build_tiny_hf_model("qwen3_vl_moe", tmp_path / "hf", pixels=(3136, 6272))
     run = tmp_path / "run"
@@ -370,8 +370,8 @@ def test_expert_tp_other_than_tp_at_ep1_refused_in_one_line(tmp_path, capsys):
     drifted, grad norm 4.963 vs 4.945), and Nemotron-Omni's MoE layers under TP: train.py
     refuses them before building anything (one line, exit 2); a world that expert-TP x PP x EP
     does not divide is named with etp; the Qwen-VL family takes TP, PP, CP, EP, and
-    configs/train_qwen3_vl_235b_a22b_mantis.yaml (TP 4, expert-TP 1, EP 32) passes every check
-    at 32 processes but its data path's."""
+    configs/train_qwen3_vl_235b_a22b_mantis.yaml at Megatron-Bridge's layout (TP 4, expert-TP 1,
+    EP 32) passes every check at 32 processes but its data path's."""
     from types import SimpleNamespace
 
     from contract.errors import UsageError
@@ -391,7 +391,8 @@ def test_expert_tp_other_than_tp_at_ep1_refused_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "parallel.etp 1 other than parallel.tp 2 needs " \
         "parallel.ep > 1" in err, err
     published = load_run_config(REPO / "configs" / "train_qwen3_vl_235b_a22b_mantis.yaml",
-                                [f"data.path={tmp_path / 'none'}"])
+                                [f"data.path={tmp_path / 'none'}", "parallel.tp=4",
+                                 "parallel.etp=1", "parallel.ep=32"], world=32)
     assert (published.parallel.tp, published.parallel.etp, published.parallel.ep) == (4, 1, 32)
     with pytest.raises(UsageError, match="data.path .* does not exist"):  # its layout passes
         check_run(published, 32)
