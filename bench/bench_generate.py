@@ -51,7 +51,7 @@ def import_tiny(name: str, out: Path) -> tuple[Path, Path]:
     """(HF folder, megatron checkpoint) of one tiny model under ``out / name``: built with
     transformers, imported with ``models.convert hf-to-mcore`` in a subprocess (megatron's
     checkpoint writer keeps a process of its own)."""
-    from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
+    from lookalikes.models import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
 
     hf_dir, mcore_dir = out / name / "hf", out / name / "mcore"
     if name == "nemotron_omni":

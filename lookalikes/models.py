@@ -1,12 +1,26 @@
-"""Tiny random-weight Qwen2.5-VL / Qwen3-VL / Qwen3-VL MoE / Nemotron-Omni models built with
-transformers (no download), shared by the model parity tests, the evaluation tests and the HF
-journey tests (``build_tiny_hf_model``: a whole model folder with tokenizer and processor
-files)."""
+"""Tiny random-weight models of every supported family (Qwen2.5-VL, Qwen3-VL dense and MoE,
+Qwen3.5 dense and MoE, Nemotron-Omni) built with transformers (no download): the model folders
+the offline journey, the parity tests, the evaluation tests and the HF journey tests start from.
+
+``build_tiny_hf_model`` writes a hub-complete folder (config.json with the published keys,
+model.safetensors, the test tokenizer with the family's special tokens and a chat template that
+renders list content as the real ones do, generation_config.json, the processor files an
+export of that family writes, processor_config.json included), so that ``HF=``, export and the
+README's transformers snippet run offline end to end:
+
+    python -m lookalikes.models --family qwen2_5_vl --out tiny_qwen2_5_vl
+    make train-qwen-vl-mantis HF=tiny_qwen2_5_vl DATA_ROOT=demo_out
+
+The lower-level builders (``build_tiny_hf``, ``build_tiny_qwen3_5``,
+``build_tiny_nemotron_omni``) write the weights and config.json alone.
+"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import click
 import torch
 
 TOKENS = dict(image_token_id=290, video_token_id=291, vision_start_token_id=292,
@@ -165,56 +179,46 @@ def save_perturbed(cls, config, out: Path, seed: int, adjust=None) -> Path:
     return out
 
 
-#: ChatML, the conversation layout both families' task encoders write
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-          "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 #: the test tokenizer's ids of the Qwen vision tokens and of Nemotron-Omni's ``<image>``
 TEST_TOKENIZER_QWEN = dict(image_token_id=5, video_token_id=6, vision_start_token_id=3,
                            vision_end_token_id=4)
 TEST_TOKENIZER_NEMOTRON = dict(image_token_id=420, video_token_id=420)
+#: every family this module builds (contract.families' names)
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "nemotron_omni")
+#: (min, max) image pixels a folder's processor files carry by default
+DEFAULT_PIXELS = {"nemotron_omni": (8192, 16384)}
 
 
-def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int],
+def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int] | None = None,
                         pattern: str = "M*M-", seed: int = 0) -> Path:
     """A complete tiny HF model folder as the hub has them: weights + config.json (token ids of
-    the test tokenizer), the test tokenizer with a ChatML chat template, and the processor files
-    (``preprocessor_config.json`` / ``video_preprocessor_config.json`` with ``pixels`` = (min,
-    max) image pixels), written as transformers' processors save them. ``pattern``:
-    Nemotron-Omni's LM layers."""
+    the test tokenizer), the test tokenizer with the family's chat template
+    (``energon_tasks.tokenizer.chat_template``: ChatML, list contents with the media tokens
+    where transformers' processor expands them), generation_config.json and the processor files
+    an export of the family writes (``processor_files``: image, video and processor configs,
+    with ``pixels`` = (min, max) image pixels). ``pattern``: Nemotron-Omni's LM layers."""
     import json
 
     from transformers import AutoTokenizer
 
-    from energon_tasks.tokenizer import build_test_tokenizer
+    from energon_tasks.tokenizer import build_test_tokenizer, chat_template
+    from models.families import config_from_hf, family_of
 
+    pixels = pixels or DEFAULT_PIXELS.get(family, (3136, 6272))
+    out = Path(out)
+    video = {}
     if family == "nemotron_omni":
         build_tiny_nemotron_omni(out, pattern=pattern, seed=seed, tokens=TEST_TOKENIZER_NEMOTRON)
-        image = {"image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
-                 "patch_size": 16, "downsample_ratio": 0.5, "min_num_patches": pixels[0] // 256,
-                 "max_num_patches": pixels[1] // 256, "do_rescale": True, "do_normalize": True}
-        video = {"video_processor_type": "NemotronH_Omni_Reasoning_V3VideoProcessor",
-                 "patch_size": 16, "downsample_ratio": 0.5, "video_target_num_patches": 64,
-                 "video_maintain_aspect_ratio": True}
+        video = {"video_target_num_patches": 64, "video_maintain_aspect_ratio": True}
+    elif family in ("qwen3_5", "qwen3_5_moe"):
+        build_tiny_qwen3_5(out, moe=family == "qwen3_5_moe", vocab=448,
+                           tokens=TEST_TOKENIZER_QWEN, max_positions=2048, seed=seed)
     else:
-        if family in ("qwen3_5", "qwen3_5_moe"):
-            build_tiny_qwen3_5(out, moe=family == "qwen3_5_moe", vocab=448,
-                               tokens=TEST_TOKENIZER_QWEN, max_positions=2048, seed=seed)
-        else:
-            build_tiny_hf(family, out, vocab=448, tokens=TEST_TOKENIZER_QWEN,
-                          max_positions=2048, seed=seed)
-        patch = 14 if family == "qwen2_5_vl" else 16  # the others: Qwen3-VL's processor
-        geometry = {"patch_size": patch, "temporal_patch_size": 2, "merge_size": 2}
-        image = {"image_processor_type": "Qwen2VLImageProcessor", **geometry,
-                 "min_pixels": pixels[0], "max_pixels": pixels[1],
-                 "size": {"shortest_edge": pixels[0], "longest_edge": pixels[1]}}
-        video = {"video_processor_type": "Qwen2VLVideoProcessor", **geometry,
-                 "size": {"shortest_edge": pixels[0], "longest_edge": pixels[1]}}
-    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
-    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+        build_tiny_hf(family, out, vocab=448, tokens=TEST_TOKENIZER_QWEN, max_positions=2048,
+                      seed=seed)
     build_test_tokenizer(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = chat_template(family)  # each family is a profile of its own
     tokenizer.save_pretrained(out)
     ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}  # the test tokenizer's, as a hub model's
@@ -222,4 +226,33 @@ def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int],
     config["text_config"].update(ids)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(ids, indent=2))
+    model_cfg = config_from_hf(config)
+    encoder = {"min_pixels": pixels[0], "max_pixels": pixels[1], **video}
+    for name, content in family_of(model_cfg).processor_files(model_cfg, encoder).items():
+        (out / name).write_text(json.dumps(content, indent=2))
     return out
+
+
+@click.command()
+@click.option("--family", type=click.Choice(FAMILIES), required=True,
+              help="The model family (its transformers class and checkpoint layout).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The model folder to write (files in it are replaced).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Weight seed.")
+def cli(family: str, out: Path, seed: int) -> None:
+    """Write a hub-complete tiny model folder of FAMILY: what HF= / model.hf, export and the
+    README's transformers snippet take offline."""
+    folder = build_tiny_hf_model(family, out, seed=seed)
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    click.echo(f"lookalikes.models: wrote a tiny {family} model folder {folder} "
+               f"({size / 1e6:.1f} MB): HF={folder}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from contract.cli import run_click
+
+    return run_click(cli, "lookalikes.models", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

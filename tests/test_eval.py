@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from lookalikes.models import build_tiny_hf
 from recipes.scores import aggregate, parse_options, score_answer
 from tests import runner
 from tests.conftest import REPO
-from tests.tiny_hf import build_tiny_hf
 
 NEVER = 151645  # the tiny configs' eos id: outside their vocabularies, never generated
 
@@ -192,7 +192,7 @@ def test_eval_end_to_end(request, eval_ckpt, tmp_path, name, config):
 def test_eval_end_to_end_qwen3_5(mantis_out, tmp_path):
     """eval.py on a Qwen3.5 checkpoint (the Qwen-VL task encoder with the qwen3_5 profile;
     generation with the Gated DeltaNet states cached): predictions and scores written."""
-    from tests.tiny_hf import build_tiny_qwen3_5
+    from lookalikes.models import build_tiny_qwen3_5
 
     hf = build_tiny_qwen3_5(tmp_path / "hf", vocab=640, tokens=TEST_TOKENS, max_positions=2048)
     ckpt = _import(hf, tmp_path / "mcore")
@@ -215,7 +215,7 @@ def test_eval_moe_over_two_processes_equals_one(family, mantis_out, tmp_path):
     over 2 ranks (``parallel.ep=2``: every rank generates the same answers, the lean decode
     step summing each rank's experts; rank 0 writes) writes the one-process eval's predictions;
     a layout it does not run is one line."""
-    from tests.tiny_hf import build_tiny_qwen3_5
+    from lookalikes.models import build_tiny_qwen3_5
 
     ckpt = tmp_path / "mcore"
     if family == "nemotron_omni":

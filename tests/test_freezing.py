@@ -10,10 +10,10 @@ import torch
 import yaml
 
 from contract.errors import ConfigError, UsageError
+from lookalikes.models import build_tiny_hf_model
 from recipes.run_config import dump_yaml, load_run_config
 from tests.test_hf_journey import JOURNEYS, export, train_from_hf
 from tests.test_train import MANTIS_CFG
-from tests.tiny_hf import build_tiny_hf_model
 
 
 def test_switches_default_off_round_trip_and_refuse_freezing_everything():

@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
+from lookalikes.models import build_tiny_hf_model
 from tests.conftest import REPO
 from tests.test_train import FAST, MANTIS_CFG, NEMOTRON_MANTIS_CFG, losses, ok, train
-from tests.tiny_hf import build_tiny_hf_model
 
 #: family -> (train config, the HF model's own image pixel limits: differ from the config's)
 JOURNEYS = {"qwen2_5_vl": (MANTIS_CFG, (3136, 6272)),

@@ -15,10 +15,10 @@ import torch
 import yaml
 
 from contract.errors import ConfigError
+from lookalikes.models import build_tiny_hf_model
 from recipes.run_config import dump_yaml, load_run_config
 from tests.test_hf_journey import JOURNEYS, export, train_from_hf
 from tests.test_train import MANTIS_CFG, losses
-from tests.tiny_hf import build_tiny_hf_model
 
 LORA = ("model.peft=lora", "model.lora.rank=4", "model.lora.alpha=8")
 

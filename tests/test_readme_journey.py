@@ -66,14 +66,29 @@ def rotated_photo(path: Path) -> Path:
     return path
 
 
+#: the runs whose exports the README's snippet loads: every family without ``HF=`` (its tiny
+#: config) and started from a tiny model folder of ``python -m lookalikes.models`` (``HF=``)
+FROM_HF = "-from-hf"
+SNIPPET_RUNS = [*RUNS, *(f"{family}{FROM_HF}" for family in RUNS)]
+
+
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, mantis_out) -> dict[str, tuple[Path, Path]]:
-    """family -> (run folder, export) of a 2-step tiny run without ``HF=``, exported with the
+    """``SNIPPET_RUNS`` name -> (run folder, export) of a 2-step tiny run, without ``HF=`` or
+    started from ``python -m lookalikes.models``' folder of that family, exported with the
     README's command."""
+    from lookalikes.models import main as write_model
+
     root = tmp_path_factory.mktemp("journey")
     made = {}
-    for family, (config, extra) in RUNS.items():
-        run, export = root / f"run_{family}", root / f"export_{family}"
+    for name in SNIPPET_RUNS:
+        family = name.removesuffix(FROM_HF)
+        config, extra = RUNS[family]
+        if name.endswith(FROM_HF):
+            hf = root / f"hf_{family}"
+            assert write_model(["--family", family, "--out", str(hf)]) == 0
+            extra = (f"model.hf={hf}", f"train.hf_import_cache={root / 'imports'}")
+        run, export = root / f"run_{name}", root / f"export_{name}"
         proc = train(config, f"data.path={mantis_out}/metadataset.yaml", f"out={run}", *FAST,
                      "train.steps=2", "train.eval_interval=0", "checkpoint.save_final=true",
                      *extra)
@@ -87,7 +102,7 @@ def exports(tmp_path_factory, mantis_out) -> dict[str, tuple[Path, Path]]:
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(
             f"[convert] mcore-to-hf: wrote the Hugging Face model folder {export} ")
-        made[family] = run, export
+        made[name] = run, export
     return made
 
 
@@ -167,7 +182,7 @@ def snippet_results(exports, infer_python, tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("snippet")
     (root / "snippet.py").write_text(readme_snippet())
     folders = []
-    for family, (_run, export) in sorted(exports.items()):
+    for family, (_run, export) in sorted(exports.items()):  # a family or a family-from-hf run
         (root / family / "exports").mkdir(parents=True)
         (root / family / "exports" / "qwen_vl_mantis").symlink_to(export)
         rotated_photo(root / family / "photo.jpg")
@@ -188,11 +203,12 @@ def test_runs_cover_every_family():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(RUNS))
+@pytest.mark.parametrize("family", sorted(SNIPPET_RUNS))
 def test_readme_snippet_runs_on_the_export(snippet_results, family):
-    """The README's snippet, as written there, run by ``make infer-venv``'s python on the export:
-    it generates, and the rotated photo reaches the processor upright (EXIF orientation applied,
-    as in training)."""
+    """The README's snippet, as written there, run by ``make infer-venv``'s python on the export
+    of every family's run, without ``HF=`` and started from ``python -m lookalikes.models``'
+    folder: it generates, and the rotated photo reaches the processor upright (EXIF orientation
+    applied, as in training)."""
     result = snippet_results[family]
     assert "error" not in result, result.get("error")
     (grid,) = result["grids"].values()
@@ -242,7 +258,7 @@ def test_unknown_model_type_names_the_file_and_the_families(tmp_path, capsys):
 def test_hf_eos_outside_the_tokenizer_is_refused_at_start(tmp_path, mantis_out):
     """A model.hf whose config.json names an eos id its tokenizer does not have: one line
     naming the file and the key, before any model is built."""
-    from tests.tiny_hf import build_tiny_hf_model
+    from lookalikes.models import build_tiny_hf_model
 
     hf = build_tiny_hf_model("qwen2_5_vl", tmp_path / "hf", pixels=(3136, 6272))
     config = json.loads((hf / "config.json").read_text())

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lookalikes.models import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
 from tests.conftest import REPO
-from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
 
 #: family -> (configs/ file, overrides) of the tiny model of each family
 TINY_CONFIGS = {

@@ -119,8 +119,8 @@ def test_qwen_vl_tokens_equal_transformers(family, tiny_hf, qwen_imported, monke
 
 
 def test_qwen3_vl_moe_tokens_equal_transformers(tmp_path, monkeypatch):
+    from lookalikes.models import build_tiny_hf
     from models.convert import hf_to_mcore
-    from tests.tiny_hf import build_tiny_hf
 
     hf_dir = build_tiny_hf("qwen3_vl_moe", tmp_path / "hf")
     hf_to_mcore(str(hf_dir), tmp_path / "mcore", tp=1, pp=1)
