@@ -151,18 +151,23 @@ $(EVAL_TARGETS): eval-%: $(STAMP)
 	$(if $(CKPT),,$(error $(EVAL_USAGE)))
 	$(LAUNCH) eval.py $(or $(CONFIG),$(if $(wildcard $(CKPT)/model_config.json $(CKPT)/qwen_vl_model.json),$(call run_config,$*))) $(EVAL_ARGS)
 
-# --- SLURM (slurm/*.sbatch, docs/training.md "SLURM"): print the sbatch command, or submit it
-#     with SUBMIT=1. make slurm-prepare-<dataset> PARTS=<P> (array size, default 8) SOURCE= OUT=
-#     (a shared filesystem) CPUS= (per task, default 16); make slurm-train-<family>-<dataset>
-#     NODES=<N> (default 1) and the train-* variables (CONFIG=, DATA=, HF=, STEPS=, OUT=, ARGS=).
+# --- SLURM (slurm/*.sbatch, docs/training.md "SLURM"): print the exact sbatch command (the dry
+#     run: see what would be submitted without a cluster), or submit it with SUBMIT=1.
+#     make slurm-prepare-<dataset> PARTS=<P> (array size, default 8) SOURCE= OUT= (a shared
+#     filesystem) CPUS= (per task, default 16); make slurm-train-<family>-<dataset> NODES=<N>
+#     (default 1) GPUS=<per node, default 8; 0: a CPU cluster> and the train-* variables
+#     (CONFIG=, DATA=, HF=, STEPS=, OUT=, ARGS=). One task per node runs torchrun, which starts one
+#     training process per GPU of its node. slurm/submit.sh builds the command from these
+#     variables, which reach it as environment variables only (make exports what the command
+#     line sets; none is written into a shell command line), so no value runs as shell.
 SLURM_PREPARE_TARGETS := $(foreach d,$(DATASETS),slurm-prepare-$(d))
 SLURM_TRAIN_TARGETS := $(foreach f,$(FAMILIES),$(foreach d,$(DATASETS),slurm-train-$(f)-$(d)))
 .PHONY: $(SLURM_PREPARE_TARGETS) $(SLURM_TRAIN_TARGETS)
-SLURM_RUN = $(if $(SUBMIT),,@echo )
-source_of = $(or $(SOURCE),$(if $(filter mantis,$(1)),$(SOURCE_MANTIS),$(if $(filter infovqa,$(1)),$(SOURCE_INFOVQA),$(SOURCE_VIDEO))))
+# the default sources reach slurm/submit.sh as environment variables too
+export SOURCE_MANTIS SOURCE_INFOVQA SOURCE_VIDEO
 
 $(SLURM_PREPARE_TARGETS): slurm-prepare-%:
-	$(SLURM_RUN)sbatch --array=0-$$(($(or $(PARTS),8) - 1)) --cpus-per-task=$(or $(CPUS),16) slurm/prepare.sbatch $* $(call source_of,$*) $(or $(OUT),$(DATA_ROOT)/$*) $(PREPARE_REVISION)
+	@bash slurm/submit.sh prepare $*
 
 $(SLURM_TRAIN_TARGETS): slurm-train-%:
-	$(SLURM_RUN)sbatch --nodes=$(or $(NODES),1) slurm/train.sbatch $(or $(CONFIG),$(call run_config,$*)) $(TRAIN_ARGS)
+	@bash slurm/submit.sh train $(call run_config,$*) $(call dataset_of,$*)

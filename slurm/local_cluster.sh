@@ -1,5 +1,9 @@
 #!/bin/bash
-# A one-node SLURM cluster on this machine for the tests (root; Debian's packages):
+# A one-node SLURM cluster on this machine for the tests (root; Debian's packages). Its node
+# declares 8 GPUs (GresTypes=gpu; gres.conf names 8 stand-in device files, character devices
+# like /dev/null, since SLURM drops a GPU without a file): jobs that ask for GPUs
+# (slurm/train.sbatch does) are scheduled, their request shows in the job's TRES and SLURM sets
+# SLURM_GPUS_ON_NODE; no GPU is there (training runs on the CPU).
 #   slurm/local_cluster.sh up <dir>     install slurm-wlm + munge if missing, start munged,
 #                                       slurmctld and slurmd with <dir>/slurm.conf; prints
 #                                       SLURM_CONF=<dir>/slurm.conf
@@ -65,9 +69,12 @@ ReturnToService=2
 JobRequeue=1
 KillWait=60
 MpiDefault=none
-NodeName=$host CPUs=$cpus RealMemory=$mem State=UNKNOWN
+GresTypes=gpu
+NodeName=$host CPUs=$cpus RealMemory=$mem Gres=gpu:8 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
+for i in 0 1 2 3 4 5 6 7; do [[ -e "$dir/gpu$i" ]] || mknod "$dir/gpu$i" c 1 3; done
+echo "NodeName=$host Name=gpu File=$dir/gpu[0-7]" >"$dir/gres.conf"
 export SLURM_CONF=$dir/slurm.conf
 slurmctld -f "$SLURM_CONF"
 slurmd -f "$SLURM_CONF"

@@ -53,6 +53,43 @@ def test_scripts_map_their_parameters_dry_run():
             "--rdzv-endpoint node1:20005 --rdzv-id 5 train.py") in proc.stdout
     proc = _dry("train.sbatch", "configs/train_qwen_vl_mantis.yaml", VLM_PYTHON="/no/python")
     assert proc.returncode == 2 and "no venv python at /no/python" in proc.stderr
+    # the node's GPUs over its launchers: 8 GPUs, 2 tasks on each of 3 nodes -> 4 processes each
+    proc = _dry("train.sbatch", "configs/train_qwen_vl_mantis.yaml", SLURM_NTASKS="6",
+                SLURM_GPUS_ON_NODE="8", SLURM_NTASKS_PER_NODE="2(x3)")
+    assert "6 node(s) x 4 process(es)" in proc.stdout, proc.stdout
+    assert "#SBATCH --gpus-per-node=8" in (SLURM / "train.sbatch").read_text()
+
+
+def _make(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", *args], cwd=REPO, text=True, capture_output=True,
+                          timeout=60)
+
+
+def test_make_slurm_targets_ask_for_gpus_and_never_run_a_value(tmp_path):
+    """``make slurm-train-*`` prints the exact sbatch line (its dry run): N nodes, one launcher
+    each, GPUS per node (default 8, 0 for none); ``make slurm-prepare-*`` the array. Values
+    with shell syntax are printed quoted, as one argument each, and never run."""
+    import shlex
+
+    marker = tmp_path / "ran"
+    proc = _make("slurm-train-qwen-vl-mantis", "NODES=4", "STEPS=5", f"OUT=x; touch {marker}",
+                 f"ARGS=train.lr=1e-5 `touch {marker}` *")
+    assert proc.returncode == 0, proc.stderr
+    assert shlex.split(proc.stdout) == [
+        "sbatch", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "slurm/train.sbatch",
+        "configs/train_qwen_vl_mantis.yaml", "data.path=data/mantis/metadataset.yaml",
+        "train.steps=5", f"out=x; touch {marker}", "train.lr=1e-5", "`touch", f"{marker}`", "*"]
+    assert "--gpus-per-node=0 " in _make("slurm-train-nemotron-omni-infovqa", "GPUS=0").stdout
+    proc = _make("slurm-prepare-mantis", "PARTS=3", f"OUT=a b; touch {marker}")
+    assert shlex.split(proc.stdout) == [
+        "sbatch", "--array=0-2", "--cpus-per-task=16", "slurm/prepare.sbatch", "mantis",
+        "TIGER-Lab/Mantis-Instruct", f"a b; touch {marker}"]
+    for bad in ("PARTS=1+2", "CPUS=x", "NODES=-1", "GPUS=1;2"):
+        target = "slurm-prepare-mantis" if bad[0] in "PC" else "slurm-train-qwen-vl-mantis"
+        proc = _make(target, bad)
+        assert proc.returncode != 0
+        assert f"make: {bad.split('=')[0]} must be a whole number" in proc.stderr, proc.stderr
+    assert not marker.exists()
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +178,16 @@ def test_train_job_then_a_requeue_resumes_exactly(slurm, mantis_out, tmp_path):
     args = [str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", "train.steps=30",
             *FAST]
     ok(train(*args, f"out={tmp_path / 'here'}"))
-    job = _submit(slurm, "--cpus-per-task=2", f"--output={tmp_path}/job.log",
-                  "slurm/train.sbatch", *args, f"out={tmp_path / 'job'}")
+    job = _submit(slurm, "--cpus-per-task=2", "--gpus-per-node=1",
+                  f"--output={tmp_path}/job.log", "slurm/train.sbatch", *args,
+                  f"out={tmp_path / 'job'}")
     _wait(slurm, job)
     assert losses(tmp_path / "job") == losses(tmp_path / "here"), \
         (tmp_path / "job.log").read_text()[-3000:]
     requeued = tmp_path / "requeued"
-    job = _submit(slurm, "--cpus-per-task=2", f"--output={tmp_path}/requeued.log",
-                  "slurm/train.sbatch", *args, f"out={requeued}")
+    job = _submit(slurm, "--cpus-per-task=2", "--gpus-per-node=1",
+                  f"--output={tmp_path}/requeued.log", "slurm/train.sbatch", *args,
+                  f"out={requeued}")
     end = time.monotonic() + 300
     while not ((requeued / "metrics.jsonl").is_file() and len(records(requeued)) >= 2):
         assert time.monotonic() < end and _queued(slurm, job), \
@@ -174,8 +213,8 @@ def test_two_task_job_rendezvous_equals_dp2(slurm, mantis_out, tmp_path):
             "train.micro_batch_size=2", *FAST]
     ok(train(*args, f"out={tmp_path / 'here'}", nproc=2))
     job = _submit(slurm, "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-                  f"--output={tmp_path}/job.log", "slurm/train.sbatch", *args,
-                  f"out={tmp_path / 'job'}")
+                  "--gpus-per-node=2", f"--output={tmp_path}/job.log", "slurm/train.sbatch",
+                  *args, f"out={tmp_path / 'job'}")
     _wait(slurm, job)
     log = (tmp_path / "job.log").read_text()
     assert "2 node(s) x 1 process(es)" in log and "--nnodes 2" in log, log[-3000:]
@@ -183,3 +222,25 @@ def test_two_task_job_rendezvous_equals_dp2(slurm, mantis_out, tmp_path):
     # bit-equal: the same DP=2 arithmetic (one thread a rank; a sum of two is order-free)
     assert losses(tmp_path / "job") == losses(tmp_path / "here"), log[-3000:]
     assert records(tmp_path / "job", "val_loss") == records(tmp_path / "here", "val_loss")
+
+
+@pytest.mark.slow
+def test_make_submits_a_job_that_asks_for_its_gpus(slurm, mantis_out, tmp_path):
+    """``make slurm-train-* SUBMIT=1 GPUS=2``: the job SLURM queues asks for 2 GPUs per node
+    (its TRES), its launcher starts one process per GPU, and it trains (here on the CPU: the
+    test cluster's GPUs are declared, not present)."""
+    env = {**slurm, "SBATCH_OUTPUT": str(tmp_path / "job.log")}
+    proc = subprocess.run(
+        ["make", "-s", "slurm-train-qwen-vl-mantis", "SUBMIT=1", "GPUS=2", "STEPS=2",
+         f"DATA={mantis_out}/metadataset.yaml", f"OUT={tmp_path / 'run'}",
+         f"ARGS={' '.join(FAST)} train.micro_batch_size=1"],
+        cwd=REPO, env=env, text=True, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.split()[-1]
+    shown = subprocess.run(["scontrol", "show", "job", job], env=slurm, text=True,
+                           capture_output=True).stdout
+    assert "TresPerNode=gres:gpu:2" in shown, shown
+    _wait(slurm, job)
+    log = (tmp_path / "job.log").read_text()
+    assert "1 node(s) x 2 process(es)" in log and "world 2 = " in log, log[-3000:]
+    assert len(losses(tmp_path / "run")) == 2, log[-3000:]
