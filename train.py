@@ -55,7 +55,14 @@ from recipes.forward import NonFiniteGuard, optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
 from recipes.memory import estimate as estimate_memory
 from recipes.metrics import MetricsLogger, StepMeter
-from recipes.model_setup import base_source, build_model, check_base, freeze, import_hf_weights
+from recipes.model_setup import (
+    base_source,
+    build_model,
+    check_base,
+    freeze,
+    import_hf_weights,
+    select_kernels,
+)
 from recipes.resume import reconcile
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.run_folder import SKIP_LOG, StopSignal, lock_run, prepare_run_folder
@@ -189,10 +196,11 @@ def uses_bf16(t) -> bool:
 
 
 def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
-    """The model (from ``model.hf``, ``train.init_checkpoint`` or random init; a resumed run
-    whose checkpoints hold only what trains loads its base from there again, checked against
-    the recorded one), LoRA adapters and frozen groups, bf16 and DDP wrappers, megatron's
-    optimizer (state sharded over DP with ``train.distributed_optimizer``)."""
+    """The kernels of each layer kind (one line each), the model (from ``model.hf``,
+    ``train.init_checkpoint`` or random init; a resumed run whose checkpoints hold only what
+    trains loads its base from there again, checked against the recorded one), LoRA adapters
+    and frozen groups, bf16 and DDP wrappers, megatron's optimizer (state sharded over DP with
+    ``train.distributed_optimizer``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -213,6 +221,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
         init = import_hf_weights(cfg, run.is_logger)
     hf_folder = resolve(cfg.hf, weights=False) if cfg.hf else None  # the model's own files
     model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
+    select_kernels(cfg.kernels, cfg.model, torch.bfloat16 if bf16 else torch.float32, run.is_logger)
     model = build_model(cfg)
     if init and load_init:
         load_weights(model, weights_folder(init), init)

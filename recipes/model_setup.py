@@ -5,7 +5,8 @@ parameter groups the run freezes and the LoRA adapters it adds (``freeze``: ``mo
 grouped by the family's ``parameter_group``, and ``model.peft=lora``: ``models.lora``; a frozen
 parameter has ``requires_grad`` off before DDP and the optimizer are built, so it gets no
 gradient buffer, no reduction and no optimizer state), and the frozen base a run's checkpoints
-refer to instead of holding it (``base_source``).
+refer to instead of holding it (``base_source``), and the kernels every layer kind runs on
+(``select_kernels``: models/kernels, one start-up line per kind).
 """
 
 from __future__ import annotations
@@ -14,6 +15,23 @@ from pathlib import Path
 
 from contract.errors import UsageError
 from models import cpu
+
+
+def select_kernels(kernels_cfg, model_cfg, dtype=None, log: bool = True,
+                   prefix: str = "[train]") -> dict:
+    """Choose the kernels of ``model_cfg``'s layer kinds for this process's device and ``dtype``
+    (None: torch's default; ``kernels_cfg``, the run config's ``kernels``: auto or forced,
+    ``models.kernels.select``) before the model is built; print one line per kind when ``log``.
+
+    Raises:
+        KernelError: a forced kernel that is missing, refused or disagrees (one line).
+    """
+    from models import kernels
+
+    choices = kernels.select(kernels_cfg, model_cfg.kernel_kinds(), dtype=dtype)
+    for choice in choices.values() if log else ():
+        print(f"{prefix} kernel {choice.line()}", flush=True)
+    return choices
 
 
 def build_model(cfg):
