@@ -255,6 +255,35 @@ def grouped_gemm(te_layers: bool) -> bool:
     return te_layers and chosen("experts").name == "te_grouped_gemm"
 
 
+def survey(kinds=LAYER_KINDS, *, device=None, dtype=None) -> list[dict]:
+    """Every implementation of ``kinds`` on ``device`` / ``dtype`` and its verdict (the check's
+    relative differences, or why it did not run) with the seconds its first check took (loading
+    and compiling included); what bench/gpu_check.py reports. Binds nothing."""
+    import time
+
+    from models.kernels.candidates import CANDIDATES
+
+    rows, chosen = [], {}
+    for kind in _order(kinds):
+        ctx = _context(device, dtype, dict(chosen))
+        for candidate in CANDIDATES[kind]:
+            row = {"kind": kind, "name": candidate.name, "label": candidate.label,
+                   "dtype": str(ctx.dtype).replace("torch.", "")}
+            if candidate.check is None:
+                rows.append(row | {"status": "reference"})
+                continue
+            if candidate.needs_cuda and ctx.device.type != "cuda":
+                rows.append(row | {"status": "unavailable", "reason": "on CPU"})
+                continue
+            tick = time.perf_counter()
+            impl, errors, reason = _verdict(candidate, ctx)
+            status = "accepted" if impl is not None else "rejected" if errors else "unavailable"
+            rows.append(row | {"status": status, "reason": reason, "errors": errors,
+                               "check_s": round(time.perf_counter() - tick, 3)})
+        chosen[kind] = _choose(kind, AUTO, ctx)
+    return rows
+
+
 def reset() -> None:
     """Forget every choice and verdict of this process (tests)."""
     _BOUND.clear()

@@ -106,7 +106,32 @@ TORCH_CONV = SimpleNamespace(fn=torch_conv.causal_conv1d_fn, update=torch_conv.c
 
 
 # ------------------------------------------------------------------ mamba
+def _mamba1_stand_in() -> None:
+    """mamba_ssm <= 2.3.2.post1 imports its Mamba-1 CUDA extension (``selective_scan_cuda``) in
+    the package's ``__init__``; a Triton-only build (``MAMBA_SKIP_CUDA_BUILD=TRUE``) has none, so
+    not even its Mamba2 Triton kernels import. Where the package is installed without it, a
+    stand-in module takes its name; calling Mamba-1's scan (which Mamba2 never does) raises."""
+    import sys
+    import types
+
+    if "selective_scan_cuda" in sys.modules or importlib.util.find_spec("mamba_ssm") is None:
+        return
+    if importlib.util.find_spec("selective_scan_cuda") is not None:
+        return
+
+    def missing(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError("selective_scan_cuda: this mamba_ssm is a Triton-only build "
+                           "(Mamba-1's CUDA scan is not built)")
+
+    stand_in = types.ModuleType("selective_scan_cuda")
+    stand_in.__getattr__ = missing
+    sys.modules["selective_scan_cuda"] = stand_in
+
+
 def _mamba_ssm(ctx: Context):
+    _mamba1_stand_in()
     ssd = _module("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm")
     norm = _module("mamba_ssm.ops.triton.layernorm_gated", "mamba_ssm").RMSNorm
     try:
