@@ -478,15 +478,19 @@ def verify_part(report: Report, smoke: bool, out: Path, hf_models: str | None) -
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def family_row(family: str) -> dict:
-        stdout, stderr = runs[family].communicate(timeout=400)
+        try:
+            stdout, stderr = runs[family].communicate(timeout=max(30.0, report.left()))
+        except subprocess.TimeoutExpired:
+            runs[family].kill()
+            raise
         if runs[family].returncode != 0:
             print(stderr[-4000:], file=sys.stderr)
             errors = [line for line in stderr.splitlines() if "Error" in line or "error:" in line]
             raise RuntimeError(errors[-1] if errors else "failed")
-        report = json.loads(stdout[stdout.index("{"):])
+        found = json.loads(stdout[stdout.index("{"):])
         return {"device": "cpu" if smoke else "cuda", "dtype": "float32",
-                "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in report.values()),
-                "inputs": {name: r["max_abs_logit_diff"] for name, r in report.items()}}
+                "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in found.values()),
+                "inputs": {name: r["max_abs_logit_diff"] for name, r in found.items()}}
 
     for family in families:
         guarded(report, "verify", {"family": family}, partial(family_row, family))
