@@ -114,6 +114,8 @@ def _context(device, dtype, chosen: dict):
 
 def _verdict(candidate, ctx) -> tuple[Any, dict, str]:
     """(impl or None, check errors, reason) of a fast candidate, cached per process."""
+    import torch
+
     from models.kernels.candidates import AFTER, REFERENCES, Unavailable
     from models.kernels.checks import TOLERANCE
 
@@ -128,7 +130,9 @@ def _verdict(candidate, ctx) -> tuple[Any, dict, str]:
     else:
         reference = REFERENCES[candidate.kind]
         try:
-            errors = candidate.check(impl, reference, ctx.device, ctx.dtype)
+            with torch.device("cpu"):  # the checks place their tensors themselves (not on
+                # a caller's default device, e.g. recipes.memory's meta-device build)
+                errors = candidate.check(impl, reference, ctx.device, ctx.dtype)
         except Exception as error:  # noqa: BLE001 - a kernel that fails its check is not used
             lines = str(error).strip().splitlines()
             found = (None, {}, f"{candidate.label} failed its check ({type(error).__name__}: "
@@ -155,7 +159,8 @@ def _choose(kind: str, setting: str, ctx) -> Choice:
         if setting not in (AUTO, candidate.name):
             continue
         if candidate.check is None:  # the reference
-            why = "; ".join(reasons) or ("forced" if setting != AUTO else "the reference")
+            why = "; ".join(reasons) or (f"kernels.{kind}={setting}" if setting != AUTO
+                                         else "the reference")
             if on_cpu:
                 why = "on CPU: the fast kernels need CUDA" + (f"; {why}" if reasons else "")
             return Choice(kind, candidate.name, candidate.label, why,

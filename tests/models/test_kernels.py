@@ -134,8 +134,8 @@ def test_forced_kernel_that_cannot_run_is_one_line_error(fresh):
                                          r"\(Triton\) needs a CUDA device") as error:
         kernels.select(kernels.KernelsConfig(mamba="mamba_ssm"), ("mamba",))
     assert "\n" not in str(error.value)
-    assert kernels.select(kernels.KernelsConfig(mamba="torch"), ("mamba",))["mamba"].reason == (
-        "forced")
+    assert kernels.select(kernels.KernelsConfig(mamba="torch"), ("mamba",))["mamba"].line() == (
+        "mamba: torch chunked scan (kernels.mamba=torch)")
 
 
 def test_missing_package_is_the_reason(fresh):
