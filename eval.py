@@ -143,6 +143,7 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     from models.parallel import init_parallel, init_process_group
     from recipes.compatibility import TOKEN_IDS, check_compatible
     from recipes.data import load_run_tokenizer
+    from recipes.model_setup import select_kernels
 
     te_cfg = cfg.task_encoder
     tokenizer = load_run_tokenizer(te_cfg, out)
@@ -152,6 +153,7 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     init_process_group()  # torchrun's processes, or this one alone
     world = torch.distributed.get_world_size()
     init_parallel(seed=cfg.train.seed, ep=expert_ranks(cfg, found.model_config, world))
+    select_kernels(cfg.kernels, found.model_config, log=reporting(), prefix="[eval]")
     return tokenizer, encoder, load_model(found, use_te=False)
 
 

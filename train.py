@@ -55,7 +55,15 @@ from recipes.estimate import estimate as estimate_memory
 from recipes.forward import NonFiniteGuard, optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
 from recipes.metrics import MetricsLogger, StepMeter
-from recipes.model_setup import base_source, build_model, check_base, freeze, import_hf_weights
+from recipes.model_setup import (
+    base_source,
+    build_model,
+    check_base,
+    freeze,
+    import_hf_weights,
+    select_kernels,
+    wrap_for_training,
+)
 from recipes.resume import reconcile
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.run_folder import SKIP_LOG, StopSignal, lock_run, prepare_run_folder
@@ -190,17 +198,14 @@ def uses_bf16(t) -> bool:
 
 
 def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
-    """The model (from ``model.hf``, ``train.init_checkpoint`` or random init; a resumed run
-    whose checkpoints hold only what trains loads its base from there again, checked against
-    the recorded one), LoRA adapters and frozen groups, bf16 and DDP wrappers, megatron's
-    optimizer (state sharded over DP with ``train.distributed_optimizer``)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
+    """The kernels of each layer kind (one line each), the model (from ``model.hf``,
+    ``train.init_checkpoint`` or random init; a resumed run whose checkpoints hold only what
+    trains loads its base from there again, checked against the recorded one), LoRA adapters
+    and frozen groups, bf16 and DDP wrappers, megatron's optimizer (state sharded over DP with
+    ``train.distributed_optimizer``)."""
     from models.checkpoint import load_weights, model_record
     from models.checkpoint_folders import weights_folder
     from models.hf_source import resolve
-    from models.parallel import expert_grads_counted_once
 
     cfg, t = plan.config, plan.config.train
     bf16 = uses_bf16(t)
@@ -214,29 +219,12 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
         init = import_hf_weights(cfg, run.is_logger)
     hf_folder = resolve(cfg.hf, weights=False) if cfg.hf else None  # the model's own files
     model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
+    select_kernels(cfg.kernels, cfg.model, torch.bfloat16 if bf16 else torch.float32, run.is_logger)
     model = build_model(cfg)
     if init and load_init:
         load_weights(model, weights_folder(init), init)
     _total, trainable, adapted = freeze(model, cfg)
-    if bf16:
-        from megatron.core.transformer.module import Float16Module
-        model.config.bf16 = True
-        model.config.pipeline_dtype = torch.bfloat16  # the activations sent between PP stages
-        model = Float16Module(model.config, model)
-    sharded = t.distributed_optimizer
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=sharded,
-                                               bucket_size=None)
-    model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    state = {} if t.optimizer_state == "fp32" else dict(  # megatron's precision-aware Adam
-        use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
-        exp_avg_sq_dtype=torch.bfloat16)
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
-        params_dtype=torch.float32, use_distributed_optimizer=sharded,
-        clip_grad=t.clip_grad, **state), [model])
-    expert_grads_counted_once(optimizer)
+    model, optimizer = wrap_for_training(model, t, bf16)
     if plan.resume is not None and recorded is None:
         base = None  # an earlier checkpoint of this run holds every weight: so do the next ones
     return Trainee(model, optimizer, sum(q.numel() for q in model.parameters()), trainable,

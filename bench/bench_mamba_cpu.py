@@ -1,4 +1,4 @@
-"""CPU speed of the Mamba layers' torch path (models/cpu/mamba.py under megatron's MambaMixer),
+"""CPU speed of the Mamba layers' torch path (models/kernels/mamba.py under megatron's MambaMixer),
 side by side with transformers' NemotronH on its own torch path, in one run.
 
 One process, ``--threads`` intra-op threads, fp32. For each case the hybrid LM of our Nemotron-Omni
@@ -14,8 +14,8 @@ next-token loss on the same random tokens (median of ``--repeats`` after one war
 Reported: tokens/s of each and ours / transformers, for the whole LM and for its first Mamba
 mixer alone (megatron's ``MambaMixer`` vs transformers' ``NemotronHMamba2Mixer``, fwd+bwd of the
 sum of its output on the LM's hidden size); the two losses (they differ where transformers clamps
-dt at ``time_step_min``, which megatron does not: docs/nemotron.md). This is a test path: GPUs
-run mamba_ssm's kernels.
+dt at ``time_step_min``, which megatron does not: docs/nemotron.md). On a GPU the torch path is
+the fallback: mamba_ssm's kernels run where they pass their check (models.kernels).
 
 Usage: python bench/bench_mamba_cpu.py --out bench_out/mamba_cpu
 """

@@ -1,47 +1,48 @@
-"""GPU check of the model and training paths (issues 4, 5, 23, 24): one short run on one GPU.
+"""GPU check of the model and training paths (issues 4, 5, 23, 24, 44): one device call on one GPU.
 
-Six parts (run in the order of ``PARTS``: deltanet, verify, packed, moe, vision, train), each
-row printed as one JSON line:
+Parts, in the order they run (``PARTS``); every row is printed as one JSON line and
+``gpu_check.json`` is rewritten after each row (complete whatever stops the run), with the
+environment (device, driver, every package's version, the command):
 
-1. ``vision``: the real-shaped vision towers (configs/qwen2_5_vl_7b.yaml, qwen3_vl_8b.yaml,
-   nemotron_omni_30b_a3b.yaml), bf16, TransformerEngine layer specs when TE is importable (the
-   local spec otherwise, said in the output), forward + backward over a batch of InfoVQA-sized
-   images; reports patches/s and the achieved TFLOP/s (``models.flops.vision_flops`` x 3).
-2. ``packed``: packed batches in megatron's THD format through TE's varlen attention (the tiny
-   models of each family, bf16): the largest |logit difference| between every packed sample and
-   the same sample alone, next to the bf16 noise of the unpacked batch (``max_abs_diff`` must
-   stay of that order; a sample that attended across its segment is off by far more);
-3. ``train``: ``train.py`` for a few real-shaped steps (Qwen2.5-VL 3B shapes, random init, bf16,
-   packing on) on lookalike shards built on the spot (lookalikes.demo); reports the median step's
-   tokens/s, TFLOP/s and MFU against the GPU's dense bf16 peak (``--peak-tflops``, 989 for an
-   H200).
-
-4. ``moe``: the tiny Qwen3-VL MoE and Qwen3.5 MoE models with TransformerEngine's grouped-GEMM
-   experts (``moe_grouped_gemm``, TE specs) against the local spec's sequential experts on the
-   same weights (saved from the local model, loaded by the dist checkpoint into the TE one), in
-   fp32 on the GPU: the largest |logit difference| and the relative difference of the gradient
-   norm after one backward (both must be at float32 noise, ~1e-5). The Qwen3.5 model also needs
-   fla-core for its DeltaNet layers (its row says so otherwise). Without TE the part is skipped.
-
-5. ``deltanet``: the Gated DeltaNet kernels the Qwen3.5 layers run on GPU (fla-core's
-   ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``, and the conv:
-   causal-conv1d, or fla-core's Triton conv where it is not installed) against the torch versions
-   of models/cpu/gated_delta.py on the same GPU tensors, fp32: a packed row of three samples
-   (outputs, final states, every input's gradient), one decode step from those states, the conv
-   over the packed row and its decode update; then both chunked rules timed forward + backward at
-   Qwen3.5-9B's DeltaNet shape (16 key / 32 value heads of 128) over 8192 packed tokens, bf16.
-6. ``verify``: ``python -m models.convert hf-to-mcore`` then ``verify`` for a tiny transformers
+1. ``kernels``: every implementation of every layer kind (models/kernels: TE attention,
+   flash-attn varlen, causal-conv1d, fla-core's conv and chunked delta rule, mamba_ssm's chunked
+   scan, TE grouped experts) checked against the torch reference on this GPU, bf16 and fp32
+   (``models.kernels.survey``: accepted / rejected with the worst relative difference /
+   unavailable with the reason, the check's seconds, compile included); then the chosen Mamba
+   and Gated DeltaNet kernels against torch's, forward + backward timed on a 16K-token packed row
+   at the published layer shapes (Nemotron-3 Nano's Mamba, Qwen3.5-9B's DeltaNet), with the peak
+   memory of each (the torch chunked kernels' memory at training size).
+2. ``train``: every family trains at its published per-layer shapes (layers cut to one GPU) on
+   real-shaped samples: a Mantis row of 12 photos, a 6000x9000 page, a 64-frame video
+   (bench/gpu_train.py): real tokens/s, padded slots/s, TFLOP/s and MFU (``--peak-tflops``, 989:
+   H100 / H200 dense bf16), the vision and LM time split, peak memory beside the estimate, the
+   losses (finite, falling), the kernel lines.
+3. ``verify``: ``python -m models.convert hf-to-mcore`` then ``verify`` for a tiny transformers
    model of each family (``--hf-models DIR/<family>``, or built here with tests/tiny_hf.py): our
    model on the GPU against transformers' on the CPU, fp32, the largest |logit difference| over
    the generated inputs (the CPU parity tests' bound is 1e-4).
+4. ``packed``: packed batches in megatron's THD format (the tiny models of each family, bf16):
+   the largest |logit difference| between every packed sample and the same sample alone, next to
+   the bf16 noise of the unpacked batch (``max_abs_diff`` must stay of that order; a sample that
+   attended across its segment is off by far more).
+5. ``moe``: the tiny Qwen3-VL MoE and Qwen3.5 MoE models with TransformerEngine's grouped-GEMM
+   experts (TE specs) against the local spec's sequential experts on the same weights (saved
+   from the local model, loaded by the dist checkpoint into the TE one), fp32: the largest
+   |logit difference| and the relative difference of the gradient norm after one backward. Without
+   TE the part is skipped.
+6. ``vision``: the real-shaped vision towers (configs/qwen2_5_vl_7b.yaml, qwen3_vl_8b.yaml,
+   nemotron_omni_30b_a3b.yaml), bf16, TE layer specs when TE is importable, forward + backward
+   over InfoVQA-sized images: patches/s and TFLOP/s (``models.flops.vision_flops`` x 3).
 
-Each part's rows are written to ``gpu_check.json`` as soon as the part ends; a row that fails
-records its error's last line (the traceback goes to stderr) and the next row runs.
+A row that fails records its error's last line (the traceback goes to stderr) and the next row
+runs. ``--budget-s``: past it, the remaining families and parts are skipped (recorded), so one
+device call ends with a complete JSON.
 
 ``--smoke`` runs every part with the tiny configs on CPU in seconds: the test suite runs it so
-the script itself is known to work where no GPU is lent (bench/gpu_check.sh is the device entry).
+the script itself is known to work where no GPU is lent (bench/gpu_check.sh is the device entry;
+bench/gpu_cards.py turns the JSON into docs/cards/<family>.md).
 
-Run: python bench/gpu_check.py [--out bench_out] [--steps 6] [--smoke] [--part NAME]
+Run: python bench/gpu_check.py [--out bench_out] [--steps 20] [--smoke] [--part NAME ...]
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -60,6 +62,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.gpu_kernels import kernels_part  # noqa: E402 - after the path
+
 #: part -> (model config of the real run, of the smoke run)
 TOWERS = {
     "qwen2.5-vl-7b": ("configs/qwen2_5_vl_7b.yaml", "configs/qwen2_5_vl_tiny.yaml"),
@@ -67,10 +71,13 @@ TOWERS = {
     "nemotron-omni-30b-a3b": ("configs/nemotron_omni_30b_a3b.yaml",
                               "configs/nemotron_omni_tiny.yaml"),
 }
-#: the parts in the order they run (the issues' open checks first, the longest last)
-PARTS = ("deltanet", "verify", "packed", "moe", "vision", "train")
+#: the parts in the order they run (the kernels first: the train part depends on them)
+PARTS = ("kernels", "train", "verify", "packed", "moe", "vision")
 #: images per vision batch as (height, width) in pixels: InfoVQA-like pages at ~1 MP
 IMAGES = [(1344, 896), (1024, 1024), (1792, 672), (896, 1344)]
+#: the packages whose versions a card lists
+PACKAGES = ("torch", "triton", "transformer_engine", "flash_attn", "mamba_ssm", "causal_conv1d",
+            "fla", "megatron.core", "megatron.energon", "transformers", "av")
 
 
 def te_available() -> bool:
@@ -79,6 +86,68 @@ def te_available() -> bool:
         return True
     except ImportError:
         return False
+
+
+class Report:
+    """The JSON report: the environment, then each part's rows; written after every row."""
+
+    def __init__(self, out: Path, budget_s: float):
+        self.path = out / "gpu_check.json"
+        self.deadline = time.monotonic() + budget_s
+        self.data = {"environment": environment(), "parts": {}}
+        self.save()
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def add(self, part: str, row: dict) -> dict:
+        self.data["parts"].setdefault(part, []).append({"part": part, **row})
+        print(json.dumps(self.data["parts"][part][-1]), flush=True)
+        self.save()
+        return row
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1))
+
+
+def environment() -> dict:
+    """Device, driver, Python, every package's version and the command of this run."""
+    import importlib
+    import importlib.metadata
+
+    import torch
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            module = importlib.import_module(name)
+            versions[name] = str(getattr(module, "__version__", "") or "installed")
+        except Exception as error:  # noqa: BLE001 - absent or broken: say which
+            versions[name] = ("not installed" if isinstance(error, ImportError)
+                              and "No module named" in str(error) else f"broken: {error}"[:120])
+    cuda = torch.cuda.is_available()
+    driver = ""
+    if cuda:
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                     "--format=csv,noheader"], capture_output=True, text=True,
+                                    timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            driver = "unknown"
+    return {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "gpu_memory_gb": round(torch.cuda.get_device_properties(0).total_memory / 2 ** 30, 1)
+            if cuda else None, "cuda": torch.version.cuda, "driver": driver,
+            "python": platform.python_version(), "packages": versions,
+            "command": " ".join(["python", *sys.argv]),
+            "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def time_step(tower, pixels, grid, repeats: int) -> float:
@@ -108,19 +177,38 @@ def last_line(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:500]
 
 
-def guarded(rows: list, part: str, label: dict, work) -> None:
-    """Append (and print) ``work()``'s row, labelled; a failure becomes the row's ``error`` (its
-    last line; the traceback on stderr) and the part goes on with its next row."""
+def guarded(report: Report, part: str, label: dict, work) -> None:
+    """Add ``work()``'s row, labelled; a failure becomes the row's ``error`` (its last line; the
+    traceback on stderr) and the part goes on with its next row."""
     try:
         row = work()
     except Exception as error:  # noqa: BLE001 - a check reports every row it can
         traceback.print_exc()
         row = {"error": last_line(error)}
-    rows.append({"part": part, **label, **row})
-    print(json.dumps(rows[-1]), flush=True)
+    report.add(part, {**label, **row})
 
 
-def vision_part(smoke: bool, repeats: int) -> list[dict]:
+# ------------------------------------------------------------------ train
+def train_part(report: Report, smoke: bool, steps: int, out: Path, peak_tflops: float) -> None:
+    """Every family's training row (bench/gpu_train.py); past the budget the rest are skipped."""
+    import gc
+
+    import torch
+
+    from bench.gpu_train import FAMILIES, train_family
+
+    for family in FAMILIES:
+        if report.left() < 30:
+            report.add("train", {"family": family, "skipped": "the run's time budget is spent"})
+            continue
+        guarded(report, "train", {"family": family},
+                partial(train_family, family, smoke, steps, out, peak_tflops))
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def vision_part(report: Report, smoke: bool, repeats: int) -> None:
     import torch
 
     from energon_tasks.config import TaskEncoderConfig
@@ -132,7 +220,6 @@ def vision_part(smoke: bool, repeats: int) -> list[dict]:
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     use_te = te_available() and not smoke
-    rows = []
 
     def tower_row(name: str, real: str, tiny: str) -> dict:
         family = "nemotron_omni" if name.startswith("nemotron") else "qwen2_5_vl"
@@ -164,8 +251,7 @@ def vision_part(smoke: bool, repeats: int) -> list[dict]:
                 "tflops_per_s": round(flops / seconds / 1e12, 2)}
 
     for name, (real, tiny) in TOWERS.items():
-        guarded(rows, "vision", {"tower": name}, partial(tower_row, name, real, tiny))
-    return rows
+        guarded(report, "vision", {"tower": name}, partial(tower_row, name, real, tiny))
 
 
 def logits(model, inputs: dict):
@@ -183,7 +269,7 @@ def logits(model, inputs: dict):
         return model(**moved).float().cpu()
 
 
-def packed_part(smoke: bool) -> list[dict]:
+def packed_part(report: Report, smoke: bool) -> None:
     """Each family's tiny model: packed samples vs the same samples alone (max |logit diff|)."""
     import torch
 
@@ -196,7 +282,6 @@ def packed_part(smoke: bool) -> list[dict]:
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     use_te = te_available() and not smoke
-    rows = []
 
     def family_row(family: str, config: str) -> dict:
         cfg = config_module(family).load_yaml(REPO / "configs" / f"{config}.yaml")
@@ -223,11 +308,10 @@ def packed_part(smoke: bool) -> list[dict]:
 
     for family, config in (("qwen2_5_vl", "qwen2_5_vl_tiny"), ("qwen3_vl", "qwen3_vl_tiny"),
                            ("qwen3_5", "qwen3_5_tiny"), ("nemotron_omni", "nemotron_omni_tiny")):
-        guarded(rows, "packed", {"family": family}, partial(family_row, family, config))
-    return rows
+        guarded(report, "packed", {"family": family}, partial(family_row, family, config))
 
 
-def moe_part(smoke: bool, out: Path) -> list[dict]:
+def moe_part(report: Report, smoke: bool, out: Path) -> None:
     """The tiny MoE models: grouped-GEMM experts (TE) vs sequential experts (local), same weights;
     on CPU (``smoke``) both are the local spec (the plumbing only)."""
     import torch
@@ -240,10 +324,10 @@ def moe_part(smoke: bool, out: Path) -> list[dict]:
     init_parallel()
     device = "cpu" if smoke else "cuda"
     use_te = te_available() and not smoke
-    rows = []
     if not smoke and not use_te:
-        return [{"part": "moe", "skipped": "TransformerEngine is not installed: no grouped-GEMM "
-                                           "experts to compare with the sequential ones"}]
+        report.add("moe", {"skipped": "TransformerEngine is not installed: no grouped-GEMM "
+                                      "experts to compare with the sequential ones"})
+        return
 
     def family_row(family: str, config: str) -> dict:
         cfg = config_module(family).load_yaml(REPO / "configs" / f"{config}.yaml")
@@ -269,138 +353,7 @@ def moe_part(smoke: bool, out: Path) -> list[dict]:
 
     for family, config in (("qwen3_vl_moe", "qwen3_vl_moe_tiny"),
                            ("qwen3_5_moe", "qwen3_5_moe_tiny")):
-        guarded(rows, "moe", {"family": family}, partial(family_row, family, config))
-    return rows
-
-
-def deltanet_part(smoke: bool) -> list[dict]:
-    """The Gated DeltaNet kernels models/gated_deltanet.py runs (fla-core / causal-conv1d on GPU)
-    against the torch versions of models/cpu/gated_delta.py on the same tensors (module
-    docstring, part 5); on CPU (``smoke``) both are the torch ones (the plumbing only)."""
-    import torch
-    import torch.nn.functional as F
-
-    from models import gated_deltanet as kernels
-    from models.cpu import gated_delta as reference
-    from models.parallel import init_parallel
-
-    init_parallel()  # on CPU: binds the torch kernels into models.gated_deltanet
-    device = "cpu" if smoke else "cuda"
-    if kernels.chunk_gated_delta_rule is None or kernels.causal_conv1d_fn is None:
-        return [{"part": "deltanet", "skipped": "fla-core is not installed"}]
-    conv_kind = ("fla-core triton" if kernels.causal_conv1d_fn is kernels.fla_causal_conv1d_fn
-                 else getattr(kernels.causal_conv1d_fn, "__module__", "?"))
-    rows = []
-
-    def rel(a, b) -> float:
-        return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
-
-    def inputs(length: int, heads: int, dim: int, dtype, seed: int):
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-
-        def randn(*shape):
-            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-        q, k, v = (randn(1, length, heads, dim) for _ in range(3))
-        g = F.logsigmoid(randn(1, length, heads).float() + 3).to(dtype)  # decays near 1
-        beta = torch.sigmoid(randn(1, length, heads).float()).to(dtype)
-        return [t.requires_grad_() for t in (q, k, v, g, beta)]
-
-    def chunk_row() -> dict:
-        cu = torch.tensor([0, 37, 100, 229], device=device)  # odd lengths, across chunks of 64
-        names = ("q", "k", "v", "g", "beta")
-        result = {}
-        grads = {}
-        for label, module in (("kernel", kernels), ("torch", reference)):
-            xs = inputs(229, 4, 128, torch.float32, seed=1)
-            out, state = module.chunk_gated_delta_rule(*xs, output_final_state=True,
-                                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-            result[label] = (out.detach(), state.detach())
-            # one decode step per sample from its final state
-            step = [t.detach()[:, :3].transpose(0, 1).contiguous() for t in xs]  # (3, 1, ...)
-            result[label + "_decode"] = module.fused_recurrent_gated_delta_rule(
-                *step, initial_state=state.detach().clone(), output_final_state=True,
-                use_qk_l2norm_in_kernel=True)
-            weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device)
-            try:  # fla-core refuses its backward on Hopper with Triton 3.4 - 3.7.0
-                (out * weight).sum().backward()
-                grads[label] = {n: x.grad for n, x in zip(names, xs)}
-            except RuntimeError as error:
-                grads["error"] = last_line(error)
-        row = {"dtype": "float32", "tokens": 229, "samples": 3,
-               "out_rel": rel(result["kernel"][0], result["torch"][0]),
-               "final_state_rel": rel(result["kernel"][1], result["torch"][1])}
-        if "error" in grads:
-            row["backward_error"] = grads["error"]
-        else:
-            row.update({f"grad_{n}_rel": rel(grads["kernel"][n], grads["torch"][n])
-                        for n in names})
-        row["decode_out_rel"] = rel(result["kernel_decode"][0], result["torch_decode"][0])
-        row["decode_state_rel"] = rel(result["kernel_decode"][1], result["torch_decode"][1])
-        return row
-
-    def conv_row() -> dict:
-        gen = torch.Generator().manual_seed(3)
-        channels, length, width = 96, 229, 4
-        seq_idx = torch.repeat_interleave(torch.arange(3), torch.tensor([37, 63, 129]))[None]
-        seq_idx = seq_idx.to(device=device, dtype=torch.int32)
-        outs, grads = {}, {}
-        for label, fn in (("kernel", kernels.causal_conv1d_fn),
-                          ("torch", reference.causal_conv1d_fn)):
-            x = torch.randn(1, length, channels, generator=gen.manual_seed(4)).to(device)
-            x = x.transpose(1, 2).requires_grad_()  # (b, d, l), the layer's strides
-            w = torch.randn(channels, width, generator=gen.manual_seed(5)).to(device)
-            w.requires_grad_()
-            out = fn(x, w, None, seq_idx=seq_idx, activation="silu")
-            (out * out.detach().sin()).sum().backward()
-            outs[label], grads[label] = out.detach(), (x.grad, w.grad)
-        states, steps = {}, {}
-        for label, fn in (("kernel", kernels.causal_conv1d_update),
-                          ("torch", reference.causal_conv1d_update)):
-            state = torch.randn(3, channels, width - 1, generator=gen.manual_seed(6)).to(device)
-            token = torch.randn(3, channels, generator=gen.manual_seed(7)).to(device)
-            w = torch.randn(channels, width, generator=gen.manual_seed(5)).to(device)
-            steps[label] = fn(token, state, w, None, "silu")
-            states[label] = state
-        return {"conv": conv_kind, "out_rel": rel(outs["kernel"], outs["torch"]),
-                "grad_x_rel": rel(grads["kernel"][0], grads["torch"][0]),
-                "grad_w_rel": rel(grads["kernel"][1], grads["torch"][1]),
-                "update_out_rel": rel(steps["kernel"], steps["torch"]),
-                "update_state_rel": rel(states["kernel"], states["torch"])}
-
-    def speed_row() -> dict:
-        length, heads, dim = (512, 4, 32) if smoke else (8192, 32, 128)  # Qwen3.5-9B: 32 x 128
-        cu = torch.arange(0, length + 1, length // 4, device=device)
-        dtype = torch.float32 if smoke else torch.bfloat16
-        timed = {}
-        for label, rule in (("kernel", kernels.chunk_gated_delta_rule),
-                            ("torch", reference.chunk_gated_delta_rule)):
-            xs = inputs(length, heads, dim, dtype, seed=8)
-
-            def step(rule=rule, xs=xs):
-                out, _ = rule(*xs, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-                out.float().square().mean().backward()
-
-            step()
-            times = []
-            for _ in range(3):
-                if not smoke:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                step()
-                if not smoke:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            timed[label] = statistics.median(times)
-        return {"dtype": str(dtype), "tokens": length, "value_heads": heads, "head_dim": dim,
-                "kernel_fwd_bwd_s": round(timed["kernel"], 5),
-                "torch_fwd_bwd_s": round(timed["torch"], 5),
-                "speedup": round(timed["torch"] / timed["kernel"], 2)}
-
-    guarded(rows, "deltanet", {"check": "chunk_and_decode"}, chunk_row)
-    guarded(rows, "deltanet", {"check": "conv"}, conv_row)
-    guarded(rows, "deltanet", {"check": "speed"}, speed_row)
-    return rows
+        guarded(report, "moe", {"family": family}, partial(family_row, family, config))
 
 
 #: the families the verify part imports and checks (the smoke run: the first only)
@@ -419,11 +372,11 @@ def build_tiny_hf_folder(family: str, folder: Path) -> Path:
     return tiny_hf.build_tiny_hf(family, folder)
 
 
-def verify_part(smoke: bool, out: Path, hf_models: str | None) -> list[dict]:
+def verify_part(report: Report, smoke: bool, out: Path, hf_models: str | None) -> None:
     """``models.convert hf-to-mcore`` + ``verify`` per family, the families side by side (one
     process pair each); the largest |logit difference| over verify's inputs."""
     families = VERIFY_FAMILIES[:1] if smoke else VERIFY_FAMILIES
-    rows, runs = [], {}
+    runs = {}
     for family in families:
         hf = Path(hf_models) / family if hf_models else out / "gpu_check_hf" / family
         if not (hf / "config.json").is_file():
@@ -435,71 +388,35 @@ def verify_part(smoke: bool, out: Path, hf_models: str | None) -> list[dict]:
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def family_row(family: str) -> dict:
-        stdout, stderr = runs[family].communicate(timeout=400)
+        try:
+            stdout, stderr = runs[family].communicate(timeout=max(30.0, report.left()))
+        except subprocess.TimeoutExpired:
+            runs[family].kill()
+            raise
         if runs[family].returncode != 0:
             print(stderr[-4000:], file=sys.stderr)
             errors = [line for line in stderr.splitlines() if "Error" in line or "error:" in line]
             raise RuntimeError(errors[-1] if errors else "failed")
-        report = json.loads(stdout[stdout.index("{"):])
+        found = json.loads(stdout[stdout.index("{"):])
         return {"device": "cpu" if smoke else "cuda", "dtype": "float32",
-                "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in report.values()),
-                "inputs": {name: r["max_abs_logit_diff"] for name, r in report.items()}}
+                "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in found.values()),
+                "inputs": {name: r["max_abs_logit_diff"] for name, r in found.items()}}
 
     for family in families:
-        guarded(rows, "verify", {"family": family}, partial(family_row, family))
-    return rows
-
-
-def train_part(smoke: bool, steps: int, out: Path, peak_tflops: float,
-               data: str | None = None) -> dict:
-    """train.py on Mantis-like shards (``data``, or lookalikes built on the spot); the median
-    logged step's throughput."""
-    if data is None:
-        built = out / "gpu_check_data"
-        if not (built / "mantis" / "metadataset.yaml").is_file():
-            subprocess.run([sys.executable, "-m", "lookalikes.demo", "--out", str(built)],
-                           cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-        data = str(built / "mantis" / "metadataset.yaml")
-    run = out / "gpu_check_run"
-    overrides = [f"data.path={data}", f"out={run}",
-                 f"train.steps={steps}", "log.tensorboard=false", "checkpoint.save_final=false",
-                 "data.num_workers=2", "task_encoder.packing=true"]
-    if not smoke:  # real shapes: Qwen2.5-VL 3B, InfoVQA-class resolution, bf16
-        overrides += ["model.base=configs/qwen2_5_vl_3b.yaml", "task_encoder.max_pixels=1003520",
-                      "task_encoder.max_visual_tokens=8192", "task_encoder.seq_length=4096",
-                      "train.micro_batch_size=2", "train.lr=1e-5", "train.min_lr=1e-6",
-                      "train.precision=bf16"]
-    proc = subprocess.run([sys.executable, "train.py", "configs/train_qwen_vl_mantis.yaml",
-                           *overrides, "--overwrite"], cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(proc.stderr[-6000:], file=sys.stderr)
-        raise RuntimeError(f"train.py failed ({proc.returncode}): "
-                           f"{proc.stderr.strip().splitlines()[-1:]}")
-    records = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-               if "loss" in r]  # training steps (not the val_loss records)
-    timed = records[1:] or records  # the first step pays compilation / allocator warm-up
-    tflops = statistics.median(r["tflops_per_s"] for r in timed)
-    result = {"part": "train", "model": "tiny" if smoke else "qwen2.5-vl-3b", "steps": steps,
-              "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"],
-              "step_time_s": statistics.median(r["step_time_s"] for r in timed),
-              "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-              "visual_tokens_per_s": statistics.median(r["visual_tokens_per_s"] for r in timed),
-              "tflops_per_s": tflops, "mfu": round(tflops / peak_tflops, 4),
-              "peak_mem_gb": max(r["peak_mem_gb"] for r in records)}
-    print(json.dumps(result), flush=True)
-    return result
+        guarded(report, "verify", {"family": family}, partial(family_row, family))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20, help="training steps per family")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="seconds after which the remaining families and parts are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (tests)")
     ap.add_argument("--part", nargs="+", choices=("all", *PARTS), default=["all"],
                     help="the parts to run, in the order of PARTS")
-    ap.add_argument("--data", help="Mantis-like dataset for the train part (default: lookalikes)")
     ap.add_argument("--hf-models", help="folder of tiny HF models named by family for the verify "
                                         "part (default: built with tests/tiny_hf.py)")
     args = ap.parse_args()
@@ -510,24 +427,25 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             raise SystemExit("gpu_check: no CUDA device (use --smoke for the CPU plumbing run)")
+    report = Report(out, args.budget_s)
     parts = {
-        "deltanet": lambda: deltanet_part(args.smoke),
-        "verify": lambda: verify_part(args.smoke, out, args.hf_models),
-        "packed": lambda: packed_part(args.smoke),
-        "moe": lambda: moe_part(args.smoke, out),
-        "vision": lambda: vision_part(args.smoke, 2 if args.smoke else args.repeats),
-        "train": lambda: train_part(args.smoke, 3 if args.smoke else args.steps, out,
-                                    args.peak_tflops, args.data),
+        "kernels": lambda: kernels_part(report, args.smoke, partial(guarded, report)),
+        "train": lambda: train_part(report, args.smoke, 4 if args.smoke else args.steps, out,
+                                    args.peak_tflops),
+        "verify": lambda: verify_part(report, args.smoke, out, args.hf_models),
+        "packed": lambda: packed_part(report, args.smoke),
+        "moe": lambda: moe_part(report, args.smoke, out),
+        "vision": lambda: vision_part(report, args.smoke, 2 if args.smoke else args.repeats),
     }
-    report = {"te": te_available()}
     for name in [part for part in PARTS if part in args.part or "all" in args.part]:
+        if report.left() < 10:
+            report.add(name, {"skipped": "the run's time budget is spent"})
+            continue
         try:
-            report[name] = parts[name]()
+            parts[name]()
         except Exception as error:  # noqa: BLE001 - the other parts still run
             traceback.print_exc()
-            report[name] = {"part": name, "error": last_line(error)}
-            print(json.dumps(report[name]), flush=True)
-        (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+            report.add(name, {"error": last_line(error)})
 
 
 if __name__ == "__main__":

@@ -34,12 +34,11 @@ on pads), and greedy generation's lean decode step runs the layer from those sta
 torch (``lean_decoder``); both live in models/decode_deltanet.py (models/decode_step.py's plug-in
 points for a recurrent layer).
 
-Kernels: flash-linear-attention (``fla-core``: ``chunk_gated_delta_rule``,
-``fused_recurrent_gated_delta_rule``) and Dao's ``causal_conv1d`` on GPU, or fla-core's own Triton
-conv where causal-conv1d is not installed (PyPI has its source only: it needs a CUDA build); without
-them (CPU) the
-torch versions of models/cpu/gated_delta.py, bound here by ``models.cpu.activate``. Building the
-layer without either is refused with one line. megatron-core versions: 0.16.1 (installed) ships a
+Kernels: what ``models.kernels`` chose for this process (kinds ``deltanet``: fla-core's
+``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` or the torch ones of
+models/kernels/gated_delta.py; ``conv``: causal-conv1d, fla-core's Triton conv or torch's), read
+when the layer runs, so every device builds and trains the layer (a GPU whose fla-core refuses
+its backward runs the torch rule). megatron-core versions: 0.16.1 (installed) ships a
 ``GatedDeltaNet`` that refuses packed sequences and inference and needs ``fla`` to build; packing
 and context parallelism for it ship in 0.18. This layer is used with every version (the model's
 spec names it), so results do not depend on the installed megatron-core; the switch to
@@ -72,80 +71,11 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
+from models import kernels
+from models.multimodal import zigzag
 from models.norms import gated_rms_norm
 
-try:  # GPU kernels (flash-linear-attention, causal-conv1d); CPU: models.cpu binds torch ones
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-except ImportError:
-    chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
-try:
-    from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-except ImportError:
-    causal_conv1d_fn = causal_conv1d_update = None
-try:  # fla-core's Triton conv: the GPU stand-in where causal-conv1d (source-only) is not built
-    from fla.modules.causal_conv1d import causal_conv1d as _fla_conv
-    from fla.modules.causal_conv1d import causal_conv1d_update as _fla_conv_update
-except ImportError:
-    _fla_conv = _fla_conv_update = None
-
-
-def fla_causal_conv1d_fn(x, weight, bias=None, seq_idx=None, activation=None):
-    """``causal_conv1d_fn``'s contract over fla-core's Triton conv: x (b, d, l), weight (d, w) ->
-    (b, d, l); a packed row's segments (``seq_idx`` (1, l)) become fla's ``cu_seqlens``."""
-    cu = None
-    if seq_idx is not None:
-        ids = seq_idx[0]
-        starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
-        cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), ids.numel())])
-    out, _ = _fla_conv(x.transpose(1, 2), weight, bias, activation=activation, cu_seqlens=cu)
-    return out.transpose(1, 2)
-
-
-def fla_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
-    """``causal_conv1d_update``'s contract over fla-core's: x (b, d) one token, ``conv_state``
-    (b, d, w - 1) the previous inputs (updated in place) -> (b, d). fla's cache holds w inputs,
-    the newest last."""
-    cache = F.pad(conv_state, (1, 0))
-    out, cache = _fla_conv_update(x, cache, weight=weight, bias=bias, activation=activation)
-    conv_state.copy_(cache[..., 1:])
-    return out
-
-
-if causal_conv1d_fn is None and _fla_conv is not None:
-    causal_conv1d_fn, causal_conv1d_update = fla_causal_conv1d_fn, fla_causal_conv1d_update
-
 PARTS = ("q", "k", "v")
-
-
-def training_kernel_problem() -> str | None:
-    """Why fla-core's gated delta rule would refuse its backward on this machine, else None:
-    fla-core >= 0.6 raises at the first backward on Hopper GPUs (H100 / H200) with Triton >= 3.4
-    and < 3.7.1 (wrong gradients there) unless tilelang is installed; seen on an H200 with torch
-    2.11's Triton 3.6.0. train.py reports it before anything is built."""
-    import importlib.util
-
-    rule = chunk_gated_delta_rule
-    if rule is None or not rule.__module__.startswith("fla.") or not torch.cuda.is_available():
-        return None
-    try:
-        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-    except ImportError:  # an fla-core without the check
-        return None
-    if (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
-            and importlib.util.find_spec("tilelang") is None):
-        import triton
-
-        return (f"Gated DeltaNet training on {torch.cuda.get_device_name(0)}: fla-core refuses "
-                f"the delta rule's backward with Triton {triton.__version__} on Hopper GPUs "
-                f"(wrong gradients below 3.7.1); install triton>=3.7.1 or tilelang")
-    return None
-
-
-def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
-    """megatron's CP share of rank ``rank``: chunks rank and 2 * cp - 1 - rank of 2 * cp (as
-    ``models.multimodal.zigzag``, which this module cannot import: models.cpu imports both)."""
-    chunks = t.chunk(2 * cp, dim)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim)
 
 
 def segment_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -221,9 +151,6 @@ class GatedDeltaNet(MegatronModule):
 
     def __init__(self, config, layer_number: int | None = None, **_unused):
         super().__init__(config=config)
-        if chunk_gated_delta_rule is None or causal_conv1d_fn is None:
-            raise ValueError("Gated DeltaNet layers need the fla-core and causal-conv1d packages "
-                             "(CUDA kernels) on GPU; they are not installed")
         self.layer_number = layer_number
         tp = parallel_state.get_tensor_model_parallel_world_size()
         c = config
@@ -385,18 +312,19 @@ class GatedDeltaNet(MegatronModule):
                                                           (index + 1) * widths[name]]
                             for name in PARTS], 0)
         decode = context is not None and context.sequence_len_offset > 0
+        conv, rule = kernels.chosen("conv").impl, kernels.chosen("deltanet").impl
         if decode:
             conv_state, state = context.key_value_memory_dict[self.layer_number]
             if length != 1:
                 raise ValueError(f"Gated DeltaNet decode steps take one token, got {length}")
-            mixed = causal_conv1d_update(x[:, 0], conv_state, weight, None, "silu")[:, None]
+            mixed = conv.update(x[:, 0], conv_state, weight, None, "silu")[:, None]
         else:
             seq_idx = cu = None
             if packed_seq_params is not None:
                 cu = packed_seq_params.cu_seqlens_q
                 seq_idx = segment_index(cu, length)
-            mixed = causal_conv1d_fn(x.transpose(1, 2), weight, None, seq_idx=seq_idx,
-                                     activation="silu").transpose(1, 2)
+            mixed = conv.fn(x.transpose(1, 2), weight, None, seq_idx=seq_idx,
+                            activation="silu").transpose(1, 2)
         q, k, v = mixed.split([widths[name] for name in PARTS], -1)
         repeat = value_heads // key_heads
         q, k = (t.reshape(batch, length, key_heads, self.key_dim)
@@ -407,12 +335,12 @@ class GatedDeltaNet(MegatronModule):
         g = -self.A_log[heads_of].float().exp() * F.softplus(
             proj["a"].float() + self.dt_bias[heads_of].float())
         if decode:
-            out, state = fused_recurrent_gated_delta_rule(
+            out, state = rule.recurrent(
                 q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
                 use_qk_l2norm_in_kernel=True)
             context.key_value_memory_dict[self.layer_number][1].copy_(state)
         else:
-            out, state = chunk_gated_delta_rule(
+            out, state = rule.chunk(
                 q, k, v, g=g, beta=beta, output_final_state=context is not None,
                 cu_seqlens=None if cu is None else cu.long(), use_qk_l2norm_in_kernel=True)
             if context is not None:  # the prefill: this layer's state for the decode steps

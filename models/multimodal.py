@@ -22,7 +22,7 @@ from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from contract.constants import IGNORE_INDEX, VISUAL_KINDS  # the batch contract
-from models.cpu import use_te_by_default
+from models import kernels
 
 
 def check_visual_counts(token_mask: torch.Tensor, grid_thw: torch.Tensor, merge_size: int,
@@ -189,6 +189,15 @@ def packed_sequence_params(cu_seqlens: torch.Tensor, max_seqlen: int | None, dev
                            max_seqlen_q=longest, max_seqlen_kv=longest, **extra)
 
 
+def resolve_kernels(cfg, use_te: bool | None) -> bool:
+    """The kernels of the model's layer kinds (``models.kernels.prepare``: what the run chose, or
+    chosen now; megatron's Mamba mixer gets its kernels bound) before any layer is built ->
+    ``use_te``: the TransformerEngine layer specs where the attention choice is TE (``use_te``
+    given: as given)."""
+    choices = kernels.prepare(cfg.kernel_kinds())
+    return choices["attention"].name == "te" if use_te is None else use_te
+
+
 class LanguageModelRunner:
     """How every family's VLM runs its language model (``self.language_model``: a megatron
     ``GPTModel`` / ``MambaModel``): the pipeline stages (``pre_process`` / ``post_process`` say
@@ -200,13 +209,11 @@ class LanguageModelRunner:
 
     model_type = ModelType.encoder_or_decoder  # megatron's pipeline schedules read it
 
-    def _init_stage(self, cfg, use_te: bool | None) -> bool:
-        """Keep ``cfg``, note which pipeline ends this stage holds; -> ``use_te`` resolved (the
-        TransformerEngine specs by default when CUDA is present)."""
+    def _init_stage(self, cfg) -> None:
+        """Keep ``cfg``, note which pipeline ends this stage holds."""
         self.cfg = cfg
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
-        return use_te_by_default() if use_te is None else use_te
 
     @staticmethod
     def _context_parallel_group():

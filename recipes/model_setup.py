@@ -5,7 +5,9 @@ parameter groups the run freezes and the LoRA adapters it adds (``freeze``: ``mo
 grouped by the family's ``parameter_group``, and ``model.peft=lora``: ``models.lora``; a frozen
 parameter has ``requires_grad`` off before DDP and the optimizer are built, so it gets no
 gradient buffer, no reduction and no optimizer state), and the frozen base a run's checkpoints
-refer to instead of holding it (``base_source``).
+refer to instead of holding it (``base_source``), and the kernels every layer kind runs on
+(``select_kernels``: models/kernels, one start-up line per kind), and the training wrappers and
+optimizer around a built model (``wrap_for_training``: train.py's and bench/gpu_train.py's).
 """
 
 from __future__ import annotations
@@ -14,6 +16,23 @@ from pathlib import Path
 
 from contract.errors import UsageError
 from models import cpu
+
+
+def select_kernels(kernels_cfg, model_cfg, dtype=None, log: bool = True,
+                   prefix: str = "[train]") -> dict:
+    """Choose the kernels of ``model_cfg``'s layer kinds for this process's device and ``dtype``
+    (None: torch's default; ``kernels_cfg``, the run config's ``kernels``: auto or forced,
+    ``models.kernels.select``) before the model is built; print one line per kind when ``log``.
+
+    Raises:
+        KernelError: a forced kernel that is missing, refused or disagrees (one line).
+    """
+    from models import kernels
+
+    choices = kernels.select(kernels_cfg, model_cfg.kernel_kinds(), dtype=dtype)
+    for choice in choices.values() if log else ():
+        print(f"{prefix} kernel {choice.line()}", flush=True)
+    return choices
 
 
 def build_model(cfg):
@@ -26,6 +45,40 @@ def build_model(cfg):
     cpu.use_cp_attention(model.language_model)
     moe_aux.track_router_load(model)
     return model
+
+
+def wrap_for_training(model, t, bf16: bool):
+    """``model`` in megatron's bf16 wrapper (``bf16``) and DDP, and megatron's Adam over it
+    (``t``: the run config's ``train`` section; state sharded over DP with
+    ``train.distributed_optimizer``, its moments in bf16 with ``train.optimizer_state=bf16``)
+    -> (wrapped model, optimizer)."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from models.parallel import expert_grads_counted_once
+
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model.config.bf16 = True
+        model.config.pipeline_dtype = torch.bfloat16  # the activations sent between PP stages
+        model = Float16Module(model.config, model)
+    sharded = t.distributed_optimizer
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=sharded,
+                                               bucket_size=None)
+    model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    state = {} if t.optimizer_state == "fp32" else dict(  # megatron's precision-aware Adam
+        use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
+        params_dtype=torch.float32, use_distributed_optimizer=sharded,
+        clip_grad=t.clip_grad, **state), [model])
+    expert_grads_counted_once(optimizer)
+    return model, optimizer
 
 
 def freeze(model, cfg) -> tuple[int, int, int]:

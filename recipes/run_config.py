@@ -26,6 +26,7 @@ from energon_tasks.config import TaskEncoderConfig
 from models.families import PARAMETER_GROUPS, config_from_dict
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.qwen_vl.config import QwenVLModelConfig
+from models.kernels import KernelsConfig
 from models.lora import LoRAConfig
 from recipes.compatibility import compatibility_problems, profile_for
 
@@ -159,6 +160,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    #: ``kernels.<kind>``: which implementation runs each layer kind (auto: models/kernels)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     #: ``model.hf``: the Hugging Face model (hub id or folder) whose weights the run starts from
     hf: str | None = None
     #: ``model.freeze_*``: the parameter groups that do not train
@@ -177,7 +180,7 @@ class RunConfig:
 
 
 SECTIONS = {"data": DataConfig, "parallel": ParallelConfig, "train": TrainConfig,
-            "log": LogConfig, "checkpoint": CheckpointConfig}
+            "log": LogConfig, "checkpoint": CheckpointConfig, "kernels": KernelsConfig}
 
 
 # ------------------------------------------------------------------ sections

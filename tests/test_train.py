@@ -166,6 +166,15 @@ def test_unloadable_tokenizer_exits_2(mantis_out, tmp_path):
     assert "cannot load tokenizer" in line
 
 
+def test_forced_kernel_that_cannot_run_exits_2(mantis_out, tmp_path):
+    """``kernels.<kind>=<implementation>`` that cannot run here (models/kernels): one line, exit
+    2, found when the kernels are chosen, before the model is built."""
+    line = error_line(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                            f"out={tmp_path}", *FAST, "kernels.attention=flash_attn"))
+    assert line == ("train.py: error: kernels.attention=flash_attn: flash-attn varlen needs a "
+                    "CUDA device (this process runs on the CPU)")
+
+
 def test_unreadable_checkpoint_and_all_skipped_exit_2(mantis_out, tmp_path, capsys):
     data = f"data.path={mantis_out}/metadataset.yaml"
     bad = tmp_path / "ckpt"
@@ -224,6 +233,8 @@ def test_mantis_run_logs_metrics_and_checkpoints(mantis_reference):
     assert resolved == (step / "config.yaml").read_text()
     assert "image_token_id: 5" in resolved  # the test tokenizer's <|image_pad|>, not the default
     assert "known third-party warning(s) hidden" in stdout
+    assert ("[train] kernel attention: torch SDPA per segment (on CPU: the fast kernels need "
+            "CUDA)") in stdout
 
 
 def refusal(capsys, *args: str) -> str:

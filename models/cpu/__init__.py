@@ -53,23 +53,18 @@ Patches ``activate()`` applies (on CPU only; with CUDA every one of them is mega
   parallelism (Qwen3-VL MoE at TP > 1): under it the norm is built without and its parameters
   are marked ``sequence_parallel``, as TE's norm marks them (their gradients summed over TP).
   GPU: TE's norm.
-- ``ssm/mamba_block.TENorm`` (>= 0.19 also ``models/hybrid/hybrid_block.TENorm``): the hybrid
-  stack's final norm, built with TE whatever the spec says, is megatron's ``WrappedTorchNorm``
-  when TransformerEngine is absent (same parameter name).
-- ``ssm/mamba_mixer``: the mamba_ssm kernels (scan, gated norm) are the plain-torch versions of
-  ``models/cpu/mamba.py``, the decode-step kernels None (megatron's torch decode step), packed
-  training sequences reported supported (the torch scan restarts at every ``seq_idx`` change).
-  GPU: mamba_ssm.
-- ``models.gated_deltanet`` (Qwen3.5's Gated DeltaNet layers): the fla-core / causal-conv1d
-  kernels are the plain-torch versions of ``models/cpu/gated_delta.py`` (packed sequences
-  restart per segment, as the GPU kernels with ``cu_seqlens`` / ``seq_idx``), whether those
-  packages are installed or not. GPU: fla-core, and causal-conv1d or fla-core's Triton conv.
+
+Not here: the Mamba and Gated DeltaNet kernels. Their plain-torch versions are the reference and
+fallback kernels of every device (models/kernels/: ``models.kernels`` checks the fast ones on the
+run's device and binds what runs; on a CPU that is always torch), as are megatron's Mamba mixer
+globals and the hybrid stack's final norm without TransformerEngine
+(models/kernels/megatron_mamba.py).
 
 Named device decisions for the run code (each the GPU value with CUDA): ``distributed_backend``,
 ``compute_device``, ``cuda_rng_state`` / ``set_cuda_rng_state``, ``peak_memory_gb``,
-``use_te_by_default``, ``bf16_by_default``, ``ep_needs_fixed_length`` and
-``use_cp_attention`` (megatron's local attention refuses context parallelism: on CPU the
-all-gather attention of ``models/cpu/attention.py`` replaces it in a built model).
+``bf16_by_default``, ``ep_needs_fixed_length`` and ``use_cp_attention`` (megatron's local
+attention refuses context parallelism: on CPU the all-gather attention of
+``models/cpu/attention.py`` replaces it in a built model).
 
 Written against megatron-core 0.16.1 and 0.19.x (attribute differences are guarded).
 """
@@ -272,9 +267,6 @@ def _patch_megatron() -> None:
         lm_class.setup_embeddings_and_output_layer, cuda=_stay)
     _use_cpu_rng_tracker()
     _torch_norms_under_sequence_parallelism()
-    _use_local_mamba_final_norm()
-    _use_torch_mamba_kernels()
-    _use_torch_gated_delta_kernels()
 
 
 _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -372,76 +364,6 @@ def _use_cpu_rng_tracker() -> None:
     mrandom._set_cuda_rng_state = lambda *_args, **_kwargs: None
 
 
-def _use_local_mamba_final_norm() -> None:
-    from megatron.core.extensions import transformer_engine as te_ext
-    from megatron.core.ssm import mamba_block
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if getattr(te_ext, "HAVE_TE", False):
-        return
-    mamba_block.TENorm = WrappedTorchNorm
-    try:  # >= 0.19: the stack lives in models/hybrid (mamba_block re-exports it)
-        from megatron.core.models.hybrid import hybrid_block
-    except ImportError:
-        return
-    hybrid_block.TENorm = WrappedTorchNorm
-
-
-def _use_torch_mamba_kernels() -> None:
-    from megatron.core.ssm import mamba_mixer
-
-    if getattr(mamba_mixer, "HAVE_MAMBA_SSM", False):
-        return
-    from models.cpu import mamba
-
-    def packing_support(for_inference_not_training: bool = True):
-        if for_inference_not_training:  # megatron's dynamic-batching inference
-            return False, "packed Mamba inference needs mamba_ssm (not the CPU torch kernels)"
-        return True, None
-
-    mamba_mixer.RMSNormGated = mamba.RMSNormGated
-    mamba_mixer.ExtendedRMSNorm = _sharded_gated_norm(mamba.RMSNormGated)
-    mamba_mixer.mamba_chunk_scan_combined = mamba.mamba_chunk_scan_combined
-    mamba_mixer.mamba_split_conv1d_scan_combined = mamba.mamba_split_conv1d_scan_combined
-    mamba_mixer._check_mamba_sequence_packing_support = packing_support
-    for name in ("causal_conv1d_update", "selective_state_update"):
-        setattr(mamba_mixer, name, None)
-    mamba_mixer.HAVE_MAMBA_SSM = True
-
-
-def _use_torch_gated_delta_kernels() -> None:
-    """The Gated DeltaNet layer's kernels (``models.gated_deltanet``: fla-core's delta rule,
-    causal-conv1d) as the torch versions of ``models/cpu/gated_delta.py``, installed packages or
-    not: their kernels are CUDA / Triton ones."""
-    from models import gated_deltanet
-    from models.cpu import gated_delta
-
-    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-                 "causal_conv1d_fn", "causal_conv1d_update"):
-        setattr(gated_deltanet, name, getattr(gated_delta, name))
-
-
-def _sharded_gated_norm(norm_class):
-    """megatron's ``mamba_mixer.ExtendedRMSNorm`` over ``norm_class``: the same sharded state
-    dict (the weight split on dim 0 over tensor parallel, as in 0.16.1 and >= 0.17)."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer.utils import (
-        ensure_metadata_has_dp_cp_group,
-        make_sharded_tensors_for_checkpoint,
-    )
-
-    class ExtendedRMSNorm(norm_class):
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            if not hasattr(self, "tp_group"):
-                self.tp_group = parallel_state.get_tensor_model_parallel_group()
-            metadata = ensure_metadata_has_dp_cp_group(metadata)
-            return make_sharded_tensors_for_checkpoint(
-                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
-                sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
-
-    return ExtendedRMSNorm
-
-
 # ------------------------------------------------------------------ named device decisions
 def distributed_backend() -> str:
     """torch.distributed backend: nccl with CUDA, gloo on CPU."""
@@ -469,11 +391,6 @@ def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2 ** 30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
-
-
-def use_te_by_default() -> bool:
-    """Model builders default to TransformerEngine layer specs with CUDA, local specs on CPU."""
-    return torch.cuda.is_available()
 
 
 def bf16_by_default() -> bool:

@@ -1,9 +1,9 @@
 """Nemotron-Omni on megatron-core: HF import parity (patterns with Mamba2 layers, on CPU through
-models/cpu/mamba.py, with attention, MLP and MoE layers; one image, interleaved images, tiles, a
-video), round trip, count-mismatch errors, the Mamba-without-kernels error, mixed image + video
-batches on the shared ``<image>`` token (``visual_kinds``), tiny config training, generation
-(KV cache + Mamba states) against full forwards and against transformers' ``generate``, FLOPs,
-TP=2 and PP=2 import parity."""
+models/kernels/mamba.py, with attention, MLP and MoE layers; one image, interleaved images, tiles,
+a video), round trip, count-mismatch errors, the model built where mamba_ssm is missing, mixed
+image + video batches on the shared ``<image>`` token (``visual_kinds``), tiny config training,
+generation (KV cache + Mamba states) against full forwards and against transformers' ``generate``,
+FLOPs, TP=2 and PP=2 import parity."""
 
 from __future__ import annotations
 
@@ -53,24 +53,39 @@ def test_round_trip_identical(tiny_nemotron_hf, imported, tmp_path, pattern):
             == json.loads((source / "config.json").read_text()))
 
 
-def test_mamba_without_kernels_refused(monkeypatch):
-    """Where the torch kernels do not stand in (a GPU) and mamba_ssm is missing: one clear
-    error before megatron's own ImportError."""
+def test_builds_without_mamba_ssm_through_the_kernel_choice(monkeypatch):
+    """megatron's Mamba mixer as a machine without mamba_ssm imports it (a bare GPU image: no
+    kernels, ``HAVE_MAMBA_SSM`` false): the model builds and runs, its mixers on the torch
+    kernels ``models.kernels`` bound (no CPU branch does it)."""
     import importlib.util
+    from unittest.mock import MagicMock
 
+    from models import kernels
     from models.families import build_model
     from models.families.nemotron_omni.config import load_yaml
+    from models.kernels.mamba import RMSNormGated
     from models.parallel import init_parallel
+    from models.verify_inputs import make_inputs
 
     if importlib.util.find_spec("mamba_ssm") is not None:
         pytest.skip("mamba_ssm is installed")
     init_parallel()
     from megatron.core.ssm import mamba_mixer
 
+    for name in ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined",
+                 "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"):
+        monkeypatch.setattr(mamba_mixer, name, None, raising=False)
+    monkeypatch.setattr(mamba_mixer, "RMSNormGated", MagicMock())
+    monkeypatch.setattr(mamba_mixer, "HAVE_MAMBA_SSM", False)
+    monkeypatch.setattr(kernels, "_BOUND", {})  # nothing chosen in this process yet
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
-    monkeypatch.setattr(mamba_mixer, "HAVE_MAMBA_SSM", False)  # what a GPU without it has
-    with pytest.raises(ValueError, match=r"Mamba layers \('M'\).*mamba_ssm"):
-        build_model(cfg, use_te=False)
+    model = build_model(cfg, use_te=False).eval()
+    assert kernels.chosen("mamba").name == "torch"
+    norms = [m.norm for m in model.modules() if type(m).__name__ == "MambaMixer"]
+    assert norms and all(isinstance(norm, RMSNormGated) for norm in norms)
+    with torch.no_grad():
+        logits = model(**make_inputs(cfg)["one_image"])
+    assert torch.isfinite(logits).all()
 
 
 def test_count_mismatch_names_row(imported):
@@ -303,9 +318,11 @@ def test_mamba_mixer_on_torch_kernels():
     three segments (``packed_sequence_params``) equals each segment alone; the inference prefill
     then one-token decode steps (megatron's torch decode on the kernels' final states) equal the
     full forward, for the rows ``models.generate`` runs together on this version."""
+    from models import kernels
     from models.parallel import init_parallel
 
-    init_parallel()  # models/cpu's torch Mamba kernels
+    init_parallel()
+    kernels.prepare(("mamba",))  # the torch Mamba kernels bound into megatron's mixer
     from megatron.core import __version__
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules

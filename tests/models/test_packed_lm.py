@@ -1,8 +1,8 @@
 """Packed batches through the VLM families: megatron's THD path (the rows flattened into one
 sequence over ``cu_seqlens``; on CPU ``models.segment_attention.PackedCausalAttention`` stands in
 for TE's varlen attention, and Mamba layers restart their conv window and state at every
-segment: ``models.cpu.mamba``, as do Gated DeltaNet layers: ``models.cpu.gated_delta``) gives
-every packed sample the logits and per-token losses it has alone."""
+segment: ``models.kernels.mamba``, as do Gated DeltaNet layers: ``models.kernels.gated_delta``)
+gives every packed sample the logits and per-token losses it has alone."""
 
 from __future__ import annotations
 
@@ -59,20 +59,25 @@ def test_packed_samples_match_samples_alone(family, overrides):
         assert mask[-1, at:].sum() == 0  # the pad tail of the last row carries no loss
 
 
-def test_vision_segments_of_one_length_are_attended_as_one_batch_exactly():
-    """The vision towers' block-diagonal attention batches the segments of each length (window
-    layers have thousands of equal windows): every segment's output equals attention over that
-    segment alone, and no segment sees another (lengths 1, repeated, and a lone long one)."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_segments_of_one_length_are_attended_as_one_batch_exactly(causal):
+    """The segment attention (the vision towers' block-diagonal one, and the LM's causal one with
+    grouped-query heads) batches the segments of each length (window layers have thousands of
+    equal windows): every segment's output equals attention over that segment alone, and no
+    segment sees another (lengths 1, repeated, and a lone long one)."""
     import torch.nn.functional as F
 
-    from models.segment_attention import equal_length_batched_attention
+    from models.kernels.attention import sdpa_segments
 
     lengths = [64, 64, 1, 64, 40, 1, 40, 97]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(int(cu[-1]), 3, 16, generator=gen) for _ in range(3))
-    out = equal_length_batched_attention(q, k, v, cu, scale=0.25)
+    q = torch.randn(int(cu[-1]), 4, 16, generator=gen)
+    k, v = (torch.randn(int(cu[-1]), 2 if causal else 4, 16, generator=gen) for _ in range(2))
+    out = sdpa_segments(q, k, v, cu, scale=0.25, causal=causal)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        alone = F.scaled_dot_product_attention(*(t[start:end].transpose(0, 1)[None]
-                                                 for t in (q, k, v)), scale=0.25)
+        kv = [t[start:end].repeat_interleave(4 // t.shape[1], 1) for t in (k, v)]
+        alone = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None]
+                                                 for t in (q[start:end], *kv)),
+                                               scale=0.25, is_causal=causal)
         torch.testing.assert_close(out[start:end], alone[0].transpose(0, 1), rtol=0, atol=1e-6)

@@ -1,7 +1,7 @@
 """Qwen3.5 (``qwen3_5``) and Qwen3.5 MoE (``qwen3_5_moe``) on megatron-core against
 transformers' ``Qwen3_5(Moe)ForConditionalGeneration`` on tiny models (tests/tiny_hf.py: three
 Gated DeltaNet layers then gated attention, rotary on a quarter of each head, two value heads per
-key head, K != V; MoE: 4 experts + a gated shared expert): the CPU kernels against transformers'
+key head, K != V; MoE: 4 experts + a gated shared expert): the torch kernels against transformers'
 torch path (several chunks, packed segments, the decode step), logits with images and a video,
 the export in the published layout with the MTP weights carried unchanged (greedy generation:
 tests/models/test_generate.py)."""
@@ -19,13 +19,14 @@ from tests.models.conftest import QWEN3_5_MTP, world2_result
 TOL = 1e-4
 
 
-def test_cpu_kernels_equal_transformers_torch_path():
+def test_torch_kernels_equal_transformers_torch_path():
     """The chunked rule over several chunks (GVA heads repeated), the token-by-token decode step
     and the conv equal transformers' torch functions; packed segments equal each alone."""
     import torch.nn.functional as F
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    from models.cpu import gated_delta as ours
+    from models.kernels import conv as ours_conv
+    from models.kernels import gated_delta as ours
 
     g = torch.Generator().manual_seed(0)
     b, t, h, k, v = 2, 150, 4, 16, 8
@@ -52,10 +53,10 @@ def test_cpu_kernels_equal_transformers_torch_path():
         torch.testing.assert_close(out[:, start:start + size], alone, rtol=0, atol=1e-5)
         torch.testing.assert_close(states[n:n + 1], alone_state, rtol=0, atol=1e-5)
     x, weight = torch.randn(2, 12, 9, generator=g), torch.randn(12, 4, generator=g)
-    conv = ours.causal_conv1d_fn(x, weight, activation="silu")
+    conv = ours_conv.causal_conv1d_fn(x, weight, activation="silu")
     torch.testing.assert_close(conv, hf.causal_conv1d_fn(x, weight, activation="silu"))
     state = F.pad(x[..., :-1], (3, 0))[..., -3:].clone()  # the inputs before the last token
-    step = ours.causal_conv1d_update(x[..., -1], state, weight, activation="silu")
+    step = ours_conv.causal_conv1d_update(x[..., -1], state, weight, activation="silu")
     torch.testing.assert_close(step, conv[..., -1])
 
 

@@ -132,6 +132,12 @@ class NemotronOmniModelConfig:
     #: MoE expert capacity (models/moe_aux.py: the assignments past it are dropped); null: none
     moe_capacity_factor: float | None = None
 
+    def kernel_kinds(self) -> tuple[str, ...]:
+        """The layer kinds whose kernels ``models.kernels`` chooses for this model."""
+        pattern = self.lm.pattern
+        return ("attention", *(("conv", "mamba") if "M" in pattern else ()),
+                *(("experts",) if "E" in pattern else ()))
+
     def __post_init__(self):
         if self.family != FAMILY:
             raise ValueError(f"family must be {FAMILY!r}, got {self.family!r}")

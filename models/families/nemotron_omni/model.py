@@ -12,11 +12,11 @@ embedding (``position_embedding_type='none'``: NemotronH attention has no rotary
 (3, B, L) ``position_ids`` of the batch are ignored), squared-ReLU non-gated MLPs, GQA attention
 without biases. Specs: on GPU megatron's TransformerEngine hybrid stack spec; on CPU local specs
 (megatron's local GPT attention / MLP / MoE modules, megatron's ``MambaMixer`` with megatron
-linears and a torch norm). ``M`` runs megatron's ``MambaMixer``, whose kernels come from
-``mamba_ssm`` on GPU (without it the model refuses to build with a clear error) and from the
-plain-torch stand-ins of models/cpu/mamba.py on CPU (``models.cpu.activate``); the mixer gets
-the config's conv width, chunk size and dt init range. MambaStack's final ``TENorm`` without
-TransformerEngine is also handled in models/cpu.
+linears and a torch norm). ``M`` runs megatron's ``MambaMixer`` on the kernels
+``models.kernels`` chose and bound into it before the stack is built (mamba_ssm's where they are
+installed and agree with torch, else the plain-torch ones of models/kernels/mamba.py: the model
+builds without mamba_ssm on any device; so is MambaStack's final ``TENorm`` without
+TransformerEngine); the mixer gets the config's conv width, chunk size and dt init range.
 Pipeline parallel: MambaStack gives each stage its slice of the pattern (an even split of the
 layer count) and numbers the layers globally (dist checkpoints load at any PP); vision +
 embedding live on the first stage, the output layer + loss on the last
@@ -38,10 +38,11 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from models import kernels
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.nemotron_omni.radio import RadioEncoder
 from models.moe_aux import capacity_kwargs
-from models.multimodal import LanguageModelRunner, scatter_visual
+from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
 from models.parallel import moe_parallel_kwargs
 from models.recompute import transformer_config_kwargs
 from models.segment_attention import with_packed_attention
@@ -55,7 +56,7 @@ RADIO_COST = CostModel(per_patch=1.0, per_patch_sq=1.3e-4)
 MAMBA_NORM_EPS = 1e-5
 
 
-def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
+def lm_transformer_config(cfg: NemotronOmniModelConfig, use_te: bool = False) -> TransformerConfig:
     """The hybrid LM's TransformerConfig (Mamba / MoE fields only where the pattern uses them;
     fields this megatron-core version lacks are dropped, named in the error if one matters)."""
     from megatron.core.activations import squared_relu
@@ -92,6 +93,7 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig) -> TransformerConfig:
             moe_router_topk_scaling_factor=t.routed_scaling_factor,
             moe_router_load_balancing_type="none", moe_router_dtype="fp32",
             moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=kernels.grouped_gemm(use_te),
             **moe_parallel_kwargs(), **capacity_kwargs(cfg.moe_capacity_factor))
         if t.n_group > 1:
             kwargs.update(moe_router_num_groups=t.n_group, moe_router_group_topk=t.topk_group)
@@ -154,24 +156,20 @@ def _mamba_spec(cfg: NemotronOmniModelConfig):
         sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"}))
 
 
-def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool):
-    """MambaStack spec: TE hybrid spec on GPU; local attention / MLP / MoE / Mamba on CPU.
-
-    Raises:
-        ValueError: the pattern has Mamba layers ('M') and megatron's Mamba mixer has no kernels
-            (``mamba_ssm`` is not installed; on CPU models/cpu provides torch ones).
-    """
-    from megatron.core.ssm import mamba_mixer
-
+def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool, grouped_gemm: bool = True):
+    """MambaStack spec: megatron's TE hybrid spec (its MoE experts grouped or sequential by
+    ``grouped_gemm``), or local attention / MLP / MoE / Mamba layers. The Mamba mixer's kernels
+    are bound by ``models.kernels`` (``resolve_kernels``) before the stack is built."""
     pattern = cfg.lm.pattern
-    if "M" in pattern and not mamba_mixer.HAVE_MAMBA_SSM:
-        raise ValueError(f"lm.pattern {pattern!r} has Mamba layers ('M'), which need the "
-                         "mamba_ssm package (CUDA/Triton kernels) on GPU; it is not installed")
     if use_te:
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 
         spec = copy.deepcopy(mamba_stack_spec)
         spec.submodules.mamba_layer.submodules.mixer.params = _mixer_params(cfg)
+        if "E" in pattern:
+            spec.submodules.moe_layer.submodules.mlp = get_moe_module_spec(
+                use_te=True, num_experts=cfg.lm.num_experts, moe_grouped_gemm=grouped_gemm)
         return spec
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -249,18 +247,21 @@ class NemotronOmni(LanguageModelRunner, MegatronModule):
                  vision_dp_over_cp: bool | None = None):
         """Args:
             cfg: model shapes.
-            use_te: TransformerEngine layer specs (default: when CUDA is present).
+            use_te: TransformerEngine layer specs (default: where the attention kernel chosen
+                is TE, ``models.kernels``).
             vision_dp_over_cp: share the vision encoder's work over the context-parallel ranks
                 (models/vision_dp.py); None = on when CP > 1. Inactive is reported once, loudly.
         """
         from megatron.core.models.mamba import MambaModel
 
-        config = lm_transformer_config(cfg)
+        use_te = resolve_kernels(cfg, use_te)
+        config = lm_transformer_config(cfg, use_te)
         super().__init__(config=config)
-        use_te = self._init_stage(cfg, use_te)
+        self._init_stage(cfg)
         self.vision = RadioEncoder(cfg, use_te=use_te) if self.pre_process else None
         self.language_model = MambaModel(
-            config=config, mamba_stack_spec=lm_stack_spec(cfg, use_te),
+            config=config, mamba_stack_spec=lm_stack_spec(
+                cfg, use_te, getattr(config, "moe_grouped_gemm", False)),
             vocab_size=cfg.lm.vocab_size, max_sequence_length=cfg.lm.max_position_embeddings,
             pre_process=self.pre_process, post_process=self.post_process,
             share_embeddings_and_output_weights=cfg.lm.tie_embeddings,

@@ -114,6 +114,11 @@ class Qwen35ModelConfig:
     #: MoE expert capacity (models/moe_aux.py: the assignments past it are dropped); null: none
     moe_capacity_factor: float | None = None
 
+    def kernel_kinds(self) -> tuple[str, ...]:
+        """The layer kinds whose kernels ``models.kernels`` chooses for this model."""
+        kinds = ("attention", "conv", "deltanet") if any(self.lm.linear_layers) else ("attention",)
+        return (*kinds, "experts") if self.lm.num_experts else kinds
+
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")

@@ -36,12 +36,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.cpu import use_te_by_default
+from models import kernels
 from models.families.qwen3_5.config import Qwen35ModelConfig
 from models.gated_deltanet import GatedDeltaNet
 from models.moe_aux import capacity_kwargs
 from models.mrope import megatron_mrope_section
-from models.multimodal import LanguageModelRunner, scatter_visual
+from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
 from models.norms import ZeroCenteredRMSNorm
 from models.parallel import moe_parallel_kwargs
 from models.qwen_vision import QwenVisionEncoder
@@ -72,7 +72,8 @@ def lm_transformer_config(cfg: Qwen35ModelConfig, use_te: bool = False) -> Trans
             moe_router_pre_softmax=False, moe_router_dtype="fp32",
             moe_token_dispatcher_type="alltoall",
             moe_router_load_balancing_type="aux_loss" if weight > 0 else "none",
-            moe_aux_loss_coeff=weight, moe_grouped_gemm=use_te,
+            moe_aux_loss_coeff=weight,
+            moe_grouped_gemm=kernels.grouped_gemm(use_te),
             **moe_parallel_kwargs(),
             # megatron's MoE layers need sequence parallelism under TP (the whole LM runs it)
             sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1,
@@ -151,14 +152,15 @@ class Qwen35(LanguageModelRunner, MegatronModule):
                  vision_dp_over_cp: bool | None = None):
         """Args:
             cfg: model shapes.
-            use_te: TransformerEngine layer specs (default: when CUDA is present).
+            use_te: TransformerEngine layer specs (default: where the attention kernel chosen
+                is TE, ``models.kernels``).
             vision_dp_over_cp: share the vision encoder's work over the context-parallel ranks
                 (models/vision_dp.py); None = on when CP > 1.
         """
-        use_te = use_te_by_default() if use_te is None else use_te
+        use_te = resolve_kernels(cfg, use_te)
         config = lm_transformer_config(cfg, use_te)
         super().__init__(config=config)
-        self._init_stage(cfg, use_te)
+        self._init_stage(cfg)
         self.vision = QwenVisionEncoder(cfg, use_te=use_te) if self.pre_process else None
         self.language_model = GPTModel(
             config=config, transformer_layer_spec=lm_block_spec(cfg, config, use_te),

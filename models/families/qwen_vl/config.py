@@ -112,6 +112,10 @@ class QwenVLModelConfig:
     #: MoE expert capacity (models/moe_aux.py: the assignments past it are dropped); null: none
     moe_capacity_factor: float | None = None
 
+    def kernel_kinds(self) -> tuple[str, ...]:
+        """The layer kinds whose kernels ``models.kernels`` chooses for this model."""
+        return ("attention", "experts") if self.lm.num_experts else ("attention",)
+
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")

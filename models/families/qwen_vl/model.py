@@ -33,11 +33,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.cpu import use_te_by_default
+from models import kernels
 from models.families.qwen_vl.config import QwenVLModelConfig
 from models.moe_aux import capacity_kwargs
 from models.mrope import megatron_mrope_section
-from models.multimodal import LanguageModelRunner, scatter_visual
+from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
 from models.parallel import moe_parallel_kwargs
 from models.qwen_vision import QwenVisionEncoder
 from models.recompute import transformer_config_kwargs
@@ -100,7 +100,8 @@ def moe_config_kwargs(cfg: QwenVLModelConfig, use_te: bool) -> dict:
         moe_router_score_function="softmax", moe_router_pre_softmax=False,
         moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss" if weight > 0 else "none",
-        moe_aux_loss_coeff=weight, moe_grouped_gemm=use_te,
+        moe_aux_loss_coeff=weight,
+        moe_grouped_gemm=kernels.grouped_gemm(use_te),
         **moe_parallel_kwargs(),
         # megatron's MoE layers need sequence parallelism under TP (the whole LM runs it)
         sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1,
@@ -131,14 +132,15 @@ class QwenVL(LanguageModelRunner, MegatronModule):
                  vision_dp_over_cp: bool | None = None):
         """Args:
             cfg: model shapes.
-            use_te: TransformerEngine layer specs (default: when CUDA is present).
+            use_te: TransformerEngine layer specs (default: where the attention kernel chosen
+                is TE, ``models.kernels``).
             vision_dp_over_cp: share the vision encoder's work over the context-parallel ranks
                 (models/vision_dp.py); None = on when CP > 1. Inactive is reported once, loudly.
         """
-        use_te = use_te_by_default() if use_te is None else use_te
+        use_te = resolve_kernels(cfg, use_te)
         config = lm_transformer_config(cfg, use_te)
         super().__init__(config=config)
-        self._init_stage(cfg, use_te)
+        self._init_stage(cfg)
         self.vision = QwenVisionEncoder(cfg, use_te=use_te) if self.pre_process else None
         self.language_model = GPTModel(
             config=config, transformer_layer_spec=lm_layer_spec(cfg, use_te, config),

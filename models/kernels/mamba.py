@@ -1,12 +1,17 @@
-"""Plain-torch stand-ins for the mamba_ssm kernels megatron's Mamba mixer calls (CPU only).
+"""The plain-torch Mamba2 kernels: the reference every fast Mamba kernel is checked against, and
+the fallback that runs on any device (models.kernels picks; docs/models.md "Kernels").
 
 megatron-core's ``MambaMixer`` (megatron/core/ssm/mamba_mixer.py) imports its sequence kernels
-from ``mamba_ssm`` (Triton/CUDA): without that package it refuses to build. This module holds
-what the mixer takes from there, written in torch, with mamba_ssm's signatures and semantics:
+from ``mamba_ssm`` (Triton) and ``causal_conv1d`` (CUDA): without those packages it refuses to
+build. This module holds what the mixer takes from there, written in torch, with mamba_ssm's
+signatures and semantics (``models.kernels.bind`` puts the chosen ones into the mixer's module):
 
 - ``mamba_split_conv1d_scan_combined``: the training / full-sequence path (megatron's
   ``_ssm_training``, also used in eval): split z | xBC | dt, causal depthwise conv + SiLU, the
   chunked scan, the output gated by SiLU(z) (megatron applies its gated norm afterwards);
+  ``split_conv1d_scan(conv, scan)`` builds it from any conv with causal-conv1d's contract and any
+  chunked scan with mamba_ssm's (the torch ones here, or mamba_ssm's Triton scan: a Triton-only
+  mamba_ssm build has no fused conv);
 - ``mamba_chunk_scan_combined``: the chunked scan alone, optionally returning the final state
   (megatron's inference prefill ``_ssm_prefill``, which then decodes with the state);
 - ``RMSNormGated``: mamba_ssm's grouped RMSNorm with an optional SiLU gate (the mixer's ``norm``).
@@ -21,10 +26,12 @@ not pass them); each is refused with one line.
 
 The scan is the state-space-dual form of Mamba2: per head, h_t = exp(dt_t A) h_{t-1} +
 dt_t B_t x_t and y_t = C_t . h_t + D x_t, computed chunk by chunk (quadratic inside a chunk,
-a decayed sum of chunk states across chunks). Log-decay differences are taken in float64 so that
-a long chunk does not lose precision to cancellation; everything else runs in float32 and the
-output comes back in the input's dtype. This is a test path (see docs/nemotron.md for its speed),
-bound into megatron's mixer by ``models.cpu.activate``.
+a decayed sum of chunk states across chunks). Memory is linear in the sequence: per head the
+chunk-local (k x k) decays and C.B of every chunk ((l / k) * k * k = l * k values), one state
+per chunk end, and a (chunks x chunks) decay matrix across chunks; no (l x l) matrix over the
+whole row (tests/models/test_kernels.py measures what autograd keeps at two lengths). Log-decay
+differences are taken in float64 so that a long chunk does not lose precision to cancellation;
+everything else runs in float32 and the output comes back in the input's dtype.
 """
 
 from __future__ import annotations
@@ -33,31 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels.conv import causal_conv1d_fn, segment_ids
+
 NO_LIMIT = (0.0, float("inf"))
-
-
-def _segment_ids(seq_idx: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    if seq_idx is None:
-        return torch.zeros(batch, length, dtype=torch.long, device=device)
-    return seq_idx.to(device=device, dtype=torch.long).expand(batch, length)
-
-
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  seq_idx: torch.Tensor | None = None, activation: str | None = "silu"):
-    """Depthwise causal conv over time, channels last: x (b, l, d), weight (d, w) -> (b, l, d);
-    the window of a token covers only earlier tokens of its own segment (``seq_idx`` (b, l))."""
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"causal_conv1d: activation {activation!r} is not supported")
-    batch, length, _ = x.shape
-    width = weight.shape[-1]
-    segments = _segment_ids(seq_idx, batch, length, x.device)
-    dtype, x, weight = x.dtype, x.float(), weight.float()
-    out = x * weight[:, -1] if bias is None else torch.addcmul(bias.float(), x, weight[:, -1])
-    for lag in range(1, width):  # tap width-1-lag multiplies the token `lag` steps back
-        earlier = F.pad(x, (0, 0, lag, 0))[:, :length]
-        same = F.pad(segments, (lag, 0), value=-1)[:, :length] == segments
-        out = out + earlier * same[..., None] * weight[:, width - 1 - lag]
-    return (F.silu(out) if activation else out).to(dtype)
 
 
 def _head_major_chunks(t: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
@@ -82,7 +67,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size: int, seq_idx=None, initial_states=None)
     batch, length, heads, headdim = x.shape
     groups = B.shape[2]
     pad = (-length) % chunk_size
-    segments = _segment_ids(seq_idx, batch, length, x.device)
+    segments = segment_ids(seq_idx, batch, length, x.device)
     segments = torch.cat([segments, segments[:, -1:].expand(batch, pad)], 1)
     seg = segments.reshape(batch, 1, 1, -1, chunk_size)  # (b, ., ., c, k): padding joins the last
 
@@ -163,39 +148,54 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     return out
 
 
-def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D,
-                                     chunk_size, initial_states=None, seq_idx=None,
-                                     dt_limit=NO_LIMIT, return_final_states=False,
-                                     activation="silu", rmsnorm_weight=None, rmsnorm_eps=1e-6,
-                                     outproj_weight=None, outproj_bias=None, headdim=None,
-                                     ngroups=1, norm_before_gate=True, state_dtype=None):
-    """mamba_ssm's ``mamba_split_conv1d_scan_combined`` as megatron calls it: zxbcdt (b, l,
-    z | xBC | dt), conv1d_weight (conv_dim, w) -> (b, l, dim) = scan(conv(xBC)) * SiLU(z)
-    (+ the final state when asked)."""
-    del rmsnorm_eps, norm_before_gate  # only read with rmsnorm_weight
-    if rmsnorm_weight is not None or outproj_weight is not None or outproj_bias is not None:
-        raise NotImplementedError("the torch Mamba kernel does not fuse the norm / out "
-                                  "projection (megatron applies them itself)")
-    heads = D.shape[0]
-    headdim = headdim if D.dim() == 1 else D.shape[1]
-    dim = heads * headdim
-    state = (conv1d_weight.shape[0] - dim) // (2 * ngroups)
-    if zxbcdt.shape[-1] != 2 * dim + 2 * ngroups * state + heads:
-        raise NotImplementedError(f"zxbcdt width {zxbcdt.shape[-1]} is not z | xBC | dt of "
-                                  f"{heads} heads x {headdim} (extra MLP channels unsupported)")
-    z, xbc, dt = zxbcdt.split([dim, dim + 2 * ngroups * state, heads], dim=-1)
-    xbc = causal_conv1d(xbc, conv1d_weight, conv1d_bias, seq_idx, activation)
-    x, B, C = xbc.split([dim, ngroups * state, ngroups * state], dim=-1)
-    batch, length = x.shape[:2]
-    out = mamba_chunk_scan_combined(
-        x.reshape(batch, length, heads, headdim), dt, A,
-        B.reshape(batch, length, ngroups, state), C.reshape(batch, length, ngroups, state),
-        chunk_size, D=D, z=z.reshape(batch, length, heads, headdim), dt_bias=dt_bias,
-        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
-        return_final_states=return_final_states, state_dtype=state_dtype)
-    if return_final_states:
-        return out[0].reshape(batch, length, dim), out[1]
-    return out.reshape(batch, length, dim)
+def split_conv1d_scan(conv=causal_conv1d_fn, scan=None):
+    """``mamba_split_conv1d_scan_combined`` (mamba_ssm's, as megatron calls it) built from
+    ``conv`` (causal-conv1d's ``causal_conv1d_fn`` contract: (b, d, l) with ``seq_idx``) and
+    ``scan`` (mamba_ssm's ``mamba_chunk_scan_combined`` contract; None: the torch one)."""
+    scan = scan or mamba_chunk_scan_combined
+
+    def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D,
+                                         chunk_size, initial_states=None, seq_idx=None,
+                                         dt_limit=NO_LIMIT, return_final_states=False,
+                                         activation="silu", rmsnorm_weight=None,
+                                         rmsnorm_eps=1e-6, outproj_weight=None,
+                                         outproj_bias=None, headdim=None, ngroups=1,
+                                         norm_before_gate=True, state_dtype=None):
+        """zxbcdt (b, l, z | xBC | dt), conv1d_weight (conv_dim, w) -> (b, l, dim) =
+        scan(conv(xBC)) * SiLU(z) (+ the final state when asked)."""
+        del rmsnorm_eps, norm_before_gate  # only read with rmsnorm_weight
+        if rmsnorm_weight is not None or outproj_weight is not None or outproj_bias is not None:
+            raise NotImplementedError("the composed Mamba kernel does not fuse the norm / out "
+                                      "projection (megatron applies them itself)")
+        heads = D.shape[0]
+        headdim = headdim if D.dim() == 1 else D.shape[1]
+        dim = heads * headdim
+        state = (conv1d_weight.shape[0] - dim) // (2 * ngroups)
+        if zxbcdt.shape[-1] != 2 * dim + 2 * ngroups * state + heads:
+            raise NotImplementedError(f"zxbcdt width {zxbcdt.shape[-1]} is not z | xBC | dt of "
+                                      f"{heads} heads x {headdim} (extra MLP channels "
+                                      "unsupported)")
+        z, xbc, dt = zxbcdt.split([dim, dim + 2 * ngroups * state, heads], dim=-1)
+        xbc = conv(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx=seq_idx,
+                   activation=activation).transpose(1, 2)
+        x, B, C = xbc.split([dim, ngroups * state, ngroups * state], dim=-1)
+        batch, length = x.shape[:2]
+        extra = {} if state_dtype is None else {"state_dtype": state_dtype}
+        out = scan(
+            x.reshape(batch, length, heads, headdim), dt, A,
+            B.reshape(batch, length, ngroups, state), C.reshape(batch, length, ngroups, state),
+            chunk_size, D=D, z=z.reshape(batch, length, heads, headdim), dt_bias=dt_bias,
+            initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True,
+            dt_limit=dt_limit, return_final_states=return_final_states, **extra)
+        if return_final_states:
+            return out[0].reshape(batch, length, dim), out[1]
+        return out.reshape(batch, length, dim)
+
+    return mamba_split_conv1d_scan_combined
+
+
+#: the training path in torch: torch conv + torch chunked scan
+mamba_split_conv1d_scan_combined = split_conv1d_scan()
 
 
 class RMSNormGated(nn.Module):

@@ -1,10 +1,10 @@
-"""Plain-torch stand-ins for the CUDA kernels of the Gated DeltaNet layer (CPU only).
+"""The plain-torch gated delta rule of the Gated DeltaNet layer: the reference fla-core's kernels
+are checked against, and the fallback that runs on any device (models.kernels picks).
 
-``models.gated_deltanet`` calls its sequence kernels with the signatures of the packages it uses
-on GPU: flash-linear-attention (``fla.ops.gated_delta_rule``: ``chunk_gated_delta_rule`` for
-training / prefill, ``fused_recurrent_gated_delta_rule`` for the one-token decode step) and
-Dao's ``causal_conv1d`` (``causal_conv1d_fn`` with ``seq_idx``, ``causal_conv1d_update``).
-Without those packages (no CUDA) ``models.cpu.activate`` binds these into that module.
+``models.gated_deltanet`` calls its sequence kernels with the signatures of flash-linear-attention
+(``fla.ops.gated_delta_rule``): ``chunk_gated_delta_rule`` for training / prefill,
+``fused_recurrent_gated_delta_rule`` for the one-token decode step. This module holds both in
+torch (the layer's conv: models/kernels/conv.py).
 
 Semantics (per head; q and k already L2-normalised when ``use_qk_l2norm_in_kernel``, q scaled by
 ``scale``, default ``K ** -0.5``):
@@ -13,19 +13,17 @@ Semantics (per head; q and k already L2-normalised when ``use_qk_l2norm_in_kerne
 
 ``chunk_gated_delta_rule`` computes it chunk by chunk (the UT-transform form of transformers'
 ``torch_chunk_gated_delta_rule``, whose results these equal within float32 rounding: parity
-tests). Packed sequences: with ``cu_seqlens`` (batch 1, fla's varlen convention) every segment
-starts from its own initial state (zero when none is given) and returns its own final state
-(N, H, K, V): no state crosses a boundary, so a packed sample equals the same sample alone. The
-conv's ``seq_idx`` (b, l) does the same for the convolution window (``models.cpu.mamba``'s).
-Everything runs in float32; outputs come back in the input's dtype. A test path, not fast.
+tests), one chunk after another (a (chunk x chunk) system per chunk and head: memory linear in
+the sequence). Packed sequences: with ``cu_seqlens`` (batch 1, fla's varlen convention) every
+segment starts from its own initial state (zero when none is given) and returns its own final
+state (N, H, K, V): no state crosses a boundary, so a packed sample equals the same sample alone.
+Everything runs in float32; outputs come back in the input's dtype.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from models.cpu.mamba import causal_conv1d as _channels_last_conv
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -127,26 +125,3 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
         state = state + k[:, :, t, :, None] * delta[..., None, :]
         out[:, :, t] = (state * q[:, :, t, :, None]).sum(-2)
     return out.transpose(1, 2).to(v.dtype), (state if output_final_state else None)
-
-
-def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, activation=None, **_unused):
-    """``causal_conv1d.causal_conv1d_fn``: x (b, d, l), weight (d, w) -> (b, d, l); with
-    ``seq_idx`` (b, l) no window reaches into an earlier segment."""
-    return _channels_last_conv(x.transpose(1, 2), weight, bias, seq_idx,
-                               activation).transpose(1, 2)
-
-
-def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, **_unused):
-    """``causal_conv1d.causal_conv1d_update`` for one token: x (b, d), ``conv_state`` (b, d, s)
-    with s >= w - 1 the latest inputs (updated in place) -> (b, d)."""
-    window = torch.cat([conv_state, x[..., None].to(conv_state.dtype)], -1)
-    conv_state.copy_(window[..., 1:])
-    width = weight.shape[-1]
-    out = (window[..., -width:].float() * weight.float()).sum(-1)
-    if bias is not None:
-        out = out + bias.float()
-    if activation in ("silu", "swish"):
-        out = F.silu(out)
-    elif activation is not None:
-        raise ValueError(f"causal_conv1d_update: activation {activation!r} is not supported")
-    return out.to(x.dtype)
