@@ -13,8 +13,10 @@ Nothing a header claims is trusted:
   decoder itself refuses larger frames); the whole stream is decoded in order, as the loader's
   sequential read does: a packet that does not decode rejects the clip, and the frames that come
   out are its frames (what a frame index counts, docs/format.md).
-  Where the loader would map packets to frames without decoding (`packets_map_to_frames`), the
-  decoded frames' timestamps must be the packets' in order, else the clip is rejected; where
+  Where the loader takes the frames' presentation times from the packets
+  (`video_timeline.packets_give_frame_times`: to choose the frames shown at the sampled times,
+  and to locate them without decoding), the decoded frames' timestamps must be the packets' in
+  order, else the clip is rejected; where
   the packets' timestamps count decode order (H.264 with B-frames in AVI), the loader reads
   from the start and the clip is kept. The stored
   frame count (decoded frames), duration and rate are the measured ones; when the container
@@ -36,7 +38,8 @@ from PIL import Image
 
 from contract.errors import MediaError
 from energon_tasks.sample_format import IMAGE_EXTENSIONS, Media
-from energon_tasks.video_decode import packets_map_to_frames, video_stream
+from energon_tasks.video_decode import video_stream
+from energon_tasks.video_timeline import packets_give_frame_times
 
 # PIL aliases that are the same bytes as a stored format (MPO is a JPEG with extra frames).
 _FORMAT_ALIASES = {"MPO": "JPEG"}
@@ -250,8 +253,7 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
         if frames < MIN_VIDEO_FRAMES:
             raise MediaError("too_few_frames", f"{name}: {frames} frame decodes of "
                              f"{len(packets)} packets; a video needs {MIN_VIDEO_FRAMES}")
-        if packets_map_to_frames(packets, first_key, frames, reorders) and \
-                sorted(packets) != stamps:
+        if packets_give_frame_times(packets, frames, reorders) and sorted(packets) != stamps:
             raise MediaError("unreadable_video", f"{name}: the decoded frames' timestamps are "
                              "not the packets' (frames cannot be located without decoding)")
         fps = frames / seconds if seconds > 0 else rate

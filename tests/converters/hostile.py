@@ -5,8 +5,9 @@ parquet / JSON annotations, zips / tar.gz parts, via lookalikes.files) and retur
 with the reject reason expected for each planted row. Media are built here by hand: images whose
 header lies about their size or whose data is damaged, zip members whose CRC does not match,
 truncated archives, videos with one frame, a broken moov, or a frame count claimed in the header;
-and the containers that put a frame index to the test (``hostile_videos``): MPEG-TS, an MPEG-4 AVI
-with B-frames, variable frame rate, an open GOP with negative DTS, a zero ``mdhd`` timescale, a
+and the containers that put a frame index and a frame's time to the test (``hostile_videos``):
+MPEG-TS, an MPEG-4 AVI with B-frames, variable frame rate (random steps, and 30 fps dropping to
+5 fps), 30 fps timed in milliseconds, an open GOP with negative DTS, a zero ``mdhd`` timescale, a
 corrupt middle of ``mdat``, a clip cut at an open-GOP keyframe, two video streams, a cover picture
 ahead of the video, AV1 with hidden frames, HEVC whose packets are flagged no keyframe or all
 keyframes.
@@ -219,6 +220,13 @@ def vfr_clip(frames: int = 48) -> bytes:
     return encoded_clip(pts=pts, time_base=Fraction(1, 1000), frames=frames)
 
 
+def rate_change_clip() -> bytes:
+    """An mp4 at 30 fps for 2 s, then at 5 fps for 4 s (a phone's clip that slows down when
+    the scene is still): 80 frames, three quarters of them in the first third of the time."""
+    pts = [*range(60), *range(60, 180, 6)]
+    return encoded_clip(pts=pts, time_base=Fraction(1, 30), frames=len(pts))
+
+
 def zero_timescale_clip() -> bytes:
     """An mp4 whose video track's `mdhd` timescale is 0 (its timestamps mean nothing)."""
     data = bytearray(encoded_clip())
@@ -317,6 +325,9 @@ HOSTILE_VIDEOS = {
     # H.264 with B-frames in AVI: the packets' pts count decode order (a sequential read)
     "avi_h264_bframes": (lambda: encoded_clip("avi"), "avi", None),
     "vfr": (vfr_clip, "mp4", None),
+    "vfr_30_then_5": (rate_change_clip, "mp4", None),
+    # a constant 30 fps in milliseconds: steps of 33 and 34 (the time base's rounding)
+    "mkv_30fps_ms": (lambda: remux(encoded_clip(fps=30, frames=60), "matroska"), "mkv", None),
     "open_gop": (lambda: encoded_clip(open_gop=True), "mp4", None),
     "open_gop_cut": (open_gop_cut_clip, "mp4", None),
     "two_streams": (two_stream_clip, "mp4", None),
@@ -332,6 +343,8 @@ HOSTILE_VIDEOS = {
     "corrupt_mdat": (corrupt_mdat_clip, "mp4", "unreadable_video"),
     "cut": (cut_clip, "mkv", "no_leading_keyframe"),
 }
+#: the kept clips whose frames are not evenly spaced in time (sampled at their own times)
+VARIABLE_RATE = {"vfr", "vfr_30_then_5"}
 #: the kept clips whose frames the loader reads by a decode from the start, and why
 SEQUENTIAL_READS = {
     "raw_h264": "no packet has a timestamp",
