@@ -29,11 +29,12 @@ This module owns what a frame index means and how the chosen frames are read:
   down the sequential path;
 - **sequential reads**: a stream whose packets cannot be mapped to frames without decoding (a
   packet without a timestamp, two packets with one, a first packet that is not a keyframe, a
-  packet count other than the frames the converter decoded, or timestamps that count decode
-  order: ``decode_order_stamps``, e.g. H.264 with B-frames in AVI) is decoded from its start, and
-  the k-th decoded frame is frame k: slower, never wrong (``DecodedVideo.sequential``); its
-  timestamps are the frames' presentation timestamps where those rise frame after frame, else
-  (decode-order stamps) frame count / frame rate (such containers have a constant rate);
+  packet count other than the frames the converter decoded, timestamps that count decode
+  order: ``decode_order_stamps``, e.g. H.264 with B-frames in AVI, or a packet holding two
+  frames: ``packed_b_frames``, DivX / Xvid AVI) is decoded from its start, and the k-th decoded
+  frame is frame k: slower, never wrong (``DecodedVideo.sequential``); its timestamps are the
+  frames' presentation timestamps where those rise frame after frame, else (decode-order
+  stamps, packed frames) frame count / frame rate (such AVIs have a constant rate);
 - ``keyframe`` sampling (``TaskEncoderConfig.video_sampling``): each pick is replaced by the
   keyframe nearest to it in time (the earlier one on a tie), decoded alone; the indices and
   timestamps returned are the keyframes' (two picks may share one). A stream read sequentially
@@ -67,6 +68,7 @@ from energon_tasks.video_timeline import (
     decode_order_stamps,
     evenly_spaced,
     nearest_frames,
+    packed_b_frames,
     packets_give_frame_times,
     rising,
 )
@@ -267,8 +269,9 @@ class _Reader:
         self.packets = [p for p in container.demux(stream) if p.size]
         self.stamps = stamps = [p.pts for p in self.packets]
         reorders = self.codec.has_b_frames
-        self.presentation_stamps = not decode_order_stamps(stamps, reorders)
-        timed = self.base > 0 and packets_give_frame_times(stamps, frames, reorders)
+        packed = packed_b_frames(self.codec.name, self.packets)
+        self.presentation_stamps = not packed and not decode_order_stamps(stamps, reorders)
+        timed = self.base > 0 and packets_give_frame_times(stamps, frames, reorders, packed)
         #: the packets' positions in frame order, when their pts are the frames' times
         self.order = sorted(range(len(stamps)), key=stamps.__getitem__) if timed else []
         self.planned = timed and self.packets[0].is_keyframe  # ``packets_map_to_frames``

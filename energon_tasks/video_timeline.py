@@ -5,8 +5,9 @@ converter's probe (``converters.media``) and the loader's reader (``energon_task
 alike:
 
 - whether the packets' pts are presentation times (``decode_order_stamps``: AVI gives H.264 with
-  B-frames its decode positions), and whether, sorted, they are the frames' times
-  (``packets_give_frame_times``) and locate the frames (``packets_map_to_frames``);
+  B-frames its decode positions; ``packed_b_frames``: a DivX / Xvid AVI packet holding two
+  frames), and whether, sorted, they are the frames' times (``packets_give_frame_times``) and
+  locate the frames (``packets_map_to_frames``);
 - whether those times are a constant rate's (``evenly_spaced``), and which frame is shown nearest
   a time on the clip's timeline (``nearest_frames``: video sampled uniformly in time).
 
@@ -36,21 +37,35 @@ def decode_order_stamps(stamps: list, reorders: bool) -> bool:
     return bool(reorders) and rising(stamps)
 
 
-def packets_give_frame_times(stamps: list, frames: int | None, reorders: bool) -> bool:
+def packed_b_frames(codec: str, packets) -> bool:
+    """True when an MPEG-4 part 2 packet of ``packets`` holds two frames: "packed B-frames", as
+    DivX 5 and Xvid write AVI (an anchor and the B-frame shown before it in one chunk, a
+    not-coded placeholder chunk later; the decoder shows the frames in order). Such a packet's
+    pts is no one frame's, and the decoded frames carry other frames' pts."""
+    return codec == "mpeg4" and any(bytes(packet).count(_VOP_START) > 1 for packet in packets)
+
+
+_VOP_START = b"\x00\x00\x01\xb6"  #: an MPEG-4 part 2 frame (video object plane) starts
+
+
+def packets_give_frame_times(stamps: list, frames: int | None, reorders: bool,
+                             packed: bool = False) -> bool:
     """True when the packets' pts, sorted, are the frames' presentation times in frame order:
     every packet has a pts, no two share one, there are as many packets as decoded frames
-    (``frames``; None: not known) and the pts are presentation times (not
-    ``decode_order_stamps``; ``reorders``: the codec's ``has_b_frames``)."""
-    return (bool(stamps) and None not in stamps and len(set(stamps)) == len(stamps)
-            and frames in (None, len(stamps)) and not decode_order_stamps(stamps, reorders))
+    (``frames``; None: not known), the pts are presentation times (not
+    ``decode_order_stamps``; ``reorders``: the codec's ``has_b_frames``) and no packet holds two
+    frames (``packed``: ``packed_b_frames``)."""
+    return (bool(stamps) and not packed and None not in stamps
+            and len(set(stamps)) == len(stamps) and frames in (None, len(stamps))
+            and not decode_order_stamps(stamps, reorders))
 
 
 def packets_map_to_frames(stamps: list, first_is_key: bool, frames: int | None,
-                          reorders: bool) -> bool:
+                          reorders: bool, packed: bool = False) -> bool:
     """True when frame k is surely the packet with the k-th smallest pts: the packets give the
     frame times (``packets_give_frame_times``) and the first is a keyframe. Else only a
     sequential decode locates the frames."""
-    return first_is_key and packets_give_frame_times(stamps, frames, reorders)
+    return first_is_key and packets_give_frame_times(stamps, frames, reorders, packed)
 
 
 def evenly_spaced(times: Sequence[int]) -> bool:

@@ -25,6 +25,7 @@ import pytest
 
 from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI
 from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL
+from energon_tasks.resize import resize_rgb
 from energon_tasks.video_decode import (
     decode_video_at,
     decode_video_frames,
@@ -140,6 +141,19 @@ def test_a_constant_rate_clip_sampled_by_time_gives_the_processors_indices(conve
                                 frames=count)
         assert video.indices == tuple(picks) and not video.variable_rate, len(positions)
         assert np.array_equal(video.frames, np.stack([every[i] for i in picks]))
+
+
+@pytest.mark.parametrize("name", h.MPEG4_AVIS)
+def test_an_mpeg4_avi_with_b_frames_shows_its_source_frames_in_order(converted, name):
+    """Frame k of the sequential decode (which the loader's reads equal, above) is the k-th frame
+    the encoder was given, at k / 24 s: each decoded frame is nearest its own source frame."""
+    media, _, every, stamps = kept_video(converted, name)
+    sources = [resize_rgb(frame, *SIZE[::-1]).astype(np.int16)
+               for frame in h.textured_frames(48, 64, 48)]
+    nearest = [int(np.argmin([np.abs(frame - source).mean() for source in sources]))
+               for frame in every]
+    assert media["frames"] == 48 and nearest == list(range(48))
+    np.testing.assert_allclose([second for second, _ in stamps], np.arange(48) / 24, atol=1e-9)
 
 
 def stream_size(data: bytes) -> tuple[int, int]:
