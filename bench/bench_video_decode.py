@@ -1,11 +1,13 @@
 """Video frame reading at the decoder's limit: the project's reader side by side with the others.
 
-Per clip and frame count (uniform picks over the whole clip, ``np.linspace(0, n - 1, k)``), in
+Per clip and frame count (uniform over the whole clip, ``np.linspace(0, n - 1, k)``: the
+project reads these positions by time as the loader does, the others their rounded indices), in
 one process, one decode thread each, process CPU time, interleaved rounds (every reader once per
 round, in turn; median over rounds after a warm-up), each pick resized to 336x616 (PIL bicubic
 after FFmpeg's rgb24, the loader's conversion):
 
-- ``project``: ``energon_tasks.video_decode.decode_video_frames`` (planned reads, exact);
+- ``project``: ``energon_tasks.video_decode.decode_video_at`` (the loader's read: the frames
+  shown at the positions' times, from the packets' pts; planned reads, exact);
 - ``decode_all``: PyAV decoding every frame in order, converting the picks only;
 - ``torchcodec``: ``VideoDecoder(seek_mode="exact").get_frames_at`` (torchcodec 0.17);
 - ``decord``: ``VideoReader.get_batch`` (decord 0.6);
@@ -71,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from energon_tasks.resize import kernel, resize_rgb  # noqa: E402
-from energon_tasks.video_decode import decode_video_frames, video_frame_pixels  # noqa: E402
+from energon_tasks.video_decode import decode_video_at, video_frame_pixels  # noqa: E402
 
 SIZE = (336, 616)  #: (height, width) every pick is resized to
 #: name -> (width, height, seconds, GOP seconds)
@@ -165,8 +167,9 @@ def _resize(rgb: np.ndarray) -> np.ndarray:
     return resize_rgb(rgb, *SIZE[::-1])
 
 
-def project(data: bytes, picks: list[int], frames: int, sampling: str = "exact") -> np.ndarray:
-    return decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**9, frames=frames,
+def project(data: bytes, positions: list[float], frames: int, sampling: str = "exact"
+            ) -> np.ndarray:
+    return decode_video_at(data, positions, size=SIZE, max_source_pixels=10**9, frames=frames,
                                sampling=sampling).frames
 
 
@@ -181,15 +184,16 @@ def decode_all(data: bytes, picks: list[int], frames: int) -> np.ndarray:
     return np.stack(out)
 
 
-def keyframe_check(data: bytes, picks: list[int], frames: int) -> dict:
+def keyframe_check(data: bytes, positions: list[float], frames: int) -> dict:
     """The keyframe mode against a sequential decode: each returned frame is the keyframe
     (``key_frame`` or an I-frame) nearest its pick in time (the earlier one on a tie), with that
     frame's pixels and true timestamp (pts - first pts, seconds); and how many distinct frames
     it returned (each converted once)."""
     from av.video.frame import PictureType
 
-    video = decode_video_frames(data, picks, size=SIZE, max_source_pixels=10**9, frames=frames,
-                                sampling="keyframe")
+    picks = [round(p) for p in positions]  # a constant-rate clip: the frames at the positions
+    video = decode_video_at(data, positions, size=SIZE, max_source_pixels=10**9, frames=frames,
+                            sampling="keyframe")
     stamps, keys, pixels, wanted = [], [], {}, set(video.indices)
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
@@ -308,14 +312,15 @@ def bound_seconds(info: list, costs: list[float], picks: list[int], convert_s: f
 def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> dict:
     with av.open(io.BytesIO(data)) as container:
         frames = sum(1 for p in container.demux(video=0) if p.size)
-    picks = np.linspace(0, frames - 1, count).round().astype(int).tolist()
+    positions = np.linspace(0, frames - 1, count).tolist()
+    picks = [round(p) for p in positions]
     reference = decode_all(data, picks, frames)
-    calls = {"project": lambda: project(data, picks, frames),
+    calls = {"project": lambda: project(data, positions, frames),
              "decode_all": lambda: decode_all(data, picks, frames),
-             "keyframe": lambda: project(data, picks, frames, "keyframe")}
+             "keyframe": lambda: project(data, positions, frames, "keyframe")}
     calls.update({k: (lambda r=r: r(data, picks, frames)) for k, r in readers.items()})
     equal = {k: bool(np.array_equal(f(), reference)) for k, f in calls.items() if k != "keyframe"}
-    keyframes = keyframe_check(data, picks, frames)
+    keyframes = keyframe_check(data, positions, frames)
     times = {k: [] for k in [*calls, "bound", "conversions"]}
     for round_ in range(rounds + 1):  # round 0 warms up
         for key, call in calls.items():

@@ -13,12 +13,14 @@ Nothing a header claims is trusted:
   decoder itself refuses larger frames); the whole stream is decoded in order, as the loader's
   sequential read does: a packet that does not decode rejects the clip, and the frames that come
   out are its frames (what a frame index counts, docs/format.md).
-  Where the loader would map packets to frames without decoding (`packets_map_to_frames`), the
-  decoded frames' timestamps must be the packets' in order, else the clip is rejected; where
-  the packets' timestamps count decode order (H.264 with B-frames in AVI), the loader reads
-  from the start and the clip is kept. The stored
-  frame count (decoded frames), duration and rate are the measured ones; when the container
-  claimed another frame count the sample records the fixup `video_frames_measured`. The first
+  Where the loader takes the frames' presentation times from the packets
+  (`video_timeline.packets_give_frame_times`: to choose the frames shown at the sampled times,
+  and to locate them without decoding), the decoded frames' timestamps must be the packets' in
+  order, else the clip is rejected; where the packets' timestamps count decode order (H.264
+  with B-frames in AVI) or a packet holds two frames (DivX / Xvid "packed B-frames" in AVI),
+  the loader reads from the start and the clip is kept. The stored frame count (decoded
+  frames), duration and rate are the measured ones; when the container claimed another frame
+  count the sample records the fixup `video_frames_measured`. The first
   packet must be a keyframe: flagged one by the container or, where it is not, decoded to one (the
   first frame out is that packet's, and a keyframe).
 
@@ -36,7 +38,8 @@ from PIL import Image
 
 from contract.errors import MediaError
 from energon_tasks.sample_format import IMAGE_EXTENSIONS, Media
-from energon_tasks.video_decode import packets_map_to_frames, video_stream
+from energon_tasks.video_decode import video_stream
+from energon_tasks.video_timeline import packed_b_frames, packets_give_frame_times
 
 # PIL aliases that are the same bytes as a stored format (MPO is a JPEG with extra frames).
 _FORMAT_ALIASES = {"MPO": "JPEG"}
@@ -154,19 +157,23 @@ def _first_packet_checks(packet, codec: str, name: str, limits: Limits) -> None:
         _check_pixels(name, *size, limits, "its first frame's header")
 
 
-def _count_packets(container, stream, name: str, limits: Limits) -> tuple[list, float, bool]:
-    """(each video packet's pts, seconds they span, whether the first is flagged a keyframe) by
-    demuxing only; caps checked as it goes."""
-    count, low, high, stamps, first_key = 0, None, None, [], False
+def _count_packets(container, stream, name: str,
+                   limits: Limits) -> tuple[list, float, bool, bool]:
+    """(each video packet's pts, seconds they span, whether the first is flagged a keyframe,
+    whether a packet holds two frames: ``packed_b_frames``) by demuxing only; caps checked as it
+    goes."""
+    count, low, high, stamps, first_key, packed = 0, None, None, [], False, False
     base = float(stream.time_base) if stream.time_base else None
+    codec = stream.codec_context.name
     for packet in container.demux(stream):
         if not packet.size:  # the demuxer's flush packet
             continue
         if not count:
             first_key = packet.is_keyframe
-            _first_packet_checks(packet, stream.codec_context.name, name, limits)
+            _first_packet_checks(packet, codec, name, limits)
         count += 1
         stamps.append(packet.pts)
+        packed = packed or packed_b_frames(codec, (packet,))
         if count > limits.max_video_frames:
             raise MediaError("video_too_long", f"{name}: more than --max-video-frames "
                              f"{limits.max_video_frames} frames")
@@ -179,7 +186,7 @@ def _count_packets(container, stream, name: str, limits: Limits) -> tuple[list, 
                 raise MediaError("video_too_long", f"{name}: longer than --max-video-seconds "
                                  f"{limits.max_video_seconds:g}")
     seconds = (high - low) * base if low is not None and base else 0.0
-    return stamps, seconds, first_key
+    return stamps, seconds, first_key, packed
 
 
 def _decode_all(data: bytes, name: str, limits: Limits) -> tuple[list, int, int, bool]:
@@ -226,7 +233,8 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
             # parameters understate the size)
             stream.codec_context.options = {"max_pixels": str(limits.max_video_pixels)}
             claimed = int(stream.frames or 0)
-            packets, seconds, first_key = _count_packets(container, stream, name, limits)
+            packets, seconds, first_key, packed = _count_packets(container, stream, name,
+                                                                 limits)
             if not packets and claimed:
                 raise MediaError("unreadable_video", f"{name}: the container lists {claimed} "
                                  "frames but none can be read")
@@ -250,7 +258,7 @@ def probe_video(data: bytes, name: str = "", limits: Limits = DEFAULT_LIMITS) ->
         if frames < MIN_VIDEO_FRAMES:
             raise MediaError("too_few_frames", f"{name}: {frames} frame decodes of "
                              f"{len(packets)} packets; a video needs {MIN_VIDEO_FRAMES}")
-        if packets_map_to_frames(packets, first_key, frames, reorders) and \
+        if packets_give_frame_times(packets, frames, reorders, packed) and \
                 sorted(packets) != stamps:
             raise MediaError("unreadable_video", f"{name}: the decoded frames' timestamps are "
                              "not the packets' (frames cannot be located without decoding)")

@@ -3,7 +3,7 @@
 This module owns the budget policy of issue 3 as one pure function, ``plan``, for every model
 family: it reads the resolved ``energon_tasks.families.Budget`` (``TaskEncoderConfig.resolve``),
 whose geometry has the planner's interface (``image_grid`` / ``video_grid`` /
-``video_frame_indices``, ``energon_tasks.families.Geometry``), and an image span is always its
+``video_frame_positions``, ``energon_tasks.families.Geometry``), and an image span is always its
 context tokens plus two markers (``<|vision_start|>``/``<|vision_end|>`` or ``<img>``/``</img>``).
 It reads the sample's JSON metadata (image sizes, video frame counts / fps) and the text token
 count of each turn, and never touches a pixel, so a skipped sample costs no decoding and
@@ -12,8 +12,10 @@ count of each turn, and never touches a pixel, so a skipped sample costs no deco
 1. every image goes through the model's resize rule (``smart_resize``; Nemotron-Omni: its dynamic
    patch grid, or its tile grid with ``max_pixels`` as a tile cap) with ``min_pixels`` /
    ``max_pixels``; every video is
-   sampled uniformly over the whole clip at ``video_fps``, capped at ``max_num_frames``
-   (``QwenVLGeometry.video_frame_indices``), and sized by the model's video rule;
+   sampled uniformly in time over the whole clip at ``video_fps``, capped at ``max_num_frames``
+   (``QwenVLGeometry.video_frame_positions``; the frame indices are the positions rounded, the
+   processors' picks, and the loader reads the frame shown at each position's time), and sized
+   by the model's video rule;
 2. the conversation may only end after an assistant turn (turn boundaries; a visual span is never
    cut, since whole turns are kept or dropped);
 3. the longest such prefix is kept whose image count fits ``max_num_images``, whose visual tokens
@@ -60,9 +62,15 @@ class MediaPlan:
     turn: int  #: index of the turn holding its placeholder
     kind: str  #: "image" | "video"
     grid: ImageGrid  #: resize target, grid_thw (before the merge) and visual tokens
-    frame_indices: tuple[int, ...] = ()  #: video only: the source frames to decode, ascending
+    #: video only: the frames to decode, ascending (the processors' picks: ``frame_positions``
+    #: rounded; after decoding, the frames read: ``VLMTaskEncoder.decode_sample``)
+    frame_indices: tuple[int, ...] = ()
+    #: video only: the fractional frame positions uniform in time (``video_frame_positions``);
+    #: the loader reads the frame shown at each one's time
+    frame_positions: tuple[float, ...] = ()
     #: video only: true seconds of each decoded frame when they are not index / fps (keyframe
-    #: sampling moves the frames; set after decoding, ``VLMTaskEncoder.decode_sample``)
+    #: sampling moves the frames, a variable-rate clip's times are its own; set after decoding,
+    #: ``VLMTaskEncoder.decode_sample``)
     timestamps: tuple[float, ...] | None = None
     span_tokens: int  #: tokens of the whole span: markers + pads (+ timestamps)
 
@@ -140,16 +148,17 @@ def _videos(sample, budget, video_extra) -> tuple[dict, dict[int, str]]:
             if media.kind == "image":
                 geometry.image_grid(media.height, media.width)  # aspect / size check only
                 continue
-            frames = geometry.video_frame_indices(
+            positions = geometry.video_frame_positions(
                 media.frames or 0, media.fps or 0.0,
                 video_fps=budget.video_fps, max_num_frames=budget.max_num_frames)
-            grid = geometry.video_grid(len(frames), media.height, media.width,
+            grid = geometry.video_grid(len(positions), media.height, media.width,
                                        min_pixels=low, max_pixels=high)
         except (ValueError, TypeError) as error:
             bad[i] = f"{media.part}: {error}"
             continue
+        frames = [round(p) for p in positions]  # the processors' indices
         extra = 2 if video_extra is None else video_extra(media, frames, grid)
-        plans[i] = (tuple(frames), grid, grid.visual_tokens + extra)
+        plans[i] = (tuple(frames), grid, grid.visual_tokens + extra, tuple(positions))
     return plans, bad
 
 
@@ -231,9 +240,10 @@ def _finish(sample, key, kept, grids, videos, unconstrained, media_turn, text) -
             media.append(MediaPlan(index=i, turn=turn, kind="image", grid=grids[i],
                                    span_tokens=grids[i].visual_tokens + 2))
         else:
-            frames, grid, span = videos[i]
+            frames, grid, span, positions = videos[i]
             media.append(MediaPlan(index=i, turn=turn, kind="video", grid=grid,
-                                   frame_indices=frames, span_tokens=span))
+                                   frame_indices=frames, frame_positions=positions,
+                                   span_tokens=span))
     if any(grids[i] != unconstrained[i] for i in grids):
         actions.append("resized")
     if any(m.kind == "video" and len(m.frame_indices) < sample.media[m.index].frames

@@ -38,9 +38,10 @@ from contract.families import profile_name
 from energon_tasks.families import Budget, Profile
 from energon_tasks.profiles import PROFILES, get_profile
 
-#: ``video_sampling`` values: "exact" = the frames at the uniform indices (the processors'
-#: frames); "keyframe" = the keyframe nearest each of them, with its true timestamp (cheaper:
-#: one keyframe decoded per frame; energon_tasks.video_decode, docs/format.md)
+#: ``video_sampling`` values: "exact" = the frames shown at the uniform times (the processors'
+#: frames on a constant-rate clip); "keyframe" = the keyframe nearest each of them, with its
+#: true timestamp (cheaper: one keyframe decoded per frame; energon_tasks.video_decode,
+#: docs/format.md)
 VIDEO_SAMPLINGS = ("exact", "keyframe")
 #: ``image_decode`` values: "exact" = the model's transformers processor's pixel values (whole
 #: image decoded, the processor's resize); "fast" = JPEG decoded at a reduced DCT scale when the
@@ -77,7 +78,7 @@ class TaskEncoderConfig:
     #: "exact" (pixel values equal to the transformers processor's) or "fast" (JPEG draft decode:
     #: cheaper, pixels differ; docs/benchmarks_task_encoder.md measures both), see IMAGE_DECODES
     image_decode: str = "exact"
-    #: "exact" (the frames at the uniform indices, as the processors) or "keyframe" (the
+    #: "exact" (the frames at the uniform times, as the processors) or "keyframe" (the
     #: keyframe nearest each, true timestamps in the span and positions), see VIDEO_SAMPLINGS
     video_sampling: str = "exact"
     #: nemotron_omni_tiled only: tiles per image before the thumbnail (None: the geometry's 12).

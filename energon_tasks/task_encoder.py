@@ -50,7 +50,7 @@ from energon_tasks.energon_dataset import (
 )
 from energon_tasks.image_grid import ImageGrid
 from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
-from energon_tasks.video_decode import decode_video_frames
+from energon_tasks.video_decode import decode_video_at
 
 
 @stateless
@@ -183,9 +183,11 @@ class VLMTaskEncoder(DefaultTaskEncoder):
     ) -> tuple[budget.Plan, list[np.ndarray]]:
         """(T, H, W, 3) pixels of each kept media item at its planned size (T = 1: image): uint8,
         or float32 for an image resized in float (``image_decode_options``); then the hooks'
-        ``finish_decode`` (Nemotron-Omni tiled images: (tiles, 512, 512, 3)). With
-        ``video_sampling: keyframe`` the plan returned holds each video's decoded frames and
-        their true timestamps (``MediaPlan.frame_indices`` / ``timestamps``); else it is ``plan``.
+        ``finish_decode`` (Nemotron-Omni tiled images: (tiles, 512, 512, 3)). A video's frames
+        are those shown at its positions' times (``video_decode.decode_video_at``). With
+        ``video_sampling: keyframe``, and for a clip whose frame times are not a constant rate's,
+        the plan returned holds each such video's decoded frames and their true timestamps
+        (``MediaPlan.frame_indices`` / ``timestamps``); else it is ``plan``.
 
         Raises:
             MediaError: a missing part or bad media (reason + key + part in the message).
@@ -204,11 +206,11 @@ class VLMTaskEncoder(DefaultTaskEncoder):
                 out.append(image.pixels[None])
             else:
                 sampling = self.budget.video_sampling
-                video = decode_video_frames(media_bytes[media.part], item.frame_indices,
-                                            size=size, max_source_pixels=cap, name=name,
-                                            frames=media.frames, sampling=sampling)
+                video = decode_video_at(media_bytes[media.part], item.frame_positions,
+                                        size=size, max_source_pixels=cap, name=name,
+                                        frames=media.frames, sampling=sampling)
                 out.append(video.frames)
-                if sampling == "keyframe":
+                if sampling == "keyframe" or video.variable_rate:
                     item = dataclasses.replace(item, frame_indices=video.indices,
                                                timestamps=video.timestamps)
             items.append(item)
@@ -331,8 +333,8 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         base = {name: getattr(sample, name)
                 for name in ("__key__", "__restore_key__", "__subflavors__", "__sources__")}
         encoded = self.assemble(conversation, plan, turns, pixels, base)
-        if len(encoded.input_ids) > self.budget.seq_length:  # keyframe timestamps' digits
-            detail = (f"sample {key}: {len(encoded.input_ids)} tokens with the keyframes' "
+        if len(encoded.input_ids) > self.budget.seq_length:  # true timestamps' digits
+            detail = (f"sample {key}: {len(encoded.input_ids)} tokens with the frames' true "
                       f"timestamps > seq_length {self.budget.seq_length}")
             self._skip_decoded(key, "too_long", detail, detail)
         self._in_a_row.clear()

@@ -6,6 +6,10 @@ This module owns what a frame index means and how the chosen frames are read:
   decode of every packet gives it (docs/format.md): B-frames, negative DTS, open GOPs, variable
   frame rate and timestamps that do not start at 0 change nothing; ``DecodedVideo.timestamps`` are
   the true presentation times of the returned frames (seconds after the first frame);
+- **frames chosen by time** (``decode_video_at``, what the loader reads): the frame shown at
+  the time of each fractional position (``Geometry.video_frame_positions``), from the packets'
+  pts, nothing decoded (``energon_tasks.video_timeline``): on a constant-rate clip frame
+  ``round(p)``, the processors' pick; on a variable-rate one the frame presented nearest;
 - **the stream** is ``video_stream``'s (the converter's probe and the loader read the same one);
 - **planned reads** (``exact``): the packets are demuxed once (no decoding: the container's own
   packet order, keyframe flags and timestamps); each pick needs the packets from the last
@@ -25,11 +29,12 @@ This module owns what a frame index means and how the chosen frames are read:
   down the sequential path;
 - **sequential reads**: a stream whose packets cannot be mapped to frames without decoding (a
   packet without a timestamp, two packets with one, a first packet that is not a keyframe, a
-  packet count other than the frames the converter decoded, or timestamps that count decode
-  order: ``decode_order_stamps``, e.g. H.264 with B-frames in AVI) is decoded from its start, and
-  the k-th decoded frame is frame k: slower, never wrong (``DecodedVideo.sequential``); its
-  timestamps are the frames' presentation timestamps where those rise frame after frame, else
-  (decode-order stamps) frame count / frame rate (such containers have a constant rate);
+  packet count other than the frames the converter decoded, timestamps that count decode
+  order: ``decode_order_stamps``, e.g. H.264 with B-frames in AVI, or a packet holding two
+  frames: ``packed_b_frames``, DivX / Xvid AVI) is decoded from its start, and the k-th decoded
+  frame is frame k: slower, never wrong (``DecodedVideo.sequential``); its timestamps are the
+  frames' presentation timestamps where those rise frame after frame, else (decode-order
+  stamps, packed frames) frame count / frame rate (such AVIs have a constant rate);
 - ``keyframe`` sampling (``TaskEncoderConfig.video_sampling``): each pick is replaced by the
   keyframe nearest to it in time (the earlier one on a tie), decoded alone; the indices and
   timestamps returned are the keyframes' (two picks may share one). A stream read sequentially
@@ -59,6 +64,14 @@ from energon_tasks.config import VIDEO_SAMPLINGS
 from energon_tasks.decode import _to_rgb
 from energon_tasks.resize import resize_rgb
 from energon_tasks.sample_format import is_frame_sequence, unpack_frames
+from energon_tasks.video_timeline import (
+    decode_order_stamps,
+    evenly_spaced,
+    nearest_frames,
+    packed_b_frames,
+    packets_give_frame_times,
+    rising,
+)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -75,6 +88,10 @@ class DecodedVideo:
     #: the frames came from a decode of the stream from its start (the packets could not locate
     #: them, or a planned run was refuted by the decoder)
     sequential: bool = False
+    #: chosen by time (``decode_video_at``) on a clip whose frames are not evenly spaced in time:
+    #: ``indices`` are not the positions rounded, and a span must show ``timestamps``, not the
+    #: processors' index / fps
+    variable_rate: bool = False
 
 
 def video_stream(container):
@@ -86,32 +103,6 @@ def video_stream(container):
         if not stream.disposition & av.stream.Disposition.attached_pic:
             return stream
     return None
-
-
-def _rising(stamps: list) -> bool:
-    """Every stamp is there and each is above the one before."""
-    return None not in stamps and all(a < b for a, b in zip(stamps, stamps[1:]))
-
-
-def decode_order_stamps(stamps: list, reorders: bool) -> bool:
-    """True when the packets' timestamps count decode order, not presentation: they rise packet
-    after packet although the codec reorders frames (``reorders``: the codec context's
-    ``has_b_frames``). AVI stores no presentation times: H.264 with B-frames there gets each
-    packet's decode position as its pts, and a frame shown out of decode order carries the
-    stamp of another position (a planned read would swap frames 1 and 2)."""
-    return bool(reorders) and _rising(stamps)
-
-
-def packets_map_to_frames(stamps: list, first_is_key: bool, frames: int | None,
-                          reorders: bool) -> bool:
-    """True when frame k is surely the packet with the k-th smallest pts: every packet has a
-    pts, no two share one, the first is a keyframe, there are as many packets as decoded frames
-    (``frames``; None: not known) and the pts are presentation times (not
-    ``decode_order_stamps``; ``reorders``: the codec's ``has_b_frames``). Else only a
-    sequential decode locates the frames."""
-    return (bool(stamps) and first_is_key and None not in stamps
-            and len(set(stamps)) == len(stamps) and frames in (None, len(stamps))
-            and not decode_order_stamps(stamps, reorders))
 
 
 def decode_video_frames(
@@ -143,16 +134,61 @@ def decode_video_frames(
         MediaError: ``source_too_large`` or ``undecodable_video`` (including a pick past the
             frames the stream holds).
     """
+    picks = sorted(set(int(i) for i in frame_indices))
+    if list(frame_indices) != picks or not picks or picks[0] < 0:
+        raise MediaError("undecodable_video", f"{name}: frame indices must ascend from 0, got "
+                         f"{list(frame_indices)[:8]}")
+    return _decode(data, picks, None, size, max_source_pixels, name, frames, sampling,
+                   thread_type)
+
+
+def decode_video_at(
+    data: bytes,
+    positions: Sequence[float],
+    *,
+    size: tuple[int, int],
+    max_source_pixels: int,
+    name: str = "video",
+    frames: int | None = None,
+    sampling: str = "exact",
+    thread_type: str | None = None,
+) -> DecodedVideo:
+    """Decode the frames shown at ``positions`` of a video's timeline (what the loader reads).
+
+    Position ``p`` (``Geometry.video_frame_positions``: 0 is the first frame, ``frames - 1`` the
+    last) is the time ``p / (frames - 1)`` of the way from the first frame's presentation to the
+    last's, and the frame presented nearest it is read (``video_timeline.nearest_frames``; two
+    positions may show the same frame). The frame times are the packets' pts (no decoding).
+    On a clip whose times are a constant rate's, or not known from the packets (no timestamps,
+    decode-order stamps, a frame sequence), frame ``round(p)`` is read: the processors' picks.
+    ``DecodedVideo.variable_rate`` says when the picks came from the times.
+
+    Args:
+        positions: non-decreasing fractional frame positions, from 0.
+        size, max_source_pixels, name, frames, sampling, thread_type: as ``decode_video_frames``.
+
+    Raises:
+        MediaError: ``source_too_large`` or ``undecodable_video``.
+    """
+    if not positions or any(not 0 <= p < math.inf for p in positions) or \
+            any(a > b for a, b in zip(positions, positions[1:])):
+        raise MediaError("undecodable_video", f"{name}: frame positions must rise from 0, got "
+                         f"{list(positions)[:8]}")
+    return _decode(data, None, list(positions), size, max_source_pixels, name, frames,
+                   sampling, thread_type)
+
+
+def _decode(data: bytes, picks: list[int] | None, positions: list[float] | None,
+            size: tuple[int, int], max_source_pixels: int, name: str, frames: int | None,
+            sampling: str, thread_type: str | None) -> DecodedVideo:
+    """The frames ``picks``, or those shown at ``positions`` (the other is None)."""
     import av
 
     if sampling not in VIDEO_SAMPLINGS:
         raise ValueError(f"sampling {sampling!r}: expected one of {VIDEO_SAMPLINGS}")
     height, width = size
-    picks = sorted(set(int(i) for i in frame_indices))
-    if list(frame_indices) != picks or not picks or picks[0] < 0:
-        raise MediaError("undecodable_video", f"{name}: frame indices must ascend from 0, got "
-                         f"{list(frame_indices)[:8]}")
     if is_frame_sequence(data):
+        picks = picks or [round(p) for p in positions]
         return _frame_sequence(data, picks, (width, height), max_source_pixels, name)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
@@ -168,7 +204,12 @@ def decode_video_frames(
             else:
                 codec.thread_type = thread_type
             reader = _Reader(container, stream, frames)
-            return reader.read(picks, (width, height), sampling, name)
+            variable = False
+            if picks is None:
+                picks, variable = reader.frames_at(positions)
+            video = reader.read(picks, (width, height), sampling, name)
+            video.variable_rate = variable
+            return video
     except MediaError:
         raise
     except (av.FFmpegError, OSError, ValueError, IndexError, ZeroDivisionError) as error:
@@ -217,8 +258,9 @@ class _Unplannable(Exception):
 
 
 class _Reader:
-    """One demuxed stream: its packets in decode order and, when they map to frames without
-    decoding, each frame's packet (``order``) and the keyframes (``keys``)."""
+    """One demuxed stream: its packets in decode order, the keyframes (``keys``) and, when the
+    packets' pts are the frames' times, each frame's packet (``order``; ``planned`` when they
+    also locate the frames without decoding)."""
 
     def __init__(self, container, stream, frames: int | None) -> None:
         self.codec = stream.codec_context
@@ -227,12 +269,23 @@ class _Reader:
         self.packets = [p for p in container.demux(stream) if p.size]
         self.stamps = stamps = [p.pts for p in self.packets]
         reorders = self.codec.has_b_frames
-        self.presentation_stamps = not decode_order_stamps(stamps, reorders)
-        self.planned = self.base > 0 and packets_map_to_frames(
-            stamps, bool(self.packets) and self.packets[0].is_keyframe, frames, reorders)
-        self.order = sorted(range(len(stamps)), key=stamps.__getitem__) if self.planned else []
+        packed = packed_b_frames(self.codec.name, self.packets)
+        self.presentation_stamps = not packed and not decode_order_stamps(stamps, reorders)
+        timed = self.base > 0 and packets_give_frame_times(stamps, frames, reorders, packed)
+        #: the packets' positions in frame order, when their pts are the frames' times
+        self.order = sorted(range(len(stamps)), key=stamps.__getitem__) if timed else []
+        self.planned = timed and self.packets[0].is_keyframe  # ``packets_map_to_frames``
         self.keys = [i for i, p in enumerate(self.packets) if p.is_keyframe]
         self.decoded = self.seeks = 0
+
+    def frames_at(self, positions: list[float]) -> tuple[list[int], bool]:
+        """(the frames shown at ``positions``, whether the clip's times are not a constant
+        rate's): ``video_timeline.nearest_frames`` over the packets' times where those are the
+        frames' times and not evenly spaced, else the positions rounded."""
+        times = [self.stamps[p] for p in self.order]
+        if not times or evenly_spaced(times):
+            return [round(p) for p in positions], False
+        return nearest_frames(times, positions), True
 
     def read(self, picks: list[int], size: tuple[int, int], sampling: str,
              name: str) -> DecodedVideo:
@@ -340,17 +393,20 @@ class _Reader:
         return key
 
     def _sequential(self, picks: list[int], size: tuple[int, int], name: str) -> DecodedVideo:
-        """Every packet decoded in order; the k-th frame out is frame k."""
+        """Every packet decoded in order; the k-th frame out is frame k (``picks`` ascending,
+        a repeated pick fills each of its rows)."""
         self._restart()
         self.codec.skip_frame = "DEFAULT"
         out = _frames_out((len(picks), size[1], size[0], 3))
-        row_of = {k: row for row, k in enumerate(picks)}
+        rows_of: dict[int, list[int]] = {}
+        for row, k in enumerate(picks):
+            rows_of.setdefault(k, []).append(row)
         shown: list = []  # each decoded frame's pts, in presentation order
         for packet in [*self.packets, None]:
             for frame in self.codec.decode(packet):
                 self.decoded += 1
-                if len(shown) in row_of:
-                    video_frame_pixels(frame, size, out=out, rows=[row_of[len(shown)]])
+                if len(shown) in rows_of:
+                    video_frame_pixels(frame, size, out=out, rows=rows_of[len(shown)])
                 shown.append(frame.pts)
             if len(shown) > picks[-1]:
                 break
@@ -365,7 +421,7 @@ class _Reader:
         """Seconds after frame 0 of the frames ``picks`` of a sequential decode whose frames
         came out with the pts ``shown``: from the pts where they are presentation times (every
         frame has one and they rise), else frame count / frame rate."""
-        if self.presentation_stamps and self.base > 0 and _rising(shown):
+        if self.presentation_stamps and self.base > 0 and rising(shown):
             return tuple((shown[k] - shown[0]) * self.base for k in picks)
         return tuple(k / self.rate if self.rate else 0.0 for k in picks)
 

@@ -54,6 +54,9 @@ class Geometry(Protocol):
     def video_grid(self, num_frames: int, height: int, width: int, *,
                    min_pixels: int | None = None, max_pixels: int | None = None) -> ImageGrid: ...
 
+    def video_frame_positions(self, total_frames: int, source_fps: float, *, video_fps: float,
+                              max_num_frames: int) -> list[float]: ...
+
     def video_frame_indices(self, total_frames: int, source_fps: float, *, video_fps: float,
                             max_num_frames: int) -> list[int]: ...
 

@@ -5,11 +5,12 @@ parquet / JSON annotations, zips / tar.gz parts, via lookalikes.files) and retur
 with the reject reason expected for each planted row. Media are built here by hand: images whose
 header lies about their size or whose data is damaged, zip members whose CRC does not match,
 truncated archives, videos with one frame, a broken moov, or a frame count claimed in the header;
-and the containers that put a frame index to the test (``hostile_videos``): MPEG-TS, an MPEG-4 AVI
-with B-frames, variable frame rate, an open GOP with negative DTS, a zero ``mdhd`` timescale, a
-corrupt middle of ``mdat``, a clip cut at an open-GOP keyframe, two video streams, a cover picture
-ahead of the video, AV1 with hidden frames, HEVC whose packets are flagged no keyframe or all
-keyframes.
+and the containers that put a frame index and a frame's time to the test (``hostile_videos``):
+MPEG-TS, MPEG-4 AVIs with B-frames (FFmpeg's, adaptive runs, DivX / Xvid "packed"), variable
+frame rate (random steps, and 30 fps dropping to 5 fps), 30 fps timed in milliseconds, an open
+GOP with negative DTS, a zero ``mdhd`` timescale, a corrupt middle of ``mdat``, a clip cut at an
+open-GOP keyframe, two video streams, a cover picture ahead of the video, AV1 with hidden frames,
+HEVC whose packets are flagged no keyframe or all keyframes.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def avi_claiming_frames(claimed: int = 10**9) -> tuple[bytes, int]:
     return bytes(data), frames
 
 
-def _textured(count: int, width: int, height: int):
+def textured_frames(count: int, width: int, height: int):
     """Frames of a panning noise texture with the frame number in the corner: every frame
     differs from its neighbours (a frame off by one is seen)."""
     texture = np.random.default_rng(3).integers(0, 256, (height, 4 * width, 3), dtype=np.uint8)
@@ -203,7 +204,7 @@ def encoded_clip(fmt: str = "mp4", codec: str = "libx264", *, frames: int = 48, 
             stream.codec_context.max_b_frames, stream.codec_context.gop_size = 2, gop
         if time_base is not None:
             stream.time_base = stream.codec_context.time_base = time_base
-        for i, array in enumerate(_textured(frames, width, height)):
+        for i, array in enumerate(textured_frames(frames, width, height)):
             frame = av.VideoFrame.from_ndarray(array, format="rgb24")
             if pts is not None:
                 frame.pts, frame.time_base = pts[i], time_base
@@ -212,11 +213,77 @@ def encoded_clip(fmt: str = "mp4", codec: str = "libx264", *, frames: int = 48, 
     return out.getvalue()
 
 
+def _bits(bits: str) -> bytes:
+    return bytes(int(bits[at:at + 8], 2) for at in range(0, len(bits), 8))
+
+
+#: MPEG-4 part 2 start codes: user data, and a VOP (one frame)
+_USER_DATA, _VOP = b"\x00\x00\x01\xb2", b"\x00\x00\x01\xb6"
+#: a not-coded P-VOP (the placeholder chunk of a packed stream) at 24 fps: coding type 01,
+#: modulo time base 0, marker, 5 bits of time increment, marker, vop_coded 0, stuffing
+_NOT_CODED_VOP = _VOP + _bits("01" + "0" + "1" + "00000" + "1" + "0" + "01111")
+
+
+def mpeg4_avi(b_frames: int = 2, *, adaptive: bool = False, packed: bool = False,
+              frames: int = 48) -> bytes:
+    """MPEG-4 part 2 in AVI (24 fps, 64x48, a keyframe every 12, near-lossless so that each
+    decoded frame is recognisably its source frame, ``textured_frames``) with ``b_frames``
+    B-frames between anchors (``adaptive``: FFmpeg's ``b_strategy 2`` varies the run), as FFmpeg
+    writes it, or ``packed`` as DivX 5 / Xvid write it: each anchor in one chunk with the first
+    B-frame shown before it, the other B-frames in chunks of their own, then a not-coded VOP as
+    a placeholder, and the user data ``DivX503b1393p`` that tells decoders the stream is packed."""
+    codec = av.CodecContext.create("mpeg4", "w")
+    codec.width, codec.height, codec.pix_fmt = 64, 48, "yuv420p"
+    codec.time_base, codec.framerate = Fraction(1, 24), Fraction(24)
+    codec.options = {"bf": str(b_frames), "b_strategy": "2" if adaptive else "0", "g": "12",
+                     "sc_threshold": "1000000000", "qmax": "3", "flags": "+bitexact"}
+    encoded = []  # (bytes, pts, keyframe) in decode order
+    for i, array in enumerate(textured_frames(frames, 64, 48)):
+        frame = av.VideoFrame.from_ndarray(array, format="rgb24").reformat(format="yuv420p")
+        frame.pts = i
+        encoded += [(bytes(p), p.pts, p.is_keyframe) for p in codec.encode(frame)]
+    encoded += [(bytes(p), p.pts, p.is_keyframe) for p in codec.encode(None)]
+    chunks = [(data, key) for data, _, key in encoded]
+    if packed:
+        first = encoded[0][0]
+        at = first.index(_VOP)
+        encoded[0] = (first[:at] + _USER_DATA + b"DivX503b1393p" + first[at:], *encoded[0][1:])
+        chunks, at = [], 0
+        while at < len(encoded):
+            (data, pts, key), shown_before = encoded[at], []
+            at += 1
+            while at < len(encoded) and encoded[at][1] < pts:
+                shown_before.append(encoded[at][0])
+                at += 1
+            if not shown_before:
+                chunks.append((data, key))
+                continue
+            chunks += [(data + shown_before[0], key), *((b, False) for b in shown_before[1:]),
+                       (_NOT_CODED_VOP, False)]
+    out = io.BytesIO()
+    with av.open(out, "w", format="avi") as container:
+        stream = container.add_stream("mpeg4", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for number, (data, key) in enumerate(chunks):
+            packet = av.Packet(data)
+            packet.pts = packet.dts = number
+            packet.time_base, packet.stream, packet.is_keyframe = Fraction(1, 24), stream, key
+            container.mux(packet)
+    return out.getvalue()
+
+
 def vfr_clip(frames: int = 48) -> bytes:
     """An mp4 whose frames last 20, 33, 50 or 80 ms each (a variable frame rate)."""
     steps = np.random.default_rng(0).choice([20, 33, 50, 80], frames - 1)
     pts = [0, *np.cumsum(steps).tolist()]
     return encoded_clip(pts=pts, time_base=Fraction(1, 1000), frames=frames)
+
+
+def rate_change_clip() -> bytes:
+    """An mp4 at 30 fps for 2 s, then at 5 fps for 4 s (a phone's clip that slows down when
+    the scene is still): 80 frames, three quarters of them in the first third of the time."""
+    pts = [*range(60), *range(60, 180, 6)]
+    return encoded_clip(pts=pts, time_base=Fraction(1, 30), frames=len(pts))
 
 
 def zero_timescale_clip() -> bytes:
@@ -257,7 +324,7 @@ def two_stream_clip() -> bytes:
             stream.options = {"preset": "veryfast", "threads": "1",
                               "x264-params": "keyint=12:min-keyint=12:scenecut=0:bframes=3"}
             streams.append(stream)
-        for i, array in enumerate(_textured(36, 64, 48)):
+        for i, array in enumerate(textured_frames(36, 64, 48)):
             container.mux(streams[0].encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
             if i < 24:
                 small = np.ascontiguousarray(array[::2, ::2])
@@ -314,9 +381,17 @@ HOSTILE_VIDEOS = {
     "mp4_bframes": (encoded_clip, "mp4", None),
     "mpegts": (lambda: encoded_clip("mpegts"), "ts", None),
     "avi_bframes": (lambda: encoded_clip("avi", "mpeg4"), "avi", None),
+    # MPEG-4 part 2 in AVI, near-lossless (each frame recognisably its source frame): B-frame
+    # runs of varying length, and "packed" B-frames (DivX 5 / Xvid) with one and with two
+    "avi_mpeg4_adaptive_b": (lambda: mpeg4_avi(3, adaptive=True), "avi", None),
+    "avi_mpeg4_packed": (lambda: mpeg4_avi(1, packed=True), "avi", None),
+    "avi_mpeg4_packed_2b": (lambda: mpeg4_avi(2, packed=True), "avi", None),
     # H.264 with B-frames in AVI: the packets' pts count decode order (a sequential read)
     "avi_h264_bframes": (lambda: encoded_clip("avi"), "avi", None),
     "vfr": (vfr_clip, "mp4", None),
+    "vfr_30_then_5": (rate_change_clip, "mp4", None),
+    # a constant 30 fps in milliseconds: steps of 33 and 34 (the time base's rounding)
+    "mkv_30fps_ms": (lambda: remux(encoded_clip(fps=30, frames=60), "matroska"), "mkv", None),
     "open_gop": (lambda: encoded_clip(open_gop=True), "mp4", None),
     "open_gop_cut": (open_gop_cut_clip, "mp4", None),
     "two_streams": (two_stream_clip, "mp4", None),
@@ -332,10 +407,16 @@ HOSTILE_VIDEOS = {
     "corrupt_mdat": (corrupt_mdat_clip, "mp4", "unreadable_video"),
     "cut": (cut_clip, "mkv", "no_leading_keyframe"),
 }
+#: the MPEG-4 part 2 AVIs of 48 ``textured_frames``, near-lossless: frame k is source frame k
+MPEG4_AVIS = ("avi_mpeg4_adaptive_b", "avi_mpeg4_packed", "avi_mpeg4_packed_2b")
+#: the kept clips whose frames are not evenly spaced in time (sampled at their own times)
+VARIABLE_RATE = {"vfr", "vfr_30_then_5"}
 #: the kept clips whose frames the loader reads by a decode from the start, and why
 SEQUENTIAL_READS = {
     "raw_h264": "no packet has a timestamp",
     "avi_h264_bframes": "the packets' timestamps count decode order while the codec reorders",
+    "avi_mpeg4_packed": "the packets' timestamps count decode order while the codec reorders",
+    "avi_mpeg4_packed_2b": "a packet holds two frames (packed B-frames): its pts is no frame's",
     "hevc_unflagged": "no packet is flagged a keyframe",
     "hevc_no_stss": "every packet is flagged a keyframe: the decoder refutes the planned read",
 }

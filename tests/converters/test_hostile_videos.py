@@ -8,6 +8,10 @@ models' default budget, and densely) are bit for bit that decode's frames at the
 with their true timestamps; keyframe sampling returns keyframes with theirs. The clips whose
 packets cannot locate their frames (``hostile.SEQUENTIAL_READS``: no timestamps, no keyframe
 flag, or flags the decoder refutes) and only those are read from the start, in both modes.
+Sampled by time (``decode_video_at``, what the loader reads), a variable-rate clip
+(``hostile.VARIABLE_RATE``) gives the frames presented nearest each of the uniform target times,
+with their true timestamps; a constant-rate clip, timed in milliseconds included, gives exactly
+the processors' index picks.
 """
 
 from __future__ import annotations
@@ -19,8 +23,15 @@ import av
 import numpy as np
 import pytest
 
+from energon_tasks.families.nemotron_omni.geometry import NEMOTRON_OMNI
 from energon_tasks.families.qwen_vl.geometry import QWEN2_5_VL, QWEN3_VL
-from energon_tasks.video_decode import decode_video_frames, video_frame_pixels, video_stream
+from energon_tasks.resize import resize_rgb
+from energon_tasks.video_decode import (
+    decode_video_at,
+    decode_video_frames,
+    video_frame_pixels,
+    video_stream,
+)
 from tests.conftest import read_samples, run_cli
 from tests.converters import hostile as h
 
@@ -94,6 +105,55 @@ def test_loader_frames_are_the_sequential_decode_frames(converted, name):
         if stamps[0][0] is not None:
             np.testing.assert_allclose(video.timestamps, [stamps[i][0] for i in picks],
                                        atol=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(h.VARIABLE_RATE))
+def test_a_variable_rate_clip_is_sampled_uniformly_in_time(converted, name):
+    media, data, every, stamps = kept_video(converted, name)
+    seconds = np.array([second for second, _ in stamps])  # each frame's, from its decoded pts
+    for geo in (QWEN2_5_VL, QWEN3_VL, NEMOTRON_OMNI):
+        positions = geo.video_frame_positions(media["frames"], media["fps"])
+        # uniform over the clip: from the first frame's time to the last's, n targets
+        targets = np.linspace(seconds[0], seconds[-1], len(positions))
+        shown = [int(np.argmin(np.abs(seconds - target))) for target in targets]
+        video = decode_video_at(data, positions, size=SIZE, max_source_pixels=10**8,
+                                frames=media["frames"])
+        assert video.variable_rate and video.indices == tuple(shown), geo.name
+        assert np.array_equal(video.frames, np.stack([every[i] for i in shown]))
+        np.testing.assert_allclose(video.timestamps, seconds[shown], atol=1e-9)
+        if name == "vfr_30_then_5":  # by index, most picks crowd the 30 fps first third
+            by_index = geo.video_frame_indices(media["frames"], media["fps"])
+            assert sum(i < 60 for i in by_index) > sum(i < 60 for i in shown) + 2, geo.name
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, why) in h.HOSTILE_VIDEOS.items()
+                                  if not why and n not in h.VARIABLE_RATE])
+def test_a_constant_rate_clip_sampled_by_time_gives_the_processors_indices(converted, name):
+    media, data, every, _ = kept_video(converted, name)
+    count = media["frames"]
+    sets = [geo.video_frame_positions(count, media["fps"])
+            for geo in (QWEN2_5_VL, QWEN3_VL, NEMOTRON_OMNI)]
+    if name == "mkv_30fps_ms":  # steps of 33 and 34 ms: every count, ties (k + 0.5) included
+        sets += [np.linspace(0, count - 1, n).tolist() for n in range(2, count + 1)]
+    for positions in sets:
+        picks = [round(p) for p in positions]
+        video = decode_video_at(data, positions, size=SIZE, max_source_pixels=10**8,
+                                frames=count)
+        assert video.indices == tuple(picks) and not video.variable_rate, len(positions)
+        assert np.array_equal(video.frames, np.stack([every[i] for i in picks]))
+
+
+@pytest.mark.parametrize("name", h.MPEG4_AVIS)
+def test_an_mpeg4_avi_with_b_frames_shows_its_source_frames_in_order(converted, name):
+    """Frame k of the sequential decode (which the loader's reads equal, above) is the k-th frame
+    the encoder was given, at k / 24 s: each decoded frame is nearest its own source frame."""
+    media, _, every, stamps = kept_video(converted, name)
+    sources = [resize_rgb(frame, *SIZE[::-1]).astype(np.int16)
+               for frame in h.textured_frames(48, 64, 48)]
+    nearest = [int(np.argmin([np.abs(frame - source).mean() for source in sources]))
+               for frame in every]
+    assert media["frames"] == 48 and nearest == list(range(48))
+    np.testing.assert_allclose([second for second, _ in stamps], np.arange(48) / 24, atol=1e-9)
 
 
 def stream_size(data: bytes) -> tuple[int, int]:

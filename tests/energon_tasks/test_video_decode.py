@@ -2,7 +2,9 @@
 decode of every frame, read with the fewest packets decoded (from the keyframe before each pick,
 non-reference frames skipped, one restart per GOP that holds picks); keyframe sampling; the
 keyframe mode through the task encoder (timestamps in the Qwen3-VL span, Qwen2.5-VL's time step,
-Nemotron-Omni's frame labels)."""
+Nemotron-Omni's frame labels); a variable-rate clip through the converter's probe and the task
+encoder: the frames shown at uniform times, and their true times in each family's span and
+positions."""
 
 from __future__ import annotations
 
@@ -13,10 +15,18 @@ import pytest
 from PIL import Image
 
 from contract.errors import ConfigError
+from converters.media import probe_video
+from converters.media import video_media as probed_media
 from energon_tasks import task_encoder_for
 from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.task_encoder import cook_conversation
-from energon_tasks.video_decode import MediaError, decode_video_frames, video_frame_pixels
+from energon_tasks.video_decode import (
+    MediaError,
+    decode_video_at,
+    decode_video_frames,
+    video_frame_pixels,
+)
+from tests.converters.hostile import encoded_clip, rate_change_clip, remux
 from tests.energon_tasks.conftest import (
     b_frame_video_bytes,
     conversation,
@@ -189,6 +199,103 @@ def test_nemotron_frame_labels_carry_the_keyframes_times(tokenizer, video_sample
     assert "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 1.00 seconds" in text
     with pytest.raises(ConfigError, match="video_sampling: must be one of exact, keyframe"):
         TaskEncoderConfig.from_dict({"model": "qwen3-vl", "video_sampling": "nearest"})
+
+
+@pytest.mark.parametrize("container", ["mp4", "matroska_unflagged"])
+def test_a_frame_held_long_is_shown_at_every_time_it_covers(container):
+    """30 fps, one frame held 3 s, 30 fps again; read by time, planned (mp4) and from the start
+    (HEVC in Matroska with no keyframe flag): the held frame fills every target it covers."""
+    from fractions import Fraction
+
+    import av
+
+    pts = [*range(30), *range(120, 150)]  # frame 29 at 29/30 s, frame 30 at 4 s
+    data = encoded_clip(codec="libx265", pts=pts, time_base=Fraction(1, 30), frames=len(pts))
+    if container != "mp4":
+        data = remux(data, "matroska", keyframe=lambda packet: False)
+    with av.open(io.BytesIO(data)) as decoded:
+        stream = decoded.streams.video[0]
+        every = [(f.pts * stream.time_base, video_frame_pixels(f, (32, 24)))
+                 for f in decoded.decode(stream)]
+    seconds = np.array([float(t - every[0][0]) for t, _ in every])
+    positions = np.linspace(0, len(every) - 1, 10).tolist()
+    shown = [int(np.argmin(np.abs(seconds - t))) for t in np.linspace(0, seconds[-1], 10)]
+    assert shown.count(29) >= 3  # the held frame, at several targets
+    video = decode_video_at(data, positions, size=(24, 32), max_source_pixels=BIG,
+                            frames=len(every))
+    assert video.variable_rate and video.sequential == (container != "mp4")
+    assert video.indices == tuple(shown)
+    assert np.array_equal(video.frames, np.stack([every[i][1] for i in shown]))
+    np.testing.assert_allclose(video.timestamps, seconds[shown], atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def rate_change_sample():
+    """A sample holding ``hostile.rate_change_clip`` (30 fps for 2 s, then 5 fps) as the
+    converter records it, and each frame's true time (its decoded pts, seconds)."""
+    import av
+
+    data = rate_change_clip()
+    media, _ = probed_media(0, data, "mp4", probe_video(data, "clip.mp4"), "clip.mp4")
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        pts = [frame.pts * stream.time_base for frame in container.decode(stream)]
+    seconds = np.array([float(p - pts[0]) for p in pts])
+    sample = cook_conversation(crude("k", conversation(
+        [("user", "<video> what moves?"), ("assistant", "noise")], [media]), {media.part: data}))
+    return sample, seconds
+
+
+def _shown(seconds: np.ndarray, count: int) -> list[int]:
+    """The frames presented nearest ``count`` times uniform from the first frame to the last."""
+    return [int(np.argmin(np.abs(seconds - t))) for t in np.linspace(0, seconds[-1], count)]
+
+
+def _encode(tokenizer, sample, seconds: np.ndarray, model: str):
+    """(encoder, encoded sample, the frames shown at uniform times); the video's frames decoded
+    are those, with their true times."""
+    encoder = task_encoder_for(TaskEncoderConfig.from_dict({"model": model}),
+                               tokenizer=tokenizer)
+    plan = encoder.plan_sample(sample.conversation, "k")
+    shown = _shown(seconds, len(plan.media[0].frame_indices))
+    item = encoder.decode_sample(plan, sample.conversation, sample.media_bytes)[0].media[0]
+    assert item.frame_indices == tuple(shown)  # before: the index picks, most in the 1st 2 s
+    np.testing.assert_allclose(item.timestamps, seconds[shown], atol=1e-9)
+    return encoder, encoder.encode_sample(sample), shown
+
+
+def test_qwen3_shows_a_variable_rate_clip_at_uniform_times_with_their_true_times(
+        tokenizer, rate_change_sample):
+    sample, seconds = rate_change_sample
+    _, encoded, frames = _encode(tokenizer, sample, seconds, "qwen3-vl")
+    shown = seconds[frames].tolist()
+    shown += shown[-1:] * (len(shown) % 2)
+    pairs = [(shown[i] + shown[i + 1]) / 2 for i in range(0, len(shown), 2)]
+    text = tokenizer.decode(encoded.input_ids)
+    stamps = [s.split(" seconds>")[0] for s in text.split("<")[1:] if " seconds>" in s]
+    assert stamps == [f"{t:.1f}" for t in pairs]
+
+
+def test_qwen2_5_temporal_positions_follow_a_variable_rate_clips_true_times(
+        tokenizer, rate_change_sample):
+    sample, seconds = rate_change_sample
+    encoder, encoded, shown = _encode(tokenizer, sample, seconds, "qwen2.5-vl")
+    video = encoded.input_ids == encoder.video_pad
+    temporal = np.unique(encoded.position_ids[0][video].numpy())
+    first_frames = seconds[shown][::2]  # each temporal patch's first frame
+    # tokens_per_second 2: a patch's temporal position is 2 x its time, truncated (< 1) and off
+    # by at most twice the half frame (0.1 s at 5 fps) between a target time and its frame
+    assert len(temporal) == len(first_frames)
+    np.testing.assert_allclose(temporal - temporal[0], 2 * first_frames, atol=1.2)
+
+
+def test_nemotron_labels_a_variable_rate_clips_frames_with_their_true_times(
+        tokenizer, rate_change_sample):
+    sample, seconds = rate_change_sample
+    _, encoded, shown = _encode(tokenizer, sample, seconds, "nemotron-omni")
+    text = tokenizer.decode(encoded.input_ids)
+    labels = [s.split(" seconds")[0] for s in text.split("sampled at ")[1:]]
+    assert labels == [f"{t:.2f}" for t in seconds[shown]]
 
 
 def _decoded_frame(rgb: np.ndarray, fmt: str = "yuv420p"):

@@ -303,11 +303,19 @@ class NemotronOmniGeometry:
                 "max_num_tiles")
 
     # ----------------------------------------------------------------------------- video
-    def video_frame_indices(self, total_frames: int, source_fps: float, *,
-                            video_fps: float | None = None, max_num_frames: int | None = None,
-                            min_num_frames: int | None = None) -> list[int]:
-        """Frames to decode: n = floor_2(clamp(int(total / source_fps * video_fps), min, max,
-        total)), picks = np.linspace(0, total - 1, n).round() (uniform over the whole clip).
+    def video_frame_indices(self, total_frames: int, source_fps: float, **limits) -> list[int]:
+        """The frame indices: ``video_frame_positions`` rounded half to even (numpy's
+        ``round``); ``limits`` as there."""
+        return [round(p) for p in self.video_frame_positions(total_frames, source_fps, **limits)]
+
+    def video_frame_positions(self, total_frames: int, source_fps: float, *,
+                              video_fps: float | None = None, max_num_frames: int | None = None,
+                              min_num_frames: int | None = None) -> list[float]:
+        """Fractional frame positions to show: n = floor_2(clamp(int(total / source_fps *
+        video_fps), min, max, total)), positions = np.linspace(0, total - 1, n) (uniform over
+        the whole clip; the frame indices are them rounded). The loader reads the frame shown
+        at each position's time (``video_decode.decode_video_at``: on a constant-rate clip,
+        frame ``round(p)``).
 
         Raises:
             ValueError: non-positive inputs, or fewer than 2 frames in the clip.
@@ -323,7 +331,7 @@ class NemotronOmniGeometry:
         n = n // step * step
         if n < step:
             raise ValueError(f"video of {total_frames} frame(s): fewer than {step} to sample")
-        return np.linspace(0, total_frames - 1, n).round().astype(int).tolist()
+        return np.linspace(0, total_frames - 1, n).tolist()
 
     def video_grid(self, num_frames: int, height: int, width: int, *,
                    min_pixels: int | None = None, max_pixels: int | None = None) -> ImageGrid:
@@ -354,7 +362,7 @@ class NemotronOmniGeometry:
     def video_labels(self, frame_indices, source_fps: float, seconds=None) -> list[str]:
         """One text label per frame pair, e.g. ``"Frame 1 sampled at 0.00 seconds and frame 2
         sampled at 0.50 seconds: "`` (numbering from 1 over the picked frames); the seconds are
-        ``video_timestamps``' or, given, ``seconds`` (keyframe sampling's true timestamps)."""
+        ``video_timestamps``' or, given, ``seconds`` (the frames' true timestamps)."""
         stamps = self.video_timestamps(frame_indices, source_fps) if seconds is None else seconds
         labels = []
         for first in range(0, len(stamps), self.temporal_patch_size):

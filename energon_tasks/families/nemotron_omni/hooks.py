@@ -76,8 +76,8 @@ class NemotronOmniHooks:
     def span(self, media: Media, grid_thw: Sequence[int], frames: Sequence[int] = (),
              seconds: Sequence[float] | None = None) -> list[int]:
         """Token ids of one media span: an image ``<img>`` + ``<image>`` x tokens + ``</img>``; a
-        video ``video_span_text`` tokenized (labels at ``seconds`` when given: keyframe
-        sampling's true timestamps).
+        video ``video_span_text`` tokenized (labels at ``seconds`` when given: the frames' true
+        timestamps, keyframe sampling or a variable-rate clip).
 
         Each frame-pair label is tokenized with the newline before it ("\\n" + label), as the
         processor's text splits at the special tokens.

@@ -8,7 +8,8 @@ computes each one exactly as the Hugging Face transformers (5.x) processors and 
 - video size: Qwen3-VL resizes over the clip volume (``qwen3_vl.video_processing_qwen3_vl.
   smart_resize``, here ``smart_resize_clip``); Qwen2.5-VL resizes each frame with the image rule
   (``qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor.resize``);
-- frame picks, grids, token counts and the ``pixel_values`` row layout (``patchify``);
+- frame picks (positions uniform in time, and the processors' indices), grids, token counts and
+  the ``pixel_values`` row layout (``patchify``);
 - 3-D M-RoPE position ids (``mrope_position_ids``, the models' ``get_rope_index``; it lives in
   ``energon_tasks.families.qwen_vl.mrope`` and is re-exported here).
 
@@ -212,7 +213,7 @@ class QwenVLGeometry:
             size = smart_resize(height, width, factor=self.factor, min_pixels=lo, max_pixels=hi)
         return self._grid(num_frames, *size)
 
-    def video_frame_indices(
+    def video_frame_positions(
         self,
         total_frames: int,
         source_fps: float,
@@ -220,22 +221,29 @@ class QwenVLGeometry:
         video_fps: float | None = None,
         max_num_frames: int | None = None,
         min_num_frames: int | None = None,
-    ) -> list[int]:
-        """Indices of the frames to decode: uniform over the whole clip at ``video_fps``.
+    ) -> list[float]:
+        """Fractional frame positions to show: uniform over the whole clip at ``video_fps``,
+        before the processors round them to frame indices (``video_frame_indices``). The loader
+        reads the frame shown at each position's time (``video_decode.decode_video_at``: on a
+        constant-rate clip, frame ``round(p)``).
 
         Policy per model (``frame_sampling``):
 
         - ``transformers_qwen3`` (Qwen3-VL): exactly ``Qwen3VLVideoProcessor.sample_frames`` with
           ``fps``: n = int(total / source_fps * video_fps), clamped to [min, max] frames and the
-          clip length, ``np.linspace(0, total - 1, n).round()``. n is NOT rounded to the temporal
-          patch: an odd n is padded with the last frame by ``patchify`` (as transformers does), and
-          ``video_grid(n, ...)`` counts ``ceil(n / 2)`` temporal patches.
+          clip length, ``np.linspace(0, total - 1, n)`` (rounded: ``.round()``). n is NOT rounded
+          to the temporal patch: an odd n is padded with the last frame by ``patchify`` (as
+          transformers does), and ``video_grid(n, ...)`` counts ``ceil(n / 2)`` temporal patches.
         - ``qwen_vl_utils`` (Qwen2.5-VL): qwen-vl-utils' ``smart_nframes`` + its readers' float32
-          ``torch.linspace(0, total - 1, n).round()``; n is floored to the temporal patch (always
-          even). transformers' ``Qwen2VLVideoProcessor`` samples nothing by default
-          (``do_sample_frames=False``) and its opt-in sampler takes ``arange(0, total, total / n)``
-          in float32, which for many (total, n) returns n + 1 frames, the last one past the clip
-          (42 frames, n = 30 -> 31 picks ending at 42), so it is not followed.
+          ``torch.linspace(0, total - 1, n)`` (rounded: ``.round()``); n is floored to the
+          temporal patch (always even). transformers' ``Qwen2VLVideoProcessor`` samples nothing
+          by default (``do_sample_frames=False``) and its opt-in sampler takes
+          ``arange(0, total, total / n)`` in float32, which for many (total, n) returns n + 1
+          frames, the last one past the clip (42 frames, n = 30 -> 31 picks ending at 42), so it
+          is not followed.
+
+        Both processors take ``source_fps`` as the clip's average rate (frames / duration) and
+        mean the picks uniform in time: ``fps`` frames per second of the clip.
 
         Raises:
             ValueError: non-positive inputs, or (qwen_vl_utils) fewer than 2 frames to sample.
@@ -250,7 +258,7 @@ class QwenVLGeometry:
             )
         if self.frame_sampling == "transformers_qwen3":
             n = min(max(int(total_frames / source_fps * fps), lo), hi, total_frames)
-            return np.linspace(0, total_frames - 1, n).round().astype(int).tolist()
+            return np.linspace(0, total_frames - 1, n).tolist()
         step = self.temporal_patch_size
         n = min(
             max(total_frames / source_fps * fps, math.ceil(lo / step) * step),
@@ -262,7 +270,12 @@ class QwenVLGeometry:
             raise ValueError(f"video of {total_frames} frame(s): fewer than {step} to sample")
         import torch  # qwen-vl-utils picks with float32 torch.linspace; numpy float64 differs
 
-        return torch.linspace(0, total_frames - 1, n).round().long().tolist()
+        return torch.linspace(0, total_frames - 1, n).tolist()
+
+    def video_frame_indices(self, total_frames: int, source_fps: float, **limits) -> list[int]:
+        """The processors' frame indices: ``video_frame_positions`` rounded half to even (numpy's
+        and torch's ``round``); ``limits`` as there."""
+        return [round(p) for p in self.video_frame_positions(total_frames, source_fps, **limits)]
 
     def normalize(self, pixels: np.ndarray) -> np.ndarray:
         """uint8 pixels (..., C, H, W) -> float32 (x / 255 - mean) / std, as the PIL processor.

@@ -72,7 +72,8 @@ class QwenVLHooks:
     def video_timestamps(self, media: Media, frames: Sequence[int],
                          seconds: Sequence[float] | None = None) -> list[float]:
         """Seconds of each temporal patch (mean of its frames), as Qwen3-VL's processor: each
-        frame at index / fps, or at ``seconds`` (keyframe sampling's true timestamps)."""
+        frame at index / fps, or at ``seconds`` (the frames' true timestamps: keyframe sampling, a
+        variable-rate clip)."""
         step = self.geometry.temporal_patch_size
         stamps = [i / media.fps for i in frames] if seconds is None else list(seconds)
         stamps += [stamps[-1]] * (-len(stamps) % step)
@@ -134,7 +135,8 @@ class QwenVLHooks:
                    seconds: Sequence[float] | None = None) -> float:
         """Qwen2.5-VL M-RoPE time step of a video: tokens_per_second * seconds per grid_t
         (``second_per_grid_t``): temporal patch / sampled fps, the processor's; with true
-        ``seconds`` (keyframe sampling), temporal patch * their mean spacing."""
+        ``seconds`` (keyframe sampling, a variable-rate clip), temporal patch * their mean
+        spacing."""
         step = self.geometry.temporal_patch_size
         if seconds is not None and len(seconds) > 1 and seconds[-1] > seconds[0]:
             per_grid = np.float32(step * (seconds[-1] - seconds[0]) / (len(seconds) - 1))
