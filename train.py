@@ -43,7 +43,7 @@ import torch
 
 from contract.cli import run_click
 from contract.errors import UsageError
-from contract.lifetime import WithParent, die_with_parent
+from contract.lifetime import die_with_parent
 from models import cpu, moe_aux
 from recipes.checkpointing import (
     load_checkpoint,
@@ -54,6 +54,8 @@ from recipes.checkpointing import (
 from recipes.estimate import estimate as estimate_memory
 from recipes.forward import NonFiniteGuard, optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
+from recipes.loaders import PlanLog, loader_states, restore_loaders
+from recipes.loaders import build_loaders as loaders_for
 from recipes.metrics import MetricsLogger, StepMeter
 from recipes.model_setup import (
     base_source,
@@ -158,24 +160,10 @@ def start_run(plan: RunPlan, automatic: bool) -> tuple[RunPlan, Run]:
 
 
 def build_loaders(plan: RunPlan, run: Run) -> list:
-    """One train loader per virtual DP rank of this replica (the plan's task encoder); the keys
-    of the samples they skip go to ``<out>/skipped_samples.jsonl`` (once per replica)."""
-    from energon_tasks.energon_dataset import SKIP_LOG_ENV
-    from energon_tasks.loader import get_train_loader
-
-    cfg, layout = plan.config, run.layout
-    os.environ[SKIP_LOG_ENV] = str(run.out / SKIP_LOG) if layout.first_in_replica else ""
-    virtual = cfg.data.virtual_dp
-    loaders = [get_train_loader(
-        cfg.data.path, task_encoder=plan.encoder, batch_size=cfg.train.micro_batch_size,
-        dp_rank=layout.dp_rank * virtual + v, dp_size=layout.dp * virtual,
-        num_workers=cfg.data.num_workers, shuffle_buffer_size=cfg.data.shuffle_buffer_size,
-        max_samples_per_sequence=cfg.data.max_samples_per_sequence,
-        seed_offset=cfg.data.seed_offset, split_part=cfg.data.split_part) for v in range(virtual)]
-    for loader in loaders:
-        run.stop.protect_workers(loader)
-        loader.worker_init_fn = WithParent(loader.worker_init_fn)  # a kill -9 leaves none
-    return loaders
+    """One train loader per virtual DP rank of this replica (``recipes.loaders``: Energon's per
+    rank, or the global data plan's); skipped samples' keys go to ``<out>/skipped_samples.jsonl``
+    (once per replica)."""
+    return loaders_for(plan.config, plan.encoder, run.layout, run.stop, run.out / SKIP_LOG)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,20 +224,11 @@ def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders, fresh_loader: bo
     ``fresh_loader``: another data path). Returns the step the loop starts at."""
     if plan.resume is None:
         return 0
-    from energon_tasks.loader_state import LoaderStateError, from_plain
-
     resume = plan.resume
-    plain, rng = read_rank_state(Path(resume["dir"]), run.layout)
-    if len(plain) != len(loaders) and not fresh_loader:
-        raise UsageError(f"checkpoint {resume['dir']} holds {len(plain)} loader states per "
-                         f"rank, data.virtual_dp is {len(loaders)}")
-    try:
-        states = [from_plain(state) for state in plain]
-    except LoaderStateError as error:
-        raise UsageError(f"checkpoint {resume['dir']}: loader state refused ({error})") from None
+    plain, rng = read_rank_state(Path(resume["dir"]), run.layout,
+                                 loader="data_plan" not in resume)
+    restore_loaders(plan.config, loaders, resume, plain, fresh_loader)
     load_checkpoint(resume, model=trainee.model.module, optimizer=trainee.optimizer, rng=rng)
-    for loader, state in zip(loaders, [] if fresh_loader else states, strict=False):
-        loader.restore_state_rank(state)
     return resume["step"]
 
 
@@ -286,6 +265,7 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
     t, model = cfg.train, trainee.model
     iterators = [iter(loader) for loader in loaders]
     meter, guard = StepMeter(), NonFiniteGuard(t.max_nonfinite_steps)
+    plans = PlanLog(run.out, layout, cfg.data.virtual_dp, cfg.log.sample_keys)
     for step in range(start, t.steps):
         step_start = time.perf_counter()
         batches, wait = next_batches(iterators, t.grad_accum)
@@ -301,13 +281,14 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
         for batch in batches:
             meter.add_batch(batch, cfg.model)
         done = step + 1
+        plans.step(done, batches)
         guard.update(stepped, done, batches, float(loss_sum) / max(total_tokens, 1), grad_norm,
                      run.ckpt_dir)
         if done % cfg.log.interval == 0 or done == t.steps:
             logger.log({"step": done, "loss": float(loss_sum) / max(total_tokens, 1),
                         "lr": lr, "grad_norm": float(grad_norm or 0.0),
                         "loss_tokens": total_tokens, "nonfinite_steps": guard.count, **aux,
-                        **meter.summary(layout)})
+                        **meter.summary(layout), **plans.summary()})
             meter.reset()
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
             tick = time.perf_counter()
@@ -333,19 +314,17 @@ def next_batches(iterators, grad_accum: int) -> tuple[list, float]:
 def checkpoint_or_stop(plan: RunPlan, run: Run, trainee: Trainee, loaders, done: int,
                        lr: float) -> bool:
     """Saves a checkpoint when one is due or a stop was asked; True when the loop must stop."""
-    from energon_tasks.loader_state import to_plain
-
     cfg = plan.config
     t, every, stop_signal = cfg.train, cfg.checkpoint.interval, run.stop.agreed()
     if not ((every and done % every == 0) or (done == t.steps and cfg.checkpoint.save_final)
             or stop_signal):
         return False
+    per_rank, data = loader_states(cfg, loaders)
     step_dir = save_checkpoint(
         run.ckpt_dir, done, model=trainee.model.module, optimizer=trainee.optimizer,
-        loader_states=[to_plain(loader.save_state_rank()) for loader in loaders],
-        layout=run.layout, config_yaml=plan.config_yaml, keep_last=t.keep_checkpoints,
-        model_files=trainee.model_files, base=trainee.base,
-        train_state={"scheduler": {"step": done, "lr": lr}, "params": trainee.n_params})
+        loader_states=per_rank, layout=run.layout, config_yaml=plan.config_yaml,
+        keep_last=t.keep_checkpoints, model_files=trainee.model_files, base=trainee.base,
+        train_state={"scheduler": {"step": done, "lr": lr}, "params": trainee.n_params, **data})
     if not (stop_signal and done < t.steps):
         return False
     if run.is_logger:

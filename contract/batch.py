@@ -61,6 +61,9 @@ class VLMBatch(Batch):
     cu_seqlens: torch.Tensor | None  #: (S+1,) int32 sample bounds in the flattened B*L tokens
     max_seqlen: int | None  #: longest segment of cu_seqlens (packed batches only)
     budget_counters: dict  #: {counter: int} budget actions since the previous batch (one worker)
+    #: the global data plan's record of the step (``energon_tasks.planned_loader``; None: the
+    #: per-rank Energon loader): step, keys, DP balance, blend shares, the plan state
+    plan: dict | None = None
 
     def model_inputs(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The ``MODEL_INPUTS`` tensors on ``device``, by name."""

@@ -137,17 +137,22 @@ def check_rank_states(step_dir: Path) -> None:
         _rng_state(path, step_dir)
 
 
-def read_rank_state(step_dir: Path, layout: Layout) -> tuple[list, dict | None]:
-    """(loader states in their plain form, RNG state or None) of this rank.
+def read_rank_state(step_dir: Path, layout: Layout, loader: bool = True
+                    ) -> tuple[list, dict | None]:
+    """(loader states in their plain form, RNG state or None) of this rank; ``loader=False``:
+    the checkpoint's data position is not per rank (the global data plan's, in
+    train_state.json), none is read. A rank the checkpoint had no RNG state for (a resume at a
+    larger DP size) keeps its own.
 
     Raises:
         UsageError: a missing or foreign state file, in one line.
     """
     path = loader_file(step_dir, layout.dp_rank)
-    if not path.is_file():
+    if loader and not path.is_file():
         raise UsageError(f"checkpoint {step_dir} has no {path.relative_to(step_dir)}")
     rng = rng_file(step_dir, layout.rank)
-    return _loader_states(path, step_dir), _rng_state(rng, step_dir) if rng.is_file() else None
+    return (_loader_states(path, step_dir) if loader else [],
+            _rng_state(rng, step_dir) if rng.is_file() else None)
 
 
 def prune(ckpt_dir: Path, current: int, keep: int) -> None:
@@ -194,10 +199,11 @@ def read_train_state(path: str | Path, dp: int) -> dict:
         raise UsageError(f"checkpoint {step_dir} failed its checks: {problem}")
     if not (step_dir / "model_optim" / "metadata.json").is_file():
         raise UsageError(f"checkpoint {step_dir} is unreadable (no model_optim/metadata.json)")
-    if saved_dp != dp:
+    if saved_dp != dp and "data_plan" not in state:  # the global plan's: any DP size
         raise UsageError(f"checkpoint {step_dir} was saved with data-parallel size {saved_dp}, "
                          f"this run has {dp}: the Energon loader state cannot be "
-                         "redistributed (resume with the same DP size)")
+                         "redistributed (resume with the same DP size, or train with "
+                         "data.global_plan=true, whose data position resumes at any DP size)")
     check_dist_checkpoint(step_dir / "model_optim")
     check_rank_states(step_dir)
     state["dir"] = str(step_dir)

@@ -17,7 +17,9 @@ checkpoint is honoured or refused in one line:
   holds positions in the old dataset's shards) and the run says so;
 - the loader's shape (``data.num_workers``, ``shuffle_buffer_size``, ``max_samples_per_sequence``,
   ``seed_offset``, ``split_part``, ``virtual_dp``, ``train.micro_batch_size``) with the same data:
-  refused (Energon's saved state is per worker and batch; it cannot be redistributed);
+  refused (Energon's saved state is per worker and batch; it cannot be redistributed), except
+  under ``data.global_plan``, whose one state is the stream's position (any workers, micro-batch
+  and DP size);
 - the sequence length and visual-token budget (``task_encoder.*``) and ``train.steps``:
   honoured; the restored loader positions stay valid (they index samples, not tokens), the new
   budget applies to every sample from the resumed step on, and the LR schedule is laid over the
@@ -139,8 +141,8 @@ def _changes(cfg: RunConfig, stored: dict, step_dir: Path, world: int) -> Resume
         notes.append(f"data.path changed ({_at(stored, 'data.path')} -> "
                      f"{_at(now, 'data.path')}): the loader starts fresh on the new data "
                      "(the checkpoint's loader state is of the old one)")
-    else:
-        for key in LOADER_KEYS:
+    elif not (_at(stored, "data.global_plan") and cfg.data.global_plan):  # the plan: any
+        for key in LOADER_KEYS:  # worker count, micro-batch, DP size
             if _at(stored, key) is not None and _at(stored, key) != _at(now, key):
                 raise UsageError(f"--resume {step_dir}: saved with {key}={_at(stored, key)}, "
                                  f"this run has {key}={_at(now, key)}: the saved loader state "

@@ -44,6 +44,13 @@ class DataConfig:
     seed_offset: int = 0  #: changes the shuffle order
     blank_media: bool = False  #: zero every pixel row (the vision-signal control run)
     virtual_dp: int = 1  #: testing: read as N data-parallel ranks, one micro-batch each
+    #: plan every step over all DP ranks (energon_tasks/planned_loader.py): the global batch's
+    #: samples the same at any DP size (train.global_batch_size rows), tokens and vision work
+    #: balanced over the ranks, the data position resumable at any DP size; false: each rank
+    #: reads its own Energon loader
+    global_plan: bool = False
+    #: what a metadataset's blend weights share (global plan): samples, or trained tokens
+    blend_weights: str = "samples"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,6 +124,8 @@ class TrainConfig:
 class LogConfig:
     interval: int = 1  #: log every N steps (console, metrics.jsonl, TensorBoard)
     tensorboard: bool = True  #: when torch.utils.tensorboard imports
+    #: (global plan) the keys each DP rank trains per step: <out>/sample_keys.jsonl
+    sample_keys: bool = False
     wandb: bool = False  #: when wandb imports
     wandb_project: str = "vlm-sft"
     all_warnings: bool = False  #: show the known third-party warnings (counted and hidden)
@@ -379,6 +388,14 @@ def _check_values(s: dict) -> list[str]:
     elif t.optimizer_state == "bf16" and (not t.distributed_optimizer or t.precision == "fp32"):
         problems.append("train.optimizer_state=bf16 needs train.distributed_optimizer=true and "
                         "bf16 training (megatron's precision-aware optimizer)")
+    if d.blend_weights not in ("samples", "tokens"):
+        problems.append(f"data.blend_weights must be samples or tokens, got {d.blend_weights!r}")
+    if d.global_plan and not t.global_batch_size:
+        problems.append("data.global_plan needs train.global_batch_size (the rows of every "
+                        "step, the same at any DP size)")
+    if not d.global_plan and (d.blend_weights != "samples" or s["log"].sample_keys):
+        problems.append("data.blend_weights=tokens and log.sample_keys need data.global_plan="
+                        "true")
     if t.gpu_memory_gib is not None and not t.gpu_memory_gib > 0:
         problems.append(f"train.gpu_memory_gib must be > 0, got {t.gpu_memory_gib}")
     return problems

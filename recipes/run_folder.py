@@ -38,6 +38,7 @@ from models.checkpoint_folders import (
 )
 
 METRICS = "metrics.jsonl"
+SAMPLE_KEYS = "sample_keys.jsonl"  #: log.sample_keys: the keys each DP rank trained per step
 TENSORBOARD = "tensorboard"
 SKIP_LOG = "skipped_samples.jsonl"  #: key, reason, detail of each sample the loaders skipped
 LOCK = "train.lock"
@@ -163,9 +164,10 @@ def abandon_after(step_dir: Path, ckpt_dir: Path) -> str:
 
 
 def clear_run(out: Path, ckpt_dir: Path) -> None:
-    """Delete what an earlier run wrote (metrics, skip log, TensorBoard events, checkpoints)."""
-    (out / METRICS).unlink(missing_ok=True)
-    (out / SKIP_LOG).unlink(missing_ok=True)
+    """Delete what an earlier run wrote (metrics, skip log, sample keys, TensorBoard events,
+    checkpoints)."""
+    for name in (METRICS, SKIP_LOG, SAMPLE_KEYS):
+        (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
     for path in Path(ckpt_dir).glob("step_*"):  # step, .partial and .abandoned folders
         shutil.rmtree(path, ignore_errors=True)
@@ -173,15 +175,18 @@ def clear_run(out: Path, ckpt_dir: Path) -> None:
 
 
 def trim_metrics(out: Path, step: int) -> int:
-    """Drop the records of steps after ``step`` from metrics.jsonl (a resume replays them);
-    returns how many were dropped."""
-    path = out / METRICS
-    if not path.is_file():
-        return 0
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
-    path.write_text("".join(ln + "\n" for ln in kept))
-    return len(lines) - len(kept)
+    """Drop the records of steps after ``step`` from metrics.jsonl and sample_keys.jsonl (a
+    resume replays them); returns how many metrics records were dropped."""
+    dropped = 0
+    for name in (METRICS, SAMPLE_KEYS):
+        path = out / name
+        if not path.is_file():
+            continue
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+        path.write_text("".join(ln + "\n" for ln in kept))
+        dropped += (len(lines) - len(kept)) if name == METRICS else 0
+    return dropped
 
 
 class StopSignal:

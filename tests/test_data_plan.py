@@ -1,0 +1,146 @@
+"""The global data plan (``data.global_plan``): the planner's rows and rank assignment
+(energon_tasks/global_plan.py), the DP-independent stream (energon_tasks/global_stream.py), and
+train.py under it: the same samples at every step and the same losses at DP 1 and DP 2, and a
+run resumed at another DP size (2 -> 1 -> 2) continuing the uninterrupted run's very samples."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from energon_tasks.global_plan import Item, assign_rows, imbalance, pack_rows, rank_loads
+from tests.test_train import FAST, MANTIS_CFG, losses, ok, records, train
+
+
+def _items(seed: int, n: int) -> list[Item]:
+    """A mix like the three datasets: photo sets (1-5 images, a few with 20-50), one large page,
+    frame-heavy clips, text-only turns; tokens within one 4096-token row."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = rng.random()
+        if kind < 0.4:
+            images = rng.choice([1, 2, 3, 4, 5] * 9 + [rng.randint(20, 50)])
+            tokens, vision = 250 + images * 60, images * rng.uniform(200, 400) ** 1.1
+        elif kind < 0.6:
+            tokens = rng.randint(800, 3000)
+            vision = tokens ** 1.3
+        elif kind < 0.8:
+            frames = rng.choice([8, 16, 32, 64])
+            tokens, vision = 100 + frames * 40, frames * 60 ** 1.1 * 4
+        else:
+            tokens, vision = rng.randint(50, 1500), 0.0
+        out.append(Item(("m", i), min(tokens, 4096), vision))
+    return out
+
+
+@pytest.mark.parametrize("dp", [2, 8, 32])
+def test_rows_hold_every_sample_whole_and_ranks_get_equal_work(dp):
+    """Over 50 steps of the mix: no row is over its capacity, every candidate is placed whole
+    or waits for the next step (first there), and the ranks' tokens and vision cost are within
+    5 % of their mean on average (max over mean)."""
+    stream, carried = _items(dp, 40000), []
+    rows_per_step, capacity, tokens_ratio, vision_ratio = 2 * dp, 4096, [], []
+    taken = 0
+    for _ in range(50):
+        fresh = []
+        need = rows_per_step * capacity - sum(i.tokens for i in carried)
+        while need > 0:
+            fresh.append(stream[taken])
+            need -= stream[taken].tokens
+            taken += 1
+        rows, left = pack_rows(carried, fresh, rows_per_step, capacity, packing=True)
+        placed = [item for row in rows for item in row.items]
+        assert sorted(placed + left, key=id) == sorted(carried + fresh, key=id)
+        assert all(row.tokens <= capacity for row in rows)
+        assert not set(map(id, carried)) & set(map(id, left))  # carried ones went first
+        ranks = assign_rows(rows, dp)
+        assert sorted(i for r in ranks for i in r) == list(range(rows_per_step))
+        assert all(len(r) == rows_per_step // dp for r in ranks)
+        tokens, vision = rank_loads(rows, ranks)
+        tokens_ratio.append(imbalance(tokens))
+        vision_ratio.append(imbalance(vision))
+        carried = left
+    assert sum(tokens_ratio) / 50 <= 1.05, tokens_ratio
+    assert sum(vision_ratio) / 50 <= 1.05, vision_ratio
+
+
+def test_unpacked_rows_are_the_first_candidates():
+    items = _items(0, 10)
+    rows, left = pack_rows(items[:2], items[2:], 4, 4096, packing=False)
+    assert [r.items for r in rows] == [[i] for i in items[:4]] and left == items[4:]
+
+
+def test_the_stream_is_a_function_of_seed_and_draws(mantis_out):
+    """Two streams from a saved state draw what the original drew next; each member gives
+    every sample once per epoch; token-share weights move the draws toward the cheaper
+    dataset's share of tokens."""
+    from energon_tasks.global_stream import Stream, StreamState, members
+
+    data = members(mantis_out / "metadataset.yaml")
+    assert len(data) > 1 and all(m.keys for m in data)
+    stream = Stream(data, seed=3)
+    first = [stream.draw() for _ in range(50)]
+    saved = StreamState.from_plain(json.loads(json.dumps(stream.state.to_plain())), len(data))
+    again = Stream(data, seed=3)
+    assert [again.draw() for _ in range(50)] == first
+    assert [Stream(data, seed=3, state=saved).draw() for _ in range(1)] == [stream.draw()]
+    one = Stream(data[:1], seed=3)
+    epoch = [one.draw()[1] for _ in range(len(data[0].keys))]
+    assert sorted(epoch) == sorted(data[0].keys)
+    by_tokens = Stream(data[:2], seed=3, by_tokens=True)
+    for _ in range(400):
+        ref = by_tokens.draw()
+        by_tokens.observe(ref, 1000 if ref[0] == 0 else 100)  # member 0: 10x the tokens
+    tokens = by_tokens.state.tokens
+    weights = [m.weight for m in data[:2]]
+    assert abs(tokens[0] / sum(tokens) - weights[0] / sum(weights)) < 0.1, tokens
+
+
+PLAN = ["data.global_plan=true", "train.global_batch_size=4", "train.micro_batch_size=1",
+        "task_encoder.packing=true", "log.sample_keys=true", "train.eval_interval=0", *FAST]
+
+
+def _keys(out: Path) -> dict[int, list[str]]:
+    """step -> the sorted keys all ranks trained."""
+    steps: dict[int, list[str]] = {}
+    for line in (out / "sample_keys.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row["step"], []).extend(row["keys"])
+    return {step: sorted(keys) for step, keys in steps.items()}
+
+
+@pytest.mark.slow
+def test_dp2_trains_dp1s_samples_and_losses_and_resumes_at_any_dp(mantis_out, tmp_path):
+    """DP 2 (two gloo ranks) trains at each step the very samples DP 1 does, the ranks'
+    tokens and vision cost within 5 % of their mean, and the same losses and gradient norms
+    (fp tolerance); a DP 2 run's step 2 resumed at DP 1, and that run's step 4 at DP 2 again,
+    train the uninterrupted run's samples at every step, with its losses (the
+    checkpoints' data position is the plan's, the same at any DP size)."""
+    data = f"data.path={mantis_out}/metadataset.yaml"
+    args = [str(MANTIS_CFG), data, *PLAN, "checkpoint.interval=2", "train.keep_checkpoints=0"]
+    one, two = tmp_path / "dp1", tmp_path / "dp2"
+    ok(train(*args, "train.steps=6", f"out={one}"))
+    ok(train(*args, "train.steps=6", f"out={two}", nproc=2))
+    assert _keys(one) == _keys(two) and len(_keys(one)) == 6
+    assert losses(one) == pytest.approx(losses(two), rel=1e-4)
+    assert [r["grad_norm"] for r in records(one)] == pytest.approx(
+        [r["grad_norm"] for r in records(two)], rel=1e-3)
+    for record in records(two):
+        assert record["dp_tokens_max_over_mean"] <= 1.05, record
+        assert record["dp_vision_max_over_mean"] <= 1.05, record
+    # the DP 2 run's step-2 checkpoint resumed at DP 1 (to step 6, saving step 4), that one's
+    # step 4 resumed at DP 2: each step trains what the uninterrupted run trained
+    hop, back = tmp_path / "hop", tmp_path / "back"
+    ok(train(*args, "train.steps=6", f"out={hop}",
+             f"--resume={two / 'checkpoints' / 'step_000002'}"))
+    ok(train(*args, "train.steps=6", f"out={back}",
+             f"--resume={hop / 'checkpoints' / 'step_000004'}", nproc=2))
+    uninterrupted = _keys(two)
+    assert _keys(hop) == {s: uninterrupted[s] for s in range(3, 7)}
+    assert _keys(back) == {s: uninterrupted[s] for s in range(5, 7)}
+    assert losses(hop) == pytest.approx(losses(two)[2:], rel=1e-4)
+    assert losses(back) == pytest.approx(losses(two)[4:], rel=1e-4)
