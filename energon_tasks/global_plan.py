@@ -75,9 +75,101 @@ def pack_rows(carried: Sequence[Item], fresh: Sequence[Item], rows: int, capacit
             best = min(fits, key=lambda r: (placed[r].tokens, r))
         placed[best].add(item)
         slots[best].append(i)
+    _balance(placed, slots, left, candidates, capacity)
     for row, positions in zip(placed, slots):  # each row in stream order (loss-neutral)
         row.items = [candidates[i] for i in sorted(positions)]
+        row.tokens = sum(item.tokens for item in row.items)
+        row.vision = sum(item.vision for item in row.items)
     return placed, [candidates[i] for i in sorted(left)]
+
+
+def _balance(rows: list[Row], slots: list[list[int]], left: list[int], candidates,
+             capacity: int, rounds: int = 0) -> None:
+    """Local search after the greedy placement, on the largest load (a row's tokens or vision
+    cost over the rows' means, whichever is larger): the most loaded row gives a sample to
+    another row or swaps one with another row, or the least loaded row takes a candidate left
+    out or swaps one of its samples for one, whichever lowers the largest load most; until no
+    move lowers it, at most ``rounds`` (default 4 per row) moves. Deterministic: ties go to the
+    first move found."""
+    count = len(rows)
+    tokens = [r.tokens for r in rows]
+    vision = [r.vision for r in rows]
+
+    def largest(t: list, v: list) -> float:
+        mean_t, mean_v = max(sum(t) / count, 1e-9), sum(v) / count
+        return max(max(a / mean_t, b / mean_v if mean_v > 0 else 0.0) for a, b in zip(t, v))
+
+    for _ in range(rounds or 16 * count):
+        mean_t, mean_v = max(sum(tokens) / count, 1e-9), sum(vision) / count
+        loads = [max(t / mean_t, v / mean_v if mean_v > 0 else 0.0)
+                 for t, v in zip(tokens, vision)]
+
+        def load(t: float, v: float, mean_t=mean_t, mean_v=mean_v) -> float:
+            return max(t / mean_t, v / mean_v if mean_v > 0 else 0.0)
+
+        worst = max(range(count), key=lambda r: (loads[r], -r))
+        best, move = loads[worst], None
+        for r in range(count):  # within the rows: totals and means stay
+            if r == worst:
+                continue
+            rest = max((loads[q] for q in range(count) if q not in (r, worst)), default=0.0)
+            if rest >= best:
+                continue
+            for a in slots[worst]:
+                ta, va = candidates[a].tokens, candidates[a].vision
+                if tokens[r] + ta <= capacity:  # a moves to r
+                    score = max(rest, load(tokens[worst] - ta, vision[worst] - va),
+                                load(tokens[r] + ta, vision[r] + va))
+                    if score < best - 1e-9:
+                        best, move = score, ("row", a, None, r)
+                for b in slots[r]:  # a and b swap
+                    tb, vb = candidates[b].tokens, candidates[b].vision
+                    if tokens[worst] - ta + tb <= capacity and tokens[r] - tb + ta <= capacity:
+                        score = max(rest, load(tokens[worst] - ta + tb, vision[worst] - va + vb),
+                                    load(tokens[r] - tb + ta, vision[r] - vb + va))
+                        if score < best - 1e-9:
+                            best, move = score, ("row", a, b, r)
+        low = min(range(count), key=lambda r: (loads[r], r))
+        for b in left:  # the least loaded row takes b, for nothing or for one of its own
+            tb, vb = candidates[b].tokens, candidates[b].vision
+            for a in [None, *slots[low]]:
+                ta = candidates[a].tokens if a is not None else 0
+                va = candidates[a].vision if a is not None else 0.0
+                if tokens[low] - ta + tb > capacity or tb <= ta:
+                    continue
+                t, v = list(tokens), list(vision)
+                t[low], v[low] = t[low] - ta + tb, v[low] - va + vb
+                score = largest(t, v)
+                if score < best - 1e-9:
+                    best, move = score, ("left", a, b, low)
+        if move is None:
+            return
+        kind, a, b, r = move
+        if kind == "row":
+            slots[worst].remove(a)
+            slots[r].append(a)
+            _shift(tokens, vision, candidates[a], worst, r)
+            if b is not None:
+                slots[r].remove(b)
+                slots[worst].append(b)
+                _shift(tokens, vision, candidates[b], r, worst)
+        else:
+            left.remove(b)
+            slots[r].append(b)
+            tokens[r] += candidates[b].tokens
+            vision[r] += candidates[b].vision
+            if a is not None:
+                slots[r].remove(a)
+                left.append(a)
+                tokens[r] -= candidates[a].tokens
+                vision[r] -= candidates[a].vision
+
+
+def _shift(tokens: list, vision: list, item: Item, source: int, target: int) -> None:
+    tokens[source] -= item.tokens
+    vision[source] -= item.vision
+    tokens[target] += item.tokens
+    vision[target] += item.vision
 
 
 def _one(item: Item) -> Row:

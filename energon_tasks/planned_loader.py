@@ -5,7 +5,8 @@ only the rows the plan gives it.
 Per step (``Planner.next_step``, the same on every rank and in every loader worker): samples come
 from the global stream (``energon_tasks.global_stream``; DP-independent) with their budget plans
 (``VLMTaskEncoder.plan_sample``: ``K.json`` alone, nothing decoded) until they fill the global
-batch's ``rows`` (with packing: ``rows`` x ``seq_length`` tokens; without: ``rows`` samples);
+batch's ``rows`` (with packing: ``POOL`` x ``rows`` x ``seq_length`` tokens, the packer's
+choice; without: ``rows`` samples);
 ``global_plan.pack_rows`` forms the rows and ``global_plan.assign_rows`` gives each rank
 ``rows / dp`` of them, balanced on tokens and vision cost (the model's tower FLOPs of the
 planned grids, ``vision_cost``). A sample the budget skips is counted (``skipped_<reason>``, on
@@ -36,6 +37,9 @@ from energon_tasks.energon_dataset import DamagedSample, record_skip
 from energon_tasks.global_plan import Item, assign_rows, imbalance, pack_rows, rank_loads
 from energon_tasks.global_stream import Readers, SampleRef, Stream, StreamState, members
 
+#: candidates a packed step draws, in rows' worth of tokens: the packer picks from more than
+#: fills the rows (the rest waits for the next step, first there); bench/bench_data_plan.py
+POOL = 1.5
 #: (image grids, video grids) of a sample -> its estimated vision-encoder cost
 VisionCost = Callable[[list[list[int]], list[list[int]]], float]
 
@@ -119,7 +123,7 @@ class Planner:
         capacity, packing = budget.seq_length, budget.packing
         fresh = []
         have = sum(i.tokens if packing else 1 for i in self.carried)
-        need = self.rows * (capacity if packing else 1)
+        need = self.rows * (capacity * POOL if packing else 1)
         while have < need:
             ref = self.stream.draw()
             item = self.item(ref)
