@@ -20,7 +20,14 @@ from typing import Any
 
 import yaml
 
-from contract.config import apply_override, build_into, raise_problems, unknown_key
+from contract.config import (
+    apply_override,
+    build_into,
+    check_value,
+    parse_value,
+    raise_problems,
+    unknown_key,
+)
 from contract.errors import ConfigError  # the message lists every problem, separated by '; '
 from energon_tasks.config import TaskEncoderConfig
 from models.families import PARAMETER_GROUPS, config_from_dict
@@ -177,6 +184,7 @@ def _refine(base: dict, inline: dict) -> dict:
 def _lora_section(raw: dict, errors: list[str]) -> LoRAConfig | None:
     """``model.peft`` (``lora`` or ``none``) and ``model.lora.*`` (popped from ``raw``)."""
     peft, lora = raw.pop("peft", None), raw.pop("lora", None)
+    peft = parse_value(peft) if isinstance(peft, str) else peft  # lora | none | null | false
     if peft in (None, "none", False):
         if lora:
             errors.append("model.lora.* is set but model.peft is not: add model.peft=lora")
@@ -205,6 +213,9 @@ def _model_section(raw: Any, errors: list[str]):
                    for group in lora.parts if group not in freeze.frozen()]
     base = raw.pop("base", None)
     if base is not None:
+        base = check_value("model.base", base, str, errors)
+        if base is None:
+            return None, freeze, lora
         try:
             merged = yaml.safe_load(Path(base).read_text()) or {}
         except OSError as error:
@@ -232,7 +243,9 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("hf"):
         return None
-    source = str(model["hf"])
+    source = check_value("model.hf", model["hf"], str, errors)
+    if source is None:
+        return None
     if "base" in model:
         errors.append("model.hf and model.base exclude each other (the HF model is the base)")
         return None
@@ -254,7 +267,8 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
 
 def _task_encoder_section(raw: Any, cp: int, errors: list[str]) -> TaskEncoderConfig | None:
     raw = dict(raw or {})
-    if raw.setdefault("context_parallel_size", cp) != cp:
+    given = raw.setdefault("context_parallel_size", cp)
+    if (parse_value(given) if isinstance(given, str) else given) != cp:
         errors.append(f"task_encoder.context_parallel_size ({raw['context_parallel_size']}) "
                       f"differs from parallel.cp ({cp}); leave it unset")
         return None
@@ -275,6 +289,7 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
     raw = dict(raw)
     hf = _hf_model(raw, set(command_line), errors)
     hf_failed = bool(errors)  # model.hf unusable: its model section is not built
+    out = check_value("out", raw.get("out", "runs/train"), str, errors)  # the text as given
     known = {"out", "model", "task_encoder", *SECTIONS}
     errors += [unknown_key(str(key), str(key), sorted(known), "") for key in raw
                if key not in known]
@@ -293,7 +308,7 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
     if hf is not None and sections["train"].init_checkpoint:
         errors.append("model.hf and train.init_checkpoint exclude each other")
     raise_problems(errors)
-    return RunConfig(out=str(raw.get("out", "runs/train")), model=model,
+    return RunConfig(out=out, model=model,
                      task_encoder=task_encoder, hf=hf and hf[0], freeze=freeze, lora=lora,
                      **sections)
 
