@@ -14,6 +14,7 @@ are an error; every problem of a config is reported together, in one line (``Con
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -313,18 +314,44 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
                      **sections)
 
 
+#: seeds and seed offsets: numpy's and the loader's RNGs take 32-bit seeds (offsets added)
+MAX_SEED = 2**31 - 1
+
+
 def _check_values(s: dict) -> list[str]:
+    """Every value out of its range, one line each (before anything is built: a NaN learning
+    rate or a beta of 1.5 would otherwise fail inside the optimizer, some with SIGABRT)."""
     t, p, d = s["train"], s["parallel"], s["data"]
     problems = [f"{name} must be >= 1, got {value}" for name, value in (
         ("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
         ("train.grad_accum", t.grad_accum), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
-        ("parallel.cp", p.cp), ("data.virtual_dp", d.virtual_dp),
+        ("parallel.cp", p.cp), ("parallel.ep", p.ep), ("parallel.etp", p.etp or 1),
+        ("data.virtual_dp", d.virtual_dp), ("data.max_samples_per_sequence",
+                                            d.max_samples_per_sequence),
         ("log.interval", s["log"].interval), ("train.eval_batches", t.eval_batches),
         ("train.max_nonfinite_steps", t.max_nonfinite_steps))
         if value < 1]
     problems += [f"{name} must be >= 0, got {value}" for name, value in (
-        ("train.eval_interval", t.eval_interval), ("train.keep_checkpoints", t.keep_checkpoints))
+        ("train.eval_interval", t.eval_interval), ("train.keep_checkpoints", t.keep_checkpoints),
+        ("train.warmup_steps", t.warmup_steps), ("data.num_workers", d.num_workers),
+        ("data.shuffle_buffer_size", d.shuffle_buffer_size),
+        ("checkpoint.interval", s["checkpoint"].interval))
         if value < 0]
+    problems += [f"{name} must be in [0, {MAX_SEED}], got {value}" for name, value in (
+        ("train.seed", t.seed), ("data.seed_offset", d.seed_offset))
+        if not 0 <= value <= MAX_SEED]
+    ranges = (("train.lr", t.lr, 0.0, None), ("train.min_lr", t.min_lr, 0.0, None),
+              ("train.weight_decay", t.weight_decay, 0.0, None),
+              ("train.clip_grad", t.clip_grad, 0.0, None),
+              ("train.adam_beta1", t.adam_beta1, 0.0, 1.0),
+              ("train.adam_beta2", t.adam_beta2, 0.0, 1.0))
+    problems += [f"{name} must be a finite number >= {low:g}"
+                 f"{f' and < {high:g}' if high is not None else ''}, got {value}"
+                 for name, value, low, high in ranges
+                 if not (math.isfinite(value) and value >= low
+                         and (high is None or value < high))]
+    if not (math.isfinite(t.adam_eps) and t.adam_eps > 0):
+        problems.append(f"train.adam_eps must be a finite number > 0, got {t.adam_eps}")
     if t.precision not in ("auto", "fp32", "bf16"):
         problems.append(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
     if t.lr < t.min_lr:

@@ -43,3 +43,30 @@ def test_a_choice_key_names_its_values():
 def test_quotes_left_by_a_shell_spell_the_string():
     cfg = load_run_config(MANTIS_CFG, ["out='exp #2'", 'data.path="0010"', "data.split_part='a"])
     assert (cfg.out, cfg.data.path, cfg.data.split_part) == ("exp #2", "0010", "'a")
+
+
+# ------------------------------------------------------------------ value ranges
+def test_optimizer_and_loader_values_out_of_range_are_one_line(capsys):
+    """A NaN learning rate, beta1 1.5, eps -1, a NaN weight decay, num_workers -1 (errors after
+    the model was built before, two of them SIGABRT): every one named, in one line, before
+    anything is built."""
+    from tests.test_train import main_error
+
+    bad = {"train.lr": "nan", "train.min_lr": "-1", "train.adam_beta1": "1.5",
+           "train.adam_beta2": "inf", "train.adam_eps": "-1", "train.weight_decay": "nan",
+           "train.clip_grad": "-inf", "train.warmup_steps": "-2", "train.seed": "-5",
+           "data.num_workers": "-1", "data.shuffle_buffer_size": "-3",
+           "data.max_samples_per_sequence": "0", "data.seed_offset": str(2**40),
+           "parallel.ep": "0", "checkpoint.interval": "-1"}
+    line = main_error(capsys, str(MANTIS_CFG), *(f"{k}={v}" for k, v in bad.items()))
+    for key, value in bad.items():
+        assert f"{key} must be" in line and f"got {value}" in line, (key, line)
+    assert "train.lr must be a finite number >= 0, got nan" in line
+    assert "train.adam_beta1 must be a finite number >= 0 and < 1, got 1.5" in line
+
+
+def test_the_boundaries_of_the_ranges_load():
+    cfg = load_run_config(MANTIS_CFG, ["train.lr=0", "train.min_lr=0", "train.adam_beta1=0",
+                                       "train.weight_decay=0", "train.clip_grad=0",
+                                       "data.num_workers=0", "train.warmup_steps=0"])
+    assert cfg.train.lr == 0.0 and cfg.data.num_workers == 0
