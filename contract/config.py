@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from contract.bounded_yaml import safe_load
 from contract.errors import ConfigError
 
 __all__ = ["CommandLineText", "apply_override", "build", "build_into", "check_value",
@@ -72,7 +73,7 @@ def parse_value(text: str) -> Any:
         except ValueError:
             pass
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return safe_load(text) if text != "" else ""
     except yaml.YAMLError:
         return str(text)
 

@@ -43,9 +43,10 @@ def load_run_tokenizer(te_cfg: TaskEncoderConfig, run_folder: Path, *, builds: b
 
 
 def check_data_path(path: str) -> None:
-    """Raises UsageError when ``data.path`` is unset, missing, not an Energon dataset, or any file
-    Energon would read for it names code or holds what the project's datasets do not
-    (``energon_tasks.dataset_files``)."""
+    """Raises UsageError when ``data.path`` is unset, missing, not an Energon dataset, a
+    metadataset that is not bounded YAML (``contract.bounded_yaml``), or any file Energon would
+    read for it names code, holds what the project's datasets do not or a blend share that is
+    not a positive number (``energon_tasks.dataset_files``)."""
     if not path:
         raise UsageError("data.path is not set (give DATA=<dataset folder or metadataset.yaml>)")
     p = Path(path)
@@ -60,6 +61,28 @@ def check_data_path(path: str) -> None:
     from energon_tasks.dataset_files import check_dataset_files
 
     check_dataset_files(path)
+    if p.is_file():
+        _read_metadataset(p)  # bounded (Energon's own reader leaves aliases unexpanded)
+
+
+def _read_metadataset(p: Path) -> dict:
+    """A metadataset YAML as a mapping (``contract.bounded_yaml``).
+
+    Raises:
+        UsageError: unreadable, not YAML, past the bounds, or not a mapping (one line).
+    """
+    import yaml
+
+    from contract.bounded_yaml import safe_load
+
+    try:
+        doc = safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UsageError(f"data path {p} is unreadable ({first})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"data path {p} is not a metadataset (not a mapping)")
+    return doc
 
 
 def check_split(path: str, split: str, needed_by: str = "") -> None:
@@ -71,19 +94,22 @@ def check_split(path: str, split: str, needed_by: str = "") -> None:
     """
     import yaml
 
+    from contract.bounded_yaml import safe_load
+
     p = Path(path)
     if not p.exists():
         raise UsageError(f"data path {path} does not exist")
-    try:
-        if p.is_file():
-            splits = (yaml.safe_load(p.read_text()) or {}).get("splits") or {}
-        else:
+    if p.is_file():
+        splits = _read_metadataset(p).get("splits")
+        splits = splits if isinstance(splits, dict) else {}
+    else:
+        try:
             meta = p / ".nv-meta" / "split.yaml"
             if not meta.is_file():
                 raise UsageError(f"{path} is not an Energon dataset (no .nv-meta/split.yaml)")
-            splits = (yaml.safe_load(meta.read_text()) or {}).get("split_parts") or {}
-    except (OSError, yaml.YAMLError, AttributeError) as error:
-        raise UsageError(f"data path {path} is unreadable ({error})") from None
+            splits = (safe_load(meta.read_text()) or {}).get("split_parts") or {}
+        except (OSError, yaml.YAMLError, AttributeError) as error:
+            raise UsageError(f"data path {path} is unreadable ({error})") from None
     if not splits.get(split):
         have = ", ".join(sorted(k for k in splits if "/" not in k)) or "none"
         hint = f" for {needed_by} (set it to 0 or name another split)" if needed_by else ""
@@ -93,14 +119,12 @@ def check_split(path: str, split: str, needed_by: str = "") -> None:
 def _blend_members(path: str, split_part: str) -> list[tuple[str, str]]:
     """(dataset, split part) of each member of a metadataset blend (weighted blends cannot be
     read once without repeat); the path itself for a dataset folder or another layout."""
-    import yaml
-
     p = Path(path)
     if p.is_file():
         try:
-            blend = yaml.safe_load(p.read_text())["splits"][split_part]["blend"]
+            blend = _read_metadataset(p)["splits"][split_part]["blend"]
             return [(str(p.parent / m["path"]), m.get("split_part", split_part)) for m in blend]
-        except (KeyError, TypeError, yaml.YAMLError):
+        except (KeyError, TypeError):
             pass
     return [(path, split_part)]
 

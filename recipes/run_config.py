@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from contract.bounded_yaml import safe_load
 from contract.config import (
     apply_override,
     build_into,
@@ -218,9 +219,15 @@ def _model_section(raw: Any, errors: list[str]):
         if base is None:
             return None, freeze, lora
         try:
-            merged = yaml.safe_load(Path(base).read_text()) or {}
+            merged = safe_load(Path(base).read_text()) or {}
         except OSError as error:
             errors.append(f"model.base: cannot read {base}: {error.strerror}")
+            return None, freeze, lora
+        except yaml.YAMLError as error:
+            errors.append(f"model.base: {base} is not valid YAML ({_first_line(error)})")
+            return None, freeze, lora
+        if not isinstance(merged, dict):
+            errors.append(f"model.base: {base} is not a mapping of model keys")
             return None, freeze, lora
         raw = _refine(merged, raw)  # inline keys refine the base
     try:
@@ -359,6 +366,10 @@ def _check_values(s: dict) -> list[str]:
     return problems
 
 
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def _merged(base: dict, top: dict) -> dict:
     """``base`` with ``top``'s keys over it, section by section (nested mappings merged)."""
     out = dict(base)
@@ -382,12 +393,11 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     raw = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = safe_load(Path(path).read_text()) or {}
         except OSError as error:
             raise ConfigError(f"config {path}: {error.strerror}") from None
         except yaml.YAMLError as error:
-            raise ConfigError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})"
-                              ) from None
+            raise ConfigError(f"config {path}: not valid YAML ({_first_line(error)})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path}: not a mapping of sections")
     if stored is not None:

@@ -70,3 +70,62 @@ def test_the_boundaries_of_the_ranges_load():
                                        "train.weight_decay=0", "train.clip_grad=0",
                                        "data.num_workers=0", "train.warmup_steps=0"])
     assert cfg.train.lr == 0.0 and cfg.data.num_workers == 0
+
+
+# ------------------------------------------------------------------ bounded YAML
+BOMB = "\n".join([f"l0: &l0 [{', '.join(['x'] * 10)}]"] + [
+    f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 9)])  # 10^9 values
+
+
+def test_yaml_anchor_bombs_are_refused_at_once(tmp_path, mantis_out, capsys):
+    """An anchor bomb (10^9 values in 9 lines: 7.6 GB and 53 s, then MemoryError before) in a run
+    config, a model base YAML, a metadataset or a command-line value: one line naming the file,
+    at once; a value a problem shows is cut."""
+    import time
+
+    from tests.test_train import main_error
+
+    config = tmp_path / "bomb.yaml"
+    config.write_text(MANTIS_CFG.read_text().replace(  # a list value that is used
+        "\nmodel:", f"\n{BOMB}\nmodel:\n  peft: lora\n  lora: {{target_modules: *l8}}", 1))
+    base = tmp_path / "base.yaml"
+    base.write_text(f"{BOMB}\nfamily: qwen2_5_vl\n")
+    blend = tmp_path / "metadataset.yaml"
+    nested = "".join(f"\n        {line}" for line in BOMB.splitlines())  # in a subflavor
+    blend.write_text((mantis_out / "metadataset.yaml").read_text().replace(
+        "\n      subflavors:", f"\n      subflavors:{nested}", 1).replace(
+        "path: .", f"path: {mantis_out}"))
+    data = f"data.path={mantis_out}/metadataset.yaml"
+    start = time.monotonic()
+    line = main_error(capsys, str(config), data)
+    assert f"config {config}: not valid YAML" in line and "100000 values" in line, line
+    line = main_error(capsys, str(MANTIS_CFG), data, f"model.base={base}")
+    assert f"model.base: {base} is not valid YAML" in line and "aliases" in line, line
+    line = main_error(capsys, str(MANTIS_CFG), f"data.path={blend}")
+    assert f"data path {blend} is unreadable" in line and "aliases" in line, line
+    bomb_value = "[" + ", ".join(["&a [x, x, x, x, x, x, x, x, x, x]"] + ["*a"] * 20000) + "]"
+    line = main_error(capsys, str(MANTIS_CFG), data, f"model.lora.target_modules={bomb_value}",
+                      "model.peft=lora")
+    assert "model.lora.target_modules: expected a list of str, got '[&a" in line, line
+    assert len(line) < 1000 and time.monotonic() - start < 60, line
+
+
+def test_anchors_within_the_bounds_load():
+    from contract.bounded_yaml import YAMLTooLarge, safe_load
+
+    assert safe_load("a: &a {x: 1}\nb: {<<: *a, y: 2}\nc: [*a, *a]") == {
+        "a": {"x": 1}, "b": {"x": 1, "y": 2}, "c": [{"x": 1}, {"x": 1}]}
+    with pytest.raises(YAMLTooLarge):
+        safe_load(BOMB)
+    with pytest.raises(YAMLTooLarge, match="nested deeper"):
+        safe_load("[" * 1000 + "]" * 1000)  # past the composer's recursion too
+    with pytest.raises(YAMLTooLarge, match="nested deeper"):
+        safe_load("&a [*a]")  # a value that holds itself
+
+
+def test_a_long_value_in_a_problem_is_cut():
+    with pytest.raises(ConfigError) as info:
+        load_run_config(MANTIS_CFG, ["train.steps=[" + ",".join(["1"] * 5000) + "]"])
+    assert "train.steps: expected int, got '[1,1,1," in str(info.value)
+    assert "characters)" in str(info.value) and len(str(info.value)) < 300, str(info.value)
+
