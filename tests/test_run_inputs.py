@@ -129,3 +129,19 @@ def test_a_long_value_in_a_problem_is_cut():
     assert "train.steps: expected int, got '[1,1,1," in str(info.value)
     assert "characters)" in str(info.value) and len(str(info.value)) < 300, str(info.value)
 
+
+# ------------------------------------------------------------------ blend weights
+@pytest.mark.parametrize("weight", ["0", "-1", ".nan", ".inf", "abc", "true", "'3'"])
+def test_blend_weights_that_energon_refuses_are_one_line(weight, tmp_path, mantis_out, capsys):
+    """A blend weight 0 (what the converter's comment invited), negative, NaN, inf or text
+    failed after the model was built with an Energon traceback: refused when the data path is
+    checked, naming the file, the member and the fix."""
+    from tests.test_train import main_error
+
+    blend = tmp_path / "metadataset.yaml"
+    text = (mantis_out / "metadataset.yaml").read_text().replace("path: .", f"path: {mantis_out}")
+    first = text.index("weight: ") + len("weight: ")
+    blend.write_text(text[:first] + weight + text[text.index("\n", first):])
+    line = main_error(capsys, str(MANTIS_CFG), f"data.path={blend}")
+    assert f"{blend}: splits.train.blend[0].weight: " in line, line
+    assert "is not a positive finite number" in line and "delete its member" in line, line
