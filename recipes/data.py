@@ -43,26 +43,64 @@ def load_run_tokenizer(te_cfg: TaskEncoderConfig, run_folder: Path, *, builds: b
 
 
 def check_data_path(path: str) -> None:
-    """Raises UsageError when ``data.path`` is unset, missing, not an Energon dataset, a
+    """Raises UsageError when ``data.path`` is unset, missing, not an Energon dataset (each
+    naming how to make one: ``make prepare-<dataset>``, ``DATA=`` / ``DATA_ROOT=``), a
     metadataset that is not bounded YAML (``contract.bounded_yaml``), or any file Energon would
     read for it names code, holds what the project's datasets do not or a blend share that is
     not a positive number (``energon_tasks.dataset_files``)."""
     if not path:
-        raise UsageError("data.path is not set (give DATA=<dataset folder or metadataset.yaml>)")
+        raise UsageError(f"data.path is not set: {_how_to_get_data()}")
     p = Path(path)
     if not p.exists():
-        raise UsageError(f"data.path {path} does not exist")
+        raise UsageError(f"data.path {path} does not exist: {_how_to_get_data(p)}")
     if p.is_dir() and not (p / ".nv-meta" / "dataset.yaml").is_file():
         if (p / "metadataset.yaml").is_file():
             raise UsageError(f"data.path {path} is a converter output folder: "
                              f"use {p / 'metadataset.yaml'}")
-        raise UsageError(f"data.path {path} is not an Energon dataset "
-                         "(no .nv-meta/dataset.yaml) or it is empty")
+        if not any(p.iterdir()):
+            raise UsageError(f"data.path {path} is an empty folder: {_how_to_get_data(p)}")
+        raise UsageError(f"data.path {path} is not an Energon dataset (no .nv-meta/"
+                         "dataset.yaml): a source dataset (a hub download) is converted first: "
+                         f"{_prepare_hint(p, source=True)} writes data/<dataset>; train on its "
+                         "metadataset.yaml")
     from energon_tasks.dataset_files import check_dataset_files
 
     check_dataset_files(path)
     if p.is_file():
         _read_metadataset(p)  # bounded (Energon's own reader leaves aliases unexpanded)
+
+
+def _datasets() -> dict[str, str]:
+    """The datasets ``python -m converters`` (``make prepare-<dataset>``) converts, each with
+    its default hub source (``--source``)."""
+    from converters.__main__ import cli
+
+    return {name: next((p.default for p in command.params if p.name == "source"), "")
+            for name, command in cli.commands.items() if name != "finalize"}
+
+
+def _prepare_hint(p: Path, source: bool = False) -> str:
+    """The ``make prepare-<dataset>`` line that makes a dataset (``SOURCE=p``: convert the
+    source folder ``p``): the dataset the path names (a converted dataset's folder, or a hub
+    download of its source: ``Mantis-Instruct``, ``datasets--TIGER-Lab--Mantis-Instruct``),
+    else each."""
+    datasets = _datasets()
+    parts = [part.lower() for part in p.parts]
+    named = [name for name, hub in datasets.items()
+             if (not source and name in (p.name, p.parent.name))
+             or (source and hub and {hub.split("/")[-1].lower(),
+                                     f"datasets--{hub.replace('/', '--')}".lower()} & set(parts))]
+    target = f"make prepare-{named[0]}" if named else \
+        f"make prepare-<dataset> ({', '.join(datasets)})"
+    return f"{target} SOURCE={p}" if source else target
+
+
+def _how_to_get_data(p: Path | None = None) -> str:
+    """How to get a dataset: convert one (``make prepare-<dataset>``), or point at one."""
+    return (f"convert one with {_prepare_hint(p or Path())} (it writes "
+            "data/<dataset>/metadataset.yaml), or give DATA=<dataset folder or "
+            "metadataset.yaml> / DATA_ROOT=<folder of converted datasets> (make demo writes "
+            "demo_out)")
 
 
 def _read_metadataset(p: Path) -> dict:

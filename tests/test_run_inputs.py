@@ -145,3 +145,21 @@ def test_blend_weights_that_energon_refuses_are_one_line(weight, tmp_path, manti
     line = main_error(capsys, str(MANTIS_CFG), f"data.path={blend}")
     assert f"{blend}: splits.train.blend[0].weight: " in line, line
     assert "is not a positive finite number" in line and "delete its member" in line, line
+
+
+# ------------------------------------------------------------------ errors that say the fix
+def test_data_errors_say_how_to_get_a_dataset(tmp_path, sources, capsys):
+    """A missing / unset data.path names the make target that converts it and DATA= /
+    DATA_ROOT=; a source dataset's folder (a hub download) names the conversion of it."""
+    from tests.test_train import main_error
+
+    line = main_error(capsys, str(MANTIS_CFG), f"data.path={tmp_path}/mantis/metadataset.yaml")
+    assert f"data.path {tmp_path}/mantis/metadataset.yaml does not exist: convert one with " \
+           "make prepare-mantis" in line and "DATA=" in line and "DATA_ROOT=" in line, line
+    line = main_error(capsys, str(MANTIS_CFG), "data.path=")
+    assert "data.path is not set: convert one with make prepare-<dataset> (mantis, infovqa, " \
+           "llava-video)" in line, line
+    for dataset, folder in sources.items():
+        line = main_error(capsys, str(MANTIS_CFG), f"data.path={folder}")
+        assert f"data.path {folder} is not an Energon dataset" in line, line
+        assert f"make prepare-{dataset} SOURCE={folder} writes data/<dataset>" in line, line

@@ -145,8 +145,7 @@ def test_bad_config_key_exits_2(capsys):
 
 def test_missing_and_empty_dataset_exit_2(tmp_path, capsys):
     assert "does not exist" in main_error(capsys, str(MANTIS_CFG), f"data.path={tmp_path}/nope")
-    assert "not an Energon dataset" in main_error(capsys, str(MANTIS_CFG),
-                                                  f"data.path={tmp_path}")
+    assert "is an empty folder" in main_error(capsys, str(MANTIS_CFG), f"data.path={tmp_path}")
     assert "not set" in main_error(capsys, str(MANTIS_CFG), "data.path=")
 
 
