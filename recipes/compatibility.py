@@ -21,6 +21,13 @@ from models.families import family_of
 #: model config field -> the task encoder attribute holding that token's id
 TOKEN_IDS = {"image_token_id": "image_pad", "video_token_id": "video_pad",
              "vision_start_token_id": "vision_start", "vision_end_token_id": "vision_end"}
+#: model config field -> the HF config.json keys that set it, the first one present wins (the
+#: families' ``from_hf_config`` read these; Nemotron-Omni's config names its image token
+#: ``img_context_token_id``); a field none sets holds the HF config class's default
+HF_TOKEN_KEYS = {"image_token_id": ("image_token_id", "img_context_token_id"),
+                 "video_token_id": ("video_token_id",),
+                 "vision_start_token_id": ("vision_start_token_id",),
+                 "vision_end_token_id": ("vision_end_token_id",)}
 
 
 def profile_for(family: str, configured) -> str:
@@ -89,3 +96,21 @@ def check_compatible(model, task_encoder, *, weights: str | None = None,
                         f"tokens, model.lm.vocab_size is {model.lm.vocab_size}")
     if problems:
         raise UsageError("; ".join(problems))
+
+
+def hf_token_problems(config_file, hf_config: dict, model, encoder) -> list[str]:
+    """Each special-token id an HF model was trained with (``model``: its config, built from
+    ``hf_config``, the ``config_file``'s JSON) that its tokenizer's ``encoder`` gives another id
+    for, one line each naming the config.json key, its value and the tokenizer's (training
+    would use the tokenizer's id and the export ship the config's). An id the model does not
+    use (``-1``: Nemotron-Omni's ``<img>`` / ``</img>`` markers) is not compared."""
+    problems = []
+    for name, attr in TOKEN_IDS.items():
+        ours, theirs = getattr(model, name), getattr(encoder, attr)
+        key = next((k for k in HF_TOKEN_KEYS[name] if k in hf_config), None)
+        if ours == theirs or (key is None and ours < 0):
+            continue
+        said = f"{key} {hf_config[key]}" if key else f"{name} (not set: the default {ours})"
+        problems.append(f"{config_file}: {said}, but its tokenizer's {attr} token is {theirs}: "
+                        "a tokenizer of another model (give the model's own, or none)")
+    return problems

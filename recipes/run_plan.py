@@ -25,7 +25,7 @@ from contract.errors import UsageError
 from models import cpu
 from models.families import get as get_family
 from recipes.checkpointing import read_train_state
-from recipes.compatibility import check_compatible
+from recipes.compatibility import check_compatible, hf_token_problems
 from recipes.data import check_data_path, check_split, load_run_tokenizer, probe_first_batch
 from recipes.layout import check_layout
 from recipes.run_config import RunConfig, dump_yaml
@@ -132,12 +132,14 @@ def _with_token_ids(cfg: RunConfig, tokenizer, encoder):
     and the vocabulary)."""
     model = cfg.model
     check_compatible(model, cfg.task_encoder, tokenizer=tokenizer, encoder=encoder,
-                     weights=cfg.hf and f"model.hf {cfg.hf}",
-                     token_ids=("image_token_id",) if cfg.hf else ())
-    if cfg.hf:  # the model's bos / eos / pad ids must be its tokenizer's (generate stops)
-        from models.hf_source import resolve, special_token_problems
+                     weights=cfg.hf and f"model.hf {cfg.hf}")
+    if cfg.hf:  # its vision ids, and its bos / eos / pad ids, must be its tokenizer's
+        from models.hf_source import hf_config, resolve, special_token_problems
 
-        problems = special_token_problems(resolve(cfg.hf, weights=False), tokenizer)
+        folder = resolve(cfg.hf, weights=False)
+        problems = [*hf_token_problems(folder / "config.json", hf_config(folder), model,
+                                       encoder),
+                    *special_token_problems(folder, tokenizer)]
         if problems:
             raise UsageError(f"model.hf {cfg.hf}: {'; '.join(problems)}")
     return dataclasses.replace(model, image_token_id=encoder.image_pad,

@@ -163,3 +163,30 @@ def test_data_errors_say_how_to_get_a_dataset(tmp_path, sources, capsys):
         line = main_error(capsys, str(MANTIS_CFG), f"data.path={folder}")
         assert f"data.path {folder} is not an Energon dataset" in line, line
         assert f"make prepare-{dataset} SOURCE={folder} writes data/<dataset>" in line, line
+
+
+# ------------------------------------------------------------------ model.hf's token ids
+@pytest.mark.slow
+def test_model_hf_vision_token_ids_are_checked_before_the_model(tmp_path, mantis_out, capsys):
+    """A model.hf whose config.json names a video id the tokenizer gives another id, and lacks
+    its vision-end id (the class default then): one line naming each key, before anything is
+    imported or built (they were silently replaced by the tokenizer's before)."""
+    import json
+
+    from tests.test_train import FAST, main_error
+    from tests.tiny_hf import TEST_TOKENIZER_QWEN, build_tiny_hf_model
+
+    hf = build_tiny_hf_model("qwen2_5_vl", tmp_path / "hf", pixels=(3136, 6272))
+    config = json.loads((hf / "config.json").read_text())
+    config["video_token_id"] = 151656
+    del config["vision_end_token_id"]
+    (hf / "config.json").write_text(json.dumps(config))
+    line = main_error(capsys, str(MANTIS_CFG), f"model.hf={hf}", *FAST,
+                      f"data.path={mantis_out}/metadataset.yaml", f"out={tmp_path / 'run'}",
+                      f"train.hf_import_cache={tmp_path / 'cache'}")
+    assert line.startswith(f"train.py: error: model.hf {hf}: {hf / 'config.json'}: "
+                           "video_token_id 151656, but its tokenizer's video_pad token is "
+                           f"{TEST_TOKENIZER_QWEN['video_token_id']}"), line
+    assert "vision_end_token_id (not set: the default 151653), but its tokenizer's vision_end " \
+           f"token is {TEST_TOKENIZER_QWEN['vision_end_token_id']}" in line, line
+    assert "image_token_id" not in line and not (tmp_path / "cache").exists()
