@@ -45,15 +45,20 @@ def compatibility_problems(model, task_encoder, *, weights: str | None = None,
                            processor: dict[str, int] | None = None) -> list[str]:
     """What of ``task_encoder`` (a ``TaskEncoderConfig``) does not fit ``model`` (a model
     config), one line each: the profile does not feed the family (then nothing else is
-    compared), the tower's patch geometry differs, or (``processor``: the HF processors'
-    ``patch_size`` / ``merge_size`` / ...) the processors' does."""
+    compared), the sequence length is more than the model's positions, the tower's patch
+    geometry differs, or (``processor``: the HF processors' ``patch_size`` / ``merge_size`` /
+    ...) the processors' does."""
     prefix = f"{weights}: " if weights else ""
     feeds = TASK_ENCODER_MODELS.get(model.family, (model.family,))
     if task_encoder.model not in feeds:
         return [f"{prefix}task_encoder.model {task_encoder.model!r} does not feed model.family "
                 f"{model.family!r} (use {' or '.join(feeds)})"]
+    positions = model.lm.max_position_embeddings
+    problems = [f"{prefix}task_encoder.seq_length {task_encoder.seq_length} is more than the "
+                f"model's {positions} positions (model.lm.max_position_embeddings): lower it"]\
+        if task_encoder.seq_length > positions else []
     geometry = task_encoder.resolve().geometry
-    problems = [f"{prefix}model vision {name} is {ours}, task_encoder.model "
+    problems += [f"{prefix}model vision {name} is {ours}, task_encoder.model "
                 f"{task_encoder.model!r} uses {getattr(geometry, name)}"
                 for name, ours in family_of(model).vision_geometry(model).items()
                 if getattr(geometry, name) != ours]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from contract.errors import UsageError
+from contract.errors import RunFailure, UsageError
 
 if TYPE_CHECKING:
     from energon_tasks.config import TaskEncoderConfig
@@ -181,7 +181,7 @@ def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder) 
         for member, part in _blend_members(path, split_part):
             for _batch in get_pass_loader(member, task_encoder=task_encoder, split_part=part):
                 return
-    except UsageError:
+    except (UsageError, RunFailure):
         raise
     except Exception as error:  # noqa: BLE001 - energon raises many kinds; report in one line
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -191,6 +191,10 @@ def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder) 
     skipped = {k: v for k, v in sorted(counters.items()) if k.startswith("skipped_")}
     if not counters.get("samples"):
         raise UsageError(f"data.path {path}: split {split_part!r} has no samples")
+    if sum(skipped.values()) < counters["samples"]:  # not the budget: the batches failed
+        raise UsageError(f"data.path {path}: no batch came out of the {counters['samples']} "
+                         f"samples of split {split_part!r} ({sum(skipped.values())} skipped by "
+                         "the budget): their batches failed (the errors above)")
     raise UsageError(f"data.path {path}: all {counters['samples']} samples are skipped by the "
                      f"budget ({', '.join(f'{k}={v}' for k, v in skipped.items())}); raise "
                      "task_encoder.seq_length / max_visual_tokens / max_num_images")

@@ -190,3 +190,39 @@ def test_model_hf_vision_token_ids_are_checked_before_the_model(tmp_path, mantis
     assert "vision_end_token_id (not set: the default 151653), but its tokenizer's vision_end " \
            f"token is {TEST_TOKENIZER_QWEN['vision_end_token_id']}" in line, line
     assert "image_token_id" not in line and not (tmp_path / "cache").exists()
+
+
+# ------------------------------------------------------------------ sequence length
+def test_seq_length_beyond_the_models_positions_is_refused(mantis_out, capsys):
+    """task_encoder.seq_length 1e9 ran the loader into 43 allocation failures counted as sample
+    skips: now compared with the model's positions before anything is built."""
+    from tests.test_train import main_error
+
+    line = main_error(capsys, str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                      "task_encoder.seq_length=1000000000")
+    assert line.endswith("task_encoder.seq_length 1000000000 is more than the model's 4096 "
+                         "positions (model.lm.max_position_embeddings): lower it"), line
+
+
+def test_a_failed_allocation_in_the_loader_is_no_sample_skip(mantis_out, tmp_path, capsys):
+    """A batch the loader cannot allocate (here 2^50 tokens a row: the allocator refuses at
+    once) ends the run in one line naming what sizes it (exit 1), never counted as skips that
+    blame the budget."""
+    import sys
+
+    from tests.test_train import REPO
+
+    sys.path.insert(0, str(REPO))
+    import train as script
+
+    capsys.readouterr()
+    code = script.main([str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                        f"out={tmp_path}", "data.num_workers=0", "task_encoder.fixed_length=true",
+                        f"task_encoder.seq_length={2**50}",
+                        f"model.lm.max_position_embeddings={2**51}"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and last.startswith("train.py: error: the data loader could not allocate "
+                                         "memory ("), err[-3000:]
+    assert "lower train.micro_batch_size or task_encoder.seq_length" in last
+    assert "skipped" not in last and err.count("Traceback") == 0, err[-3000:]
