@@ -154,6 +154,38 @@ def check_split(path: str, split: str, needed_by: str = "") -> None:
         raise UsageError(f"dataset {path} has no {split!r} split{hint} (splits: {have})")
 
 
+def split_samples(path: str, split_part: str) -> int | None:
+    """The samples of ``split_part`` as the dataset's ``.nv-meta`` counts them (a metadataset:
+    its members' sum; a sanity bound, not a count to trust), or None when it cannot tell."""
+    import json
+
+    import braceexpand
+    import yaml
+
+    from contract.bounded_yaml import safe_load
+
+    p = Path(path)
+    if p.is_file():
+        split = (_read_metadataset(p).get("splits") or {}).get(split_part)
+        if not isinstance(split, dict):
+            return None
+        members = split.get("blend") or split.get("blend_epochized") or [split]
+        counts = [split_samples(str(p.parent / m["path"]), m.get("split_part", split_part))
+                  if isinstance(m, dict) and isinstance(m.get("path"), str) else None
+                  for m in members]
+        return None if None in counts else sum(counts)
+    meta = p / ".nv-meta"
+    try:
+        info = (json.loads((meta / ".info.json").read_text()) if (meta / ".info.json").is_file()
+                else safe_load((meta / ".info.yaml").read_text()))
+        patterns = safe_load((meta / "split.yaml").read_text())["split_parts"][split_part]
+        shards = info["shard_counts"]
+        return sum(int(shards[name]) for pattern in patterns
+                   for name in braceexpand.braceexpand(pattern))
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return None
+
+
 def _blend_members(path: str, split_part: str) -> list[tuple[str, str]]:
     """(dataset, split part) of each member of a metadataset blend (weighted blends cannot be
     read once without repeat); the path itself for a dataset folder or another layout."""

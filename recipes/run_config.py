@@ -194,10 +194,7 @@ def _lora_section(raw: dict, errors: list[str]) -> LoRAConfig | None:
     if peft != "lora":
         errors.append(f"model.peft must be lora or none, got {peft!r}")
         return None
-    found = build_into(LoRAConfig, lora, "model.lora", errors)
-    if found is not None:
-        errors += found.problems(PARAMETER_GROUPS)
-    return found
+    return build_into(LoRAConfig, lora, "model.lora", errors)  # its problems: _model_section
 
 
 def _model_section(raw: Any, errors: list[str]):
@@ -230,13 +227,25 @@ def _model_section(raw: Any, errors: list[str]):
             errors.append(f"model.base: {base} is not a mapping of model keys")
             return None, freeze, lora
         raw = _refine(merged, raw)  # inline keys refine the base
+    model = None
     try:
-        return config_from_dict(raw), freeze, lora  # the family key picks the config class
+        model = config_from_dict(raw)  # the family key picks the config class
     except ConfigError as error:
         errors += error.problems
     except (ValueError, TypeError) as error:
         errors.append(str(error))
-    return None, freeze, lora
+    if lora is not None:
+        errors += lora.problems(PARAMETER_GROUPS, model and _group_widths(model))
+    return model, freeze, lora
+
+
+def _group_widths(model) -> dict[str, int]:
+    """Parameter group -> the narrowest width its linears connect (the LoRA rank's bound): the
+    LM's and the tower's hidden sizes; the projection maps one to the other."""
+    lm = getattr(getattr(model, "lm", None), "hidden_size", 0)
+    vision = getattr(getattr(model, "vision", None), "hidden_size", 0)
+    return {"language_model": lm, "vision_model": vision,
+            "vision_projection": min(lm, vision) if lm and vision else 0}
 
 
 def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str, dict] | None:

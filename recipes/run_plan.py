@@ -26,7 +26,13 @@ from models import cpu
 from models.families import get as get_family
 from recipes.checkpointing import read_train_state
 from recipes.compatibility import check_compatible, hf_token_problems
-from recipes.data import check_data_path, check_split, load_run_tokenizer, probe_first_batch
+from recipes.data import (
+    check_data_path,
+    check_split,
+    load_run_tokenizer,
+    probe_first_batch,
+    split_samples,
+)
 from recipes.layout import check_layout
 from recipes.run_config import RunConfig, dump_yaml
 from recipes.run_folder import plan_start
@@ -106,6 +112,11 @@ def check_run(cfg: RunConfig, world: int) -> None:
                          "experts' one)")
     check_layout(world, p.tp, p.pp, p.cp, te_cfg.fixed_length, p.ep, p.etp)
     check_data_path(cfg.data.path)
+    samples = split_samples(cfg.data.path, cfg.data.split_part)
+    if samples is not None and cfg.train.micro_batch_size > max(samples, 1):
+        raise UsageError(f"train.micro_batch_size {cfg.train.micro_batch_size} is more than the "
+                         f"{samples} samples of split {cfg.data.split_part!r} of data.path "
+                         f"{cfg.data.path}: a micro-batch would repeat them; lower it")
     if cfg.train.eval_interval:
         check_split(cfg.data.path, cfg.data.val_split_part, "train.eval_interval")
 

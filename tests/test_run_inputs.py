@@ -226,3 +226,40 @@ def test_a_failed_allocation_in_the_loader_is_no_sample_skip(mantis_out, tmp_pat
                                          "memory ("), err[-3000:]
     assert "lower train.micro_batch_size or task_encoder.seq_length" in last
     assert "skipped" not in last and err.count("Traceback") == 0, err[-3000:]
+
+
+# ------------------------------------------------------------------ sizes bounded by the model
+def test_lora_rank_and_alpha_are_bounded_by_the_model():
+    """A LoRA rank of 10^8 allocated 25.6 GB before failing, and alpha 0 trained nothing
+    without a word: the rank is at most the narrowest adapted part's width (the tiny model's
+    LM: 64, its tower: 32), alpha is no 0, in the config's one line."""
+    lora = ["model.peft=lora"]
+    assert load_run_config(MANTIS_CFG, [*lora, "model.lora.rank=64"]).lora.rank == 64
+    with pytest.raises(ConfigError) as info:
+        load_run_config(MANTIS_CFG, [*lora, "model.lora.rank=100000000", "model.lora.alpha=0"])
+    assert info.value.problems == [
+        "model.lora.rank 100000000 is more than the 64 features of the narrowest adapted part "
+        "(language_model): at most 64",
+        "model.lora.alpha must be a finite number other than 0, got 0.0 (the update is scaled "
+        "by alpha / rank: 0 trains nothing; default 32)"]
+    with pytest.raises(ConfigError, match=r"rank 33 is more than the 32 features of the "
+                                          r"narrowest adapted part \(vision_model\)"):
+        load_run_config(MANTIS_CFG, [*lora, "model.lora.rank=33",
+                                     "model.lora.parts=[language_model,vision_model]",
+                                     "model.freeze_vision_model=true"])
+
+
+def test_a_micro_batch_beyond_the_split_is_refused(mantis_out, capsys):
+    """train.micro_batch_size 10^9 buffered 6.7 GB of samples before failing: a micro-batch of
+    more samples than the split holds is one line before anything is built."""
+    from recipes.data import split_samples
+    from tests.test_train import main_error
+
+    data = f"{mantis_out}/metadataset.yaml"
+    samples = split_samples(data, "train")
+    assert samples == split_samples(str(mantis_out), "train") > 8
+    line = main_error(capsys, str(MANTIS_CFG), f"data.path={data}",
+                      "train.micro_batch_size=1000000000")
+    assert line.endswith(f"train.micro_batch_size 1000000000 is more than the {samples} "
+                         f"samples of split 'train' of data.path {data}: a micro-batch would "
+                         "repeat them; lower it"), line
