@@ -199,9 +199,11 @@ def _blend_members(path: str, split_part: str) -> list[tuple[str, str]]:
     return [(path, split_part)]
 
 
-def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder) -> None:
+def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder) -> str | None:
     """Read the dataset once, member by member (no repeat, no shuffle), until one batch comes
-    out (the data side's one-pass reader: damaged samples are skipped as in training).
+    out (the data side's one-pass reader: damaged samples are skipped as in training). Returns
+    a warning line when the budget dropped every image and video of the samples read (the run
+    would train the VLM on text), else None.
 
     Raises:
         UsageError: the dataset cannot be loaded, is empty, or the budget skips every sample
@@ -211,8 +213,8 @@ def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder) 
 
     try:
         for member, part in _blend_members(path, split_part):
-            for _batch in get_pass_loader(member, task_encoder=task_encoder, split_part=part):
-                return
+            for batch in get_pass_loader(member, task_encoder=task_encoder, split_part=part):
+                return _text_only_warning(batch, task_encoder.counters())
     except (UsageError, RunFailure):
         raise
     except Exception as error:  # noqa: BLE001 - energon raises many kinds; report in one line
@@ -230,3 +232,18 @@ def probe_first_batch(path: str, split_part: str, task_encoder: VLMTaskEncoder) 
     raise UsageError(f"data.path {path}: all {counters['samples']} samples are skipped by the "
                      f"budget ({', '.join(f'{k}={v}' for k, v in skipped.items())}); raise "
                      "task_encoder.seq_length / max_visual_tokens / max_num_images")
+
+
+def _text_only_warning(batch, counters: dict[str, int]) -> str | None:
+    """The warning of a first batch without an image or video whose samples' media the budget
+    dropped (``energon_tasks.budget.MEDIA_DROPS``), else None."""
+    from energon_tasks.budget import media_dropped
+
+    dropped = media_dropped(counters)
+    if len(batch.image_grid_thw) or len(batch.video_grid_thw) or not dropped:
+        return None
+    return (f"warning: the budget dropped every image and video of the first "
+            f"{counters.get('samples', 0)} sample(s) read "
+            f"({', '.join(f'{k} {v}' for k, v in dropped.items())}): the model would train on "
+            "their text only; raise task_encoder.max_visual_tokens / max_num_images / "
+            "seq_length (the step lines say 'text only' while it lasts)")

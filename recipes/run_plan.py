@@ -16,6 +16,7 @@ folder by rank 0 (``save_run_tokenizer``), so no step before the process group n
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +134,9 @@ def _probed_encoder(cfg: RunConfig, tokenizer):
     from energon_tasks import task_encoder_for
 
     encoder = task_encoder_for(cfg.task_encoder, tokenizer)
-    probe_first_batch(cfg.data.path, cfg.data.split_part, encoder)
+    warning = probe_first_batch(cfg.data.path, cfg.data.split_part, encoder)
+    if warning and os.environ.get("RANK", "0") == "0":
+        print(f"[train] {warning}", flush=True)
     encoder.reset_counters()
     return encoder
 

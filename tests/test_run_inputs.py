@@ -263,3 +263,22 @@ def test_a_micro_batch_beyond_the_split_is_refused(mantis_out, capsys):
     assert line.endswith(f"train.micro_batch_size 1000000000 is more than the {samples} "
                          f"samples of split 'train' of data.path {data}: a micro-batch would "
                          "repeat them; lower it"), line
+
+
+# ------------------------------------------------------------------ a budget without images
+@pytest.mark.slow
+def test_a_budget_that_drops_every_image_is_said(mantis_out, tmp_path):
+    """max_visual_tokens 1 skips every sample with an image: the run trains the VLM on text
+    only, which only per-step skip counters showed. The first-batch probe says it in one line,
+    the step lines say "text only", metrics.jsonl has text_only 1."""
+    from tests.test_train import FAST, ok, records, train
+
+    proc = train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={tmp_path}",
+                 *FAST, "train.steps=2", "train.eval_interval=0", "train.micro_batch_size=1",
+                 "task_encoder.max_visual_tokens=1")
+    ok(proc)
+    warned = [line for line in proc.stdout.splitlines() if "dropped every image" in line]
+    assert warned[0].startswith("[train] warning: the budget dropped every image and video of "
+                                "the first ") and "skipped_too_many_visual_tokens" in warned[0]
+    assert all("text only (the budget dropped every image: " in line for line in warned[1:])
+    assert len(warned) == 3 and [r["text_only"] for r in records(tmp_path)] == [1, 1]

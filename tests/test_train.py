@@ -205,6 +205,7 @@ def test_mantis_run_logs_metrics_and_checkpoints(mantis_reference):
         assert key in logged[0], key
     assert logged[-1]["loss"] < logged[0]["loss"]
     assert logged[0]["visual_tokens_per_s"] > 0 and logged[0]["budget"]["samples"] > 0
+    assert all(r["text_only"] == 0 for r in logged)  # images trained (tests/test_run_inputs.py)
     validation = records(mantis_reference, "val_loss")
     assert [r["step"] for r in validation] == [2, 4]
     assert validation[1]["val_loss"] < validation[0]["val_loss"]
