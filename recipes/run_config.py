@@ -418,6 +418,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     keys = {item.split("=", 1)[0].strip() for item in overrides}
     bases = [item for item in overrides
              if item.split("=", 1)[0].strip() in ("model.base", "model.hf")]
+    trains = _family_trained(raw)
     if bases:
         raw["model"] = {}
     for item in [*bases, *(item for item in overrides if item not in bases)]:
@@ -426,7 +427,46 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
         except ConfigError as error:
             errors.append(str(error))
     raise_problems(errors)
-    return from_dict(raw, command_line=keys)
+    config = from_dict(raw, command_line=keys)
+    if bases and path is not None and "model.family" not in keys:
+        _check_family_kept(config, trains, Path(path), bases[-1])
+    return config
+
+
+def _family_trained(raw: dict) -> str | None:
+    """The family a run config trains: the one its task encoder feeds (None: not one)."""
+    from contract.families import PROFILES, profile_name
+
+    encoder = raw.get("task_encoder") if isinstance(raw.get("task_encoder"), dict) else {}
+    try:
+        return PROFILES[profile_name(encoder.get("model", TaskEncoderConfig().model))]
+    except (ValueError, AttributeError):
+        return None
+
+
+def _check_family_kept(config: RunConfig, trains: str | None, path: Path, swap: str) -> None:
+    """A ``model.hf`` / ``model.base`` on the command line may change the family only within the
+    config's make family (``contract.families.MAKE_FAMILIES``: ``make train-nemotron-omni-*
+    HF=<a Qwen model>`` would train Qwen into ``runs/nemotron_omni_*`` without a word);
+    ``model.family=<its family>`` on the command line says it is meant.
+
+    Raises:
+        ConfigError: one line naming both families and what to run instead.
+    """
+    from contract.families import MAKE_FAMILIES
+    from recipes.make_targets import make_target
+
+    ours, theirs = config.model.family, trains
+    if theirs is None or MAKE_FAMILIES.get(ours) == MAKE_FAMILIES.get(theirs):
+        return
+    key, value = swap.split("=", 1)
+    line = MAKE_FAMILIES.get(theirs, "").replace("-", "_")
+    dataset = path.stem.removeprefix(f"train_{line}_").replace("_", "-")
+    fits = make_target("train", MAKE_FAMILIES.get(ours), dataset)
+    instead = f"{fits} {'HF' if key.strip() == 'model.hf' else 'ARGS=model.base'}={value}" \
+        if fits else f"a config of the {ours} family (CONFIG=)"
+    raise ConfigError(f"{key.strip()} {value} is a {ours} model, but {path} trains {theirs}: "
+                      f"use {instead}, or add model.family={ours} to train it with this config")
 
 
 def to_dict(config: RunConfig) -> dict:

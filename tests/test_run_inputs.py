@@ -163,6 +163,8 @@ def test_data_errors_say_how_to_get_a_dataset(tmp_path, sources, capsys):
         line = main_error(capsys, str(MANTIS_CFG), f"data.path={folder}")
         assert f"data.path {folder} is not an Energon dataset" in line, line
         assert f"make prepare-{dataset} SOURCE={folder} writes data/<dataset>" in line, line
+        assert f"--source {folder} --out data/{dataset}" in make_plan(f"prepare-{dataset}",
+                                                                      f"SOURCE={folder}")
 
 
 # ------------------------------------------------------------------ model.hf's token ids
@@ -282,3 +284,78 @@ def test_a_budget_that_drops_every_image_is_said(mantis_out, tmp_path):
                                 "the first ") and "skipped_too_many_visual_tokens" in warned[0]
     assert all("text only (the budget dropped every image: " in line for line in warned[1:])
     assert len(warned) == 3 and [r["text_only"] for r in records(tmp_path)] == [1, 1]
+
+
+# ------------------------------------------------------------------ families and make targets
+NEMOTRON_CFG = MANTIS_CFG.parent / "train_nemotron_omni_mantis.yaml"
+
+
+def make_plan(*args: str) -> str:
+    """``make -n <args>``: the commands a make target would run (it must exist)."""
+    import subprocess
+
+    from tests.test_train import REPO
+
+    proc = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_a_train_config_keeps_its_family_unless_told(tmp_path):
+    """``make train-nemotron-omni-mantis HF=<a Qwen model>`` trained Qwen into
+    runs/nemotron_omni_mantis without a word: one line naming both families, the make target
+    that fits (it exists) and the word that keeps it (model.family=)."""
+    from tests.tiny_hf import build_tiny_hf_model
+
+    hf = build_tiny_hf_model("qwen2_5_vl", tmp_path / "hf", pixels=(3136, 6272))
+    with pytest.raises(ConfigError) as info:
+        load_run_config(NEMOTRON_CFG, [f"model.hf={hf}"])
+    config = NEMOTRON_CFG
+    assert str(info.value) == (
+        f"model.hf {hf} is a qwen2_5_vl model, but {config} trains nemotron_omni: use make "
+        f"train-qwen-vl-mantis HF={hf}, or add model.family=qwen2_5_vl to train it with this "
+        "config")
+    assert f"train.py configs/train_qwen_vl_mantis.yaml data.path=data/mantis/metadataset.yaml " \
+           f"model.hf={hf}" in make_plan("train-qwen-vl-mantis", f"HF={hf}")
+    told = load_run_config(NEMOTRON_CFG, [f"model.hf={hf}", "model.family=qwen2_5_vl"])
+    assert (told.model.family, told.task_encoder.model) == ("qwen2_5_vl", "qwen2_5_vl")
+    qwen = load_run_config(MANTIS_CFG.parent / "train_qwen3_5_moe_mantis.yaml", [f"model.hf={hf}"])
+    assert qwen.model.family == "qwen2_5_vl"  # within the qwen-vl make family: as before
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                    "qwen3_5_moe", "nemotron_omni"])
+def test_make_eval_takes_every_family_its_train_target_trains(family, tmp_path, capsys):
+    """``make eval-qwen-vl-*`` refused a Qwen3.5 run of ``make train-qwen-vl-* HF=<Qwen3.5>``,
+    naming a make target that does not exist: each family is taken by the eval target of its
+    make family; a refusal names a target that exists."""
+    from types import SimpleNamespace
+
+    import eval as eval_script
+    from contract.errors import UsageError
+    from contract.families import MAKE_FAMILIES
+
+    (tmp_path / "summary.json").write_text('{"dataset": "mantis"}')
+    found = SimpleNamespace(model_config=SimpleNamespace(family=family), path=tmp_path / "run",
+                            run_config={"data": {"path": str(tmp_path / "metadataset.yaml")}})
+    ours = MAKE_FAMILIES[family]
+    eval_script.check_expected(found, f"configs/train_{ours.replace('-', '_')}_mantis.yaml")
+    other = "nemotron_omni" if ours == "qwen-vl" else "qwen_vl"
+    with pytest.raises(UsageError) as info:
+        eval_script.check_expected(found, f"configs/train_{other}_infovqa.yaml")
+    assert f"use make eval-{ours}-mantis CKPT={found.path} " in str(info.value), info.value
+    assert f"--ckpt {found.path} --expect configs/train_{ours.replace('-', '_')}_mantis" \
+        in make_plan(f"eval-{ours}-mantis", f"CKPT={found.path}")
+
+
+def test_the_make_families_are_the_makefiles():
+    """The make families an error names (``contract.families.MAKE_FAMILIES``) are the Makefile's
+    ``FAMILIES``, and its ``DATASETS`` the converters' datasets (``make prepare-<dataset>``)."""
+    from contract.families import FAMILIES, MAKE_FAMILIES
+    from recipes.data import _datasets
+    from recipes.make_targets import _make_lists
+
+    lists = _make_lists()
+    assert set(MAKE_FAMILIES) == set(FAMILIES)
+    assert sorted(set(MAKE_FAMILIES.values())) == sorted(lists["FAMILIES"])
+    assert list(_datasets()) == list(lists["DATASETS"])
