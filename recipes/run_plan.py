@@ -50,8 +50,11 @@ class RunPlan:
     world: int  #: processes of the run (torchrun's WORLD_SIZE)
     resume: dict | None  #: the train state to resume (``read_train_state``), or None
     clear: str  #: what of an earlier run the run folder drops first ("" for nothing)
-    tokenizer: Any  #: the run's tokenizer (transformers)
-    encoder: Any  #: the run's task encoder (``VLMTaskEncoder``), counters fresh
+    tokenizer: Any  #: the run's tokenizer (transformers); None when ``finished``
+    encoder: Any  #: the run's task encoder (``VLMTaskEncoder``), counters fresh; None when done
+    #: the checkpoint to resume is at ``train.steps`` already: the line saying so and how to
+    #: train more ("" otherwise); nothing is built
+    finished: str = ""
 
     @property
     def out(self) -> Path:
@@ -70,6 +73,13 @@ def resolve_plan(cfg: RunConfig, world: int, resume_from: str | None,
     resume_dir, clear = plan_start(Path(cfg.out), cfg.checkpoint_dir, resume_from, overwrite,
                                    cfg.train.auto_resume)
     resume = read_train_state(resume_dir, world // (p.tp * p.pp * p.cp)) if resume_dir else None
+    if resume is not None and resume["step"] >= cfg.train.steps:
+        return RunPlan(config=cfg, config_yaml="", world=world, resume=resume, clear=clear,
+                       tokenizer=None, encoder=None, finished=(
+                           f"run {cfg.out} is finished: {resume['dir']} is step {resume['step']}"
+                           f", train.steps is {cfg.train.steps}; to train more steps resume with "
+                           f"a larger train.steps=<N> (the LR schedule is laid over the new "
+                           "steps), or start again with --overwrite"))
     with tempfile.TemporaryDirectory() as private:
         tokenizer = load_run_tokenizer(cfg.task_encoder, Path(private))
     encoder = _probed_encoder(cfg, tokenizer)

@@ -359,3 +359,16 @@ def test_the_make_families_are_the_makefiles():
     assert set(MAKE_FAMILIES) == set(FAMILIES)
     assert sorted(set(MAKE_FAMILIES.values())) == sorted(lists["FAMILIES"])
     assert list(_datasets()) == list(lists["DATASETS"])
+
+
+# ------------------------------------------------------------------ the command line's order
+def test_resume_before_the_overrides_says_to_put_it_last(mantis_out, capsys):
+    """``train.py CONFIG --resume train.steps=40``: click reads train.steps=40 as --resume's
+    checkpoint; one line says so and to put --resume last."""
+    from tests.test_train import main_error
+
+    line = main_error(capsys, str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                      "--resume", "train.steps=40")
+    assert line == ("train.py: error: --resume train.steps=40: that is a key=value override, "
+                    "read as --resume's checkpoint because it follows --resume: put --resume "
+                    "last (or write --resume=CKPT)")

@@ -316,6 +316,26 @@ def test_resume_continues_exactly(mantis_reference, mantis_out, tmp_path):
     assert losses(out) == losses(mantis_reference)[2:]  # bit-exact on CPU
 
 
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_so_before_building(mantis_reference, mantis_out, capsys):
+    """--resume of a run at its train.steps built everything and printed only ``done``: one line
+    says it is finished and how to train more, nothing is built or written (exit 0)."""
+    sys.path.insert(0, str(REPO))
+    import train as script
+
+    before = sorted(str(p.relative_to(mantis_reference)) for p in mantis_reference.rglob("*"))
+    capsys.readouterr()
+    assert script.main([str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                        f"out={mantis_reference}", *REFERENCE, "--resume"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"[train] run {mantis_reference} is finished: {mantis_reference}/checkpoints/"
+                   "step_000004 is step 4, train.steps is 4; to train more steps resume with a "
+                   "larger train.steps=<N> (the LR schedule is laid over the new steps), or start "
+                   "again with --overwrite"], out
+    assert sorted(str(p.relative_to(mantis_reference))
+                  for p in mantis_reference.rglob("*")) == before
+
+
 def test_task_encoder_of_another_family_exits_2(mantis_out, tmp_path, capsys):
     line = main_error(capsys, str(NEMOTRON_MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
                       f"out={tmp_path}", "task_encoder.model=qwen2.5-vl",
