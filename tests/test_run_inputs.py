@@ -284,6 +284,7 @@ def test_a_budget_that_drops_every_image_is_said(mantis_out, tmp_path):
                                 "the first ") and "skipped_too_many_visual_tokens" in warned[0]
     assert all("text only (the budget dropped every image: " in line for line in warned[1:])
     assert len(warned) == 3 and [r["text_only"] for r in records(tmp_path)] == [1, 1]
+    assert "vision_dp_over_cp" not in proc.stdout + proc.stderr  # no stray line at CP = 1
 
 
 # ------------------------------------------------------------------ families and make targets
