@@ -341,9 +341,9 @@ def _check_values(s: dict) -> list[str]:
     problems = [f"{name} must be >= 1, got {value}" for name, value in (
         ("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
         ("train.grad_accum", t.grad_accum), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
-        ("parallel.cp", p.cp), ("parallel.ep", p.ep), ("parallel.etp", p.etp or 1),
-        ("data.virtual_dp", d.virtual_dp), ("data.max_samples_per_sequence",
-                                            d.max_samples_per_sequence),
+        ("parallel.cp", p.cp), ("parallel.ep", p.ep),
+        ("parallel.etp", 1 if p.etp is None else p.etp), ("data.virtual_dp", d.virtual_dp),
+        ("data.max_samples_per_sequence", d.max_samples_per_sequence),
         ("log.interval", s["log"].interval), ("train.eval_batches", t.eval_batches),
         ("train.max_nonfinite_steps", t.max_nonfinite_steps))
         if value < 1]

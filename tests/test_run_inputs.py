@@ -57,7 +57,7 @@ def test_optimizer_and_loader_values_out_of_range_are_one_line(capsys):
            "train.clip_grad": "-inf", "train.warmup_steps": "-2", "train.seed": "-5",
            "data.num_workers": "-1", "data.shuffle_buffer_size": "-3",
            "data.max_samples_per_sequence": "0", "data.seed_offset": str(2**40),
-           "parallel.ep": "0", "checkpoint.interval": "-1"}
+           "parallel.ep": "0", "parallel.etp": "0", "checkpoint.interval": "-1"}
     line = main_error(capsys, str(MANTIS_CFG), *(f"{k}={v}" for k, v in bad.items()))
     for key, value in bad.items():
         assert f"{key} must be" in line and f"got {value}" in line, (key, line)
