@@ -141,8 +141,9 @@ $(EXPORT_TARGETS): export-%: $(STAMP)
 #     takes configs/train_<family>_<dataset>.yaml), CONFIG= (a YAML refining it), DATA=, SPLIT=
 #     (default val), LIMIT= (val conversations), OUT= (predictions.jsonl + scores.json; default
 #     eval_<step> beside the checkpoint), NPROC= (a MoE model too big for one GPU: its experts
-#     over NPROC torchrun ranks), ARGS=. The checkpoint must be of the target's family and
-#     trained on its dataset (--expect: one line otherwise).
+#     over NPROC torchrun ranks), ARGS=. The checkpoint must be of a family the target's train
+#     target trains (eval-qwen-vl-*: every Qwen family, contract/families.py MAKE_FAMILIES) and
+#     trained on its dataset (--expect: one line naming the target that fits otherwise).
 EVAL_LAYOUT = $(if $(filter-out 1,$(NPROC)),parallel.tp=1 parallel.pp=1 parallel.cp=1 parallel.ep=$(NPROC) parallel.etp=1)
 EVAL_ARGS = --ckpt $(CKPT) --expect $(call run_config,$*) --split $(or $(SPLIT),val) $(if $(LIMIT),--limit $(LIMIT)) $(if $(OUT),--out $(OUT)) $(if $(DATA),data.path=$(DATA)) $(EVAL_LAYOUT) $(ARGS)
 EVAL_USAGE = usage: make $@ CKPT=<run folder | checkpoints folder | step folder | hf-to-mcore import> [DATA=] [SPLIT=] [LIMIT=] [OUT=] [CONFIG=] [NPROC=] [ARGS=]

@@ -112,13 +112,15 @@ def dataset_name(data_path: str) -> str:
 
 def check_expected(found, expect: str) -> None:
     """``--expect CONFIG`` (what ``make eval-<family>-<dataset>`` passes): the checkpoint's model
-    is of CONFIG's family package and was trained on CONFIG's dataset (an hf-to-mcore import:
-    the family only).
+    is of CONFIG's make family (``contract.families.MAKE_FAMILIES``: ``make eval-qwen-vl-*``
+    takes every Qwen family ``make train-qwen-vl-* HF=`` trains) and was trained on CONFIG's
+    dataset (an hf-to-mcore import: the family only).
 
     Raises:
-        UsageError: one line naming both.
+        UsageError: one line naming both, and the make target that fits when there is one.
     """
-    from models.families import PACKAGES
+    from contract.families import MAKE_FAMILIES
+    from recipes.make_targets import make_target
     from recipes.run_config import load_run_config
 
     target = load_run_config(expect)
@@ -126,11 +128,14 @@ def check_expected(found, expect: str) -> None:
     ours = found.model_config.family
     trained = dataset_name(found.run_config["data"]["path"]) if found.run_config else None
     wanted = dataset_name(data)
-    if PACKAGES.get(ours) != PACKAGES.get(family) or trained not in (None, wanted):
-        got = f"{ours}" + (f" trained on {trained}" if trained else "")
-        raise UsageError(f"--ckpt {found.path} is {got}, but {expect} is {family} on {wanted}: "
-                         "use the make eval target of the checkpoint's family and dataset (or "
-                         "eval.py without --expect to evaluate across)")
+    if MAKE_FAMILIES.get(ours) == MAKE_FAMILIES.get(family) and trained in (None, wanted):
+        return
+    got = f"{ours}" + (f" trained on {trained}" if trained else "")
+    fits = make_target("eval", MAKE_FAMILIES.get(ours), trained or wanted)
+    use = (f"use {fits} CKPT={found.path}" if fits else
+           "no make eval target fits it: run eval.py without --expect")
+    raise UsageError(f"--ckpt {found.path} is {got}, but {expect} is {family} on {wanted}: "
+                     f"{use} (or eval.py without --expect to evaluate across)")
 
 
 def build_encoder_and_model(cfg, found, args: Args, out: Path):

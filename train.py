@@ -31,6 +31,7 @@ the previous checkpoint still the newest.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -72,8 +73,11 @@ from recipes.run_folder import SKIP_LOG, StopSignal, lock_run, prepare_run_folde
 from recipes.run_plan import RunPlan, resolve_plan, save_run_tokenizer
 from recipes.schedule import loss_tokens, lr_at, step_token_total
 
-
 # --- config ------------------------------------------------------------------------------------
+#: a dotted ``key=value`` override (what ``--resume`` must not swallow as its value)
+OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*=")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("config")
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
@@ -87,6 +91,10 @@ from recipes.schedule import loss_tokens, lr_at, step_token_total
 def cli(config: str, overrides: tuple[str, ...], resume: str | None, overwrite: bool) -> int:
     """Fine-tune a VLM: CONFIG (a YAML in configs/) with dotted KEY=VALUE overrides, e.g.
     train.steps=20 data.path=data/mantis/metadataset.yaml."""
+    if resume and OVERRIDE.match(resume) and not Path(resume).exists():
+        raise UsageError(f"--resume {resume}: that is a key=value override, read as --resume's "
+                         "checkpoint because it follows --resume: put --resume last (or write "
+                         "--resume=CKPT)")
     return train(config, overrides, resume, overwrite)
 
 
@@ -107,6 +115,10 @@ def train(config: str, overrides: tuple[str, ...], resume_from: str | None,
     cfg = resumed.config
     quiet = KnownWarnings(enabled=not cfg.log.all_warnings)
     plan = resolve_plan(cfg, world, resume_from, overwrite)
+    if plan.finished:  # nothing to train: said before anything is built
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[train] {plan.finished}", flush=True)
+        return 0
     plan, run = start_run(plan, automatic=resume_from in (None, "latest"))
     notes = [*cfg.notes, *(f"resume: {note}" for note in resumed.notes)]
     for note in notes if run.is_logger else ():

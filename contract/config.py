@@ -8,6 +8,10 @@ dotted ``key=value`` overrides applied to one) by ``build``, with one policy:
 - a string given for a field that does not take strings is read as a command-line value
   (``parse_value``: ``"1024"`` -> 1024, ``"true"`` -> True, ``"null"`` -> None, ``"1e-3"`` ->
   0.001), then checked like any other value;
+- a value typed on the command line (``key=value``: ``CommandLineText``) is the text as typed for
+  a string field (``out=0010`` is ``"0010"``, ``out=no`` is ``"no"``, ``out='exp #2'`` is
+  ``"exp #2"``; a quoted YAML scalar ``'x'`` is ``x``; ``null`` / ``~`` is None where the field
+  allows None), and read as above for any other field;
 - a value must have the field's type: ``bool`` only where the field is ``bool``, an ``int``
   where a ``float`` is expected is read as that float, ``None`` only where the field allows it,
   lists element by element;
@@ -15,9 +19,11 @@ dotted ``key=value`` overrides applied to one) by ``build``, with one policy:
   ``contract.errors.ConfigError`` (``problems``: one line each, named by the dotted key): an
   unknown key names the valid keys of its section and, where one is close, says "did you mean";
   the dataclass's own checks (``__post_init__`` raising ``ConfigError`` / ``ValueError``) are
-  reported under the section's name.
+  reported under the section's name; a value shown in a problem is cut to ``SHOWN_CHARS``
+  (``shown``).
 
-``apply_override(raw, "a.b.c=value")`` sets a dotted key in a nested mapping (``parse_value``).
+``apply_override(raw, "a.b.c=value")`` sets a dotted key in a nested mapping to the
+``CommandLineText`` of ``value``; ``check_value`` is the policy for one value outside a section.
 """
 
 from __future__ import annotations
@@ -31,26 +37,58 @@ from typing import Any
 
 import yaml
 
+from contract.bounded_yaml import safe_load
 from contract.errors import ConfigError
 
-__all__ = ["apply_override", "build", "build_into", "parse_value", "raise_problems",
-           "unknown_key"]
+__all__ = ["CommandLineText", "apply_override", "build", "build_into", "check_value",
+           "parse_value", "raise_problems", "shown", "unknown_key"]
+
+#: the YAML spellings of null: a command-line value for a field that allows None
+NULLS = ("null", "Null", "NULL", "~")
+#: characters of a value a problem line shows (a longer one is cut, its length said)
+SHOWN_CHARS = 120
+
+
+class CommandLineText(str):
+    """A value as typed on the command line (``key=value``): the text itself for a string
+    field, a YAML value (``parse_value``) for any other (the module docstring)."""
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for a problem line, cut to ``SHOWN_CHARS`` (an expanded YAML value can be
+    huge: a message never prints it whole)."""
+    text = repr(str(value) if isinstance(value, CommandLineText) else value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 def parse_value(text: str) -> Any:
-    """A command-line value: YAML scalar/list, with '1e-3'-style numbers read as numbers; text
-    that is not YAML (e.g. a layer pattern ``*E-E``, a YAML alias) is taken as a string."""
+    """A command-line value: a decimal number (``0012`` is 12, not YAML 1.1's octal 10;
+    ``1e-3`` is 0.001), else a YAML scalar / list; text that is not YAML (e.g. a layer pattern
+    ``*E-E``, a YAML alias) is taken as a string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
     try:
-        value = yaml.safe_load(text) if text != "" else ""
+        return safe_load(text) if text != "" else ""
     except yaml.YAMLError:
-        return text
-    if isinstance(value, str):
-        for kind in (int, float):
-            try:
-                return kind(value)
-            except ValueError:
-                pass
-    return value
+        return str(text)
+
+
+def _unquoted(text: str) -> str:
+    """The command line's text for a string field: as typed, or the string a quoted YAML scalar
+    (``'*E-E'``, ``"exp #2"``: quotes a shell left in place) spells."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = None
+        if isinstance(value, str):
+            return value
+    return str(text)
 
 
 def apply_override(raw: dict, item: str) -> None:
@@ -71,7 +109,7 @@ def apply_override(raw: dict, item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
         node = child
-    node[leaf] = parse_value(text)
+    node[leaf] = CommandLineText(text)
 
 
 def raise_problems(problems: list[str]) -> None:
@@ -111,10 +149,7 @@ def build_into(cls: type, raw: Any, section: str, problems: list[str]) -> Any | 
         elif dataclasses.is_dataclass(hints[key]):
             values[key] = build_into(hints[key], value, name, problems)
         else:
-            try:
-                values[key] = _coerce(value, hints[key])
-            except TypeError:
-                problems.append(f"{name}: expected {_describe(hints[key])}, got {value!r}")
+            values[key] = check_value(name, value, hints[key], problems)
     for key, f in fields.items():
         if key in values or key in raw or not _required(f):
             continue
@@ -128,6 +163,20 @@ def build_into(cls: type, raw: Any, section: str, problems: list[str]) -> Any | 
         problems += [_dotted(section, problem) for problem in error.problems]
     except (ValueError, TypeError) as error:
         problems.append(f"{section}: {error}" if section else str(error))
+    return None
+
+
+def check_value(name: str, value: Any, hint: Any, problems: list[str]) -> Any:
+    """``value`` as the type ``hint`` (the module docstring's policy), or None with its problem
+    (named ``name``) added to ``problems``."""
+    try:
+        return _coerce(value, hint)
+    except TypeError:
+        pass
+    yaml_bool = isinstance(value, bool) and str in _options(hint)
+    hint_text = " (YAML reads yes / no / on / off as booleans: quote the text)" if yaml_bool \
+        else ""
+    problems.append(f"{name}: expected {_describe(hint)}, got {shown(value)}{hint_text}")
     return None
 
 
@@ -169,6 +218,10 @@ def _describe(hint: Any) -> str:
 def _coerce(value: Any, hint: Any) -> Any:
     """``value`` as the field's type (the module docstring's policy); TypeError when it is not."""
     options = _options(hint)
+    if isinstance(value, CommandLineText):
+        if str in options and not (value in NULLS and type(None) in options):
+            return _unquoted(value)
+        value = parse_value(value)
     if hint is Any:
         return value
     if isinstance(value, str) and str not in options:

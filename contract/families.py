@@ -10,6 +10,8 @@ This module owns the names, nothing else: each side keeps its own registry keyed
 - A *profile* is how the data side makes a family's inputs (``TaskEncoderConfig.model``): one per
   family (``qwen3_vl_moe``'s and Qwen3.5's read Qwen3-VL's processor), plus ``nemotron_omni_tiled``
   (Nemotron-Omni with InternVL-style tiled images).
+- A *make family* is what a make target names (``MAKE_FAMILIES``): ``qwen-vl`` (every Qwen VLM
+  family, the one trained following ``model.hf``'s ``model_type``) or ``nemotron-omni``.
 
 Aliases (the hyphenated spellings ``qwen2.5-vl``, ``qwen3-vl``, ``nemotron-omni``,
 ``nemotron-omni-tiled``, and any letter case) are accepted where a user types a name (configs,
@@ -40,6 +42,10 @@ TASK_ENCODER_MODELS = {family: tuple(p for p, f in PROFILES.items() if f == fami
 HF_MODEL_TYPES = {QWEN2_5_VL: "qwen2_5_vl", QWEN3_VL: "qwen3_vl", QWEN3_VL_MOE: "qwen3_vl_moe",
                   QWEN3_5: "qwen3_5", QWEN3_5_MOE: "qwen3_5_moe",
                   NEMOTRON_OMNI: "nemotron_h_omni"}
+#: family -> the family of the make targets that train / export / evaluate it (``make
+#: train-qwen-vl-<dataset> HF=<a Qwen3.5 model>`` trains Qwen3.5: the Makefile's ``FAMILIES``)
+MAKE_FAMILIES = {QWEN2_5_VL: "qwen-vl", QWEN3_VL: "qwen-vl", QWEN3_VL_MOE: "qwen-vl",
+                 QWEN3_5: "qwen-vl", QWEN3_5_MOE: "qwen-vl", NEMOTRON_OMNI: "nemotron-omni"}
 #: other spellings a user may type -> the canonical name
 ALIASES = {"qwen2.5-vl": QWEN2_5_VL, "qwen3-vl": QWEN3_VL, "qwen3-vl-moe": QWEN3_VL_MOE,
            "qwen3.5": QWEN3_5, "qwen3.5-moe": QWEN3_5_MOE,

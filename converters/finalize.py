@@ -156,8 +156,9 @@ def _write_metadataset(out: Path, records: list[dict], split_parts: list[str]) -
         if blend:
             splits[split] = {"blend": blend}
     doc = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": splits}
-    header = ("# Blend of the source configs, weighted by sample count. Edit the weights to\n"
-              "# re-weight subsets; train with this file as the data path.\n")
+    header = ("# Blend of the source configs, weighted by sample count. Edit a weight (a positive\n"
+              "# number; 0 is refused) to re-weight its subset, or delete an entry to leave its\n"
+              "# subset out; train with this file as the data path.\n")
     write_atomic(out / "metadataset.yaml",
                  (header + yaml.safe_dump(doc, sort_keys=False)).encode())
 

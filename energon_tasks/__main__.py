@@ -91,14 +91,17 @@ def _grid_fields(grid: ImageGrid) -> dict:
               help="qwen2_5_vl, qwen3_vl, nemotron_omni or nemotron_omni_tiled (also spelled "
                    "qwen2.5-vl, qwen3-vl, nemotron-omni, nemotron-omni-tiled).")
 @click.option(
-    "--image", "images", multiple=True, type=_Size(("H", "W"), "480x640"), help="Image HxW."
+    "--image", "images", multiple=True, type=_Size(("H", "W"), "480x640"),
+    help="Image HxW: height x width (as preview prints sizes), e.g. 480x640 for a landscape "
+         "640 wide."
 )
 @click.option(
     "--video",
     "videos",
     multiple=True,
     type=_Size(("FRAMES", "H", "W"), "16x480x640"),
-    help="Video FRAMESxHxW: all its frames, or those already sampled without --source-fps.",
+    help="Video FRAMESxHxW (frames x height x width): all its frames, or those already "
+         "sampled without --source-fps.",
 )
 @click.option("--source-fps", type=float, help="Frame rate of the videos: sample them first.")
 @click.option("--video-fps", type=float, help="Sampling rate (default: the model's, 2).")

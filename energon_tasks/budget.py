@@ -48,6 +48,13 @@ SKIP_REASONS = (
     "too_long",
 )
 ACTIONS = ("resized", "frames_sampled", "turns_cut", "images_cut")
+#: the counters of media the budget dropped: with turns cut, or with the skipped sample
+MEDIA_DROPS = ("images_cut", "skipped_too_many_images", "skipped_too_many_visual_tokens")
+
+
+def media_dropped(counters: dict[str, int]) -> dict[str, int]:
+    """The ``MEDIA_DROPS`` counters of ``counters`` that are not 0."""
+    return {name: counters[name] for name in MEDIA_DROPS if counters.get(name)}
 
 #: (media, frame indices, grid) -> tokens of a video span that are not video context tokens
 #: (markers, timestamps, Nemotron-Omni's frame-pair labels). The default counts the two markers.

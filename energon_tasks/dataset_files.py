@@ -12,7 +12,9 @@ through all its members and nested metadatasets, or a dataset folder), and accep
 - a metadataset: ``__module__: megatron.energon``, ``__class__: MetadatasetV2`` and ``splits``,
   each split a ``blend`` / ``blend_epochized`` of members or one member; a member's keys are
   ``path`` (a local dataset folder or metadataset YAML), ``split_part``, ``subflavors``, ``weight``
-  / ``repetitions``, ``subset`` and ``shuffle_over_epochs_multiplier``, their values plain data;
+  / ``repetitions`` (a positive finite number: 0, a negative, NaN, inf or text is refused, to
+  leave a subset out its member is deleted), ``subset`` and ``shuffle_over_epochs_multiplier``,
+  their values plain data;
 - a dataset folder's ``.nv-meta/dataset.yaml``: exactly the project's (``DATASET_YAML``:
   ``ConversationWebdataset`` of ``ConversationSample``), or that of format-1 conversions
   (``CrudeWebdataset``, nothing else); its ``split.yaml`` (``split.json``) and ``.info.json``
@@ -29,6 +31,7 @@ output).
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -175,6 +178,9 @@ def _check_metadataset(file: Path, seen: frozenset[Path]) -> None:
 def _check_member(file: Path, where: str, member: Any, share: tuple[str, ...],
                   seen: frozenset[Path]) -> None:
     _keys(file, where, member, (*MEMBER_KEYS, *share), "a metadataset member")
+    for key in share:
+        if key in member:
+            _check_share(file, f"{where}.{key}", member[key])
     path = member.get("path")
     if not isinstance(path, str) or not path:
         raise _refuse(file, f"{where}.path", "is missing (a dataset folder or metadataset YAML)")
@@ -184,6 +190,17 @@ def _check_member(file: Path, where: str, member: Any, share: tuple[str, ...],
         if member.get(key) is not None and not isinstance(member[key], dict):
             raise _refuse(file, f"{where}.{key}", "is not a mapping")
     _check_path(file.parent / path, seen, f"{file}: {where}.path")
+
+
+def _check_share(file: Path, where: str, value: Any) -> None:
+    """A member's ``weight`` / ``repetitions`` (as Energon reads it) is a positive finite number:
+    Energon refuses 0 and negative weights, and fails on text (``.nan`` is text to it) only once
+    the model is built."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
+        raise _refuse(file, where, f"{value!r} is not a positive finite number: Energon blends "
+                                   "by positive shares; to leave this subset out, delete its "
+                                   "member from the blend")
 
 
 def _expect(file: Path, where: str, doc: Any, expected: dict) -> None:

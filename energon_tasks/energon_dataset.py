@@ -13,7 +13,8 @@ converted dataset:
   `DamagedSample`, and a tar member or header that cannot be read becomes a `DamagedSample` of that
   position instead of stopping the loader.
 - The skip log: `skip_handler` (the loaders' error handler) records each damaged sample with its
-  key and reason and counts it; `drain_skips()` hands the counts to the task encoder's batch
+  key and reason and counts it (a failed allocation is no skip: `LoaderOutOfMemory` ends the run
+  in one line); `drain_skips()` hands the counts to the task encoder's batch
   counters (`skipped_<reason>`). Under train.py a key is appended once per process (epochs
   repeat samples) to the file `$VLM_SKIP_LOG` names (`<out>/skipped_samples.jsonl`, written by
   the first rank of each DP replica, empty on the others, inherited by loader workers); the
@@ -38,7 +39,7 @@ from typing import Any
 from megatron.energon import Sample, StandardWebdatasetFactory, edataclass
 from megatron.energon.errors import log_exception
 
-from contract.errors import UsageError
+from contract.errors import RunFailure, UsageError
 from energon_tasks.sample_format import CanonicalSample
 
 log = logging.getLogger("energon_tasks.skips")
@@ -208,11 +209,47 @@ def drain_skips() -> dict[str, int]:
     return counts
 
 
+def worker_line(message: str) -> str:
+    """The one line of an error raised in a DataLoader worker: torch rebuilds the exception in
+    the main process from the worker's traceback text (``"Caught X in DataLoader worker ..."``),
+    whose last line is ``X: <the line>``."""
+    if message.startswith("Caught "):
+        last = message.strip().splitlines()[-1]
+        return last.split(": ", 1)[-1]
+    return message
+
+
+class LoaderOutOfMemory(RunFailure):
+    """A batch (or a sample) the data loader could not allocate memory for: the run stops in one
+    line naming the settings that size it (never a sample skip: the data is not at fault)."""
+
+    def __init__(self, message: str):
+        super().__init__(worker_line(message))
+
+
+def allocation_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failed memory allocation (Python's, or torch's CPU / GPU
+    allocator's)."""
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in text
+                                                or "out of memory" in text)
+
+
 def skip_handler(error: Exception, sample: Any, sources=None) -> None:
-    """Energon error handler of our loaders: damaged samples are one counted line; anything
-    else keeps Energon's own report (a traceback: it is a bug, not bad data)."""
+    """Energon error handler of our loaders: damaged samples are one counted line; a failed
+    allocation ends the run in one line (``LoaderOutOfMemory``: it is no sample's fault, and
+    counting it as a skip would blame the budget); anything else keeps Energon's own report (a
+    traceback: it is a bug, not bad data)."""
     if isinstance(error, UsageError):  # e.g. task_encoder.max_skips_in_a_row: the run ends
         raise error
+    if allocation_failure(error):
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise LoaderOutOfMemory(f"the data loader could not allocate memory ({first}): lower "
+                                "train.micro_batch_size or task_encoder.seq_length (the rows of "
+                                "a batch: fixed_length and packing pad every row to "
+                                "seq_length)") from None
     if isinstance(error, DamagedSample):
         record_skip(error.key, error.reason, error.detail)
     else:

@@ -21,6 +21,7 @@ import click
 import numpy as np
 import yaml
 
+from contract.bounded_yaml import safe_load
 from contract.families import QWEN2_5_VL
 from energon_tasks.config import TaskEncoderConfig
 from energon_tasks.dataset_files import check_dataset_files
@@ -53,7 +54,7 @@ def shard_paths(dataset_dir: Path, split: str) -> list[Path]:
 
     check_dataset_files(dataset_dir)
 
-    splits = yaml.safe_load((dataset_dir / ".nv-meta" / "split.yaml").read_text())["split_parts"]
+    splits = safe_load((dataset_dir / ".nv-meta" / "split.yaml").read_text())["split_parts"]
     if split not in splits:
         raise click.UsageError(f"{dataset_dir}: no split part {split!r}; have {sorted(splits)}")
     return [dataset_dir / name for pattern in splits[split]
@@ -160,7 +161,7 @@ def run_config_task_encoder(path: Path | None) -> dict:
     if path is None:
         return {}
     try:
-        section = (yaml.safe_load(path.read_text()) or {}).get("task_encoder") or {}
+        section = (safe_load(path.read_text()) or {}).get("task_encoder") or {}
     except (OSError, yaml.YAMLError, AttributeError) as error:
         raise click.UsageError(f"--config {path}: not a run config ({error})") from None
     if not isinstance(section, dict):

@@ -76,12 +76,12 @@ def render(key: str, sample: CanonicalSample, media_bytes: dict, encoder) -> str
 
 def _media_html(sample: CanonicalSample, index: int, planned) -> str:
     media = sample.media[index]
-    source = f"{media.kind} {index} ({media.part}): stored {media.width}x{media.height}"
+    source = f"{media.kind} {index} ({media.part}): stored {media.height}x{media.width} (HxW)"
     if planned is None:
         return f"<div class='span'>{html.escape(source)}, not encoded</div>"
     item, frames = planned
     grid = item.grid
-    text = (f"{source} -> {grid.resized_width}x{grid.resized_height}, grid_thw "
+    text = (f"{source} -> {grid.resized_height}x{grid.resized_width}, grid_thw "
             f"{tuple(grid.grid_thw)}, {grid.visual_tokens} visual tokens, span "
             f"{item.span_tokens} tokens")
     if item.frame_indices:
@@ -96,7 +96,8 @@ def _media_html(sample: CanonicalSample, index: int, planned) -> str:
 @click.option("--out", type=click.Path(path_type=Path), help="HTML file (preview_KEY.html).")
 @knob_options
 def preview(dataset_dir, index, split, out, model, tokenizer, config, **knobs) -> None:
-    """Write an HTML page of one sample: resized media interleaved with text and token counts."""
+    """Write an HTML page of one sample: resized media interleaved with text and token counts.
+    Sizes are HxW (height x width), as `grid --image HxW` takes them."""
     if index < 0:
         raise click.UsageError(f"--index must be >= 0, got {index}")
     check_dataset_files(dataset_dir)  # before anything else: the folder's YAML names no code

@@ -47,6 +47,7 @@ from energon_tasks.energon_dataset import (
     conversation_sample,
     drain_skips,
     record_skip,
+    worker_line,
 )
 from energon_tasks.image_grid import ImageGrid
 from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
@@ -83,13 +84,10 @@ class TooManySkips(UsageError):
     (one line, exit 2) that Energon's error handler passes on (``skip_handler``). Raised in a
     DataLoader worker, torch rebuilds it in the main process from the worker's traceback text
     (``TooManySkips("Caught TooManySkips in DataLoader worker ...")``): the one line is then the
-    traceback's last line, taken back here."""
+    traceback's last line, taken back here (``worker_line``)."""
 
     def __init__(self, message: str):
-        if message.startswith("Caught "):
-            last = message.strip().splitlines()[-1]
-            message = last.split(": ", 1)[-1]
-        super().__init__(message)
+        super().__init__(worker_line(message))
 
 
 class VLMTaskEncoder(DefaultTaskEncoder):

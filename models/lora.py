@@ -65,11 +65,23 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    def problems(self, groups: tuple[str, ...]) -> list[str]:
-        """What is wrong with these settings (one line each)."""
+    def problems(self, groups: tuple[str, ...],
+                 widths: dict[str, int] | None = None) -> list[str]:
+        """What is wrong with these settings (one line each). ``widths``: parameter group ->
+        the narrowest width its adapted linears connect (the model's hidden sizes): the rank is
+        at most the narrowest of the adapted parts' (a wider one adds nothing, and a huge one
+        allocates gigabytes)."""
         out = []
         if self.rank < 1:
             out.append(f"model.lora.rank must be >= 1, got {self.rank}")
+        sized = [(widths[part], part) for part in self.parts if (widths or {}).get(part)]
+        if sized and self.rank > min(sized)[0]:
+            width, part = min(sized)
+            out.append(f"model.lora.rank {self.rank} is more than the {width} features of the "
+                       f"narrowest adapted part ({part}): at most {width}")
+        if not math.isfinite(self.alpha) or self.alpha == 0:
+            out.append(f"model.lora.alpha must be a finite number other than 0, got {self.alpha} "
+                       "(the update is scaled by alpha / rank: 0 trains nothing; default 32)")
         if not 0.0 <= self.dropout < 1.0:
             out.append(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:

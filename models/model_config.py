@@ -12,8 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from contract.bounded_yaml import safe_load
 from contract.config import apply_override, build
 
 log = logging.getLogger("models.config")
@@ -42,7 +41,7 @@ def build_model_config(cls: type, raw: dict):
 
 def load_model_yaml(path: str | Path, overrides, from_dict):
     """``from_dict`` of the YAML file ``path`` with dotted ``key=value`` overrides applied."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw = safe_load(Path(path).read_text()) or {}
     for item in overrides:
         apply_override(raw, item)
     return from_dict(raw)

@@ -345,8 +345,10 @@ class VisionDPOverCP:
         if self.active:
             log.info("vision_dp_over_cp ACTIVE: encoder shares balanced by cost over CP=%d",
                      self.cp_size)
-        else:
-            log.warning("vision_dp_over_cp INACTIVE: %s", self.inactive_reason)
+        elif self.cp_size == 1:  # the usual case: nothing to say in a run's output
+            log.info("vision_dp_over_cp INACTIVE: %s", self.inactive_reason)
+        else:  # asked for (parallel.vision_dp=false) at CP > 1: the cost is said, prefixed
+            log.warning("[vision_dp] vision_dp_over_cp INACTIVE: %s", self.inactive_reason)
 
     def _needs_grad(self, pixel_values: torch.Tensor) -> bool:
         if self.trainable is not None:

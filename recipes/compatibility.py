@@ -21,6 +21,13 @@ from models.families import family_of
 #: model config field -> the task encoder attribute holding that token's id
 TOKEN_IDS = {"image_token_id": "image_pad", "video_token_id": "video_pad",
              "vision_start_token_id": "vision_start", "vision_end_token_id": "vision_end"}
+#: model config field -> the HF config.json keys that set it, the first one present wins (the
+#: families' ``from_hf_config`` read these; Nemotron-Omni's config names its image token
+#: ``img_context_token_id``); a field none sets holds the HF config class's default
+HF_TOKEN_KEYS = {"image_token_id": ("image_token_id", "img_context_token_id"),
+                 "video_token_id": ("video_token_id",),
+                 "vision_start_token_id": ("vision_start_token_id",),
+                 "vision_end_token_id": ("vision_end_token_id",)}
 
 
 def profile_for(family: str, configured) -> str:
@@ -38,15 +45,20 @@ def compatibility_problems(model, task_encoder, *, weights: str | None = None,
                            processor: dict[str, int] | None = None) -> list[str]:
     """What of ``task_encoder`` (a ``TaskEncoderConfig``) does not fit ``model`` (a model
     config), one line each: the profile does not feed the family (then nothing else is
-    compared), the tower's patch geometry differs, or (``processor``: the HF processors'
-    ``patch_size`` / ``merge_size`` / ...) the processors' does."""
+    compared), the sequence length is more than the model's positions, the tower's patch
+    geometry differs, or (``processor``: the HF processors' ``patch_size`` / ``merge_size`` /
+    ...) the processors' does."""
     prefix = f"{weights}: " if weights else ""
     feeds = TASK_ENCODER_MODELS.get(model.family, (model.family,))
     if task_encoder.model not in feeds:
         return [f"{prefix}task_encoder.model {task_encoder.model!r} does not feed model.family "
                 f"{model.family!r} (use {' or '.join(feeds)})"]
+    positions = model.lm.max_position_embeddings
+    problems = [f"{prefix}task_encoder.seq_length {task_encoder.seq_length} is more than the "
+                f"model's {positions} positions (model.lm.max_position_embeddings): lower it"]\
+        if task_encoder.seq_length > positions else []
     geometry = task_encoder.resolve().geometry
-    problems = [f"{prefix}model vision {name} is {ours}, task_encoder.model "
+    problems += [f"{prefix}model vision {name} is {ours}, task_encoder.model "
                 f"{task_encoder.model!r} uses {getattr(geometry, name)}"
                 for name, ours in family_of(model).vision_geometry(model).items()
                 if getattr(geometry, name) != ours]
@@ -89,3 +101,21 @@ def check_compatible(model, task_encoder, *, weights: str | None = None,
                         f"tokens, model.lm.vocab_size is {model.lm.vocab_size}")
     if problems:
         raise UsageError("; ".join(problems))
+
+
+def hf_token_problems(config_file, hf_config: dict, model, encoder) -> list[str]:
+    """Each special-token id an HF model was trained with (``model``: its config, built from
+    ``hf_config``, the ``config_file``'s JSON) that its tokenizer's ``encoder`` gives another id
+    for, one line each naming the config.json key, its value and the tokenizer's (training
+    would use the tokenizer's id and the export ship the config's). An id the model does not
+    use (``-1``: Nemotron-Omni's ``<img>`` / ``</img>`` markers) is not compared."""
+    problems = []
+    for name, attr in TOKEN_IDS.items():
+        ours, theirs = getattr(model, name), getattr(encoder, attr)
+        key = next((k for k in HF_TOKEN_KEYS[name] if k in hf_config), None)
+        if ours == theirs or (key is None and ours < 0):
+            continue
+        said = f"{key} {hf_config[key]}" if key else f"{name} (not set: the default {ours})"
+        problems.append(f"{config_file}: {said}, but its tokenizer's {attr} token is {theirs}: "
+                        "a tokenizer of another model (give the model's own, or none)")
+    return problems

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from contract.batch import VLMBatch
+from energon_tasks.budget import media_dropped
 from models.cpu import peak_memory_gb
 from models.flops import batch_flops
 from recipes.layout import Layout
@@ -78,6 +79,10 @@ class StepMeter:
             "peak_mem_gb": peak_memory_gb(),
         }
         out["budget"] = {k: int(budget[k]) for k in bkeys}
+        # the interval's batches held no image or video, and the budget dropped some: a VLM
+        # trained on text only (1), said in metrics.jsonl / TensorBoard and on the step line
+        out["text_only"] = int(not total.get("images") and not total.get("videos")
+                               and bool(media_dropped(out["budget"])))
         return out
 
 
@@ -142,7 +147,8 @@ class MetricsLogger:
               f"{record['samples_per_s']:.1f} samp/s {record['tokens_per_s']:.0f} tok/s "
               f"{record['visual_tokens_per_s']:.0f} vis/s {record['images_per_s']:.1f} img/s "
               f"{record['tflops_per_s']:.4f} TFLOP/s mem {record['peak_mem_gb']:.2f}GB "
-              f"skipped {_skips(budget)}{self._timing(record['step'])}", flush=True)
+              f"skipped {_skips(budget)}{_text_only(record)}{self._timing(record['step'])}",
+              flush=True)
         flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         flat.update({f"budget/{k}": v for k, v in budget.items()})
         self._write(record, flat)
@@ -173,3 +179,11 @@ def _skips(budget: dict) -> str:
     total = sum(counts.values())
     reasons = ", ".join(f"{reason} {n}" for reason, n in counts.items())
     return f"{total} ({reasons}) " if total else "0 "
+
+
+def _text_only(record: dict) -> str:
+    """The step line's note of an interval trained on text only (``text_only``), + a space."""
+    if not record.get("text_only"):
+        return ""
+    dropped = ", ".join(f"{k} {v}" for k, v in media_dropped(record.get("budget", {})).items())
+    return f"text only (the budget dropped every image: {dropped}) "

@@ -97,12 +97,12 @@ def vision_signal(with_media: list[dict], blanked: list[dict]) -> dict:
 def run_info(run: Path) -> tuple[str, str]:
     """(model family, dataset) of a run folder, from the resolved config train.py wrote there
     (the dataset: the folder its ``data.path`` names); ("", the run's name) without one."""
-    import yaml
+    from contract.bounded_yaml import safe_load
 
     config = run / "config.yaml"
     if not config.is_file():
         return "", run.name
-    raw = yaml.safe_load(config.read_text()) or {}
+    raw = safe_load(config.read_text()) or {}
     path = Path(str((raw.get("data") or {}).get("path") or run.name))
     dataset = path.parent.name if path.suffix in (".yaml", ".yml") else path.name
     return str((raw.get("model") or {}).get("family", "")), dataset

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import yaml
 
+from contract.bounded_yaml import safe_load
 from contract.errors import UsageError
 from models.checkpoint_folders import resolve_checkpoint
 from recipes.checkpointing import read_train_state
@@ -75,7 +76,7 @@ def stored_config(step_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         raise UsageError(f"checkpoint {step_dir}: config.yaml is unreadable "
                          f"({type(error).__name__})") from None

@@ -14,13 +14,22 @@ are an error; every problem of a config is reported together, in one line (``Con
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from contract.config import apply_override, build_into, raise_problems, unknown_key
+from contract.bounded_yaml import safe_load
+from contract.config import (
+    apply_override,
+    build_into,
+    check_value,
+    parse_value,
+    raise_problems,
+    unknown_key,
+)
 from contract.errors import ConfigError  # the message lists every problem, separated by '; '
 from energon_tasks.config import TaskEncoderConfig
 from models.families import PARAMETER_GROUPS, config_from_dict
@@ -207,6 +216,7 @@ def _refine(base: dict, inline: dict) -> dict:
 def _lora_section(raw: dict, errors: list[str]) -> LoRAConfig | None:
     """``model.peft`` (``lora`` or ``none``) and ``model.lora.*`` (popped from ``raw``)."""
     peft, lora = raw.pop("peft", None), raw.pop("lora", None)
+    peft = parse_value(peft) if isinstance(peft, str) else peft  # lora | none | null | false
     if peft in (None, "none", False):
         if lora:
             errors.append("model.lora.* is set but model.peft is not: add model.peft=lora")
@@ -214,10 +224,7 @@ def _lora_section(raw: dict, errors: list[str]) -> LoRAConfig | None:
     if peft != "lora":
         errors.append(f"model.peft must be lora or none, got {peft!r}")
         return None
-    found = build_into(LoRAConfig, lora, "model.lora", errors)
-    if found is not None:
-        errors += found.problems(PARAMETER_GROUPS)
-    return found
+    return build_into(LoRAConfig, lora, "model.lora", errors)  # its problems: _model_section
 
 
 def _model_section(raw: Any, errors: list[str]):
@@ -235,19 +242,40 @@ def _model_section(raw: Any, errors: list[str]):
                    for group in lora.parts if group not in freeze.frozen()]
     base = raw.pop("base", None)
     if base is not None:
+        base = check_value("model.base", base, str, errors)
+        if base is None:
+            return None, freeze, lora
         try:
-            merged = yaml.safe_load(Path(base).read_text()) or {}
+            merged = safe_load(Path(base).read_text()) or {}
         except OSError as error:
             errors.append(f"model.base: cannot read {base}: {error.strerror}")
             return None, freeze, lora
+        except yaml.YAMLError as error:
+            errors.append(f"model.base: {base} is not valid YAML ({_first_line(error)})")
+            return None, freeze, lora
+        if not isinstance(merged, dict):
+            errors.append(f"model.base: {base} is not a mapping of model keys")
+            return None, freeze, lora
         raw = _refine(merged, raw)  # inline keys refine the base
+    model = None
     try:
-        return config_from_dict(raw), freeze, lora  # the family key picks the config class
+        model = config_from_dict(raw)  # the family key picks the config class
     except ConfigError as error:
         errors += error.problems
     except (ValueError, TypeError) as error:
         errors.append(str(error))
-    return None, freeze, lora
+    if lora is not None:
+        errors += lora.problems(PARAMETER_GROUPS, model and _group_widths(model))
+    return model, freeze, lora
+
+
+def _group_widths(model) -> dict[str, int]:
+    """Parameter group -> the narrowest width its linears connect (the LoRA rank's bound): the
+    LM's and the tower's hidden sizes; the projection maps one to the other."""
+    lm = getattr(getattr(model, "lm", None), "hidden_size", 0)
+    vision = getattr(getattr(model, "vision", None), "hidden_size", 0)
+    return {"language_model": lm, "vision_model": vision,
+            "vision_projection": min(lm, vision) if lm and vision else 0}
 
 
 def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str, dict] | None:
@@ -262,7 +290,9 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("hf"):
         return None
-    source = str(model["hf"])
+    source = check_value("model.hf", model["hf"], str, errors)
+    if source is None:
+        return None
     if "base" in model:
         errors.append("model.hf and model.base exclude each other (the HF model is the base)")
         return None
@@ -284,7 +314,8 @@ def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str
 
 def _task_encoder_section(raw: Any, cp: int, errors: list[str]) -> TaskEncoderConfig | None:
     raw = dict(raw or {})
-    if raw.setdefault("context_parallel_size", cp) != cp:
+    given = raw.setdefault("context_parallel_size", cp)
+    if (parse_value(given) if isinstance(given, str) else given) != cp:
         errors.append(f"task_encoder.context_parallel_size ({raw['context_parallel_size']}) "
                       f"differs from parallel.cp ({cp}); leave it unset")
         return None
@@ -313,6 +344,7 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
     applied = None if hf_failed else resolve_recipe(
         raw, raw.pop("recipe", "auto"), set(command_line), world, errors, hf=hf is not None)
     raw.pop("recipe", None)
+    out = check_value("out", raw.get("out", "runs/train"), str, errors)  # the text as given
     known = {"out", "model", "task_encoder", *SECTIONS}
     errors += [unknown_key(str(key), str(key), sorted(known), "") for key in raw
                if key not in known]
@@ -333,7 +365,7 @@ def from_dict(raw: dict, *, command_line: set[str] | frozenset[str] = frozenset(
     if world is not None and not errors:
         _derive_grad_accum(sections, world, command_line, errors)
     raise_problems(errors)
-    config = RunConfig(out=str(raw.get("out", "runs/train")), model=model,
+    config = RunConfig(out=out, model=model,
                        task_encoder=task_encoder, hf=hf and hf[0], freeze=freeze, lora=lora,
                        recipe=applied and applied.recipe.name, **sections)
     notes = [applied.line()] if applied else []
@@ -365,18 +397,44 @@ def _derive_grad_accum(s: dict, world: int, command_line, errors: list[str]) -> 
     t.grad_accum = accum
 
 
+#: seeds and seed offsets: numpy's and the loader's RNGs take 32-bit seeds (offsets added)
+MAX_SEED = 2**31 - 1
+
+
 def _check_values(s: dict) -> list[str]:
+    """Every value out of its range, one line each (before anything is built: a NaN learning
+    rate or a beta of 1.5 would otherwise fail inside the optimizer, some with SIGABRT)."""
     t, p, d = s["train"], s["parallel"], s["data"]
     problems = [f"{name} must be >= 1, got {value}" for name, value in (
         ("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
         ("train.grad_accum", t.grad_accum), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
-        ("parallel.cp", p.cp), ("data.virtual_dp", d.virtual_dp),
+        ("parallel.cp", p.cp), ("parallel.ep", p.ep),
+        ("parallel.etp", 1 if p.etp is None else p.etp), ("data.virtual_dp", d.virtual_dp),
+        ("data.max_samples_per_sequence", d.max_samples_per_sequence),
         ("log.interval", s["log"].interval), ("train.eval_batches", t.eval_batches),
         ("train.max_nonfinite_steps", t.max_nonfinite_steps))
         if value < 1]
     problems += [f"{name} must be >= 0, got {value}" for name, value in (
-        ("train.eval_interval", t.eval_interval), ("train.keep_checkpoints", t.keep_checkpoints))
+        ("train.eval_interval", t.eval_interval), ("train.keep_checkpoints", t.keep_checkpoints),
+        ("train.warmup_steps", t.warmup_steps), ("data.num_workers", d.num_workers),
+        ("data.shuffle_buffer_size", d.shuffle_buffer_size),
+        ("checkpoint.interval", s["checkpoint"].interval))
         if value < 0]
+    problems += [f"{name} must be in [0, {MAX_SEED}], got {value}" for name, value in (
+        ("train.seed", t.seed), ("data.seed_offset", d.seed_offset))
+        if not 0 <= value <= MAX_SEED]
+    ranges = (("train.lr", t.lr, 0.0, None), ("train.min_lr", t.min_lr, 0.0, None),
+              ("train.weight_decay", t.weight_decay, 0.0, None),
+              ("train.clip_grad", t.clip_grad, 0.0, None),
+              ("train.adam_beta1", t.adam_beta1, 0.0, 1.0),
+              ("train.adam_beta2", t.adam_beta2, 0.0, 1.0))
+    problems += [f"{name} must be a finite number >= {low:g}"
+                 f"{f' and < {high:g}' if high is not None else ''}, got {value}"
+                 for name, value, low, high in ranges
+                 if not (math.isfinite(value) and value >= low
+                         and (high is None or value < high))]
+    if not (math.isfinite(t.adam_eps) and t.adam_eps > 0):
+        problems.append(f"train.adam_eps must be a finite number > 0, got {t.adam_eps}")
     if t.precision not in ("auto", "fp32", "bf16"):
         problems.append(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
     if t.lr < t.min_lr:
@@ -399,6 +457,10 @@ def _check_values(s: dict) -> list[str]:
     if t.gpu_memory_gib is not None and not t.gpu_memory_gib > 0:
         problems.append(f"train.gpu_memory_gib must be > 0, got {t.gpu_memory_gib}")
     return problems
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _merged(base: dict, top: dict) -> dict:
@@ -425,12 +487,11 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     raw = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = safe_load(Path(path).read_text()) or {}
         except OSError as error:
             raise ConfigError(f"config {path}: {error.strerror}") from None
         except yaml.YAMLError as error:
-            raise ConfigError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})"
-                              ) from None
+            raise ConfigError(f"config {path}: not valid YAML ({_first_line(error)})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path}: not a mapping of sections")
     if stored is not None:
@@ -444,6 +505,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     keys = {item.split("=", 1)[0].strip() for item in overrides}
     bases = [item for item in overrides
              if item.split("=", 1)[0].strip() in ("model.base", "model.hf")]
+    trains = _family_trained(raw)
     if bases:
         raw["model"] = {}
     for item in [*bases, *(item for item in overrides if item not in bases)]:
@@ -452,7 +514,46 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
         except ConfigError as error:
             errors.append(str(error))
     raise_problems(errors)
-    return from_dict(raw, command_line=keys, world=world)
+    config = from_dict(raw, command_line=keys, world=world)
+    if bases and path is not None and "model.family" not in keys:
+        _check_family_kept(config, trains, Path(path), bases[-1])
+    return config
+
+
+def _family_trained(raw: dict) -> str | None:
+    """The family a run config trains: the one its task encoder feeds (None: not one)."""
+    from contract.families import PROFILES, profile_name
+
+    encoder = raw.get("task_encoder") if isinstance(raw.get("task_encoder"), dict) else {}
+    try:
+        return PROFILES[profile_name(encoder.get("model", TaskEncoderConfig().model))]
+    except (ValueError, AttributeError):
+        return None
+
+
+def _check_family_kept(config: RunConfig, trains: str | None, path: Path, swap: str) -> None:
+    """A ``model.hf`` / ``model.base`` on the command line may change the family only within the
+    config's make family (``contract.families.MAKE_FAMILIES``: ``make train-nemotron-omni-*
+    HF=<a Qwen model>`` would train Qwen into ``runs/nemotron_omni_*`` without a word);
+    ``model.family=<its family>`` on the command line says it is meant.
+
+    Raises:
+        ConfigError: one line naming both families and what to run instead.
+    """
+    from contract.families import MAKE_FAMILIES
+    from recipes.make_targets import make_target
+
+    ours, theirs = config.model.family, trains
+    if theirs is None or MAKE_FAMILIES.get(ours) == MAKE_FAMILIES.get(theirs):
+        return
+    key, value = swap.split("=", 1)
+    line = MAKE_FAMILIES.get(theirs, "").replace("-", "_")
+    dataset = path.stem.removeprefix(f"train_{line}_").replace("_", "-")
+    fits = make_target("train", MAKE_FAMILIES.get(ours), dataset)
+    instead = f"{fits} {'HF' if key.strip() == 'model.hf' else 'ARGS=model.base'}={value}" \
+        if fits else f"a config of the {ours} family (CONFIG=)"
+    raise ConfigError(f"{key.strip()} {value} is a {ours} model, but {path} trains {theirs}: "
+                      f"use {instead}, or add model.family={ours} to train it with this config")
 
 
 def to_dict(config: RunConfig) -> dict:

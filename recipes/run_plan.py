@@ -16,6 +16,7 @@ folder by rank 0 (``save_run_tokenizer``), so no step before the process group n
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,14 @@ from contract.errors import UsageError
 from models import cpu
 from models.families import get as get_family
 from recipes.checkpointing import read_train_state
-from recipes.compatibility import check_compatible
-from recipes.data import check_data_path, check_split, load_run_tokenizer, probe_first_batch
+from recipes.compatibility import check_compatible, hf_token_problems
+from recipes.data import (
+    check_data_path,
+    check_split,
+    load_run_tokenizer,
+    probe_first_batch,
+    split_samples,
+)
 from recipes.layout import check_layout
 from recipes.memory import check_memory
 from recipes.planner import te_adam_available
@@ -45,8 +52,11 @@ class RunPlan:
     world: int  #: processes of the run (torchrun's WORLD_SIZE)
     resume: dict | None  #: the train state to resume (``read_train_state``), or None
     clear: str  #: what of an earlier run the run folder drops first ("" for nothing)
-    tokenizer: Any  #: the run's tokenizer (transformers)
-    encoder: Any  #: the run's task encoder (``VLMTaskEncoder``), counters fresh
+    tokenizer: Any  #: the run's tokenizer (transformers); None when ``finished``
+    encoder: Any  #: the run's task encoder (``VLMTaskEncoder``), counters fresh; None when done
+    #: the checkpoint to resume is at ``train.steps`` already: the line saying so and how to
+    #: train more ("" otherwise); nothing is built
+    finished: str = ""
 
     @property
     def out(self) -> Path:
@@ -65,6 +75,13 @@ def resolve_plan(cfg: RunConfig, world: int, resume_from: str | None,
     resume_dir, clear = plan_start(Path(cfg.out), cfg.checkpoint_dir, resume_from, overwrite,
                                    cfg.train.auto_resume)
     resume = read_train_state(resume_dir, world // (p.tp * p.pp * p.cp)) if resume_dir else None
+    if resume is not None and resume["step"] >= cfg.train.steps:
+        return RunPlan(config=cfg, config_yaml="", world=world, resume=resume, clear=clear,
+                       tokenizer=None, encoder=None, finished=(
+                           f"run {cfg.out} is finished: {resume['dir']} is step {resume['step']}"
+                           f", train.steps is {cfg.train.steps}; to train more steps resume with "
+                           f"a larger train.steps=<N> (the LR schedule is laid over the new "
+                           "steps), or start again with --overwrite"))
     with tempfile.TemporaryDirectory() as private:
         tokenizer = load_run_tokenizer(cfg.task_encoder, Path(private))
     encoder = _probed_encoder(cfg, tokenizer)
@@ -113,6 +130,11 @@ def check_run(cfg: RunConfig, world: int) -> None:
                          "keep train.optimizer_state=fp32")
     check_memory(cfg, world)
     check_data_path(cfg.data.path)
+    samples = split_samples(cfg.data.path, cfg.data.split_part)
+    if samples is not None and cfg.train.micro_batch_size > max(samples, 1):
+        raise UsageError(f"train.micro_batch_size {cfg.train.micro_batch_size} is more than the "
+                         f"{samples} samples of split {cfg.data.split_part!r} of data.path "
+                         f"{cfg.data.path}: a micro-batch would repeat them; lower it")
     if cfg.train.eval_interval:
         check_split(cfg.data.path, cfg.data.val_split_part, "train.eval_interval")
 
@@ -129,7 +151,9 @@ def _probed_encoder(cfg: RunConfig, tokenizer):
     from energon_tasks import task_encoder_for
 
     encoder = task_encoder_for(cfg.task_encoder, tokenizer)
-    probe_first_batch(cfg.data.path, cfg.data.split_part, encoder)
+    warning = probe_first_batch(cfg.data.path, cfg.data.split_part, encoder)
+    if warning and os.environ.get("RANK", "0") == "0":
+        print(f"[train] {warning}", flush=True)
     encoder.reset_counters()
     return encoder
 
@@ -139,12 +163,14 @@ def _with_token_ids(cfg: RunConfig, tokenizer, encoder):
     and the vocabulary)."""
     model = cfg.model
     check_compatible(model, cfg.task_encoder, tokenizer=tokenizer, encoder=encoder,
-                     weights=cfg.hf and f"model.hf {cfg.hf}",
-                     token_ids=("image_token_id",) if cfg.hf else ())
-    if cfg.hf:  # the model's bos / eos / pad ids must be its tokenizer's (generate stops)
-        from models.hf_source import resolve, special_token_problems
+                     weights=cfg.hf and f"model.hf {cfg.hf}")
+    if cfg.hf:  # its vision ids, and its bos / eos / pad ids, must be its tokenizer's
+        from models.hf_source import hf_config, resolve, special_token_problems
 
-        problems = special_token_problems(resolve(cfg.hf, weights=False), tokenizer)
+        folder = resolve(cfg.hf, weights=False)
+        problems = [*hf_token_problems(folder / "config.json", hf_config(folder), model,
+                                       encoder),
+                    *special_token_problems(folder, tokenizer)]
         if problems:
             raise UsageError(f"model.hf {cfg.hf}: {'; '.join(problems)}")
     return dataclasses.replace(model, image_token_id=encoder.image_pad,

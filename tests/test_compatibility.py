@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -95,3 +96,38 @@ def test_profile_for_an_hf_models_family():
     assert profile_for("nemotron_omni", "qwen2_5_vl") == "nemotron_omni"
     assert profile_for("qwen3_vl", None) == "qwen3_vl"
     assert profile_for("qwen2_5_vl", "no such") == "qwen2_5_vl"
+
+
+def test_every_vision_token_id_of_an_hf_config_is_its_tokenizers():
+    """model.hf's video / vision-start / vision-end ids were replaced by the tokenizer's without
+    a word (only the image id was compared): each is compared, the line names the config.json
+    key, its value and the tokenizer's; a key the config lacks is its class's default."""
+    from recipes.compatibility import hf_token_problems
+
+    model = tiny("qwen2_5_vl")
+    config = {"image_token_id": model.image_token_id, "video_token_id": model.video_token_id,
+              "vision_start_token_id": model.vision_start_token_id}
+    assert hf_token_problems("m/config.json", config, model, encoder_like(model)) == []
+    encoder = encoder_like(model)
+    encoder.video_pad, encoder.vision_start, encoder.vision_end = 6, 3, 4
+    assert hf_token_problems("m/config.json", config, model, encoder) == [
+        f"m/config.json: video_token_id {model.video_token_id}, but its tokenizer's video_pad "
+        "token is 6: a tokenizer of another model (give the model's own, or none)",
+        f"m/config.json: vision_start_token_id {model.vision_start_token_id}, but its "
+        "tokenizer's vision_start token is 3: a tokenizer of another model (give the model's "
+        "own, or none)",
+        f"m/config.json: vision_end_token_id (not set: the default {model.vision_end_token_id}), "
+        "but its tokenizer's vision_end token is 4: a tokenizer of another model (give the "
+        "model's own, or none)"]
+    nemotron = dataclasses.replace(tiny("nemotron_omni"), vision_start_token_id=-1,
+                                   vision_end_token_id=-1)  # as from_hf_config: no model's ids
+    encoder = encoder_like(nemotron)
+    encoder.vision_start, encoder.vision_end = 7, 8
+    assert hf_token_problems("n/config.json", {"img_context_token_id": nemotron.image_token_id},
+                             nemotron, encoder) == []
+    encoder.image_pad = encoder.video_pad = nemotron.image_token_id + 1
+    assert [p.split(",")[0] for p in hf_token_problems(
+        "n/config.json", {"img_context_token_id": nemotron.image_token_id}, nemotron,
+        encoder)] == [f"n/config.json: img_context_token_id {nemotron.image_token_id}",
+                      f"n/config.json: video_token_id (not set: the default "
+                      f"{nemotron.video_token_id})"]

@@ -145,8 +145,7 @@ def test_bad_config_key_exits_2(capsys):
 
 def test_missing_and_empty_dataset_exit_2(tmp_path, capsys):
     assert "does not exist" in main_error(capsys, str(MANTIS_CFG), f"data.path={tmp_path}/nope")
-    assert "not an Energon dataset" in main_error(capsys, str(MANTIS_CFG),
-                                                  f"data.path={tmp_path}")
+    assert "is an empty folder" in main_error(capsys, str(MANTIS_CFG), f"data.path={tmp_path}")
     assert "not set" in main_error(capsys, str(MANTIS_CFG), "data.path=")
 
 
@@ -215,6 +214,7 @@ def test_mantis_run_logs_metrics_and_checkpoints(mantis_reference):
         assert key in logged[0], key
     assert logged[-1]["loss"] < logged[0]["loss"]
     assert logged[0]["visual_tokens_per_s"] > 0 and logged[0]["budget"]["samples"] > 0
+    assert all(r["text_only"] == 0 for r in logged)  # images trained (tests/test_run_inputs.py)
     validation = records(mantis_reference, "val_loss")
     assert [r["step"] for r in validation] == [2, 4]
     assert validation[1]["val_loss"] < validation[0]["val_loss"]
@@ -325,6 +325,26 @@ def test_resume_continues_exactly(mantis_reference, mantis_out, tmp_path):
     ok(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={out}",
              "train.steps=4", *FAST, "--resume", str(out / "ckpt" / "step_000002")))
     assert losses(out) == losses(mantis_reference)[2:]  # bit-exact on CPU
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_so_before_building(mantis_reference, mantis_out, capsys):
+    """--resume of a run at its train.steps built everything and printed only ``done``: one line
+    says it is finished and how to train more, nothing is built or written (exit 0)."""
+    sys.path.insert(0, str(REPO))
+    import train as script
+
+    before = sorted(str(p.relative_to(mantis_reference)) for p in mantis_reference.rglob("*"))
+    capsys.readouterr()
+    assert script.main([str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
+                        f"out={mantis_reference}", *REFERENCE, "--resume"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"[train] run {mantis_reference} is finished: {mantis_reference}/checkpoints/"
+                   "step_000004 is step 4, train.steps is 4; to train more steps resume with a "
+                   "larger train.steps=<N> (the LR schedule is laid over the new steps), or start "
+                   "again with --overwrite"], out
+    assert sorted(str(p.relative_to(mantis_reference))
+                  for p in mantis_reference.rglob("*")) == before
 
 
 def test_task_encoder_of_another_family_exits_2(mantis_out, tmp_path, capsys):

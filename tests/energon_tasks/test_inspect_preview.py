@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -69,6 +70,12 @@ def test_preview_writes_html_with_resized_media(tokenizer_dir, mantis_out, tmp_p
     assert "grid_thw" in page and "visual tokens" in page and "tokens]" in page
     assert main(["preview", str(mantis_out), "--index", "100000", "--tokenizer",
                  str(tokenizer_dir)]) == 2
+    # preview prints sizes as grid takes them, HxW (grid took HxW while preview printed WxH)
+    stored, resized = re.search(r"stored (\d+x\d+) \(HxW\) -&gt; (\d+x\d+),", page).groups()
+    capsys.readouterr()
+    assert main(["grid", "--model", model, "--image", stored, "--max-pixels", "50000"]) == 0
+    entry = json.loads(capsys.readouterr().out)[0]
+    assert f"{entry['resized_height']}x{entry['resized_width']}" == resized
 
 
 def test_inspect_takes_the_test_tokenizer_and_a_run_config(mantis_out, capsys):
