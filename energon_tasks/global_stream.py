@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import yaml
 
+from contract import bounded_yaml
 from contract.errors import UsageError
 from energon_tasks.dataset_files import check_dataset_files
 from energon_tasks.energon_dataset import ConversationSample, conversation_sample
@@ -153,7 +153,7 @@ def _members(path: Path, split_part: str, weight: float, subflavors: dict,
         keys = _split_keys(path, split_part)
         name = subflavors.get("config") or split_part
         return [Member(str(name), path, split_part, weight, subflavors, keys)] if keys else []
-    raw = yaml.safe_load(path.read_text())  # checked to be plain data by check_dataset_files
+    raw = bounded_yaml.safe_load(path.read_text())  # plain data: check_dataset_files
     split = (raw.get("splits") or {}).get(split_part)
     if not isinstance(split, dict):
         raise UsageError(f"{path}: no split {split_part!r}")

@@ -175,8 +175,8 @@ def test_model_hf_vision_token_ids_are_checked_before_the_model(tmp_path, mantis
     imported or built (they were silently replaced by the tokenizer's before)."""
     import json
 
+    from lookalikes.models import TEST_TOKENIZER_QWEN, build_tiny_hf_model
     from tests.test_train import FAST, main_error
-    from tests.tiny_hf import TEST_TOKENIZER_QWEN, build_tiny_hf_model
 
     hf = build_tiny_hf_model("qwen2_5_vl", tmp_path / "hf", pixels=(3136, 6272))
     config = json.loads((hf / "config.json").read_text())
@@ -306,7 +306,7 @@ def test_a_train_config_keeps_its_family_unless_told(tmp_path):
     """``make train-nemotron-omni-mantis HF=<a Qwen model>`` trained Qwen into
     runs/nemotron_omni_mantis without a word: one line naming both families, the make target
     that fits (it exists) and the word that keeps it (model.family=)."""
-    from tests.tiny_hf import build_tiny_hf_model
+    from lookalikes.models import build_tiny_hf_model
 
     hf = build_tiny_hf_model("qwen2_5_vl", tmp_path / "hf", pixels=(3136, 6272))
     with pytest.raises(ConfigError) as info:
