@@ -109,11 +109,61 @@ def make_clip(width: int, height: int, seconds: int, gop: int, fps: int = FPS) -
     return buffer.getvalue()
 
 
+#: Clips made with other content and other encoder settings than ``make_clip``'s (and than
+#: ``lookalikes.media``'s): name -> (container format, codec, stream options, seconds).
+#: Handheld jitter over three scenes of fine detail, cut every 6 s, with a fade; 640x360 30 fps.
+#: x264 at its own defaults (keyframe every 250 frames at most, scene-cut keyframes, adaptive
+#: B-frames), x264 slow with a fixed 2 s GOP and 5 B-frames, VP9 (libvpx, 4 s GOP), MPEG-4 part 2
+#: in AVI (2 B-frames).
+FOREIGN = {
+    "x264_defaults_film": ("mp4", "libx264", {"preset": "medium", "tune": "film", "crf": "21"}, 40),
+    "x264_slow_gop2_b5": ("mp4", "libx264", {"preset": "slow", "crf": "20", "x264-params":
+                          "keyint=60:min-keyint=60:scenecut=0:bframes=5:b-pyramid=normal:ref=5"},
+                          40),
+    "vp9_gop4": ("webm", "libvpx-vp9", {"crf": "33", "b": "0", "g": "120", "deadline": "realtime",
+                                        "cpu-used": "8", "row-mt": "0"}, 40),
+    "mpeg4_avi_b2": ("avi", "mpeg4", {"qscale": "4", "g": "60", "bf": "2"}, 40),
+}
+
+
+def foreign_clip(name: str, width: int = 640, height: int = 360, fps: int = FPS) -> bytes:
+    """A clip of ``FOREIGN[name]``: other content, other encoder (see ``FOREIGN``)."""
+    fmt, codec, options, seconds = FOREIGN[name]
+    rng = np.random.default_rng(11)
+    from PIL import Image, ImageDraw
+
+    scenes = []
+    for k in range(3):  # fine detail: text-like strokes over a noisy gradient
+        scene = Image.fromarray(rng.integers(0, 256, (height // 4 + 20, width // 4 + 20, 3),
+                                             dtype=np.uint8)).resize((width + 80, height + 80),
+                                                                     Image.BILINEAR)
+        draw = ImageDraw.Draw(scene)
+        for _ in range(150 + 100 * k):
+            x, y = int(rng.integers(0, width + 60)), int(rng.integers(0, height + 60))
+            draw.rectangle([x, y, x + int(rng.integers(2, 20)), y + int(rng.integers(2, 8))],
+                           fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+        scenes.append(np.asarray(scene, dtype=np.int16))
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = dict(options)
+        for i in range(seconds * fps):
+            scene = scenes[(i // (6 * fps)) % 3]
+            dx, dy = (int(v) for v in 40 + 30 * np.sin(i / np.array([9.0, 13.0])))
+            frame = scene[dy:dy + height, dx:dx + width] * (0.6 + 0.4 * min(1, (i % 180) / 30))
+            frame = frame + rng.integers(-2, 3, (height, width, 1))  # grain
+            picture = av.VideoFrame.from_ndarray(frame.clip(0, 255).astype(np.uint8), "rgb24")
+            container.mux(stream.encode(picture))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
 def clip_bytes(name: str, cache: Path) -> bytes:
-    path = cache / f"{name}.mp4"
+    path = cache / f"{name}.{FOREIGN[name][0] if name in FOREIGN else 'mp4'}"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(make_clip(*CLIPS[name]))
+        path.write_bytes(foreign_clip(name) if name in FOREIGN else make_clip(*CLIPS[name]))
     return path.read_bytes()
 
 
@@ -129,17 +179,24 @@ def reexec_with_pyav_ffmpeg(folder: Path) -> None:
     this process already runs so."""
     if os.environ.get(_LINKED) or importlib.util.find_spec("torchcodec") is None:
         return
-    bundled = Path(av.__file__).resolve().parent.parent / "av.libs"
-    folder.mkdir(parents=True, exist_ok=True)
-    for library in bundled.glob("lib*.so*"):
-        plain = re.sub(r"^(lib[\w+-]+?)-[0-9a-f]{8}(\.so\.\d+).*$", r"\1\2", library.name)
-        link = folder / plain
-        if plain != library.name and not link.exists():
-            link.symlink_to(library)
+    link_pyav_ffmpeg(Path(av.__file__).resolve().parent.parent / "av.libs", folder)
     env = dict(os.environ, **{_LINKED: str(folder)})
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(folder), os.environ.get("LD_LIBRARY_PATH")) if p)
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def link_pyav_ffmpeg(bundled: Path, folder: Path) -> Path:
+    """Link the FFmpeg libraries PyAV bundles (``bundled``: its ``av.libs``) under their plain
+    sonames into ``folder`` (what torchcodec loads), and under their own names too (they find
+    each other there: their ``$ORIGIN`` is the folder of the link), and return ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for library in bundled.glob("lib*.so*"):
+        plain = re.sub(r"^(lib[\w+-]+?)-[0-9a-f]{8}(\.so\.\d+).*$", r"\1\2", library.name)
+        for name in {plain, library.name}:
+            if not (folder / name).exists():
+                (folder / name).symlink_to(library.resolve())
+    return folder
 
 
 def environment() -> dict:
