@@ -369,6 +369,9 @@ def bound_seconds(info: list, costs: list[float], picks: list[int], convert_s: f
 def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> dict:
     with av.open(io.BytesIO(data)) as container:
         frames = sum(1 for p in container.demux(video=0) if p.size)
+        h264 = container.streams.video[0].codec_context.name == "h264"  # the bound reads NALs
+    with av.open(io.BytesIO(data)) as container:
+        key_count = sum(1 for p in container.demux(video=0) if p.size and p.is_keyframe)
     positions = np.linspace(0, frames - 1, count).tolist()
     picks = [round(p) for p in positions]
     reference = decode_all(data, picks, frames)
@@ -387,47 +390,64 @@ def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> 
                 times[key].append(time.process_time() - start)
         if round_:
             info, costs, convert = packet_costs(data, picks)
-            times["bound"].append(bound_seconds(info, costs, picks, convert))
+            if h264:
+                times["bound"].append(bound_seconds(info, costs, picks, convert))
             times["conversions"].append(convert)
+    if not h264:
+        del times["bound"]
     median = {k: statistics.median(v) for k, v in times.items()}
     # ratios per round (the readers and the bound of one round ran back to back), then median
-    per_round = [b / p for b, p in zip(times["bound"], times["project"], strict=True)]
-    ratios = {"bound_over_project": statistics.median(per_round),
-              "bound_over_project_range": [min(per_round), max(per_round)],
-              "bound_over_project_least": min(times["bound"]) / min(times["project"])}
-    return {"clip": name, "frames": frames, "picks": count, "cpu_s": median, "ratios": ratios,
+    per_round = {k: [v / p for v, p in zip(times[k], times["project"], strict=True)]
+                 for k in times if k not in ("project", "conversions")}
+    ratios = {"per_round_over_project": {k: {"median": statistics.median(v),
+                                             "range": [min(v), max(v)]}
+                                         for k, v in per_round.items()}}
+    if h264:
+        bound = [b / p for b, p in zip(times["bound"], times["project"], strict=True)]
+        ratios.update(bound_over_project=statistics.median(bound),
+                      bound_over_project_range=[min(bound), max(bound)],
+                      bound_over_project_least=min(times["bound"]) / min(times["project"]))
+    return {"clip": name, "frames": frames, "keyframes": key_count, "picks": count,
+            "cpu_s": median, "ratios": ratios,
             "equal": equal, "keyframe_check": keyframes, "rounds_cpu_s": times}
 
 
-def _speedup(result: dict, key: str, missing: dict) -> str:
-    """decode_all's CPU over ``key``'s, flagged when its frames are not decode_all's."""
-    if key in missing:
+def _ratio(result: dict, slow: str, fast: str, missing: dict) -> str:
+    """``slow``'s CPU over ``fast``'s: the median of the per-round ratios and their range,
+    flagged when a reader's frames are not decode_all's."""
+    if slow in missing or fast in missing or slow not in result["rounds_cpu_s"]:
         return "n/a"
-    flag = "" if result["equal"].get(key, True) else " (frames differ)"
-    return f"{result['cpu_s']['decode_all'] / result['cpu_s'][key]:.2f}x{flag}"
+    rounds = [a / b for a, b in zip(result["rounds_cpu_s"][slow], result["rounds_cpu_s"][fast],
+                                    strict=True)]
+    flag = "".join(" (frames differ)" for key in (slow, fast)
+                   if not result["equal"].get(key, True))
+    return (f"{statistics.median(rounds):.2f}x ({min(rounds):.2f}-{max(rounds):.2f})"
+            f"{flag}")
 
 
 def table(results: list[dict], missing: dict) -> str:
-    head = ("| clip, picks | decode-all CPU ms | project vs decode-all | torchcodec exact vs "
-            "decode-all | decord vs decode-all | bound vs decode-all | bound / project (rounds) | "
-            "bound / project, least rounds | keyframe vs decode-all | keyframe vs decode-all, "
+    head = ("| clip, picks | keyframes | decode-all CPU ms | project vs decode-all | torchcodec "
+            "exact vs decode-all | decord vs decode-all | project vs torchcodec | project vs "
+            "decord | bound / project | keyframe mode vs decode-all | keyframe vs decode-all, "
             "decoding only |")
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in results:
         t = r["cpu_s"]
-        cells = [_speedup(r, key, missing) for key in ("project", "torchcodec", "decord")]
-        low, high = r["ratios"]["bound_over_project_range"]
-        least = r["ratios"]["bound_over_project_least"]
         # the keyframe mode converts each distinct frame once
         check = r["keyframe_check"]
         converted = t["conversions"] * check["distinct_frames"] / r["picks"]
         decoding = (t["decode_all"] - t["conversions"]) / (t["keyframe"] - converted)
         flag = "" if all(v for k, v in check.items() if k != "distinct_frames") else " (wrong)"
-        lines.append(f"| {r['clip']}, {r['picks']} | {1000 * t['decode_all']:.0f} | "
-                     + " | ".join(cells) + f" | {_speedup(r, 'bound', missing)} | "
-                     f"{r['ratios']['bound_over_project']:.2f} ({low:.2f}-{high:.2f}) | "
-                     f"{least:.2f} | {_speedup(r, 'keyframe', missing)}{flag} | {decoding:.1f}x "
-                     f"({check['distinct_frames']} frames) |")
+        bound = _ratio(r, "bound", "project", missing) if "bound" in t else "n/a (not H.264)"
+        lines.append(
+            f"| {r['clip']}, {r['picks']} | {r.get('keyframes', '?')} | "
+            f"{1000 * t['decode_all']:.0f} | "
+            + " | ".join(_ratio(r, "decode_all", key, missing)
+                         for key in ("project", "torchcodec", "decord"))
+            + f" | {_ratio(r, 'torchcodec', 'project', missing)} | "
+            f"{_ratio(r, 'decord', 'project', missing)} | {bound} | "
+            f"{_ratio(r, 'decode_all', 'keyframe', missing)}{flag} | {decoding:.1f}x "
+            f"({check['distinct_frames']} frames) |")
     lines += [f"\n{k}: not measured ({why})" for k, why in missing.items()]
     return "\n".join(lines)
 
@@ -438,8 +458,8 @@ def table(results: list[dict], missing: dict) -> str:
               help="folder of the generated clips (default: <out>/clips)")
 @click.option("--rounds", default=5, show_default=True)
 @click.option("--quick", is_flag=True, help="the 2 s GOP clip only, 2 rounds")
-@click.option("--clips", "only", multiple=True, type=click.Choice(list(CLIPS)),
-              help="run only these clips (repeatable; default: all)")
+@click.option("--clips", "only", multiple=True, type=click.Choice([*CLIPS, *FOREIGN]),
+              help="run only these clips (repeatable; default: all of CLIPS; FOREIGN's by name)")
 @click.option("--system-ffmpeg", is_flag=True,
               help="torchcodec loads the system's FFmpeg, not PyAV's bundled one")
 def main(out: Path, cache: Path | None, rounds: int, quick: bool, only: tuple,
