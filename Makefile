@@ -16,7 +16,7 @@ DEMO   ?= demo_out
 # make demo keeps its own shards under $(DEMO); train on them with DATA_ROOT=$(DEMO).
 DATA_ROOT ?= data
 
-.PHONY: install infer-venv test test-fast demo bench check prepare-mantis prepare-infovqa prepare-llava-video clean
+.PHONY: install infer-venv test test-fast demo bench bench-loader check prepare-mantis prepare-infovqa prepare-llava-video clean
 
 install: $(STAMP)
 
@@ -103,6 +103,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_converters.py --out bench_out
+
+# The published loader benchmark (docs/loader-benchmark.md): the loader per family and dataset
+# against the Hugging Face paths, which run in $(INFER_VENV) (make infer-venv; without it they are
+# skipped with a line); about 8 minutes on 2 cores. ROUNDS= (default 5).
+bench-loader: $(STAMP)
+	$(PY) bench/bench_loader.py --out bench_out/loader_benchmark --doc docs/loader-benchmark.md --infer-venv $(INFER_VENV) --rounds $(or $(ROUNDS),5)
 
 clean:
 	rm -rf $(DEMO) bench_out

@@ -109,11 +109,61 @@ def make_clip(width: int, height: int, seconds: int, gop: int, fps: int = FPS) -
     return buffer.getvalue()
 
 
+#: Clips made with other content and other encoder settings than ``make_clip``'s (and than
+#: ``lookalikes.media``'s): name -> (container format, codec, stream options, seconds).
+#: Handheld jitter over three scenes of fine detail, cut every 6 s, with a fade; 640x360 30 fps.
+#: x264 at its own defaults (keyframe every 250 frames at most, scene-cut keyframes, adaptive
+#: B-frames), x264 slow with a fixed 2 s GOP and 5 B-frames, VP9 (libvpx, 4 s GOP), MPEG-4 part 2
+#: in AVI (2 B-frames).
+FOREIGN = {
+    "x264_defaults_film": ("mp4", "libx264", {"preset": "medium", "tune": "film", "crf": "21"}, 40),
+    "x264_slow_gop2_b5": ("mp4", "libx264", {"preset": "slow", "crf": "20", "x264-params":
+                          "keyint=60:min-keyint=60:scenecut=0:bframes=5:b-pyramid=normal:ref=5"},
+                          40),
+    "vp9_gop4": ("webm", "libvpx-vp9", {"crf": "33", "b": "0", "g": "120", "deadline": "realtime",
+                                        "cpu-used": "8", "row-mt": "0"}, 40),
+    "mpeg4_avi_b2": ("avi", "mpeg4", {"qscale": "4", "g": "60", "bf": "2"}, 40),
+}
+
+
+def foreign_clip(name: str, width: int = 640, height: int = 360, fps: int = FPS) -> bytes:
+    """A clip of ``FOREIGN[name]``: other content, other encoder (see ``FOREIGN``)."""
+    fmt, codec, options, seconds = FOREIGN[name]
+    rng = np.random.default_rng(11)
+    from PIL import Image, ImageDraw
+
+    scenes = []
+    for k in range(3):  # fine detail: text-like strokes over a noisy gradient
+        scene = Image.fromarray(rng.integers(0, 256, (height // 4 + 20, width // 4 + 20, 3),
+                                             dtype=np.uint8)).resize((width + 80, height + 80),
+                                                                     Image.BILINEAR)
+        draw = ImageDraw.Draw(scene)
+        for _ in range(150 + 100 * k):
+            x, y = int(rng.integers(0, width + 60)), int(rng.integers(0, height + 60))
+            draw.rectangle([x, y, x + int(rng.integers(2, 20)), y + int(rng.integers(2, 8))],
+                           fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+        scenes.append(np.asarray(scene, dtype=np.int16))
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = dict(options)
+        for i in range(seconds * fps):
+            scene = scenes[(i // (6 * fps)) % 3]
+            dx, dy = (int(v) for v in 40 + 30 * np.sin(i / np.array([9.0, 13.0])))
+            frame = scene[dy:dy + height, dx:dx + width] * (0.6 + 0.4 * min(1, (i % 180) / 30))
+            frame = frame + rng.integers(-2, 3, (height, width, 1))  # grain
+            picture = av.VideoFrame.from_ndarray(frame.clip(0, 255).astype(np.uint8), "rgb24")
+            container.mux(stream.encode(picture))
+        container.mux(stream.encode(None))
+    return buffer.getvalue()
+
+
 def clip_bytes(name: str, cache: Path) -> bytes:
-    path = cache / f"{name}.mp4"
+    path = cache / f"{name}.{FOREIGN[name][0] if name in FOREIGN else 'mp4'}"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(make_clip(*CLIPS[name]))
+        path.write_bytes(foreign_clip(name) if name in FOREIGN else make_clip(*CLIPS[name]))
     return path.read_bytes()
 
 
@@ -129,17 +179,24 @@ def reexec_with_pyav_ffmpeg(folder: Path) -> None:
     this process already runs so."""
     if os.environ.get(_LINKED) or importlib.util.find_spec("torchcodec") is None:
         return
-    bundled = Path(av.__file__).resolve().parent.parent / "av.libs"
-    folder.mkdir(parents=True, exist_ok=True)
-    for library in bundled.glob("lib*.so*"):
-        plain = re.sub(r"^(lib[\w+-]+?)-[0-9a-f]{8}(\.so\.\d+).*$", r"\1\2", library.name)
-        link = folder / plain
-        if plain != library.name and not link.exists():
-            link.symlink_to(library)
+    link_pyav_ffmpeg(Path(av.__file__).resolve().parent.parent / "av.libs", folder)
     env = dict(os.environ, **{_LINKED: str(folder)})
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(folder), os.environ.get("LD_LIBRARY_PATH")) if p)
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def link_pyav_ffmpeg(bundled: Path, folder: Path) -> Path:
+    """Link the FFmpeg libraries PyAV bundles (``bundled``: its ``av.libs``) under their plain
+    sonames into ``folder`` (what torchcodec loads), and under their own names too (they find
+    each other there: their ``$ORIGIN`` is the folder of the link), and return ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for library in bundled.glob("lib*.so*"):
+        plain = re.sub(r"^(lib[\w+-]+?)-[0-9a-f]{8}(\.so\.\d+).*$", r"\1\2", library.name)
+        for name in {plain, library.name}:
+            if not (folder / name).exists():
+                (folder / name).symlink_to(library.resolve())
+    return folder
 
 
 def environment() -> dict:
@@ -312,6 +369,9 @@ def bound_seconds(info: list, costs: list[float], picks: list[int], convert_s: f
 def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> dict:
     with av.open(io.BytesIO(data)) as container:
         frames = sum(1 for p in container.demux(video=0) if p.size)
+        h264 = container.streams.video[0].codec_context.name == "h264"  # the bound reads NALs
+    with av.open(io.BytesIO(data)) as container:
+        key_count = sum(1 for p in container.demux(video=0) if p.size and p.is_keyframe)
     positions = np.linspace(0, frames - 1, count).tolist()
     picks = [round(p) for p in positions]
     reference = decode_all(data, picks, frames)
@@ -330,47 +390,64 @@ def run_clip(name: str, data: bytes, count: int, rounds: int, readers: dict) -> 
                 times[key].append(time.process_time() - start)
         if round_:
             info, costs, convert = packet_costs(data, picks)
-            times["bound"].append(bound_seconds(info, costs, picks, convert))
+            if h264:
+                times["bound"].append(bound_seconds(info, costs, picks, convert))
             times["conversions"].append(convert)
+    if not h264:
+        del times["bound"]
     median = {k: statistics.median(v) for k, v in times.items()}
     # ratios per round (the readers and the bound of one round ran back to back), then median
-    per_round = [b / p for b, p in zip(times["bound"], times["project"], strict=True)]
-    ratios = {"bound_over_project": statistics.median(per_round),
-              "bound_over_project_range": [min(per_round), max(per_round)],
-              "bound_over_project_least": min(times["bound"]) / min(times["project"])}
-    return {"clip": name, "frames": frames, "picks": count, "cpu_s": median, "ratios": ratios,
+    per_round = {k: [v / p for v, p in zip(times[k], times["project"], strict=True)]
+                 for k in times if k not in ("project", "conversions")}
+    ratios = {"per_round_over_project": {k: {"median": statistics.median(v),
+                                             "range": [min(v), max(v)]}
+                                         for k, v in per_round.items()}}
+    if h264:
+        bound = [b / p for b, p in zip(times["bound"], times["project"], strict=True)]
+        ratios.update(bound_over_project=statistics.median(bound),
+                      bound_over_project_range=[min(bound), max(bound)],
+                      bound_over_project_least=min(times["bound"]) / min(times["project"]))
+    return {"clip": name, "frames": frames, "keyframes": key_count, "picks": count,
+            "cpu_s": median, "ratios": ratios,
             "equal": equal, "keyframe_check": keyframes, "rounds_cpu_s": times}
 
 
-def _speedup(result: dict, key: str, missing: dict) -> str:
-    """decode_all's CPU over ``key``'s, flagged when its frames are not decode_all's."""
-    if key in missing:
+def _ratio(result: dict, slow: str, fast: str, missing: dict) -> str:
+    """``slow``'s CPU over ``fast``'s: the median of the per-round ratios and their range,
+    flagged when a reader's frames are not decode_all's."""
+    if slow in missing or fast in missing or slow not in result["rounds_cpu_s"]:
         return "n/a"
-    flag = "" if result["equal"].get(key, True) else " (frames differ)"
-    return f"{result['cpu_s']['decode_all'] / result['cpu_s'][key]:.2f}x{flag}"
+    rounds = [a / b for a, b in zip(result["rounds_cpu_s"][slow], result["rounds_cpu_s"][fast],
+                                    strict=True)]
+    flag = "".join(" (frames differ)" for key in (slow, fast)
+                   if not result["equal"].get(key, True))
+    return (f"{statistics.median(rounds):.2f}x ({min(rounds):.2f}-{max(rounds):.2f})"
+            f"{flag}")
 
 
 def table(results: list[dict], missing: dict) -> str:
-    head = ("| clip, picks | decode-all CPU ms | project vs decode-all | torchcodec exact vs "
-            "decode-all | decord vs decode-all | bound vs decode-all | bound / project (rounds) | "
-            "bound / project, least rounds | keyframe vs decode-all | keyframe vs decode-all, "
+    head = ("| clip, picks | keyframes | decode-all CPU ms | project vs decode-all | torchcodec "
+            "exact vs decode-all | decord vs decode-all | project vs torchcodec | project vs "
+            "decord | bound / project | keyframe mode vs decode-all | keyframe vs decode-all, "
             "decoding only |")
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in results:
         t = r["cpu_s"]
-        cells = [_speedup(r, key, missing) for key in ("project", "torchcodec", "decord")]
-        low, high = r["ratios"]["bound_over_project_range"]
-        least = r["ratios"]["bound_over_project_least"]
         # the keyframe mode converts each distinct frame once
         check = r["keyframe_check"]
         converted = t["conversions"] * check["distinct_frames"] / r["picks"]
         decoding = (t["decode_all"] - t["conversions"]) / (t["keyframe"] - converted)
         flag = "" if all(v for k, v in check.items() if k != "distinct_frames") else " (wrong)"
-        lines.append(f"| {r['clip']}, {r['picks']} | {1000 * t['decode_all']:.0f} | "
-                     + " | ".join(cells) + f" | {_speedup(r, 'bound', missing)} | "
-                     f"{r['ratios']['bound_over_project']:.2f} ({low:.2f}-{high:.2f}) | "
-                     f"{least:.2f} | {_speedup(r, 'keyframe', missing)}{flag} | {decoding:.1f}x "
-                     f"({check['distinct_frames']} frames) |")
+        bound = _ratio(r, "bound", "project", missing) if "bound" in t else "n/a (not H.264)"
+        lines.append(
+            f"| {r['clip']}, {r['picks']} | {r.get('keyframes', '?')} | "
+            f"{1000 * t['decode_all']:.0f} | "
+            + " | ".join(_ratio(r, "decode_all", key, missing)
+                         for key in ("project", "torchcodec", "decord"))
+            + f" | {_ratio(r, 'torchcodec', 'project', missing)} | "
+            f"{_ratio(r, 'decord', 'project', missing)} | {bound} | "
+            f"{_ratio(r, 'decode_all', 'keyframe', missing)}{flag} | {decoding:.1f}x "
+            f"({check['distinct_frames']} frames) |")
     lines += [f"\n{k}: not measured ({why})" for k, why in missing.items()]
     return "\n".join(lines)
 
@@ -381,8 +458,8 @@ def table(results: list[dict], missing: dict) -> str:
               help="folder of the generated clips (default: <out>/clips)")
 @click.option("--rounds", default=5, show_default=True)
 @click.option("--quick", is_flag=True, help="the 2 s GOP clip only, 2 rounds")
-@click.option("--clips", "only", multiple=True, type=click.Choice(list(CLIPS)),
-              help="run only these clips (repeatable; default: all)")
+@click.option("--clips", "only", multiple=True, type=click.Choice([*CLIPS, *FOREIGN]),
+              help="run only these clips (repeatable; default: all of CLIPS; FOREIGN's by name)")
 @click.option("--system-ffmpeg", is_flag=True,
               help="torchcodec loads the system's FFmpeg, not PyAV's bundled one")
 def main(out: Path, cache: Path | None, rounds: int, quick: bool, only: tuple,

@@ -24,10 +24,11 @@
 #define LANES (ROWS * 3)    /* values per output column of a block */
 #define SPAN 512            /* values per chunk of the vertical pass */
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define AVX2_DISPATCH 1
+#include <immintrin.h>
 #else
-#define VECTOR_CLONES
+#define AVX2_DISPATCH 0
 #endif
 
 static double bicubic_weight(double x) {
@@ -84,49 +85,149 @@ static inline uint8_t clip8(int32_t sum) {
 
 /* Rows [y0, y1) of src (w pixels pixel_bytes apart, rows src_stride bytes apart) resampled to
    w2 pixels into dst's rows 0.. (w2 * 3 bytes each). Returns -1 when out of memory. */
-VECTOR_CLONES
+/* Rows [y, y + rows) of src transposed into block: pixel x's values of the block's rows are
+   LANES contiguous bytes (row r at r * 3). */
+static void fill_block(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int w, int y,
+                       int rows, uint8_t *block) {
+    for (int r = 0; r < rows; r++) {
+        const uint8_t *line = src + (size_t)(y + r) * src_stride;
+        uint8_t *lane = block + r * 3;
+        int x = 0;
+        /* 4-byte moves: the 4th byte lands in the next row's lane, written after it */
+        if (r + 1 < ROWS)
+            for (; x < w - 1; x++)
+                memcpy(lane + (size_t)x * LANES, line + (size_t)x * pixel_bytes, 4);
+        for (; x < w; x++) memcpy(lane + (size_t)x * LANES, line + (size_t)x * pixel_bytes, 3);
+    }
+}
+
+/* The block's output columns (done: LANES bytes per output pixel) back into rows of dst. */
+static void empty_block(const uint8_t *done, int rows, int w2, uint8_t *dst) {
+    for (int r = 0; r < rows; r++) {
+        uint8_t *line = dst + (size_t)r * w2 * 3;
+        int o = 0;
+        /* 4-byte moves: the 4th byte lands on the next pixel, written after it */
+        for (; o < w2 - 1; o++) memcpy(line + (size_t)o * 3, done + (size_t)o * LANES + r * 3, 4);
+        memcpy(line + (size_t)o * 3, done + (size_t)o * LANES + r * 3, 3);
+    }
+}
+
+/* One block's output columns, plainly (the compiler vectorises what it can). */
+static void columns_plain(const uint8_t *block, uint8_t *done, int w2, int ksize,
+                          const int *bounds, const int32_t *weights) {
+    int32_t acc[LANES];
+    for (int o = 0; o < w2; o++) {
+        const int32_t *k = weights + (size_t)o * ksize;
+        const uint8_t *in = block + (size_t)bounds[2 * o] * LANES;
+        int count = bounds[2 * o + 1];
+        for (int l = 0; l < LANES; l++) acc[l] = 1 << (PRECISION_BITS - 1);
+        for (int t = 0; t < count; t++) {
+            int32_t weight = k[t];
+            const uint8_t *tap = in + (size_t)t * LANES;
+            for (int l = 0; l < LANES; l++) acc[l] += tap[l] * weight;
+        }
+        uint8_t *column = done + (size_t)o * LANES;
+        for (int l = 0; l < LANES; l++) column[l] = clip8(acc[l]);
+    }
+}
+
+#if AVX2_DISPATCH
+/* The same sums with AVX2, the block's 48 lanes in six registers over all taps: int32 products
+   and sums as above (the same integers), then PIL's shift and clip (packs with saturation). */
+__attribute__((target("avx2")))
+static void columns_avx2(const uint8_t *block, uint8_t *done, int w2, int ksize,
+                         const int *bounds, const int32_t *weights) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int o = 0; o < w2; o++) {
+        const int32_t *k = weights + (size_t)o * ksize;
+        const uint8_t *tap = block + (size_t)bounds[2 * o] * LANES;
+        int count = bounds[2 * o + 1];
+        __m256i a0 = _mm256_set1_epi32(1 << (PRECISION_BITS - 1));
+        __m256i a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        for (int t = 0; t < count; t++, tap += LANES) {
+            __m256i weight = _mm256_set1_epi32(k[t]);
+#define MAC8(acc, at) acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_cvtepu8_epi32( \
+                          _mm_loadl_epi64((const __m128i *)(at))), weight))
+            MAC8(a0, tap); MAC8(a1, tap + 8); MAC8(a2, tap + 16);
+            MAC8(a3, tap + 24); MAC8(a4, tap + 32); MAC8(a5, tap + 40);
+        }
+        a0 = _mm256_srai_epi32(a0, PRECISION_BITS); a1 = _mm256_srai_epi32(a1, PRECISION_BITS);
+        a2 = _mm256_srai_epi32(a2, PRECISION_BITS); a3 = _mm256_srai_epi32(a3, PRECISION_BITS);
+        a4 = _mm256_srai_epi32(a4, PRECISION_BITS); a5 = _mm256_srai_epi32(a5, PRECISION_BITS);
+        __m256i low = _mm256_packus_epi16(_mm256_packs_epi32(a0, a1), _mm256_packs_epi32(a2, a3));
+        __m256i high = _mm256_packs_epi32(a4, a5);
+        high = _mm256_packus_epi16(high, high);
+        uint8_t *column = done + (size_t)o * LANES;
+        _mm256_storeu_si256((__m256i *)column, _mm256_permutevar8x32_epi32(low, order));
+        _mm_storeu_si128((__m128i *)(column + 32),
+                         _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(high, order)));
+    }
+}
+
+/* The vertical pass with AVX2: 32 values of a row at a time, in four registers over all taps. */
+__attribute__((target("avx2")))
+static void vertical_avx2(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t row_bytes,
+                          uint8_t *dst, int h2, int ksize, const int *bounds,
+                          const int32_t *weights) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int y = 0; y < h2; y++) {
+        const int32_t *k = weights + (size_t)y * ksize;
+        int count = bounds[2 * y + 1];
+        const uint8_t *base = src + (size_t)bounds[2 * y] * src_stride;
+        uint8_t *line = dst + (size_t)y * row_bytes;
+        Py_ssize_t i = 0;
+        for (; i + 32 <= row_bytes; i += 32) {
+            __m256i a0 = _mm256_set1_epi32(1 << (PRECISION_BITS - 1)), a1 = a0, a2 = a0, a3 = a0;
+            const uint8_t *tap = base + i;
+            for (int t = 0; t < count; t++, tap += src_stride) {
+                __m256i weight = _mm256_set1_epi32(k[t]);
+                MAC8(a0, tap); MAC8(a1, tap + 8); MAC8(a2, tap + 16); MAC8(a3, tap + 24);
+            }
+            a0 = _mm256_srai_epi32(a0, PRECISION_BITS); a1 = _mm256_srai_epi32(a1, PRECISION_BITS);
+            a2 = _mm256_srai_epi32(a2, PRECISION_BITS); a3 = _mm256_srai_epi32(a3, PRECISION_BITS);
+            __m256i out = _mm256_packus_epi16(_mm256_packs_epi32(a0, a1),
+                                              _mm256_packs_epi32(a2, a3));
+            _mm256_storeu_si256((__m256i *)(line + i), _mm256_permutevar8x32_epi32(out, order));
+        }
+        for (; i < row_bytes; i++) {
+            int32_t sum = 1 << (PRECISION_BITS - 1);
+            for (int t = 0; t < count; t++) sum += base[(size_t)t * src_stride + i] * k[t];
+            line[i] = clip8(sum);
+        }
+    }
+}
+#undef MAC8
+#endif
+
+static int uint8_vector(void) {
+#if AVX2_DISPATCH
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+/* Rows [y0, y1) of src (w pixels pixel_bytes apart, rows src_stride bytes apart) resampled to
+   w2 pixels into dst's rows 0.. (w2 * 3 bytes each). Returns -1 when out of memory. */
 static int horizontal(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int w, int y0,
                       int y1, uint8_t *dst, int w2, int ksize, const int *bounds,
-                      const int32_t *weights) {
+                      const int32_t *weights, int vector) {
     uint8_t *block = malloc((size_t)w * LANES), *done = malloc((size_t)w2 * LANES);
-    int32_t acc[LANES];
     if (!block || !done) {
         free(block); free(done);
         return -1;
     }
     for (int y = y0; y < y1; y += ROWS) {
         int rows = y1 - y < ROWS ? y1 - y : ROWS;
-        for (int r = 0; r < rows; r++) {
-            const uint8_t *line = src + (size_t)(y + r) * src_stride;
-            uint8_t *lane = block + r * 3;
-            int x = 0;
-            /* 4-byte moves: the 4th byte lands in the next row's lane, written after it */
-            if (r + 1 < ROWS)
-                for (; x < w - 1; x++)
-                    memcpy(lane + (size_t)x * LANES, line + (size_t)x * pixel_bytes, 4);
-            for (; x < w; x++) memcpy(lane + (size_t)x * LANES, line + (size_t)x * pixel_bytes, 3);
-        }
-        for (int o = 0; o < w2; o++) {
-            const int32_t *k = weights + (size_t)o * ksize;
-            const uint8_t *in = block + (size_t)bounds[2 * o] * LANES;
-            int count = bounds[2 * o + 1];
-            for (int l = 0; l < LANES; l++) acc[l] = 1 << (PRECISION_BITS - 1);
-            for (int t = 0; t < count; t++) {
-                int32_t weight = k[t];
-                const uint8_t *tap = in + (size_t)t * LANES;
-                for (int l = 0; l < LANES; l++) acc[l] += tap[l] * weight;
-            }
-            uint8_t *column = done + (size_t)o * LANES;
-            for (int l = 0; l < LANES; l++) column[l] = clip8(acc[l]);
-        }
-        for (int r = 0; r < rows; r++) {
-            uint8_t *line = dst + (size_t)(y - y0 + r) * w2 * 3;
-            int o = 0;
-            /* 4-byte moves: the 4th byte lands on the next pixel, written after it */
-            for (; o < w2 - 1; o++)
-                memcpy(line + (size_t)o * 3, done + (size_t)o * LANES + r * 3, 4);
-            memcpy(line + (size_t)o * 3, done + (size_t)o * LANES + r * 3, 3);
-        }
+        fill_block(src, src_stride, pixel_bytes, w, y, rows, block);
+#if AVX2_DISPATCH
+        if (vector)
+            columns_avx2(block, done, w2, ksize, bounds, weights);
+        else
+#endif
+            columns_plain(block, done, w2, ksize, bounds, weights);
+        empty_block(done, rows, w2, dst + (size_t)(y - y0) * w2 * 3);
     }
     free(block);
     free(done);
@@ -135,8 +236,7 @@ static int horizontal(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes
 
 /* h2 output rows of row_bytes values each into dst, output row y from src's rows
    bounds[2y] .. (rows src_stride bytes apart). */
-VECTOR_CLONES
-static void vertical(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t row_bytes,
+static void vertical_plain(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t row_bytes,
                      uint8_t *dst, int h2, int ksize, const int *bounds, const int32_t *weights) {
     int32_t acc[SPAN];
     for (int y = 0; y < h2; y++) {
@@ -156,10 +256,22 @@ static void vertical(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t row_b
     }
 }
 
+static void vertical(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t row_bytes,
+                     uint8_t *dst, int h2, int ksize, const int *bounds, const int32_t *weights,
+                     int vector) {
+#if AVX2_DISPATCH
+    if (vector) {
+        vertical_avx2(src, src_stride, row_bytes, dst, h2, ksize, bounds, weights);
+        return;
+    }
+#endif
+    vertical_plain(src, src_stride, row_bytes, dst, h2, ksize, bounds, weights);
+}
+
 /* Pillow's ImagingResampleInner for bicubic on RGB uint8: src pixels are pixel_bytes (3, or 4:
    RGBX, PIL's own layout) apart, dst is packed RGB. Returns -1 when out of memory. */
 static int resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int h, int w,
-                  uint8_t *dst, int h2, int w2, int vertical_first) {
+                  uint8_t *dst, int h2, int w2, int vertical_first, int vector) {
     int *hb = NULL, *vb = NULL, status = 0;
     int32_t *hw = NULL, *vw = NULL;
     uint8_t *tmp = NULL;
@@ -173,7 +285,7 @@ static int resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, in
                 memcpy(dst + ((size_t)y * w + x) * 3,
                        src + (size_t)y * src_stride + (size_t)x * pixel_bytes, 3);
     } else if (h == h2) {
-        status = horizontal(src, src_stride, pixel_bytes, w, 0, h, dst, w2, hk, hb, hw);
+        status = horizontal(src, src_stride, pixel_bytes, w, 0, h, dst, w2, hk, hb, hw, vector);
     } else if (w == w2 || vertical_first) {
         /* the vertical pass over every value of a row (RGBX: the X too), then the horizontal
            one, or for RGBX with the width kept, the X dropped */
@@ -182,9 +294,10 @@ static int resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, in
         if (!target) {
             status = -1;
         } else {
-            vertical(src, src_stride, src_values, target, h2, vk, vb, vw);
+            vertical(src, src_stride, src_values, target, h2, vk, vb, vw, vector);
             if (w != w2)
-                status = horizontal(tmp, src_values, pixel_bytes, w, 0, h2, dst, w2, hk, hb, hw);
+                status = horizontal(tmp, src_values, pixel_bytes, w, 0, h2, dst, w2, hk, hb, hw,
+                                    vector);
             else if (pixel_bytes != 3)
                 for (size_t i = 0; i < (size_t)h2 * w; i++)
                     memcpy(dst + i * 3, tmp + i * pixel_bytes, 3);
@@ -194,9 +307,9 @@ static int resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, in
         if (!(tmp = malloc((size_t)(last - first) * w2 * 3))) {
             status = -1;
         } else if (!(status = horizontal(src, src_stride, pixel_bytes, w, first, last, tmp, w2,
-                                         hk, hb, hw))) {
+                                         hk, hb, hw, vector))) {
             for (int y = 0; y < h2; y++) vb[2 * y] -= first;
-            vertical(tmp, (Py_ssize_t)w2 * 3, (Py_ssize_t)w2 * 3, dst, h2, vk, vb, vw);
+            vertical(tmp, (Py_ssize_t)w2 * 3, (Py_ssize_t)w2 * 3, dst, h2, vk, vb, vw, vector);
         }
     }
     free(tmp); free(hb); free(hw); free(vb); free(vw);
@@ -377,9 +490,11 @@ static int rgb_view(PyObject *object, Py_buffer *view, int writable, const char 
 
 static PyObject *py_bicubic(PyObject *self, PyObject *args) {
     PyObject *src_object, *dst_object;
-    int vertical_first, status;
+    int vertical_first, plain = 0, status, vector;
     Py_buffer src, dst;
-    if (!PyArg_ParseTuple(args, "OOp", &src_object, &dst_object, &vertical_first)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOp|p", &src_object, &dst_object, &vertical_first, &plain))
+        return NULL;
+    vector = !plain && uint8_vector();
     if (rgb_view(src_object, &src, 0, "src") < 0) return NULL;
     if (rgb_view(dst_object, &dst, 1, "dst") < 0) {
         PyBuffer_Release(&src);
@@ -397,7 +512,7 @@ static PyObject *py_bicubic(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     status = resize(src.buf, src.strides[0], (int)src.strides[1], (int)src.shape[0],
                     (int)src.shape[1], dst.buf, (int)dst.shape[0], (int)dst.shape[1],
-                    vertical_first);
+                    vertical_first, vector);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
@@ -496,16 +611,23 @@ static PyObject *py_float_isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(float_vector() ? "avx2+fma" : "plain");
 }
 
+static PyObject *py_uint8_isa(PyObject *self, PyObject *args) {
+    return PyUnicode_FromString(uint8_vector() ? "avx2" : "plain");
+}
+
 static PyMethodDef methods[] = {
     {"bicubic", py_bicubic, METH_VARARGS,
-     "bicubic(src, dst, vertical_first): PIL's bicubic resize of src (H, W, 3) uint8, pixels 3 "
-     "or 4 bytes apart, into dst (H2, W2, 3) uint8, C-contiguous; vertical_first: the vertical "
-     "pass runs first."},
+     "bicubic(src, dst, vertical_first, plain=False): PIL's bicubic resize of src (H, W, 3) "
+     "uint8, pixels 3 or 4 bytes apart, into dst (H2, W2, 3) uint8, C-contiguous; "
+     "vertical_first: the vertical pass runs first; plain: the plain code even where the CPU "
+     "has AVX2."},
     {"bicubic_float", py_bicubic_float, METH_VARARGS,
      "bicubic_float(src, out, h_first, h_count, h_weights, v_first, v_count, v_weights, group, "
      "plain=False): torch's antialiased bicubic of src (H, W, 3) uint8 in float32 into out "
      "(3, H2, W2) float32 with the given taps (None: that side kept); group: the summing rule; "
      "plain: the plain code even where the CPU has AVX2 and FMA."},
+    {"uint8_isa", py_uint8_isa, METH_NOARGS,
+     "uint8_isa(): which bicubic code this CPU runs, \"avx2\" or \"plain\"."},
     {"float_isa", py_float_isa, METH_NOARGS,
      "float_isa(): which bicubic_float code this CPU runs, \"avx2+fma\" or \"plain\"."},
     {NULL, NULL, 0, NULL},

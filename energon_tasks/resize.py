@@ -5,10 +5,11 @@ Qwen-VL and tiled Nemotron-Omni, ``decode.decode_image``; video frames, ``video_
 ``resize_rgb_float`` is torch's antialiased bicubic in float32 (``F.interpolate`` on a float32
 tensor: dynamic Nemotron-Omni images, whose processor resizes so).
 
-- **native** (``energon_tasks._resample``, C, built by ``make install``; an AVX2 clone on x86-64):
-  Pillow's own arithmetic (the same double-precision weights rounded to 22-bit fixed point, int32
-  sums, uint8 between the passes), vectorised over the values that share weights; measured 1.8-3x
-  PIL's ``Image.resize`` per core (docs/benchmarks.md, "Exact resize");
+- **native** (``energon_tasks._resample``, C, built by ``make install``): Pillow's own
+  arithmetic (the same double-precision weights rounded to 22-bit fixed point, int32 sums, uint8
+  between the passes), vectorised over the values that share weights; on a CPU with AVX2 (chosen
+  by its features at run time, ``kernel()`` names it) each output's sums stay in registers over
+  all its taps; the plain code elsewhere (docs/benchmarks_task_encoder.md, "Loader benchmark");
 - **which pass first** is Pillow's rule, and Pillow 13 changed it (the vertical pass first when
   the height shrinks by more than twice what the width does); the uint8 rounding between passes
   makes the order visible in the pixels;
@@ -49,8 +50,9 @@ try:
     from energon_tasks._resample import bicubic as _bicubic
     from energon_tasks._resample import bicubic_float as _bicubic_float
     from energon_tasks._resample import float_isa as _float_isa
+    from energon_tasks._resample import uint8_isa as _uint8_isa
 except ImportError as error:  # built at install; optional (pyproject.toml)
-    _bicubic = _bicubic_float = _float_isa = None
+    _bicubic = _bicubic_float = _float_isa = _uint8_isa = None
     _MISSING = f"not built ({error})"
 else:
     _MISSING = ""
@@ -98,11 +100,11 @@ def _pil(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
     return np.asarray(Image.fromarray(pixels).resize((width, height), Image.BICUBIC), np.uint8)
 
 
-def _native(pixels: np.ndarray, width: int, height: int, rule, out: np.ndarray | None
-            ) -> np.ndarray:
+def _native(pixels: np.ndarray, width: int, height: int, rule, out: np.ndarray | None,
+            plain: bool = False) -> np.ndarray:
     if out is None:
         out = np.empty((height, width, 3), np.uint8)
-    _bicubic(pixels, out, rule(*pixels.shape[:2], height, width))
+    _bicubic(pixels, out, rule(*pixels.shape[:2], height, width), plain)
     return out
 
 
@@ -126,7 +128,8 @@ def _checked_rule() -> tuple:
     for name, rule in _ORDER_RULES:
         if all(np.array_equal(_native(p, w, h, rule, None), expected)
                for p, w, h, expected in cases):
-            return rule, f"native ({name} pass order, checked against Pillow {Image.__version__})"
+            return rule, (f"native ({name} pass order, {_uint8_isa()} code, checked against "
+                          f"Pillow {Image.__version__})")
     return None, (f"PIL (the native kernel's pixels differ from Pillow {Image.__version__}'s "
                   "under every known pass order)")
 

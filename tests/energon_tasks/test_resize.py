@@ -89,6 +89,28 @@ def test_a_cpu_with_avx2_and_fma_runs_the_float_kernels_vector_code():
     assert resize.float_kernel().startswith("native (avx2+fma, "), resize.float_kernel()
 
 
+def test_a_cpu_with_avx2_runs_the_uint8_kernels_vector_code():
+    """The uint8 kernel's AVX2 code (sums held in registers over all taps) is chosen by the
+    CPU's features, as the float kernel's is."""
+    if resize._bicubic is None or "avx2" not in cpu_flags():
+        pytest.skip("no native kernel, or a CPU without AVX2 (or not Linux)")
+    assert resize.kernel().startswith("native (") and ", avx2 code," in resize.kernel(), \
+        resize.kernel()
+
+
+@settings(max_examples=60, deadline=None)
+@given(**SOURCES)
+def test_the_uint8_kernels_plain_code_gives_pils_pixels_too(height, width, new_height,
+                                                            new_width, kind, seed, rgbx):
+    """The code a CPU without AVX2 runs computes the same integers as the vector code."""
+    rule = resize._checked("uint8", resize._checked_rule)[0]
+    if rule is None:
+        pytest.skip(resize.kernel())
+    pixels = source_of(kind, height, width, seed, rgbx)
+    assert np.array_equal(resize._native(pixels, new_width, new_height, rule, None, plain=True),
+                          pil_bicubic(pixels, new_width, new_height))
+
+
 @pytest.mark.parametrize("which", RESIZES)
 @settings(max_examples=200, deadline=None)
 @given(**SOURCES)
