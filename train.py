@@ -67,6 +67,9 @@ from recipes.model_setup import (
     select_kernels,
     wrap_for_training,
 )
+from recipes.param_groups import GroupRates
+from recipes.param_groups import describe as describe_groups
+from recipes.param_groups import overrides as group_overrides
 from recipes.resume import reconcile
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.run_folder import SKIP_LOG, StopSignal, lock_run, prepare_run_folder
@@ -190,6 +193,7 @@ class Trainee:
     adapted: int  #: linears with a LoRA adapter (``model.peft=lora``)
     #: the frozen base the checkpoints refer to instead of holding it (None: they hold all)
     base: dict | None
+    rates: GroupRates  #: each optimizer group's peak and minimum rate (recipes.param_groups)
 
 
 def uses_bf16(t) -> bool:
@@ -224,11 +228,11 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     if init and load_init:
         load_weights(model, weights_folder(init), init)
     _total, trainable, adapted = freeze(model, cfg)
-    model, optimizer = wrap_for_training(model, t, bf16)
+    model, optimizer = wrap_for_training(model, t, bf16, group_overrides(cfg))
     if plan.resume is not None and recorded is None:
         base = None  # an earlier checkpoint of this run holds every weight: so do the next ones
     return Trainee(model, optimizer, sum(q.numel() for q in model.parameters()), trainable,
-                   model_files, adapted, base)
+                   model_files, adapted, base, GroupRates.of(optimizer, cfg))
 
 
 def restore(plan: RunPlan, run: Run, trainee: Trainee, loaders, fresh_loader: bool) -> int:
@@ -267,6 +271,7 @@ def announce(plan: RunPlan, run: Run, trainee: Trainee, start: int) -> None:
     print(f"[train] memory of rank 0 (estimate, recipes/memory.py): "
           f"{estimate_memory(trainee.model, cfg, layout.world, uses_bf16(cfg.train)).line()}",
           flush=True)
+    print(f"[train] parameter groups (rank 0): {describe_groups(trainee.model, cfg)}", flush=True)
 
 
 def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start: int) -> None:
@@ -285,7 +290,8 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                    total_steps=t.steps)
         loss_sum, grad_norm, stepped = optimizer_step(layout, model, trainee.optimizer, batches,
-                                                      lr, total_tokens, cfg.data.blank_media)
+                                                      trainee.rates.at(step), total_tokens,
+                                                      cfg.data.blank_media)
         aux = moe_aux.step_metrics(model, len(batches))  # MoE: aux loss, expert load, drops
         meter.time += time.perf_counter() - step_start
         meter.wait += wait

@@ -119,18 +119,20 @@ def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
     return float(reduce_loss(loss_sum, layout)) / max(tokens, 1), tokens, int(shortest)
 
 
-def optimizer_step(layout, model, optimizer, batches, lr: float, total_tokens: int,
+def optimizer_step(layout, model, optimizer, batches, lr, total_tokens: int,
                    blank_media: bool = False):
     """Forward and backward over the step's micro-batches (1F1B schedule under PP), then the
     optimizer step (clipped to ``train.clip_grad``) unless the loss sum (over every rank) or the
     gradient norm is not finite: then no update, the gradients zeroed. Returns (the step's loss
-    sum over every rank, the grad norm, whether the optimizer stepped): the same on every rank."""
+    sum over every rank, the grad norm, whether the optimizer stepped): the same on every rank.
+    ``lr``: one rate, or one per optimizer group (recipes.param_groups.GroupRates)."""
     import math
 
     from megatron.core.distributed import finalize_model_grads
 
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    rates = lr if isinstance(lr, (list, tuple)) else [lr] * len(optimizer.param_groups)
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
     scale = layout.dp * layout.cp  # DDP averages over DP x CP: undo it, we divide by tokens
     model.train()
     model.zero_grad_buffer()

@@ -47,11 +47,12 @@ def build_model(cfg):
     return model
 
 
-def wrap_for_training(model, t, bf16: bool):
+def wrap_for_training(model, t, bf16: bool, config_overrides: dict | None = None):
     """``model`` in megatron's bf16 wrapper (``bf16``) and DDP, and megatron's Adam over it
     (``t``: the run config's ``train`` section; state sharded over DP with
-    ``train.distributed_optimizer``, its moments in bf16 with ``train.optimizer_state=bf16``)
-    -> (wrapped model, optimizer)."""
+    ``train.distributed_optimizer``, its moments in bf16 with ``train.optimizer_state=bf16``;
+    ``config_overrides``: its parameter groups, recipes.param_groups; None: megatron's standard
+    weight-decay skips) -> (wrapped model, optimizer)."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -76,7 +77,7 @@ def wrap_for_training(model, t, bf16: bool):
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
         params_dtype=torch.float32, use_distributed_optimizer=sharded,
-        clip_grad=t.clip_grad, **state), [model])
+        clip_grad=t.clip_grad, **state), [model], config_overrides=config_overrides)
     expert_grads_counted_once(optimizer)
     return model, optimizer
 

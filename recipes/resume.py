@@ -23,7 +23,8 @@ checkpoint is honoured or refused in one line:
 - the sequence length and visual-token budget (``task_encoder.*``) and ``train.steps``:
   honoured; the restored loader positions stay valid (they index samples, not tokens), the new
   budget applies to every sample from the resumed step on, and the LR schedule is laid over the
-  new ``train.steps``.
+  new ``train.steps``; a learning rate (``train.lr``, ``min_lr``, a part's, LoRA+'s ratio)
+  changed: honoured from the resumed step, one line.
 
 Raises ``contract.errors.UsageError`` (one line; train.py exits 2).
 """
@@ -149,7 +150,9 @@ def _changes(cfg: RunConfig, stored: dict, step_dir: Path, world: int) -> Resume
                                  f"this run has {key}={_at(now, key)}: the saved loader state "
                                  f"cannot be redistributed (resume with {key}="
                                  f"{_at(stored, key)})")
-    for key in ("task_encoder.seq_length", "task_encoder.max_visual_tokens", "train.steps"):
+    for key in ("task_encoder.seq_length", "task_encoder.max_visual_tokens", "train.steps",
+                "train.lr", "train.min_lr", "train.lr_vision_model", "train.lr_vision_projection",
+                "train.lora_plus_ratio"):
         if _at(stored, key) is not None and _at(stored, key) != _at(now, key):
             notes.append(f"{key} changed ({_at(stored, key)} -> {_at(now, key)}): applies from "
                          "the resumed step on")

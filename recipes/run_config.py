@@ -94,7 +94,15 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 3
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  #: decoupled (AdamW); never on biases and norms
+    #: no weight decay on the embeddings and the output layer either
+    no_decay_embeddings: bool = False
+    #: the vision tower's / the projection's own peak rate (None: train.lr, the LM's); each
+    #: part's minimum keeps min_lr / lr (recipes/param_groups.py)
+    lr_vision_model: float | None = None
+    lr_vision_projection: float | None = None
+    #: LoRA+: the rate of every adapter's B factor times this (None: 1)
+    lora_plus_ratio: float | None = None
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
@@ -446,6 +454,11 @@ def _check_values(s: dict) -> list[str]:
     elif t.optimizer_state == "bf16" and (not t.distributed_optimizer or t.precision == "fp32"):
         problems.append("train.optimizer_state=bf16 needs train.distributed_optimizer=true and "
                         "bf16 training (megatron's precision-aware optimizer)")
+    for name, value in (("train.lr_vision_model", t.lr_vision_model),
+                        ("train.lr_vision_projection", t.lr_vision_projection),
+                        ("train.lora_plus_ratio", t.lora_plus_ratio)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            problems.append(f"{name} must be a finite number >= 0, got {value}")
     if d.blend_weights not in ("samples", "tokens"):
         problems.append(f"data.blend_weights must be samples or tokens, got {d.blend_weights!r}")
     if d.global_plan and not t.global_batch_size:
