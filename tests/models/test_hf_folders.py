@@ -1,0 +1,117 @@
+"""Hostile Hugging Face model folders: what the import (``models.convert hf-to-mcore``, the same
+read as ``model.hf``'s cached import) and ``verify`` do with a folder that is not what its
+files claim. Each case is one line naming the file and the key (``models.convert: error: ...``,
+exit 2), never a traceback or a silently wrong weight: sharded saves read through their index
+(a stale shard ignored, a missing or misplaced one named), shapes the config declares compared
+with the safetensors headers before anything is allocated, config values megatron cannot
+build, broken processor files, and ``verify`` on a pickle-only folder or another family."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.tiny_hf import build_tiny_hf_model
+
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A tiny HF Qwen2.5-VL folder (config, weights, tokenizer, processor files)."""
+    return build_tiny_hf_model("qwen2_5_vl", tmp_path_factory.mktemp("hf") / "qwen2_5_vl",
+                               pixels=(3136, 6272))
+
+
+def _copy(tiny: Path, to: Path) -> Path:
+    shutil.copytree(tiny, to)
+    return to
+
+
+def _shard(folder: Path) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """Re-save ``folder``'s weights as two shards with an index, as ``save_pretrained`` does;
+    returns (the weights, the first shard's keys, the second's)."""
+    weights = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    keys = sorted(weights)
+    first, second = keys[: len(keys) // 2], keys[len(keys) // 2:]
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    for name, part in zip(names, (first, second), strict=True):
+        save_file({k: weights[k] for k in part}, str(folder / name), metadata={"format": "pt"})
+    index = {k: names[0] for k in first} | {k: names[1] for k in second}
+    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return weights, first, second
+
+
+def _import(hf: Path, out: Path, capsys) -> tuple[int, str]:
+    """``models.convert hf-to-mcore`` in this process: (exit code, the stderr's last line)."""
+    from models.convert import main
+
+    code = main(["hf-to-mcore", "--hf", str(hf), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+def _refused(hf: Path, tmp_path: Path, capsys, *said: str) -> str:
+    code, line = _import(hf, tmp_path / "mcore", capsys)
+    assert code == 2 and line.startswith("models.convert: error: "), line
+    for part in said:
+        assert part in line, line
+    return line
+
+
+def test_a_sharded_folder_is_read_through_its_index(tiny, tmp_path, capsys):
+    """A shard of an older save left in the folder (not in the index) is not read: the import
+    equals the folder's weights; the index's own shards are all read."""
+    from models.hf_weights import read_hf_folder
+
+    hf = _copy(tiny, tmp_path / "hf")
+    weights, first, _second = _shard(hf)
+    stale = {k: weights[k] + 1.0 for k in first}  # same keys, other values, sorted last
+    save_file(stale, str(hf / "model-00003-of-00003.safetensors"))
+    _config, read = read_hf_folder(hf)
+    assert read.keys() == weights.keys()
+    assert all(torch.equal(read[k], weights[k]) for k in weights)
+    assert _import(hf, tmp_path / "mcore", capsys)[0] == 0
+
+
+def test_a_missing_or_misplaced_shard_is_named(tiny, tmp_path, capsys):
+    hf = _copy(tiny, tmp_path / "missing")
+    _shard(hf)
+    (hf / "model-00002-of-00002.safetensors").unlink()
+    _refused(hf, tmp_path, capsys, "model-00002-of-00002.safetensors", "missing", INDEX)
+
+    hf = _copy(tiny, tmp_path / "misplaced")
+    weights, first, second = _shard(hf)
+    index = json.loads((hf / INDEX).read_text())
+    index["weight_map"][first[0]] = "model-00002-of-00002.safetensors"  # it is in the first
+    (hf / INDEX).write_text(json.dumps(index))
+    _refused(hf, tmp_path, capsys, "model-00001-of-00002.safetensors", repr(first[0]),
+             "places it in model-00002-of-00002.safetensors")
+
+    hf = _copy(tiny, tmp_path / "lacking")
+    weights, first, second = _shard(hf)
+    index = json.loads((hf / INDEX).read_text())
+    del index["weight_map"][first[1]]  # listed nowhere now, but still in the file
+    (hf / INDEX).write_text(json.dumps(index))
+    _refused(hf, tmp_path, capsys, "does not list it", repr(first[1]))
+    index["weight_map"][first[1]] = "model-00001-of-00002.safetensors"
+    save_file({k: weights[k] for k in first if k != first[1]},  # listed, but not in the file
+              str(hf / "model-00001-of-00002.safetensors"))
+    (hf / INDEX).write_text(json.dumps(index))
+    _refused(hf, tmp_path, capsys, f"places {first[1]!r} in model-00001-of-00002.safetensors",
+             "lacks it")
+
+
+def test_without_an_index_a_key_in_two_files_is_named(tiny, tmp_path, capsys):
+    hf = _copy(tiny, tmp_path / "hf")
+    weights = load_file(str(hf / "model.safetensors"))
+    key = sorted(weights)[0]
+    save_file({key: weights[key] * 2}, str(hf / "zz-old.safetensors"))
+    _refused(hf, tmp_path, capsys, repr(key), "model.safetensors", "zz-old.safetensors",
+             "remove the stale file")
