@@ -2,9 +2,11 @@
 transformers config object), building the typed config from the YAML layout with the project's
 one config builder (``contract.config.build``: unknown keys with the valid ones and a "did you
 mean", wrong types, missing sections, all reported together as one ``ConfigError``), and loading a
-YAML file with dotted ``key=value`` overrides. A legacy ``parallel`` section (model YAMLs and
-saved configs written before it was removed: it was never read) is dropped with a one-line
-notice: the run's layout is the run config's ``parallel`` section."""
+YAML file with dotted ``key=value`` overrides, and the HF config values no megatron model can be
+built of (``check_hf_shapes``: a zero layer or head count, query heads that KV heads do not
+divide), named by their ``config.json`` key before anything is built. A legacy ``parallel``
+section (model YAMLs and saved configs written before it was removed: it was never read) is
+dropped with a one-line notice: the run's layout is the run config's ``parallel`` section."""
 
 from __future__ import annotations
 
@@ -24,6 +26,37 @@ def hf_value(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, dict):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
+
+
+def _dotted(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        if cfg is None:
+            return None
+        cfg = hf_value(cfg, part)
+    return cfg
+
+
+def check_hf_shapes(hf: Any, positive: tuple[str, ...] = (),
+                    divisible: tuple[tuple[str, str], ...] = ()) -> None:
+    """The HF config ``hf``'s shape values a megatron model can be built of: each dotted key of
+    ``positive`` (``text_config.num_hidden_layers``) an integer >= 1, and for each pair
+    (``key``, ``by``) of ``divisible`` the first value a multiple of the second (where both are
+    there: an absent key takes the family's default, checked by its config).
+
+    Raises:
+        ValueError: the first value that is not, named by its ``config.json`` key (one line).
+    """
+    for key in positive:
+        value = _dotted(hf, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{key} is {value!r}: a model is built of an integer >= 1 there "
+                             "(fix config.json)")
+    for key, by in divisible:
+        value, divisor = _dotted(hf, key), _dotted(hf, by)
+        if isinstance(value, int) and isinstance(divisor, int) and divisor > 0 and value % divisor:
+            raise ValueError(f"{key} {value} is not a multiple of {by} {divisor}: no model can "
+                             "be built of it (fix config.json)")
 
 
 def build_model_config(cls: type, raw: dict):

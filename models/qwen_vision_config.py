@@ -43,6 +43,14 @@ class VisionConfig:
     deepstack_visual_indexes: list[int] = field(default_factory=list)  #: (3) DeepStack taps
 
 
+#: the ``vision_config`` values a tower is built of: integers >= 1, heads dividing the width
+#: (``models.model_config.check_hf_shapes``)
+VISION_POSITIVE = tuple(f"vision_config.{key}" for key in (
+    "depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "in_channels",
+    "patch_size", "temporal_patch_size", "spatial_merge_size"))
+VISION_DIVISIBLE = (("vision_config.hidden_size", "vision_config.num_heads"),)
+
+
 def vision_from_hf(vis: Any, variant) -> VisionConfig:
     """Our ``VisionConfig`` of an HF ``vision_config`` (dict or object) of ``variant``'s tower."""
     vrope = _get(vis, "rope_parameters") or {}

@@ -115,3 +115,45 @@ def test_without_an_index_a_key_in_two_files_is_named(tiny, tmp_path, capsys):
     save_file({key: weights[key] * 2}, str(hf / "zz-old.safetensors"))
     _refused(hf, tmp_path, capsys, repr(key), "model.safetensors", "zz-old.safetensors",
              "remove the stale file")
+
+
+@pytest.fixture(scope="module")
+def configs(tiny, tmp_path_factory) -> dict[str, dict]:
+    """family package -> a tiny model's config.json (Qwen2.5-VL, Qwen3.5, Nemotron-Omni)."""
+    from tests.tiny_hf import build_tiny_nemotron_omni, build_tiny_qwen3_5
+
+    root = tmp_path_factory.mktemp("configs")
+    folders = {"qwen_vl": tiny, "qwen3_5": build_tiny_qwen3_5(root / "qwen3_5"),
+               "nemotron_omni": build_tiny_nemotron_omni(root / "nemotron_omni")}
+    return {name: json.loads((folder / "config.json").read_text())
+            for name, folder in folders.items()}
+
+
+#: (family package, config.json key, value, what the line says)
+UNBUILDABLE = [
+    ("qwen_vl", "text_config.num_hidden_layers", 0, "is 0"),
+    ("qwen_vl", "vision_config.depth", 0, "is 0"),
+    ("qwen_vl", "text_config.num_key_value_heads", 3,
+     "text_config.num_attention_heads 4 is not a multiple of text_config.num_key_value_heads 3"),
+    ("qwen_vl", "vision_config.num_heads", 3, "vision_config.hidden_size 32 is not a multiple"),
+    ("qwen_vl", "text_config.num_attention_heads", 0, "is 0"),
+    ("qwen3_5", "text_config.num_hidden_layers", 0, "is 0"),
+    ("qwen3_5", "text_config.linear_num_key_heads", 3, "linear_num_value_heads 4 is not a"),
+    ("nemotron_omni", "vision_config.num_hidden_layers", 0, "is 0"),
+    ("nemotron_omni", "text_config.num_key_value_heads", 3, "is not a multiple of"),
+    ("nemotron_omni", "text_config.n_groups", 3, "mamba_num_heads 8 is not a multiple"),
+]
+
+
+@pytest.mark.parametrize("package,key,value,said", UNBUILDABLE,
+                         ids=[f"{p}-{k}" for p, k, _v, _s in UNBUILDABLE])
+def test_config_values_no_model_is_built_of_are_one_line(package, key, value, said, configs,
+                                                         tmp_path, capsys):
+    """Read before anything is built: the line names config.json and the key."""
+    config = json.loads(json.dumps(configs[package]))
+    section, name = key.split(".")
+    config[section][name] = value
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(config))
+    _refused(hf, tmp_path, capsys, f"{hf / 'config.json'}: ", key, said, "fix config.json")
