@@ -196,7 +196,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from models.checkpoint import load_weights, model_record
+    from models.checkpoint import check_fit, load_weights, model_record
     from models.checkpoint_folders import weights_folder
     from models.hf_source import resolve
     from models.parallel import expert_grads_counted_once
@@ -213,6 +213,8 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
         init = import_hf_weights(cfg, run.is_logger)
     hf_folder = resolve(cfg.hf, weights=False) if cfg.hf else None  # the model's own files
     model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
+    if init and load_init and not cfg.hf:  # train.init_checkpoint: its shapes before the build
+        check_fit(cfg.model, weights_folder(init), init)
     model = build_model(cfg)
     if init and load_init:
         load_weights(model, weights_folder(init), init)

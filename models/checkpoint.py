@@ -229,6 +229,40 @@ def weights_fingerprint(folder: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def check_fit(cfg, weights: str | Path, name: str | Path | None = None) -> None:
+    """Before the model of ``cfg`` is built: every tensor of the dist checkpoint ``weights`` that
+    the model has is of the shape ``cfg`` declares (a meta-device model's sharded state dict
+    against the checkpoint's metadata), so that a model config declaring more than its weights
+    hold (a ``vocab_size`` of 2**40) is refused before anything is allocated.
+
+    Raises:
+        UsageError: the first tensor of another shape (one line: the checkpoint, the key, both
+            shapes).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from models import dist_load
+    from models.families import meta_model
+
+    held = dist_load.read_metadata(weights).state_dict_metadata
+
+    def tensors(entries):
+        for entry in nested_values(entries):
+            if isinstance(entry, ShardedTensorFactory):
+                yield from tensors(entry.build())
+            elif isinstance(entry, ShardedTensor):
+                yield entry
+
+    for entry in tensors(meta_model(cfg).sharded_state_dict()):
+        size = getattr(held.get(entry.key), "size", None)
+        if size is not None and tuple(size) != tuple(entry.global_shape):
+            raise UsageError(f"checkpoint {name or weights}: its model config declares "
+                             f"{entry.key} of shape {tuple(entry.global_shape)}, its weights hold "
+                             f"{tuple(size)}: the config does not belong to these weights "
+                             "(nothing was allocated)")
+
+
 def _held(sharded: dict, keys: set[str]) -> dict:
     """The entries of a sharded state dict whose checkpoint key ``keys`` holds."""
     return {name: entry for name, entry in sharded.items()
@@ -291,9 +325,25 @@ def base_folder(base: dict, checkpoint: Path) -> Path:
     return folder
 
 
-def _load_base(model, found: ModelCheckpoint) -> None:
-    """The recorded base's weights into ``model`` (HF weights mapped, or a dist checkpoint)."""
-    folder = base_folder(found.base, found.path)
+def _check_fits(found: ModelCheckpoint, base: Path | None) -> None:
+    """The shapes ``found``'s model config declares against its weights and its base's, before
+    the model is built (``check_fit``, ``models.sharding.check_hf_fit``)."""
+    cfg = found.model_config
+    if base is not None and "hf" in found.base:
+        from models.sharding import check_hf_fit
+
+        try:
+            check_hf_fit(cfg, base)
+        except UsageError as error:
+            raise UsageError(f"checkpoint {found.path}: base: {error}") from None
+    elif base is not None:
+        check_fit(cfg, base)
+    check_fit(cfg, found.weights, found.path)
+
+
+def _load_base(model, found: ModelCheckpoint, folder: Path) -> None:
+    """The recorded base's weights (in ``folder``) into ``model`` (HF weights mapped, or a dist
+    checkpoint)."""
     if "hf" in found.base:
         from models.sharding import load_hf_weights
 
@@ -317,9 +367,11 @@ def load_model(found: ModelCheckpoint, use_te: bool | None = None, merge: bool =
     from models.families import PARAMETER_GROUPS, family_of
     from models.lora import add_adapters, is_adapter_key, merge_adapters
 
+    base = base_folder(found.base, found.path) if found.base is not None else None
+    _check_fits(found, base)
     model = build_model(found.model_config, use_te=use_te)
-    if found.base is not None:
-        _load_base(model, found)
+    if base is not None:
+        _load_base(model, found, base)
     if found.lora is not None:
         add_adapters(model, found.lora, family_of(found.model_config).parameter_group)
     state = load_weights(model, found.weights, found.path, partial=found.base is not None)

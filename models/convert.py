@@ -37,7 +37,7 @@ from models.families import (
     mapping_module,
 )
 from models.families import get as get_family
-from models.sharding import load_hf_weights
+from models.sharding import check_hf_fit, load_hf_weights
 from models.verify_inputs import hf_inputs, make_inputs
 
 #: written last into a cached import folder (``import_hf_cached``): the import is complete
@@ -158,6 +158,7 @@ def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
     with refused(f"--hf {hf}"):
         cfg = model_config_of(folder)  # family first
     init_parallel(tp=tp, pp=pp)
+    check_hf_fit(cfg, folder)  # before anything is allocated
     model = build_model(cfg, use_te=False)
     hf_config = load_hf_weights(model, cfg, folder)
     save_checkpoint(model, cfg, out, hf_config=hf_config, files=model_record(folder))
@@ -192,6 +193,7 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
     dist.broadcast_object_list(done, src=0)  # one answer for every rank
     if done[0]:
         return target, True
+    check_hf_fit(cfg, folder)  # before anything is allocated
     model = build_model(cfg, use_te=False)  # the mapping's keys; dist checkpoints are spec-free
     hf_config = load_hf_weights(model, cfg, folder)
     if dist.get_rank() == 0 and target.exists():  # an import that was interrupted

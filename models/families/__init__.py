@@ -157,6 +157,19 @@ def build_model(cfg, use_te: bool | None = None, vision_dp_over_cp: bool | None 
     return model.to(cpu.compute_device())
 
 
+def meta_model(cfg):
+    """The model of ``cfg`` at this process's layout on the meta device: every parameter's shape,
+    no memory (checks of what a config declares before the real model is built)."""
+    import torch
+
+    from models import moe_aux
+
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, use_te=False)
+    moe_aux.forget()
+    return model
+
+
 def mapping_module(cfg) -> ModuleType:
     """The HF weight table module of a config's family."""
     return family_of(cfg).mapping()

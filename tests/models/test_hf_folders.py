@@ -157,3 +157,31 @@ def test_config_values_no_model_is_built_of_are_one_line(package, key, value, sa
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(config))
     _refused(hf, tmp_path, capsys, f"{hf / 'config.json'}: ", key, said, "fix config.json")
+
+
+HUGE = 2**40  #: a vocab_size whose embedding (2**40 x 64 floats) no machine allocates
+
+
+def test_a_declared_shape_the_weights_lack_is_refused_before_anything_is_allocated(
+        tiny, tmp_path, capsys):
+    """config.json's vocab_size against the safetensors headers (the import, ``model.hf``), and
+    an import folder's model_config.json against its dist checkpoint's metadata (export, eval):
+    one line each, before the model is built."""
+    from models.convert import main
+
+    hf = _copy(tiny, tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    config["text_config"]["vocab_size"] = HUGE
+    (hf / "config.json").write_text(json.dumps(config))
+    _refused(hf, tmp_path, capsys, "word_embeddings.weight", "(448, 64)", str(HUGE),
+             "config.json declares", "nothing was allocated")
+
+    mcore = tmp_path / "import"
+    assert _import(tiny, mcore, capsys)[0] == 0
+    declared = json.loads((mcore / "model_config.json").read_text())
+    declared["lm"]["vocab_size"] = HUGE
+    (mcore / "model_config.json").write_text(json.dumps(declared))
+    code = main(["mcore-to-hf", "--mcore", str(mcore), "--out", str(tmp_path / "export")])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and line.startswith("models.convert: error: "), line
+    assert f"word_embeddings.weight of shape ({HUGE}, 64)" in line and "(448, 64)" in line, line
