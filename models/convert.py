@@ -151,12 +151,13 @@ def resolve_hf(path_or_id: str) -> Path:
 
 def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
     from models.checkpoint import model_record, save_checkpoint
-    from models.hf_source import model_config_of
+    from models.hf_source import model_config_of, task_encoder_settings
     from models.parallel import init_parallel
 
     folder = resolve_hf(hf)
     with refused(f"--hf {hf}"):
         cfg = model_config_of(folder)  # family first
+        task_encoder_settings(folder, cfg.family)  # processor files the export ships, checked
     init_parallel(tp=tp, pp=pp)
     check_hf_fit(cfg, folder)  # before anything is allocated
     model = build_model(cfg, use_te=False)

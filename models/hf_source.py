@@ -125,10 +125,27 @@ def cache_name(source: str, folder: Path, tp: int, pp: int, ep: int,
 
 
 def _processor(folder: Path, file: str, entry: str) -> dict:
-    if (folder / file).is_file():
-        return read_json(folder / file)
+    """The processor config of ``file``, else the ``entry`` of ``processor_config.json`` (empty
+    when neither is there), as a ``ProcessorFile`` that names where it came from.
+
+    Raises:
+        HFSourceError: unreadable, or not a JSON object (one line naming the file).
+    """
+    from models.model_config import ProcessorFile
+
     combined = folder / "processor_config.json"
-    return (read_json(combined).get(entry) or {}) if combined.is_file() else {}
+    if (folder / file).is_file():
+        values, source = read_json(folder / file), str(folder / file)
+    elif combined.is_file():
+        whole = read_json(combined)
+        values = whole.get(entry) if isinstance(whole, dict) else whole
+        values, source = {} if values is None else values, f"{combined} {entry}"
+    else:
+        return ProcessorFile({}, str(folder / file))
+    if not isinstance(values, dict):
+        raise HFSourceError(f"{source}: a {type(values).__name__}, not a JSON object of "
+                            "processor settings: fix or remove the file")
+    return ProcessorFile(values, source)
 
 
 def task_encoder_settings(folder: Path, family: str) -> tuple[dict, dict]:
@@ -137,10 +154,17 @@ def task_encoder_settings(folder: Path, family: str) -> tuple[dict, dict]:
     The values are ``TaskEncoderConfig`` fields (``tokenizer`` = the folder; the pixel limits
     its processor configs set, read by the family: its ``processor_settings``); the geometry is
     the ``patch_size`` / ``merge_size`` the processors use (absent keys are left out).
+
+    Raises:
+        HFSourceError: a processor file that is no JSON object, or a value no processor has (a
+            ``merge_size`` of 0), in one line naming the file and the key.
     """
     image = _processor(folder, "preprocessor_config.json", "image_processor")
     video = _processor(folder, "video_preprocessor_config.json", "video_processor")
-    values, geometry = get_family(family).processor_settings(image, video)
+    try:
+        values, geometry = get_family(family).processor_settings(image, video)
+    except ValueError as error:  # a value no processor has: named by its file and key
+        raise HFSourceError(str(error)) from None
     return {"tokenizer": str(folder), **values}, geometry
 
 

@@ -4,7 +4,9 @@ one config builder (``contract.config.build``: unknown keys with the valid ones 
 mean", wrong types, missing sections, all reported together as one ``ConfigError``), and loading a
 YAML file with dotted ``key=value`` overrides, and the HF config values no megatron model can be
 built of (``check_hf_shapes``: a zero layer or head count, query heads that KV heads do not
-divide), named by their ``config.json`` key before anything is built. A legacy ``parallel``
+divide), named by their ``config.json`` key before anything is built, and the numbers a
+processor file sets (``processor_value``: a positive number or absent; 0 is not "absent"). A
+legacy ``parallel``
 section (model YAMLs and saved configs written before it was removed: it was never read) is
 dropped with a one-line notice: the run's layout is the run config's ``parallel`` section."""
 
@@ -57,6 +59,40 @@ def check_hf_shapes(hf: Any, positive: tuple[str, ...] = (),
         if isinstance(value, int) and isinstance(divisor, int) and divisor > 0 and value % divisor:
             raise ValueError(f"{key} {value} is not a multiple of {by} {divisor}: no model can "
                              "be built of it (fix config.json)")
+
+
+class ProcessorFile(dict):
+    """A processor config's JSON object with where it came from (a file, or an entry of
+    ``processor_config.json``), which ``processor_value`` names."""
+
+    def __init__(self, values: dict, source: str):
+        super().__init__(values)
+        self.source = source
+
+
+def processor_value(processor: dict, key: str, kind: type = int) -> int | float | None:
+    """``processor[key]`` (``size.shortest_edge``: a key of a nested object) as a positive
+    ``kind`` (int or float); None where the key is absent or null.
+
+    Raises:
+        ValueError: a value that is there but not a positive number (0 included: it is not
+            "absent"), or a nested object that is not one; one line naming the file and the key.
+    """
+    value: Any = processor
+    for at, part in enumerate(key.split(".")):
+        if not isinstance(value, dict):
+            where = ".".join(key.split(".")[:at])
+            raise ValueError(f"{getattr(processor, 'source', 'processor config')}: {where} is "
+                             f"{value!r}, not an object: fix or remove the key")
+        value = value.get(part)
+    if value is None:
+        return None
+    number = isinstance(value, int) or (kind is float and isinstance(value, float))
+    if isinstance(value, bool) or not number or not value > 0:
+        raise ValueError(f"{getattr(processor, 'source', 'processor config')}: {key} is "
+                         f"{value!r}, not a positive {'integer' if kind is int else 'number'}: "
+                         "fix or remove the key")
+    return kind(value)
 
 
 def build_model_config(cls: type, raw: dict):

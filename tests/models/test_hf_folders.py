@@ -185,3 +185,34 @@ def test_a_declared_shape_the_weights_lack_is_refused_before_anything_is_allocat
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and line.startswith("models.convert: error: "), line
     assert f"word_embeddings.weight of shape ({HUGE}, 64)" in line and "(448, 64)" in line, line
+
+
+#: (processor file, its content, what the line names)
+BAD_PROCESSORS = [
+    ("preprocessor_config.json", {"merge_size": 0}, "merge_size is 0"),
+    ("preprocessor_config.json", [{"merge_size": 2}], "a list, not a JSON object"),
+    ("video_preprocessor_config.json", {"size": {"longest_edge": -5}}, "size.longest_edge is -5"),
+    ("preprocessor_config.json", {"size": [3136, 6272], "min_pixels": None, "max_pixels": None},
+     "size is [3136, 6272], not an object"),
+]
+
+
+@pytest.mark.parametrize("file,content,said", BAD_PROCESSORS,
+                         ids=[s.split(" ")[0] for _f, _c, s in BAD_PROCESSORS])
+def test_a_processor_file_no_processor_reads_is_one_line(file, content, said, tiny, tmp_path,
+                                                         capsys):
+    """A run from the folder (``model.hf``) and its import refuse it naming the file and the key
+    (a ``merge_size`` of 0 was read as absent: the run trained and the export shipped it)."""
+    from contract.errors import ConfigError
+    from recipes.run_config import load_run_config
+    from tests.test_train import MANTIS_CFG
+
+    hf = _copy(tiny, tmp_path / "hf")
+    before = json.loads((hf / file).read_text())
+    (hf / file).write_text(json.dumps(content if isinstance(content, list)
+                                      else {**before, **content}))
+    with pytest.raises(ConfigError) as info:
+        load_run_config(MANTIS_CFG, [f"model.hf={hf}"])
+    assert "\n" not in str(info.value) and f"{hf / file}: " in str(info.value), info.value
+    assert said in str(info.value), info.value
+    _refused(hf, tmp_path, capsys, f"{hf / file}: ", said)
