@@ -117,11 +117,14 @@ def our_logits(model, inputs: dict) -> torch.Tensor | None:
 
 
 def load_hf_model(path: Path):
+    """transformers' model of the HF folder ``path`` (its safetensors only: a pickle is never
+    loaded), fp32, eager attention."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     cls = hf_model_class(config.model_type)
-    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                               use_safetensors=True).eval()
 
 
 # ------------------------------------------------------------------ commands
@@ -330,15 +333,28 @@ def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
 
 def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:
     """Max abs logit difference per generated input, loading ``mcore`` at TP ``tp`` x PP ``pp``
-    (under torchrun for tp * pp > 1; the last pipeline stage compares, every rank returns it)."""
+    (under torchrun for tp * pp > 1; the last pipeline stage compares, every rank returns it).
+
+    Raises:
+        UsageError: ``hf`` is of another family than ``mcore``, holds no safetensors (a
+            pickle-only folder) or weights of other shapes (one line).
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from models.checkpoint import load_checkpoint, read_checkpoint
+    from models.hf_source import model_config_of
     from models.parallel import init_parallel
 
-    read_checkpoint(mcore)  # a bad folder: one line, before any process group
+    found = read_checkpoint(mcore)  # a bad folder: one line, before any process group
+    with refused(f"--hf {hf}"):
+        family = model_config_of(Path(hf)).family
+    if family != found.model_config.family:
+        raise UsageError(f"--hf {hf} is a {family} model, --mcore {mcore} a "
+                         f"{found.model_config.family} checkpoint: verify compares a checkpoint "
+                         "with the HF model of its own family (the one it was imported from)")
     init_parallel(tp=tp, pp=pp)
+    check_hf_fit(found.model_config, hf)  # safetensors of the checkpoint's shapes, or one line
     model, cfg = load_checkpoint(mcore, use_te=False)
     last = ps.is_pipeline_last_stage()
     hf_model = load_hf_model(hf) if last else None

@@ -255,6 +255,8 @@ def fuse_experts(hf_sd: dict[str, torch.Tensor], cfg
 # ------------------------------------------------------------------ HF folders
 #: the index of a sharded HF checkpoint: ``weight_map`` = tensor key -> the shard file holding it
 INDEX = "model.safetensors.index.json"
+#: weight files in pickle formats (never loaded: named when a folder has only those)
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
 def _header(file: Path) -> dict[str, tuple[int, ...]]:
@@ -328,7 +330,10 @@ def weight_map(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
         return found
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder}: no *.safetensors files")
+        pickles = sorted(p.name for pattern in PICKLED for p in folder.glob(pattern))
+        raise ValueError(f"{folder}: no *.safetensors files" + (
+            f" ({pickles[0]} is a pickle, which is never loaded here: save the model with "
+            "safetensors, save_pretrained(..., safe_serialization=True))" if pickles else ""))
     for file in files:
         for key, shape in _header(file).items():
             if key in found:

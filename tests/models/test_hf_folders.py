@@ -216,3 +216,28 @@ def test_a_processor_file_no_processor_reads_is_one_line(file, content, said, ti
     assert "\n" not in str(info.value) and f"{hf / file}: " in str(info.value), info.value
     assert said in str(info.value), info.value
     _refused(hf, tmp_path, capsys, f"{hf / file}: ", said)
+
+
+def test_verify_refuses_a_pickle_only_folder_and_another_family(tiny, configs, tmp_path,
+                                                                capsys):
+    """A pickle is never loaded (the line asks for safetensors; transformers' own error would
+    suggest weights_only=False); an HF model of another family than the checkpoint is named."""
+    from models.convert import main
+
+    mcore = tmp_path / "import"
+    assert _import(tiny, mcore, capsys)[0] == 0
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(tiny / name, pickled / name)
+    torch.save(load_file(str(tiny / "model.safetensors")), pickled / "pytorch_model.bin")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(configs["nemotron_omni"]))
+    for hf, said in ((pickled, ("pytorch_model.bin is a pickle", "safetensors")),
+                     (other, ("is a nemotron_omni model", "a qwen2_5_vl checkpoint"))):
+        code = main(["verify", "--hf", str(hf), "--mcore", str(mcore)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err[-1].startswith("models.convert: error: "), err[-3:]
+        assert all(part in err[-1] for part in said), err[-1]
+        assert not any("Traceback" in line or "weights_only" in line for line in err), err
