@@ -34,7 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.errors import UsageError
-from models.checkpoint_folders import COMPLETE, TRAIN_STATE, check_sizes, resolve_checkpoint
+from models.checkpoint_folders import (
+    COMPLETE,
+    PARTIAL,
+    TRAIN_STATE,
+    check_sizes,
+    resolve_checkpoint,
+)
 from models.dist_load import check_dist_checkpoint
 from models.families import build_model, config_from_dict
 
@@ -176,6 +182,10 @@ def read_checkpoint(path: str | Path) -> ModelCheckpoint:
                                     _hf_files(path))
         else:
             step = resolve_checkpoint(path)
+            if step.name.endswith(PARTIAL):
+                raise UsageError(f"checkpoint {step} is a save that did not finish ({PARTIAL}: "
+                                 "killed or out of space mid-save): name a complete step_N "
+                                 "folder, or the run folder for its newest")
             damaged = check_sizes(step) if (step / COMPLETE).is_file() else None
             if damaged:  # before anything of it is read (the checksums: train.py's resume)
                 raise UsageError(f"checkpoint {step} failed its checks: {damaged}")
