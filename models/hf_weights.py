@@ -383,13 +383,31 @@ def carried_hf_weights(path: Path, prefixes: tuple[str, ...]) -> dict[str, torch
     return out
 
 
-def write_hf_folder(path: Path, config: dict, sd: dict[str, torch.Tensor]) -> None:
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' ``save_file`` (metadata ``format: pt``), an I/O error of it raised as the
+    ``OSError`` it is (safetensors reports one as its own error type, "... (os error 28)"), so
+    that a full disk is told apart from a bug."""
+    import errno
+    import os
+
     from safetensors.torch import save_file
 
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+                  metadata={"format": "pt"})
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        if found is None:
+            raise
+        number = int(found.group(1))
+        raise OSError(number, os.strerror(number) if number in errno.errorcode else str(error),
+                      str(path)) from None
+
+
+def write_hf_folder(path: Path, config: dict, sd: dict[str, torch.Tensor]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_safetensors(sd, path / "model.safetensors")
 
 
 def is_our_key(key: str) -> bool:
