@@ -15,6 +15,10 @@ This module owns where an export may be written (``check_out``) and how (``expor
   complete (a previous export moved aside first, then deleted): a failure leaves ``--out`` as it
   was, and a full disk (or quota, or file-size limit) is one line (``RunFailure``, exit 1) with the
   partial folder removed.
+
+The export's ``config.json`` is the source's without ``auto_map``: that key names Python files
+of the source repository (remote code), which no export ships (nothing is executed from a model
+folder here, and the families are transformers' own classes).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from models.families import get as get_family
 #: written into every export (last): what it was exported from; ``--overwrite`` replaces only
 #: a folder that holds it
 EXPORT_RECORD = "export_record.json"
+#: config.json keys an export drops (``auto_map``: the source repository's remote code)
+DROPPED_KEYS = ("auto_map",)
 
 
 def _related(a: Path, b: Path) -> bool:
@@ -178,6 +184,10 @@ def write_merged_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
                    if p and p.is_file()), None)
     config = (json.loads(source.read_text()) if source is not None
               else config_module(cfg.family).to_hf_dict(cfg))
+    for key in DROPPED_KEYS:  # remote code the export does not ship
+        config.pop(key, None)
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"].pop(key, None)
     tokenizer = _recorded_tokenizer(files)
     if source is None and tokenizer is not None:  # the ids of the run's own tokenizer
         ids = tokenizer_token_ids(tokenizer)

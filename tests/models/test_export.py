@@ -64,7 +64,7 @@ def test_out_is_new_or_a_previous_export_replaced_whole(imported, tmp_path, caps
     out = tmp_path / "export"
     assert _export(mcore, out, capsys)[0] == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen2_5_vl"
+    assert "auto_map" not in config and config["model_type"] == "qwen2_5_vl"
     assert json.loads((out / "export_record.json").read_text())["exported_from"] == str(mcore)
     (out / "adapter_config.json").write_text("{}")  # a stale file of another save
     _refused(mcore, out, capsys, "holds a previous export", "--overwrite")
