@@ -80,6 +80,8 @@ def processor_value(processor: dict, key: str, kind: type = int) -> int | float 
     """
     value: Any = processor
     for at, part in enumerate(key.split(".")):
+        if value is None:  # an absent (or null) object: the key is absent
+            return None
         if not isinstance(value, dict):
             where = ".".join(key.split(".")[:at])
             raise ValueError(f"{getattr(processor, 'source', 'processor config')}: {where} is "

@@ -241,3 +241,15 @@ def test_verify_refuses_a_pickle_only_folder_and_another_family(tiny, configs, t
         assert code == 2 and err[-1].startswith("models.convert: error: "), err[-3:]
         assert all(part in err[-1] for part in said), err[-1]
         assert not any("Traceback" in line or "weights_only" in line for line in err), err
+
+
+def test_null_processor_values_are_absent(tiny, tmp_path):
+    """transformers writes ``"size": null`` where a processor has none: read as absent."""
+    from recipes.run_config import load_run_config
+    from tests.test_train import MANTIS_CFG
+
+    hf = _copy(tiny, tmp_path / "hf")
+    before = json.loads((hf / "preprocessor_config.json").read_text())
+    (hf / "preprocessor_config.json").write_text(json.dumps({**before, "size": None}))
+    cfg = load_run_config(MANTIS_CFG, [f"model.hf={hf}"])
+    assert (cfg.task_encoder.min_pixels, cfg.task_encoder.max_pixels) == (3136, 6272)
