@@ -55,6 +55,7 @@ class Args:
     blank_media: bool = False
     progress_every: float = 30.0
     expect: str | None = None  #: a train config whose family and dataset the checkpoint must have
+    base: str | None = None  #: where a checkpoint's base is now, when it moved (``--base``)
 
 
 def default_out(found, split: str, blank: bool) -> Path:
@@ -154,7 +155,7 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     init_process_group()  # torchrun's processes, or this one alone
     world = torch.distributed.get_world_size()
     init_parallel(seed=cfg.train.seed, ep=expert_ranks(cfg, found.model_config, world))
-    return tokenizer, encoder, load_model(found, use_te=False)
+    return tokenizer, encoder, load_model(found, use_te=False, base=args.base)
 
 
 def reporting() -> bool:
@@ -340,6 +341,8 @@ USAGE = ("--ckpt CKPT is required: a train.py run folder, its checkpoints folder
               help="Seconds between progress lines when stdout is not a terminal.")
 @click.option("--expect", help="A train config: refuse a checkpoint of another family or "
                                "trained on another dataset (make eval-<family>-<dataset>).")
+@click.option("--base", help="Where the base of a checkpoint that holds only what trains (a LoRA "
+                             "run) is now, when it moved (recognised by its content).")
 def cli(args: tuple[str, ...], ckpt: str | None, **options) -> None:
     """Answer the val questions of a checkpoint greedily and score them. CONFIG (a run config
     YAML) refines the config stored with a train.py checkpoint (required for an hf-to-mcore

@@ -17,7 +17,7 @@ resume aside, ``recipes.checkpointing``, which also reads the optimizer):
   ``models.convert`` read checkpoints through it;
 - ``load_model`` / ``load_checkpoint``: the model built at this process's TP / PP and every
   weight loaded (for a checkpoint that holds only what trains, its recorded base first: the HF
-  model or the init checkpoint, checked against its fingerprint; LoRA adapters merged into the
+  model or the init checkpoint, found by its content fingerprint; LoRA adapters merged into the
   base weights); ``load_weights``: a dist checkpoint's weights into a model built already
   (train.py's ``train.init_checkpoint`` / ``model.hf`` start), checked the same way and loaded
   through ``models.dist_load.load`` (nothing is unpickled but checkpoint data).
@@ -309,30 +309,37 @@ def load_weights(model, weights: str | Path, name: str | Path | None = None, *,
     return set(state)
 
 
-def base_folder(base: dict, checkpoint: Path) -> Path:
-    """The folder of a checkpoint's recorded base (an HF model folder or a dist checkpoint),
-    checked against the fingerprint recorded at save.
+def base_folder(base: dict, checkpoint: Path, moved_to: str | Path | None = None) -> Path:
+    """The folder of a checkpoint's recorded base (an HF model folder or a dist checkpoint):
+    ``moved_to`` (where the base is now: ``--base`` of the export and eval.py) or the recorded
+    place, the first that holds the weights the recorded fingerprint names (by content:
+    ``models.hf_source.same_model``; a dist checkpoint by ``weights_fingerprint``), so a copy,
+    a restore or the same snapshot on another node loads.
 
     Raises:
-        UsageError: the base is gone or changed since (one line naming it).
+        UsageError: no place holds that base (one line naming each place and what it holds).
     """
-    from models.hf_source import HFSourceError, fingerprint, resolve
+    from models.hf_source import HFSourceError, resolve, same_model
 
-    try:
-        if "hf" in base:
-            folder = resolve(base["hf"], weights=True)
-            now = fingerprint(folder)
-        else:
-            folder = Path(base["init_checkpoint"])
-            now = weights_fingerprint(folder) if folder.is_dir() else None
-    except (HFSourceError, OSError) as error:
-        now, folder = None, error
-    if now != base.get("fingerprint"):
-        what = base.get("hf") or base.get("init_checkpoint")
-        raise UsageError(f"checkpoint {checkpoint} holds only what trains; its base {what} "
-                         f"is {'gone' if now is None else 'changed'} (fingerprint "
-                         f"{base.get('fingerprint')}, now {now}): restore that base to load it")
-    return folder
+    recorded = base.get("hf") or base.get("init_checkpoint")
+    tried = []
+    for place in ([moved_to] if moved_to else []) + [recorded]:
+        try:
+            if "hf" in base:
+                folder = resolve(str(place), weights=True)
+                found, now = same_model(base.get("fingerprint"), folder)
+            else:
+                folder = Path(place)
+                now = weights_fingerprint(folder) if folder.is_dir() else None
+                found = now is not None and now == base.get("fingerprint")
+        except (HFSourceError, OSError):
+            found, now = False, None
+        if found:
+            return folder
+        tried.append(f"{place} {'is gone' if now is None else f'holds other weights ({now})'}")
+    raise UsageError(f"checkpoint {checkpoint} holds only what trains on the base "
+                     f"{base.get('fingerprint')}: {'; '.join(tried)}: restore the base, or name "
+                     "where it is now with --base (models.convert mcore-to-hf, eval.py)")
 
 
 def _check_fits(found: ModelCheckpoint, base: Path | None) -> None:
@@ -365,11 +372,12 @@ def _load_base(model, found: ModelCheckpoint, folder: Path) -> None:
         load_weights(model, folder)
 
 
-def load_model(found: ModelCheckpoint, use_te: bool | None = None, merge: bool = True):
+def load_model(found: ModelCheckpoint, use_te: bool | None = None, merge: bool = True,
+               base: str | Path | None = None):
     """The model of ``found``'s config built at this process's TP / PP (``init_parallel``
     first) with every weight of the checkpoint loaded, in eval mode: for a checkpoint that
-    holds only what trains, its base first; a LoRA run's adapters merged into the base weights
-    (``merge``; at TP = 1).
+    holds only what trains, its base first (``base``: where it is now, when moved:
+    ``base_folder``); a LoRA run's adapters merged into the base weights (``merge``; at TP = 1).
 
     Raises:
         UsageError: the weights do not load into the model, or one is missing (one line).
@@ -377,11 +385,11 @@ def load_model(found: ModelCheckpoint, use_te: bool | None = None, merge: bool =
     from models.families import PARAMETER_GROUPS, family_of
     from models.lora import add_adapters, is_adapter_key, merge_adapters
 
-    base = base_folder(found.base, found.path) if found.base is not None else None
-    _check_fits(found, base)
+    folder = base_folder(found.base, found.path, base) if found.base is not None else None
+    _check_fits(found, folder)
     model = build_model(found.model_config, use_te=use_te)
-    if base is not None:
-        _load_base(model, found, base)
+    if folder is not None:
+        _load_base(model, found, folder)
     if found.lora is not None:
         add_adapters(model, found.lora, family_of(found.model_config).parameter_group)
     state = load_weights(model, found.weights, found.path, partial=found.base is not None)

@@ -2,7 +2,7 @@
 verification (the family comes from config.json's ``model_type``; models/families.py).
 
     python -m models.convert hf-to-mcore --hf PATH_OR_ID --out DIR [--tp N] [--pp P]
-    python -m models.convert mcore-to-hf --mcore DIR --out DIR [--adapter] [--overwrite]
+    python -m models.convert mcore-to-hf --mcore DIR --out DIR [--adapter] [--overwrite] [--base]
                                          (an import or a train.py run / step folder, any
                                           TP/PP/EP; models/export.py)
     python -m models.convert verify --hf PATH --mcore DIR [--tp N] [--pp P]
@@ -326,9 +326,12 @@ def hf_to_mcore_command(hf: str, out: Path, tp: int, pp: int, **console) -> None
 @click.option("--overwrite", is_flag=True,
               help="Replace a previous export in --out (as a whole). Without it --out must be "
                    "new or empty; a folder that is not an export is never replaced.")
+@click.option("--base", type=_FOLDER,
+              help="Where the base of a checkpoint that holds only what trains (a LoRA run) is "
+                   "now, when it moved (recognised by its content).")
 @_console_options
 def mcore_to_hf_command(mcore: Path, out: Path, adapter: bool, overwrite: bool,
-                        **console) -> None:
+                        base: Path | None, **console) -> None:
     """Export a megatron dist checkpoint as a Hugging Face model folder (a LoRA run's adapters
     merged into the weights, or with --adapter its PEFT folder), written into a new folder
     (models/export.py): never into the checkpoint or the base it refers to."""
@@ -336,7 +339,8 @@ def mcore_to_hf_command(mcore: Path, out: Path, adapter: bool, overwrite: bool,
              "adapter_model.safetensors)" if adapter else
              f"wrote the Hugging Face model folder {out} (config.json, model.safetensors, "
              "tokenizer with chat template, processor and generation configs)")
-    _run("mcore-to-hf", [], 1, lambda: mcore_to_hf(mcore, out, adapter, overwrite), **console,
+    _run("mcore-to-hf", [], 1, lambda: mcore_to_hf(mcore, out, adapter, overwrite, base),
+         **console,
          wrote=wrote)
 
 

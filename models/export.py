@@ -50,22 +50,25 @@ def _related(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
 
 
-def _base_folder(found) -> Path | None:
-    """The folder of the frozen base ``found`` refers to (its ``model.hf`` folder or
-    ``train.init_checkpoint``), if it can be found."""
+def _base_folders(found, moved_to: Path | None) -> list[Path]:
+    """The folders of the frozen base ``found`` refers to: where it was recorded (its
+    ``model.hf`` folder or ``train.init_checkpoint``, if there) and ``moved_to``."""
     from models.hf_source import HFSourceError, resolve
 
-    base = found.base or {}
+    base, folders = found.base or {}, [moved_to] if moved_to else []
     try:
         if "hf" in base:
-            return resolve(base["hf"], weights=False)
+            folders.append(resolve(base["hf"], weights=False))
     except HFSourceError:
-        return None
-    return Path(base["init_checkpoint"]) if "init_checkpoint" in base else None
+        pass
+    if "init_checkpoint" in base:
+        folders.append(Path(base["init_checkpoint"]))
+    return folders
 
 
-def check_out(out: Path, found, overwrite: bool) -> None:
-    """Where an export of ``found`` (a ``ModelCheckpoint``) may be written (module docstring).
+def check_out(out: Path, found, overwrite: bool, base: Path | None = None) -> None:
+    """Where an export of ``found`` (a ``ModelCheckpoint``) may be written (module docstring);
+    ``base``: where its base is now, when moved (``--base``).
 
     Raises:
         UsageError: ``out`` is the checkpoint, inside it or holding it, or the run's base; or a
@@ -77,11 +80,11 @@ def check_out(out: Path, found, overwrite: bool) -> None:
         if _related(out, Path(place)):
             raise UsageError(f"--out {out}: is the checkpoint {found.path}, inside it or holds "
                              "it: choose a folder outside the checkpoint")
-    base = _base_folder(found)
-    if base is not None and _related(out, base):
-        raise UsageError(f"--out {out}: is the base {base} that the checkpoint {found.path} "
-                         "holds only the trained part of (writing there would overwrite the "
-                         "weights its checkpoints need): choose another folder")
+    for folder in _base_folders(found, base):
+        if _related(out, folder):
+            raise UsageError(f"--out {out}: is the base {folder} that the checkpoint "
+                             f"{found.path} holds only the trained part of (writing there would "
+                             "overwrite the weights its checkpoints need): choose another folder")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a folder")
     if not out.is_dir() or not any(out.iterdir()):
@@ -130,7 +133,8 @@ def export_folder(out: Path) -> Iterator[Path]:
         raise
 
 
-def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False, overwrite: bool = False) -> None:
+def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False, overwrite: bool = False,
+                base: Path | None = None) -> None:
     """Write an HF model folder (config.json, model.safetensors, tokenizer and processor files,
     generation_config.json) from an import folder or a train.py run / step folder, whatever TP /
     PP / EP it was saved with (loaded here at TP = PP = EP = 1). A run that named no HF model:
@@ -139,6 +143,8 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False, overwrite: bool =
     ``task_encoder`` pixel settings (``processor_files``). A LoRA run's adapters are merged into
     the weights (W + alpha / r * B @ A); ``adapter``: write its HF PEFT folder instead
     (``write_peft_folder``). Where and how it is written: ``check_out``, ``export_folder``.
+    ``base``: where the base of a checkpoint that holds only what trains is now, when it moved
+    (``models.checkpoint.base_folder``).
 
     Raises:
         UsageError: not a checkpoint, ``--adapter`` of a run without LoRA, or an ``out`` that
@@ -153,9 +159,9 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False, overwrite: bool =
     if adapter and found.lora is None:
         raise UsageError(f"--adapter: {mcore} is not a checkpoint of a LoRA run (model.peft=lora)"
                          "; export it without --adapter")
-    check_out(out, found, overwrite)
+    check_out(out, found, overwrite, base)
     init_parallel()
-    model = load_model(found, use_te=False, merge=not adapter)
+    model = load_model(found, use_te=False, merge=not adapter, base=base)
     sd = {k: v.detach() for k, v in model.state_dict().items() if is_our_key(k)}
     with export_folder(out) as work:
         if adapter:

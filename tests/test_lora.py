@@ -7,7 +7,6 @@ PEFT folder that ``peft`` loads onto the base) give the same logits."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -169,7 +168,11 @@ def test_lora_run_starts_at_the_base_and_saves_only_what_trains(lora_run):
 
 
 @pytest.mark.slow
-def test_lora_resume_is_exact_and_checks_its_base(lora_run, mantis_out, tmp_path):
+def test_lora_resume_is_exact_and_checks_its_base(lora_run, mantis_out, tmp_path, capsys):
+    """The base is recognised by its content: a copy made without -p elsewhere (new times, a
+    moved base) resumes exactly; other weights there are refused in one line. The export finds
+    a moved base with --base (one line naming the recorded place without it)."""
+    from models.convert import main
     from tests.test_hf_journey import FAST, train
     from tests.test_train import error_line
 
@@ -177,23 +180,38 @@ def test_lora_resume_is_exact_and_checks_its_base(lora_run, mantis_out, tmp_path
     out = tmp_path / "resumed"
     shutil.copytree(root / "run" / "checkpoints" / "step_000002",
                     out / "checkpoints" / "step_000002")
+    moved = tmp_path / "moved_base"
+    shutil.copytree(lora_run["hf"], moved, copy_function=shutil.copyfile)  # new times
     args = (str(JOURNEYS["qwen2_5_vl"][0]), f"data.path={mantis_out}/metadataset.yaml",
             f"out={out}", f"train.hf_import_cache={lora_run['cache']}", *FAST, *LORA,
             "model.freeze_vision_projection=false", "train.steps=3")
-    proc = train(*args, f"model.hf={lora_run['hf']}", "--resume",
-                 str(out / "checkpoints" / "step_000002"))
+    proc = train(*args, f"model.hf={moved}", "--resume", str(out / "checkpoints" / "step_000002"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert losses(out) == losses(root / "run")[2:]  # bit-exact on CPU
-    weights = next(lora_run["hf"].glob("*.safetensors"))  # the base's files change
-    times = weights.stat()
-    os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns + 10**9))
-    try:
-        proc = train(*args, f"model.hf={lora_run['hf']}", "--resume",
-                     str(out / "checkpoints" / "step_000002"))
-    finally:
-        os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other_base"
+    shutil.copytree(lora_run["hf"], other)
+    weights = load_file(str(other / "model.safetensors"))
+    key = sorted(weights)[0]
+    save_file({**weights, key: weights[key] * 2}, str(other / "model.safetensors"))
+    proc = train(*args, f"model.hf={other}", "--resume", str(out / "checkpoints" / "step_000002"))
     assert proc.returncode == 2
     assert "holds only what trains on the base" in error_line(proc)
+    assert "other weights" in error_line(proc)
+
+    original = lora_run["hf"].with_name("hf_away")
+    lora_run["hf"].rename(original)  # the recorded base is gone; the moved copy holds it
+    try:
+        step = root / "run" / "checkpoints" / "step_000002"
+        assert main(["mcore-to-hf", "--mcore", str(step), "--out", str(tmp_path / "x")]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"{lora_run['hf']} is gone" in line and "--base" in line, line
+        assert main(["mcore-to-hf", "--mcore", str(step), "--out", str(tmp_path / "x"),
+                     "--base", str(moved)]) == 0
+    finally:
+        original.rename(lora_run["hf"])
 
 
 @pytest.mark.slow

@@ -253,3 +253,40 @@ def test_null_processor_values_are_absent(tiny, tmp_path):
     (hf / "preprocessor_config.json").write_text(json.dumps({**before, "size": None}))
     cfg = load_run_config(MANTIS_CFG, [f"model.hf={hf}"])
     assert (cfg.task_encoder.min_pixels, cfg.task_encoder.max_pixels) == (3136, 6272)
+
+
+def test_the_fingerprint_is_the_content_wherever_the_files_are(tiny, tmp_path, monkeypatch):
+    """A copy without -p (new modification times), a restore or a move give the same
+    fingerprint (an adapter-only checkpoint's base is recognised); other weights another one;
+    a content hash is read once (cached by path, size and time beside the import cache); the
+    fingerprint earlier versions recorded still matches unchanged files."""
+    import os
+
+    from huggingface_hub import constants
+
+    import models.checkpoint_folders
+    from models import hf_source
+
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf_home"))
+    first = hf_source.fingerprint(tiny)
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny, copy, copy_function=shutil.copyfile)  # no -p: new times
+    stat = (copy / "model.safetensors").stat()
+    os.utime(copy / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert hf_source.fingerprint(copy) == first
+    assert hf_source.same_model(first, copy) == (True, first)
+    cached = json.loads((tmp_path / "hf_home" / "vlm-sft-imports" /
+                         hf_source.HASH_CACHE).read_text())
+    assert str((copy / "model.safetensors").resolve()) in cached
+    hf_source._HASHES.clear()  # a new process: the shared cache answers, nothing is read
+    monkeypatch.setattr(models.checkpoint_folders, "sha256_of", lambda path: 1 / 0)
+    assert hf_source.fingerprint(copy) == first
+    monkeypatch.undo()
+
+    weights = load_file(str(copy / "model.safetensors"))
+    key = sorted(weights)[0]
+    save_file({**weights, key: weights[key] + 1}, str(copy / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert hf_source.same_model(first, copy)[0] is False
+    legacy = hf_source.legacy_fingerprint(tiny)
+    assert hf_source.same_model(legacy, tiny) == (True, legacy)
