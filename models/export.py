@@ -264,6 +264,7 @@ def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
     saved = mapping.ours_to_hf(trained, cfg, hub_layout=False, only=set(trained)) if trained \
         else {}
     tensors |= {f"base_model.model.{k}": v for k, v in saved.items()}
+    Path(out).mkdir(parents=True, exist_ok=True)
     save_safetensors(tensors, Path(out) / "adapter_model.safetensors")
     config = {"peft_type": "LORA", "task_type": None, "r": lora.rank,
               "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",

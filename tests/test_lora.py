@@ -342,3 +342,74 @@ def test_lora_under_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
     assert max(logits_diff(run, export(run, tmp_path / "merged")).values()) <= LOGITS_TOLERANCE
     assert main(["mcore-to-hf", "--mcore", str(run), "--out", str(tmp_path / "peft"),
                  "--adapter"]) == 2
+
+
+def _tiny_hf_of(family: str, out):
+    """A tiny HF model of ``family`` (tests/tiny_hf.py builders)."""
+    from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
+
+    if family == "nemotron_omni":
+        return build_tiny_nemotron_omni(out)
+    if family.startswith("qwen3_5"):
+        return build_tiny_qwen3_5(out, moe=family == "qwen3_5_moe")
+    return build_tiny_hf(family, out)
+
+
+#: per family, the linears given adapters: megatron's attention and MLP linears everywhere, and
+#: the mixers' projections of Qwen3.5 (Gated DeltaNet) and Nemotron-Omni (Mamba)
+PEFT_TARGETS = {"qwen3_5": ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b",
+                            "in_proj_a", "out_proj"),
+                "nemotron_omni": ("in_proj", "out_proj")}
+PEFT_TARGETS["qwen3_5_moe"] = PEFT_TARGETS["qwen3_5"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                    "qwen3_5_moe", "nemotron_omni"])
+def test_every_family_peft_folder_loads_in_peft_with_the_merged_export_logits(family,
+                                                                             tmp_path):
+    """Every family's HF PEFT folder (``write_peft_folder``: adapters on the LM's attention, MLP
+    and mixer projections and on the vision tower) loads with ``peft.PeftModel.from_pretrained``
+    onto the base HF model, and its logits equal the merged export's in transformers (<= 1e-4),
+    and differ from the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from models.checkpoint import ModelCheckpoint
+    from models.convert import hf_logits
+    from models.export import write_merged_folder, write_peft_folder
+    from models.families import build_model, config_from_hf, get
+    from models.hf_weights import is_our_key
+    from models.lora import DEFAULT_TARGETS, LoRAConfig, add_adapters, merge_adapters
+    from models.parallel import init_parallel
+    from models.sharding import load_hf_weights
+    from models.verify_inputs import hf_inputs, make_inputs
+
+    hf = _tiny_hf_of(family, tmp_path / "hf")
+    cfg = config_from_hf(json.loads((hf / "config.json").read_text()))
+    init_parallel()
+    model = build_model(cfg, use_te=False).eval()
+    load_hf_weights(model, cfg, hf)
+    lora = LoRAConfig(rank=4, alpha=8, parts=["language_model", "vision_model"],
+                      target_modules=[*DEFAULT_TARGETS, *PEFT_TARGETS.get(family, ())])
+    add_adapters(model, lora, get(family).parameter_group)
+    torch.manual_seed(0)
+    _random_b(model)
+    found = ModelCheckpoint("test", hf, hf, hf, cfg, {"model": {}}, hf, {"hf": str(hf)}, lora)
+    write_peft_folder(tmp_path / "peft", {k: v.detach() for k, v in model.state_dict().items()
+                                          if is_our_key(k)}, found)
+    merge_adapters(model)
+    (tmp_path / "merged").mkdir()
+    write_merged_folder(tmp_path / "merged", {k: v.detach() for k, v in
+                                              model.state_dict().items() if is_our_key(k)}, found)
+
+    def load(folder):
+        return AutoModelForImageTextToText.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+    base = load(hf)
+    inputs = hf_inputs(cfg, next(iter(make_inputs(cfg).values())))  # an image and its text
+    before = hf_logits(base, inputs)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    got, want = hf_logits(peft_model, inputs), hf_logits(load(tmp_path / "merged"), inputs)
+    assert (want - before).abs().max() > 1e-2  # the adapters change the model
+    assert (got - want).abs().max() <= 1e-4, (got - want).abs().max()
