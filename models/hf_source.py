@@ -210,7 +210,8 @@ def cache_name(source: str, folder: Path, tp: int, pp: int, ep: int,
     differs from TP: the experts are sliced otherwise)."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", source.strip("/").split("/")[-1] or "model")
     experts = "" if etp in (None, tp) else f"-etp{etp}"
-    return f"{name}-{fingerprint(folder)}-tp{tp}-pp{pp}-ep{ep}{experts}"
+    return (f"{name}-{fingerprint(folder).removeprefix(CONTENT)}-tp{tp}-pp{pp}-ep{ep}"
+            f"{experts}")
 
 
 def _processor(folder: Path, file: str, entry: str) -> dict:
