@@ -5,9 +5,11 @@ mcore-to-hf`` runs it.
 
 This module owns where an export may be written (``check_out``) and how (``export_folder``):
 
-- ``--out`` is never the checkpoint, a folder inside it or one holding it, and never the frozen
-  base a checkpoint that holds only what trains loads (a LoRA run's ``model.hf`` or
-  ``train.init_checkpoint``): writing there would overwrite what the checkpoint needs;
+- ``--out`` is never the checkpoint (an import folder, a step folder, the run folder given), a
+  folder inside the checkpoint or one holding it (a new folder inside a run folder is fine), and
+  never the frozen base a checkpoint that holds only what trains loads (a LoRA run's
+  ``model.hf`` or ``train.init_checkpoint``): writing there would overwrite what the checkpoint
+  needs;
 - ``--out`` is a new or empty folder, or a previous export of this command (its ``EXPORT_RECORD``
   says so) replaced with ``--overwrite``; any other folder with files is refused (stale files of
   another save, e.g. an ``adapter_config.json``, would be loaded with the export);
@@ -76,10 +78,11 @@ def check_out(out: Path, found, overwrite: bool, base: Path | None = None) -> No
             ``overwrite``); one line each.
     """
     out = Path(out)
-    for place in {found.path, found.folder, found.weights}:
-        if _related(out, Path(place)):
-            raise UsageError(f"--out {out}: is the checkpoint {found.path}, inside it or holds "
-                             "it: choose a folder outside the checkpoint")
+    given = Path(found.path).resolve()  # a run folder: a new folder inside it is fine
+    if (any(_related(out, Path(place)) for place in (found.folder, found.weights))
+            or given == out.resolve() or out.resolve() in given.parents):
+        raise UsageError(f"--out {out}: is the checkpoint {found.folder}, inside it or holds "
+                         "it: choose a folder outside the checkpoint")
     for folder in _base_folders(found, base):
         if _related(out, folder):
             raise UsageError(f"--out {out}: is the base {folder} that the checkpoint "

@@ -96,6 +96,17 @@ def test_the_base_of_a_checkpoint_holding_what_trains_is_refused(imported, tmp_p
                  extra=("--overwrite",))
     assert (hf / "model.safetensors").read_bytes() == weights
 
+    from contract.errors import UsageError
+    from models.checkpoint import read_checkpoint
+    from models.export import check_out
+
+    (step / "COMPLETE").write_text("{}")
+    run = read_checkpoint(tmp_path / "run")  # the run folder given: its newest step
+    check_out(tmp_path / "run" / "export", run, overwrite=False)  # beside the checkpoints: fine
+    for out in (tmp_path / "run", tmp_path / "run" / "checkpoints", step / "model_optim" / "x"):
+        with pytest.raises(UsageError, match="choose a folder outside the checkpoint"):
+            check_out(out, run, overwrite=False)
+
 
 def _file_size_limit() -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past it fails (EFBIG), no signal
