@@ -189,13 +189,14 @@ def _read_hash_cache(cache: Path) -> dict:
 
 
 def _store_hash(cache: Path, key: tuple[str, int, int], digest: str) -> None:
-    """Add one hash to the shared cache file (replaced whole; not written when it cannot be:
-    the hash is then computed again next time)."""
+    """Add one hash to the shared cache file (replaced whole, entries of files that are gone
+    dropped; not written when it cannot be: the hash is then computed again next time)."""
     import os
 
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        entries = _read_hash_cache(cache)
+        entries = {path: entry for path, entry in _read_hash_cache(cache).items()
+                   if Path(path).exists()}
         entries[key[0]] = [key[1], key[2], digest]
         work = cache.with_name(f"{cache.name}.{os.getpid()}")
         work.write_text(json.dumps(entries))
