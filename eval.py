@@ -19,21 +19,23 @@ turn's ``answers`` (or its content). Prompts go through the task encoder's own s
 (``tokenize_turns`` -> ``plan_sample`` -> ``decode_sample`` -> ``assemble``), are generated
 greedily with a KV cache (models/generate.py, batched, stop at ``<|im_end|>``), and are scored:
 InfoVQA ANLS; multiple choice (options "A. ..." in the question) option accuracy; everything else
-exact match (+ relaxed match). Writes ``predictions.jsonl`` and ``scores.json`` under --out and
-prints a table and the budget counters (and a progress line every --progress-every seconds when
-stdout is not a terminal). Bad input: one line on stderr, exit code 2.
+exact match (+ relaxed match). Writes ``predictions.jsonl`` and ``scores.json`` (last) under
+--out and prints a table and the budget counters (and a progress line every --progress-every
+seconds when stdout is not a terminal). Bad input: one line on stderr, exit code 2; a full
+disk: one line, exit code 1, no scores.json left (``out_of_space``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from contract.errors import ConfigError, UsageError
+from contract.errors import ConfigError, RunFailure, UsageError, disk_full
 
 
 # ------------------------------------------------------------------ main
@@ -53,6 +55,7 @@ class Args:
     blank_media: bool = False
     progress_every: float = 30.0
     expect: str | None = None  #: a train config whose family and dataset the checkpoint must have
+    base: str | None = None  #: where a checkpoint's base is now, when it moved (``--base``)
 
 
 def default_out(found, split: str, blank: bool) -> Path:
@@ -159,7 +162,7 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     world = torch.distributed.get_world_size()
     init_parallel(seed=cfg.train.seed, ep=expert_ranks(cfg, found.model_config, world))
     select_kernels(cfg.kernels, found.model_config, log=reporting(), prefix="[eval]")
-    return tokenizer, encoder, load_model(found, use_te=False)
+    return tokenizer, encoder, load_model(found, use_te=False, base=args.base)
 
 
 def reporting() -> bool:
@@ -229,15 +232,33 @@ def summarize(args: Args, cfg, found, answers, blank: bool) -> dict:
     }
 
 
+def _write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a file beside it renamed into place (removed when a write
+    fails): ``path`` is whole or absent."""
+    import os
+
+    work = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    try:
+        work.write_text(text)
+        work.replace(path)
+    except OSError as error:
+        error.filename = error.filename or str(path)  # a failed write names no file
+        raise
+    finally:
+        work.unlink(missing_ok=True)
+
+
 def write_and_report(out: Path, answers, result: dict) -> None:
-    """predictions.jsonl + scores.json under ``out``; the table and a summary on stdout (rank 0
-    of a torchrun eval only: ``reporting``)."""
+    """predictions.jsonl, then scores.json (last: the results are complete once it is there),
+    each whole (``_write_whole``), a previous eval's pair removed first; the table and a summary
+    on stdout (rank 0 of a torchrun eval only: ``reporting``)."""
     if not reporting():
         return
-    with open(out / "predictions.jsonl", "w") as f:
-        for r in answers.records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    (out / "scores.json").write_text(json.dumps(result, indent=2))
+    for name in ("scores.json", "predictions.jsonl"):
+        (out / name).unlink(missing_ok=True)
+    _write_whole(out / "predictions.jsonl",
+                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in answers.records))
+    _write_whole(out / "scores.json", json.dumps(result, indent=2))
     print(format_table(result))
     print("[eval] budget counters: " + ", ".join(f"{k}={v}" for k, v in answers.budget().items()))
     g = result["generation"]
@@ -247,8 +268,36 @@ def write_and_report(out: Path, answers, result: dict) -> None:
           f"{out / 'predictions.jsonl'} and {out / 'scores.json'}", flush=True)
 
 
+@contextmanager
+def out_of_space(out: Path | None):
+    """A write that fails for lack of space anywhere in the evaluation (a full disk, a quota,
+    a file-size limit) as one ``RunFailure`` line, exit 1: ``write_and_report`` leaves no
+    results that look complete (no scores.json)."""
+    import shutil
+
+    try:
+        yield
+    except OSError as error:
+        if not disk_full(error):
+            raise
+        where = out if out is not None and out.is_dir() else Path.cwd()
+        free = shutil.disk_usage(where).free / 2**30
+        raise RunFailure(f"writing {error.filename or out} failed ({error.strerror}; {free:.1f} "
+                         f"GiB free there): no results kept (no scores.json in {out}); free "
+                         "space and evaluate again") from None
+
+
 def run(args: Args) -> dict:
-    """The whole evaluation; returns what scores.json holds."""
+    """The whole evaluation; returns what scores.json holds.
+
+    Raises:
+        RunFailure: a write failed for lack of space (``out_of_space``).
+    """
+    with out_of_space(Path(args.out) if args.out else None):
+        return _run(args)
+
+
+def _run(args: Args) -> dict:
     from contract.console import KnownWarnings, Progress
     from recipes.evaluation import answer_questions, read_samples
 
@@ -299,6 +348,8 @@ USAGE = ("--ckpt CKPT is required: a train.py run folder, its checkpoints folder
               help="Seconds between progress lines when stdout is not a terminal.")
 @click.option("--expect", help="A train config: refuse a checkpoint of another family or "
                                "trained on another dataset (make eval-<family>-<dataset>).")
+@click.option("--base", help="Where the base of a checkpoint that holds only what trains (a LoRA "
+                             "run) is now, when it moved (recognised by its content).")
 def cli(args: tuple[str, ...], ckpt: str | None, **options) -> None:
     """Answer the val questions of a checkpoint greedily and score them. CONFIG (a run config
     YAML) refines the config stored with a train.py checkpoint (required for an hf-to-mcore

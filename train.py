@@ -207,7 +207,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     trains loads its base from there again, checked against the recorded one), LoRA adapters
     and frozen groups, bf16 and DDP wrappers, megatron's optimizer (state sharded over DP with
     ``train.distributed_optimizer``)."""
-    from models.checkpoint import load_weights, model_record
+    from models.checkpoint import check_fit, load_weights, model_record
     from models.checkpoint_folders import weights_folder
     from models.hf_source import resolve
 
@@ -224,6 +224,8 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     hf_folder = resolve(cfg.hf, weights=False) if cfg.hf else None  # the model's own files
     model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
     select_kernels(cfg.kernels, cfg.model, torch.bfloat16 if bf16 else torch.float32, run.is_logger)
+    if init and load_init and not cfg.hf:  # train.init_checkpoint: its shapes before the build
+        check_fit(cfg.model, weights_folder(init), init)
     model = build_model(cfg)
     if init and load_init:
         load_weights(model, weights_folder(init), init)

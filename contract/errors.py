@@ -7,6 +7,8 @@
   or the skip counter suffix (task encoders).
 - ``RunFailure``: a run stopped by its environment, neither bad input nor a bug (a full disk, a
   dead worker, a signal); the CLIs print it as one line and exit with its ``exit_code``.
+  ``disk_full`` says whether an ``OSError`` is a write that failed for lack of space (a full
+  disk, a quota, a file-size limit: ``FULL_DISK``), which each writer turns into one.
 
 ``contract/cli.py`` prints each as ``<prog>: error: <message>``; any other exception is a bug
 and stays a traceback.
@@ -14,7 +16,16 @@ and stays a traceback.
 
 from __future__ import annotations
 
+import errno
 import re
+
+#: the errnos of a write that failed for lack of space: a full disk, a quota, a file-size limit
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(error: BaseException) -> bool:
+    """``error`` is an ``OSError`` of a write that failed for lack of space (``FULL_DISK``)."""
+    return isinstance(error, OSError) and error.errno in FULL_DISK
 
 _ADDRESS = re.compile(r" ?<[^<>]* at 0x[0-9a-fA-F]+>")
 

@@ -115,12 +115,28 @@ def _split_parts(records: list[dict]) -> dict[str, str]:
     return parts
 
 
-def _prepare(out: Path, parts: dict[str, str], workers: int, media_metadata: bool) -> None:
-    """`energon prepare` from scratch (an earlier, killed one may have left any state), then our
-    dataset.yaml."""
+#: what a failed `energon prepare` says when its writes failed for lack of space (its sqlite
+#: index says "database or disk is full" on a full disk, "disk I/O error" at a file-size limit)
+_NO_SPACE = ("No space left on device", "Disk quota exceeded", "File too large",
+             "database or disk is full", "disk I/O error")
+
+
+def _clear_index(out: Path) -> None:
+    """Remove Energon's index (`.nv-meta/`, the `.tar.idx` files): a killed or failed prepare's
+    leftovers."""
     shutil.rmtree(out / ".nv-meta", ignore_errors=True)
     for index in (out / "shards").rglob("*.tar.idx"):
         index.unlink()
+
+
+def _prepare(out: Path, parts: dict[str, str], workers: int, media_metadata: bool) -> None:
+    """`energon prepare` from scratch (an earlier, killed one may have left any state), then our
+    dataset.yaml.
+
+    Raises:
+        RunFailure: prepare's writes failed for lack of space (its half-written index removed).
+    """
+    _clear_index(out)
     cmd = _energon() + ["prepare", str(out), "--non-interactive", "--force-overwrite",
                         "--no-progress", "--num-workers", str(max(1, workers)),
                         "--skip-dataset-yaml"]
@@ -129,6 +145,13 @@ def _prepare(out: Path, parts: dict[str, str], workers: int, media_metadata: boo
     for name, pattern in parts.items():
         cmd += ["--split-parts", f"{name}:{pattern}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 and any(mark in proc.stderr for mark in _NO_SPACE):
+        _clear_index(out)
+        last = proc.stderr.strip().splitlines()[-1].strip()
+        free = shutil.disk_usage(out).free / 2**30
+        raise RunFailure(f"energon prepare could not write the index of {out} ({last[-200:]}; "
+                         f"{free:.1f} GiB free there): free space and run `python -m converters "
+                         f"finalize --out {out}` again")
     if proc.returncode != 0:
         raise RuntimeError(f"energon prepare failed: {proc.stderr.strip()[-2000:]}")
     header = ("# Conversation samples (docs/format.md), loaded by vlm-sft's installed package:\n"

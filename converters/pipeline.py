@@ -20,7 +20,6 @@ or archives changed (their fingerprints are among the options), is refused once 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import multiprocessing
@@ -36,14 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.console import DEFAULT_EVERY_S, Progress, phase
-from contract.errors import RunFailure
+from contract.errors import RunFailure, disk_full
 from contract.lifetime import die_with_parent
 from converters.base import SourceDataset, SourceSplit, Unit, UsageError, config_folder
 from converters.lock import RunLock
 from converters.writer import ShardSpec, shard_done, write_json_atomic, write_shard
 
 _TARGET_ORDER = ("train", "val", "test")
-_FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class Interrupted(BaseException):
@@ -194,7 +192,7 @@ def disk_errors():
     try:
         yield
     except OSError as exc:
-        if exc.errno in _FULL_DISK:
+        if disk_full(exc):
             raise OutOfSpace(f"{exc.strerror} ({exc.filename or 'writing the output'})") from None
         raise
 

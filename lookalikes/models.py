@@ -104,8 +104,9 @@ def build_tiny_qwen3_5(out: Path, *, moe: bool = False, vocab: int = 300,
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
             "mrope_interleaved": True, "partial_rotary_factor": 0.25}
     text_config = dict(vocab_size=vocab, max_position_embeddings=max_positions,
-                       rope_parameters=rope, **TINY_QWEN3_5,
-                       **(TINY_QWEN3_5_MOE if moe else {}), **(text or {}))
+                       rope_parameters=rope, **{**TINY_QWEN3_5,
+                                                **(TINY_QWEN3_5_MOE if moe else {}),
+                                                **(text or {})})
     vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                   patch_size=16, num_position_embeddings=16)
     config = (tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config)(

@@ -17,7 +17,7 @@ resume aside, ``recipes.checkpointing``, which also reads the optimizer):
   ``models.convert`` read checkpoints through it;
 - ``load_model`` / ``load_checkpoint``: the model built at this process's TP / PP and every
   weight loaded (for a checkpoint that holds only what trains, its recorded base first: the HF
-  model or the init checkpoint, checked against its fingerprint; LoRA adapters merged into the
+  model or the init checkpoint, found by its content fingerprint; LoRA adapters merged into the
   base weights); ``load_weights``: a dist checkpoint's weights into a model built already
   (train.py's ``train.init_checkpoint`` / ``model.hf`` start), checked the same way and loaded
   through ``models.dist_load.load`` (nothing is unpickled but checkpoint data).
@@ -34,7 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.errors import UsageError
-from models.checkpoint_folders import COMPLETE, TRAIN_STATE, check_sizes, resolve_checkpoint
+from models.checkpoint_folders import (
+    COMPLETE,
+    PARTIAL,
+    TRAIN_STATE,
+    check_sizes,
+    resolve_checkpoint,
+)
 from models.dist_load import check_dist_checkpoint
 from models.families import build_model, config_from_dict
 
@@ -176,6 +182,10 @@ def read_checkpoint(path: str | Path) -> ModelCheckpoint:
                                     _hf_files(path))
         else:
             step = resolve_checkpoint(path)
+            if step.name.endswith(PARTIAL):
+                raise UsageError(f"checkpoint {step} is a save that did not finish ({PARTIAL}: "
+                                 "killed or out of space mid-save): name a complete step_N "
+                                 "folder, or the run folder for its newest")
             damaged = check_sizes(step) if (step / COMPLETE).is_file() else None
             if damaged:  # before anything of it is read (the checksums: train.py's resume)
                 raise UsageError(f"checkpoint {step} failed its checks: {damaged}")
@@ -229,6 +239,40 @@ def weights_fingerprint(folder: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def check_fit(cfg, weights: str | Path, name: str | Path | None = None) -> None:
+    """Before the model of ``cfg`` is built: every tensor of the dist checkpoint ``weights`` that
+    the model has is of the shape ``cfg`` declares (a meta-device model's sharded state dict
+    against the checkpoint's metadata), so that a model config declaring more than its weights
+    hold (a ``vocab_size`` of 2**40) is refused before anything is allocated.
+
+    Raises:
+        UsageError: the first tensor of another shape (one line: the checkpoint, the key, both
+            shapes).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from models import dist_load
+    from models.families import meta_model
+
+    held = dist_load.read_metadata(weights).state_dict_metadata
+
+    def tensors(entries):
+        for entry in nested_values(entries):
+            if isinstance(entry, ShardedTensorFactory):
+                yield from tensors(entry.build())
+            elif isinstance(entry, ShardedTensor):
+                yield entry
+
+    for entry in tensors(meta_model(cfg).sharded_state_dict()):
+        size = getattr(held.get(entry.key), "size", None)
+        if size is not None and tuple(size) != tuple(entry.global_shape):
+            raise UsageError(f"checkpoint {name or weights}: its model config declares "
+                             f"{entry.key} of shape {tuple(entry.global_shape)}, its weights hold "
+                             f"{tuple(size)}: the config does not belong to these weights "
+                             "(nothing was allocated)")
+
+
 def _held(sharded: dict, keys: set[str]) -> dict:
     """The entries of a sharded state dict whose checkpoint key ``keys`` holds."""
     return {name: entry for name, entry in sharded.items()
@@ -265,35 +309,58 @@ def load_weights(model, weights: str | Path, name: str | Path | None = None, *,
     return set(state)
 
 
-def base_folder(base: dict, checkpoint: Path) -> Path:
-    """The folder of a checkpoint's recorded base (an HF model folder or a dist checkpoint),
-    checked against the fingerprint recorded at save.
+def base_folder(base: dict, checkpoint: Path, moved_to: str | Path | None = None) -> Path:
+    """The folder of a checkpoint's recorded base (an HF model folder or a dist checkpoint):
+    ``moved_to`` (where the base is now: ``--base`` of the export and eval.py) or the recorded
+    place, the first that holds the weights the recorded fingerprint names (by content:
+    ``models.hf_source.same_model``; a dist checkpoint by ``weights_fingerprint``), so a copy,
+    a restore or the same snapshot on another node loads.
 
     Raises:
-        UsageError: the base is gone or changed since (one line naming it).
+        UsageError: no place holds that base (one line naming each place and what it holds).
     """
-    from models.hf_source import HFSourceError, fingerprint, resolve
+    from models.hf_source import HFSourceError, resolve, same_model
 
-    try:
-        if "hf" in base:
-            folder = resolve(base["hf"], weights=True)
-            now = fingerprint(folder)
-        else:
-            folder = Path(base["init_checkpoint"])
-            now = weights_fingerprint(folder) if folder.is_dir() else None
-    except (HFSourceError, OSError) as error:
-        now, folder = None, error
-    if now != base.get("fingerprint"):
-        what = base.get("hf") or base.get("init_checkpoint")
-        raise UsageError(f"checkpoint {checkpoint} holds only what trains; its base {what} "
-                         f"is {'gone' if now is None else 'changed'} (fingerprint "
-                         f"{base.get('fingerprint')}, now {now}): restore that base to load it")
-    return folder
+    recorded = base.get("hf") or base.get("init_checkpoint")
+    tried = []
+    for place in ([moved_to] if moved_to else []) + [recorded]:
+        try:
+            if "hf" in base:
+                folder = resolve(str(place), weights=True)
+                found, now = same_model(base.get("fingerprint"), folder)
+            else:
+                folder = Path(place)
+                now = weights_fingerprint(folder) if folder.is_dir() else None
+                found = now is not None and now == base.get("fingerprint")
+        except (HFSourceError, OSError):
+            found, now = False, None
+        if found:
+            return folder
+        tried.append(f"{place} {'is gone' if now is None else f'holds other weights ({now})'}")
+    raise UsageError(f"checkpoint {checkpoint} holds only what trains on the base "
+                     f"{base.get('fingerprint')}: {'; '.join(tried)}: restore the base, or name "
+                     "where it is now with --base (models.convert mcore-to-hf, eval.py)")
 
 
-def _load_base(model, found: ModelCheckpoint) -> None:
-    """The recorded base's weights into ``model`` (HF weights mapped, or a dist checkpoint)."""
-    folder = base_folder(found.base, found.path)
+def _check_fits(found: ModelCheckpoint, base: Path | None) -> None:
+    """The shapes ``found``'s model config declares against its weights and its base's, before
+    the model is built (``check_fit``, ``models.sharding.check_hf_fit``)."""
+    cfg = found.model_config
+    if base is not None and "hf" in found.base:
+        from models.sharding import check_hf_fit
+
+        try:
+            check_hf_fit(cfg, base)
+        except UsageError as error:
+            raise UsageError(f"checkpoint {found.path}: base: {error}") from None
+    elif base is not None:
+        check_fit(cfg, base)
+    check_fit(cfg, found.weights, found.path)
+
+
+def _load_base(model, found: ModelCheckpoint, folder: Path) -> None:
+    """The recorded base's weights (in ``folder``) into ``model`` (HF weights mapped, or a dist
+    checkpoint)."""
     if "hf" in found.base:
         from models.sharding import load_hf_weights
 
@@ -305,11 +372,12 @@ def _load_base(model, found: ModelCheckpoint) -> None:
         load_weights(model, folder)
 
 
-def load_model(found: ModelCheckpoint, use_te: bool | None = None, merge: bool = True):
+def load_model(found: ModelCheckpoint, use_te: bool | None = None, merge: bool = True,
+               base: str | Path | None = None):
     """The model of ``found``'s config built at this process's TP / PP (``init_parallel``
     first) with every weight of the checkpoint loaded, in eval mode: for a checkpoint that
-    holds only what trains, its base first; a LoRA run's adapters merged into the base weights
-    (``merge``; at TP = 1).
+    holds only what trains, its base first (``base``: where it is now, when moved:
+    ``base_folder``); a LoRA run's adapters merged into the base weights (``merge``; at TP = 1).
 
     Raises:
         UsageError: the weights do not load into the model, or one is missing (one line).
@@ -317,9 +385,11 @@ def load_model(found: ModelCheckpoint, use_te: bool | None = None, merge: bool =
     from models.families import PARAMETER_GROUPS, family_of
     from models.lora import add_adapters, is_adapter_key, merge_adapters
 
+    folder = base_folder(found.base, found.path, base) if found.base is not None else None
+    _check_fits(found, folder)
     model = build_model(found.model_config, use_te=use_te)
-    if found.base is not None:
-        _load_base(model, found)
+    if folder is not None:
+        _load_base(model, found, folder)
     if found.lora is not None:
         add_adapters(model, found.lora, family_of(found.model_config).parameter_group)
     state = load_weights(model, found.weights, found.path, partial=found.base is not None)

@@ -2,8 +2,9 @@
 verification (the family comes from config.json's ``model_type``; models/families.py).
 
     python -m models.convert hf-to-mcore --hf PATH_OR_ID --out DIR [--tp N] [--pp P]
-    python -m models.convert mcore-to-hf --mcore DIR --out DIR   (an import or a train.py run /
-                                                                   step folder, any TP/PP/EP)
+    python -m models.convert mcore-to-hf --mcore DIR --out DIR [--adapter] [--overwrite] [--base]
+                                         (an import or a train.py run / step folder, any
+                                          TP/PP/EP; models/export.py)
     python -m models.convert verify --hf PATH --mcore DIR [--tp N] [--pp P]
 
 ``hf-to-mcore`` and ``verify`` with ``N * P > 1`` start themselves under ``torch.distributed.run``
@@ -30,14 +31,12 @@ import click
 import torch
 
 from contract.errors import UsageError
+from models.export import mcore_to_hf
 from models.families import (
     build_model,
-    config_module,
     hf_model_class,
-    mapping_module,
 )
-from models.families import get as get_family
-from models.sharding import load_hf_weights
+from models.sharding import check_hf_fit, load_hf_weights
 from models.verify_inputs import hf_inputs, make_inputs
 
 #: written last into a cached import folder (``import_hf_cached``): the import is complete
@@ -117,11 +116,14 @@ def our_logits(model, inputs: dict) -> torch.Tensor | None:
 
 
 def load_hf_model(path: Path):
+    """transformers' model of the HF folder ``path`` (its safetensors only: a pickle is never
+    loaded), fp32, eager attention."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     cls = hf_model_class(config.model_type)
-    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                               use_safetensors=True).eval()
 
 
 # ------------------------------------------------------------------ commands
@@ -151,13 +153,15 @@ def resolve_hf(path_or_id: str) -> Path:
 
 def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
     from models.checkpoint import model_record, save_checkpoint
-    from models.hf_source import model_config_of
+    from models.hf_source import model_config_of, task_encoder_settings
     from models.parallel import init_parallel
 
     folder = resolve_hf(hf)
     with refused(f"--hf {hf}"):
         cfg = model_config_of(folder)  # family first
+        task_encoder_settings(folder, cfg.family)  # processor files the export ships, checked
     init_parallel(tp=tp, pp=pp)
+    check_hf_fit(cfg, folder)  # before anything is allocated
     model = build_model(cfg, use_te=False)
     hf_config = load_hf_weights(model, cfg, folder)
     save_checkpoint(model, cfg, out, hf_config=hf_config, files=model_record(folder))
@@ -192,6 +196,7 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
     dist.broadcast_object_list(done, src=0)  # one answer for every rank
     if done[0]:
         return target, True
+    check_hf_fit(cfg, folder)  # before anything is allocated
     model = build_model(cfg, use_te=False)  # the mapping's keys; dist checkpoints are spec-free
     hf_config = load_hf_weights(model, cfg, folder)
     if dist.get_rank() == 0 and target.exists():  # an import that was interrupted
@@ -205,137 +210,30 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
     return target, False
 
 
-def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False) -> None:
-    """Write an HF model folder (config.json, model.safetensors, tokenizer and processor files,
-    generation_config.json) from an import folder or a train.py run / step folder, whatever TP /
-    PP / EP it was saved with (loaded here at TP = PP = EP = 1). A run that named no HF model:
-    config.json made from our config with the bos / eos / pad ids of the tokenizer it recorded,
-    a generation config with that eos, the family's processor files from the run's
-    ``task_encoder`` pixel settings (``processor_files``). A LoRA run's adapters are merged into
-    the weights (W + alpha / r * B @ A); ``adapter``: write its HF PEFT folder instead
-    (``write_peft_folder``)."""
-    from models.checkpoint import CARRIED, HF_JSON, load_model, read_checkpoint
-    from models.hf_source import (
-        PROCESSOR_FILES,
-        SPECIAL_IDS,
-        TOKENIZER_FILES,
-        copy_files,
-        tokenizer_token_ids,
-    )
-    from models.hf_weights import is_our_key, write_hf_folder
-    from models.parallel import init_parallel
-
-    found = read_checkpoint(mcore)  # a bad folder: one line, before any process group
-    if adapter and found.lora is None:
-        raise UsageError(f"--adapter: {mcore} is not a checkpoint of a LoRA run (model.peft=lora)"
-                         "; export it without --adapter")
-    init_parallel()
-    model = load_model(found, use_te=False, merge=not adapter)
-    cfg, files = found.model_config, found.hf_files
-    sd = {k: v.detach() for k, v in model.state_dict().items() if is_our_key(k)}
-    if adapter:
-        write_peft_folder(out, sd, found)
-        return
-    source = next((p for p in (files and files / "config.json", found.folder / HF_JSON)
-                   if p and p.is_file()), None)
-    config = (json.loads(source.read_text()) if source is not None
-              else config_module(cfg.family).to_hf_dict(cfg))
-    tokenizer = _recorded_tokenizer(files)
-    if source is None and tokenizer is not None:  # the ids of the run's own tokenizer
-        ids = tokenizer_token_ids(tokenizer)
-        ids = {key: ids.get(key) for key in SPECIAL_IDS}  # None: the tokenizer has none
-        config.update(ids)
-        config["text_config"].update(ids)
-    weights = mapping_module(cfg).ours_to_hf(sd, cfg)
-    if files is not None and (files / CARRIED).is_file():  # e.g. Qwen3.5's MTP layers, unchanged
-        from safetensors.torch import load_file
-
-        weights.update(load_file(str(files / CARRIED)))
-    write_hf_folder(out, config, weights)
-    copied = copy_files(files, Path(out), TOKENIZER_FILES + PROCESSOR_FILES) if files else []
-    if "generation_config.json" not in copied and tokenizer is not None:
-        (Path(out) / "generation_config.json").write_text(json.dumps(
-            {**tokenizer_token_ids(tokenizer), "do_sample": False}, indent=2))  # stops at eos
-    if not any(name in copied for name in PROCESSOR_FILES):  # a run that named no HF model
-        for name, content in get_family(cfg.family).processor_files(
-                cfg, (found.run_config or {}).get("task_encoder") or {}).items():
-            (Path(out) / name).write_text(json.dumps(content, indent=2))
-
-
-def _recorded_tokenizer(files: Path | None):
-    """The tokenizer a checkpoint recorded (``hf/``), or None."""
-    from models.hf_source import TOKENIZER_FILES
-
-    if files is None or not any((files / name).is_file() for name in TOKENIZER_FILES[:2]):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(files))
-
-
-def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
-    """The HF PEFT folder of a LoRA run (``adapter_config.json`` + ``adapter_model.safetensors``)
-    that ``peft.PeftModel.from_pretrained(<the base HF model>, out)`` loads: each adapter under
-    the HF names of transformers' modules (a fused q/k/v or gate/up adapter split per projection:
-    B's rows split as the weight's, A shared; adapters of our linears that HF fuses into one, as
-    the family's ``fuse_adapters`` joins them, of the parts' ranks summed: ``rank_pattern`` /
-    ``alpha_pattern``), and the groups the run trained in full as ``modules_to_save``."""
-    from safetensors.torch import save_file
-
-    from models.families import family_of
-    from models.lora import adapter_factors
-
-    cfg, lora, mapping = found.model_config, found.lora, mapping_module(found.model_config)
-    factors = adapter_factors(sd)
-    if any(".experts." in key for key in factors):
-        raise UsageError(f"--adapter: {found.folder} adapted MoE experts (model.lora.experts="
-                         "true), which have no PEFT folder layout here (transformers' experts are "
-                         "fused tensors, not linears): export the merged model (without --adapter)")
-    modules = {}  # HF module -> (A, B)
-    for weight_key, (a, b) in factors.items():
-        for hf_key, b_part in mapping.ours_to_hf({weight_key: b}, cfg, hub_layout=False,
-                                                 only={weight_key}).items():
-            modules[hf_key.removesuffix(".weight")] = (a, b_part)
-    if hasattr(mapping, "fuse_adapters"):  # adapters of our linears that HF fuses into one
-        modules = mapping.fuse_adapters(modules, cfg)
-    tensors, targets, ranks = {}, sorted(modules), {}
-    for module, (a, b) in modules.items():
-        tensors[f"base_model.model.{module}.lora_A.weight"] = a.clone()
-        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
-        if a.shape[0] != lora.rank:  # a fused adapter: the parts' ranks stacked
-            ranks[module] = a.shape[0]
-    model_section = (found.run_config or {}).get("model", {})
-    group = family_of(cfg).parameter_group
-    trained = {k: v for k, v in sd.items() if "_lora." not in k
-               and not model_section.get(f"freeze_{group(k)}", True)}
-    saved = mapping.ours_to_hf(trained, cfg, hub_layout=False, only=set(trained)) if trained \
-        else {}
-    tensors |= {f"base_model.model.{k}": v for k, v in saved.items()}
-    Path(out).mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(Path(out) / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": None, "r": lora.rank,
-              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
-              "target_modules": targets,
-              # a fused adapter's rank r' keeps the scale alpha / r (alpha' = alpha r' / r)
-              "rank_pattern": ranks,
-              "alpha_pattern": {m: lora.alpha * r / lora.rank for m, r in ranks.items()},
-              "modules_to_save": sorted({k.rsplit(".", 1)[0] for k in saved}) or None,
-              "base_model_name_or_path": (found.base or {}).get("hf"),
-              "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True}
-    (Path(out) / "adapter_config.json").write_text(json.dumps(config, indent=2))
-
-
 def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:
     """Max abs logit difference per generated input, loading ``mcore`` at TP ``tp`` x PP ``pp``
-    (under torchrun for tp * pp > 1; the last pipeline stage compares, every rank returns it)."""
+    (under torchrun for tp * pp > 1; the last pipeline stage compares, every rank returns it).
+
+    Raises:
+        UsageError: ``hf`` is of another family than ``mcore``, holds no safetensors (a
+            pickle-only folder) or weights of other shapes (one line).
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from models.checkpoint import load_checkpoint, read_checkpoint
+    from models.hf_source import model_config_of
     from models.parallel import init_parallel
 
-    read_checkpoint(mcore)  # a bad folder: one line, before any process group
+    found = read_checkpoint(mcore)  # a bad folder: one line, before any process group
+    with refused(f"--hf {hf}"):
+        family = model_config_of(Path(hf)).family
+    if family != found.model_config.family:
+        raise UsageError(f"--hf {hf} is a {family} model, --mcore {mcore} a "
+                         f"{found.model_config.family} checkpoint: verify compares a checkpoint "
+                         "with the HF model of its own family (the one it was imported from)")
     init_parallel(tp=tp, pp=pp)
+    check_hf_fit(found.model_config, hf)  # safetensors of the checkpoint's shapes, or one line
     model, cfg = load_checkpoint(mcore, use_te=False)
     last = ps.is_pipeline_last_stage()
     hf_model = load_hf_model(hf) if last else None
@@ -425,15 +323,24 @@ def hf_to_mcore_command(hf: str, out: Path, tp: int, pp: int, **console) -> None
               help="A LoRA run: write its HF PEFT folder (adapter_config.json + "
                    "adapter_model.safetensors, loaded by peft onto the base HF model) instead "
                    "of the merged model.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a previous export in --out (as a whole). Without it --out must be "
+                   "new or empty; a folder that is not an export is never replaced.")
+@click.option("--base", type=_FOLDER,
+              help="Where the base of a checkpoint that holds only what trains (a LoRA run) is "
+                   "now, when it moved (recognised by its content).")
 @_console_options
-def mcore_to_hf_command(mcore: Path, out: Path, adapter: bool, **console) -> None:
+def mcore_to_hf_command(mcore: Path, out: Path, adapter: bool, overwrite: bool,
+                        base: Path | None, **console) -> None:
     """Export a megatron dist checkpoint as a Hugging Face model folder (a LoRA run's adapters
-    merged into the weights, or with --adapter its PEFT folder)."""
+    merged into the weights, or with --adapter its PEFT folder), written into a new folder
+    (models/export.py): never into the checkpoint or the base it refers to."""
     wrote = (f"wrote the HF PEFT adapter folder {out} (adapter_config.json, "
              "adapter_model.safetensors)" if adapter else
              f"wrote the Hugging Face model folder {out} (config.json, model.safetensors, "
              "tokenizer with chat template, processor and generation configs)")
-    _run("mcore-to-hf", [], 1, lambda: mcore_to_hf(mcore, out, adapter), **console,
+    _run("mcore-to-hf", [], 1, lambda: mcore_to_hf(mcore, out, adapter, overwrite, base),
+         **console,
          wrote=wrote)
 
 

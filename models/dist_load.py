@@ -269,11 +269,13 @@ def _check_file_name(folder: Path, name: Any, key: str) -> Path:
 def check_dist_checkpoint(folder: str | Path) -> None:
     """Read every pickle of a megatron dist checkpoint folder with the restricted unpicklers,
     before megatron or a model sees any (``.metadata``, ``common.pt``, each byte item of the
-    ``.distcp`` files, the extra states among them). A folder without ``.metadata`` is left to
-    the loader (another layout, or no checkpoint: it says so).
+    ``.distcp`` files, the extra states among them), and every ``.distcp`` file the metadata
+    stores an item in is there, long enough to hold it. A folder without ``.metadata`` is left
+    to the loader (another layout, or no checkpoint: it says so).
 
     Raises:
         RefusedCheckpoint: the first file (and item) that holds anything else (one line).
+        UsageError: a ``.distcp`` file missing or shorter than its items (one line).
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -286,8 +288,16 @@ def check_dist_checkpoint(folder: str | Path) -> None:
         load_blob(folder / COMMON, f"{folder}: {COMMON}")
     storage = getattr(metadata, "storage_data", None) or {}
     items = getattr(metadata, "state_dict_metadata", None) or {}
+    sizes: dict[Path, int | None] = {}
     for index, info in storage.items():
         path = _check_file_name(folder, getattr(info, "relative_path", None), index.fqn)
+        if path not in sizes:
+            sizes[path] = path.stat().st_size if path.is_file() else None
+        if sizes[path] is None or sizes[path] < int(info.offset) + int(info.length):
+            raise UsageError(f"checkpoint {folder}: {path.name} is "
+                             f"{'missing' if sizes[path] is None else 'truncated'} (its "
+                             f"{METADATA} stores {index.fqn} there): copy the whole checkpoint "
+                             "folder again")
         if not isinstance(items.get(index.fqn), BytesStorageMetadata):
             continue  # a tensor: torch reads it with weights_only=True (under load's allowlist)
         value = _byte_item(folder, info, index.fqn)

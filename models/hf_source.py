@@ -2,13 +2,15 @@
 
 This module owns where the model's files come from (``resolve``: a local folder as it is, a hub id
 through ``huggingface_hub.snapshot_download`` and its cache; an unreachable hub is one line),
-what identifies its weights (``fingerprint``: config + weight file names, sizes and times, so a
-cached import is reused only for the same weights), what the model's own processor files set for
-the task encoder (``task_encoder_settings``: tokenizer, image / video pixel limits, Nemotron-Omni
-video patches, and the patch / merge sizes the geometry must have) and which of its files travel
-with checkpoints and exports (``TOKENIZER_FILES``, ``PROCESSOR_FILES``, ``copy_files``), and
-whether the model's special-token ids fit its tokenizer (``special_token_problems``: an eos id
-outside the vocabulary never stops ``generate``; ``tokenizer_token_ids`` for exports).
+what identifies its weights (``fingerprint``: config.json and the weight files' names and
+contents, content hashes cached by path, size and time; a cached import is reused only for the
+same weights, and a checkpoint's base is recognised wherever its files are), what the model's
+own processor files set for the task encoder (``task_encoder_settings``: tokenizer, image /
+video pixel limits, Nemotron-Omni video patches, and the patch / merge sizes the geometry must
+have) and which of its files travel with checkpoints and exports (``TOKENIZER_FILES``,
+``PROCESSOR_FILES``, ``copy_files``), and whether the model's special-token ids fit its tokenizer
+(``special_token_problems``: an eos id outside the vocabulary never stops ``generate``;
+``tokenizer_token_ids`` for exports).
 
 Pixel settings: each family reads the keys its transformers processors save
 (``processor_settings`` of its package, ``models.families``). A processor config may also sit
@@ -105,8 +107,37 @@ def default_import_cache() -> Path:
     return Path(constants.HF_HOME) / "vlm-sft-imports"
 
 
+#: what a content fingerprint starts with (``fingerprint``); a recorded one without it is the
+#: name / size / modification-time fingerprint of earlier versions (``legacy_fingerprint``)
+CONTENT = "content-"
+
+
 def fingerprint(folder: Path) -> str:
-    """A short hash of config.json and the weight files (name, size, modification time)."""
+    """What the folder's model is, by content: a short hash of config.json's bytes and, for each
+    weight file the model is read from (``models.hf_weights.weight_map``: the index's shards, or
+    every safetensors file), its name and the sha256 of its bytes (``content_hash``, cached by
+    path, size and modification time). No path and no time enters it: the same files copied
+    without ``-p``, restored, moved or on another node give the same fingerprint.
+
+    Raises:
+        HFSourceError: the weight files cannot be told (``weight_map``'s one line).
+    """
+    from models.hf_weights import weight_map
+
+    try:
+        files = sorted({file for file, _shape in weight_map(folder).values()})
+    except ValueError as error:
+        raise HFSourceError(str(error)) from None
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in files:
+        digest.update(f"{file.name}:{content_hash(file)}".encode())
+    return CONTENT + digest.hexdigest()[:16]
+
+
+def legacy_fingerprint(folder: Path) -> str:
+    """The fingerprint earlier versions recorded: config.json and the weight files' names,
+    sizes and modification times (a checkpoint that records one still loads while its base's
+    files are unchanged)."""
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for pattern in WEIGHT_FILES:
         for file in sorted(folder.glob(pattern)):
@@ -115,20 +146,97 @@ def fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def same_model(recorded: str | None, folder: Path) -> tuple[bool, str]:
+    """(whether ``folder`` holds the model a ``recorded`` fingerprint names, its fingerprint now),
+    comparing a content fingerprint by content and an earlier version's by its own kind."""
+    now = (fingerprint(folder) if recorded is None or recorded.startswith(CONTENT)
+           else legacy_fingerprint(folder))
+    return now == recorded, now
+
+
+#: content hashes of weight files already computed: (path, size, mtime) -> sha256
+_HASHES: dict[tuple[str, int, int], str] = {}
+HASH_CACHE = "content_hashes.json"  #: under ``default_import_cache()``, shared by runs
+
+
+def content_hash(file: Path) -> str:
+    """The sha256 of ``file``'s bytes, cached by its real path, size and modification time (in
+    this process and in ``HASH_CACHE`` beside the import cache, so a base of many gigabytes is
+    read once, not at every resume or export)."""
+    from models.checkpoint_folders import sha256_of
+
+    real = Path(file).resolve()
+    stat = real.stat()
+    key = (str(real), stat.st_size, stat.st_mtime_ns)
+    if key in _HASHES:
+        return _HASHES[key]
+    cache = default_import_cache() / HASH_CACHE
+    stored = _read_hash_cache(cache).get(key[0])
+    if stored is not None and list(stored[:2]) == [key[1], key[2]]:
+        _HASHES[key] = stored[2]
+        return stored[2]
+    _HASHES[key] = sha256_of(real)
+    _store_hash(cache, key, _HASHES[key])
+    return _HASHES[key]
+
+
+def _read_hash_cache(cache: Path) -> dict:
+    try:
+        found = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _store_hash(cache: Path, key: tuple[str, int, int], digest: str) -> None:
+    """Add one hash to the shared cache file (replaced whole, entries of files that are gone
+    dropped; not written when it cannot be: the hash is then computed again next time)."""
+    import os
+
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        entries = {path: entry for path, entry in _read_hash_cache(cache).items()
+                   if Path(path).exists()}
+        entries[key[0]] = [key[1], key[2], digest]
+        work = cache.with_name(f"{cache.name}.{os.getpid()}")
+        work.write_text(json.dumps(entries))
+        work.replace(cache)
+    except OSError:
+        pass
+
+
 def cache_name(source: str, folder: Path, tp: int, pp: int, ep: int,
                etp: int | None = None) -> str:
     """Folder name of the cached import of ``folder`` at a layout (expert-TP named only where it
     differs from TP: the experts are sliced otherwise)."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", source.strip("/").split("/")[-1] or "model")
     experts = "" if etp in (None, tp) else f"-etp{etp}"
-    return f"{name}-{fingerprint(folder)}-tp{tp}-pp{pp}-ep{ep}{experts}"
+    return (f"{name}-{fingerprint(folder).removeprefix(CONTENT)}-tp{tp}-pp{pp}-ep{ep}"
+            f"{experts}")
 
 
 def _processor(folder: Path, file: str, entry: str) -> dict:
-    if (folder / file).is_file():
-        return read_json(folder / file)
+    """The processor config of ``file``, else the ``entry`` of ``processor_config.json`` (empty
+    when neither is there), as a ``ProcessorFile`` that names where it came from.
+
+    Raises:
+        HFSourceError: unreadable, or not a JSON object (one line naming the file).
+    """
+    from models.model_config import ProcessorFile
+
     combined = folder / "processor_config.json"
-    return (read_json(combined).get(entry) or {}) if combined.is_file() else {}
+    if (folder / file).is_file():
+        values, source = read_json(folder / file), str(folder / file)
+    elif combined.is_file():
+        whole = read_json(combined)
+        values = whole.get(entry) if isinstance(whole, dict) else whole
+        values, source = {} if values is None else values, f"{combined} {entry}"
+    else:
+        return ProcessorFile({}, str(folder / file))
+    if not isinstance(values, dict):
+        raise HFSourceError(f"{source}: a {type(values).__name__}, not a JSON object of "
+                            "processor settings: fix or remove the file")
+    return ProcessorFile(values, source)
 
 
 def task_encoder_settings(folder: Path, family: str) -> tuple[dict, dict]:
@@ -137,10 +245,17 @@ def task_encoder_settings(folder: Path, family: str) -> tuple[dict, dict]:
     The values are ``TaskEncoderConfig`` fields (``tokenizer`` = the folder; the pixel limits
     its processor configs set, read by the family: its ``processor_settings``); the geometry is
     the ``patch_size`` / ``merge_size`` the processors use (absent keys are left out).
+
+    Raises:
+        HFSourceError: a processor file that is no JSON object, or a value no processor has (a
+            ``merge_size`` of 0), in one line naming the file and the key.
     """
     image = _processor(folder, "preprocessor_config.json", "image_processor")
     video = _processor(folder, "video_preprocessor_config.json", "video_processor")
-    values, geometry = get_family(family).processor_settings(image, video)
+    try:
+        values, geometry = get_family(family).processor_settings(image, video)
+    except ValueError as error:  # a value no processor has: named by its file and key
+        raise HFSourceError(str(error)) from None
     return {"tokenizer": str(folder), **values}, geometry
 
 

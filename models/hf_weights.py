@@ -5,7 +5,8 @@ A family's mapping module (``models/families/<package>/hf_mapping.py``) owns its
 HF key -> (our key, part of a fused tensor or None), expanded for the model's layer counts. This
 module runs it: ``hf_to_ours`` (every key and shape checked; the first offender named in a
 one-line ``ValueError``), ``hf_to_ours_stage`` (one pipeline stage), ``ours_to_hf``; and reads /
-writes HF folders (safetensors, single or sharded).
+writes HF folders (safetensors, single or sharded: ``weight_map`` says which file holds each
+weight, through ``model.safetensors.index.json`` when the folder has one).
 
 Fused tensors (part column): q/k/v -> ``linear_qkv`` in megatron's grouped layout (per KV group:
 its queries, then k, then v; with a gated attention's ``qg``, HF's per-head [query; gate] rows:
@@ -252,18 +253,112 @@ def fuse_experts(hf_sd: dict[str, torch.Tensor], cfg
 
 
 # ------------------------------------------------------------------ HF folders
+#: the index of a sharded HF checkpoint: ``weight_map`` = tensor key -> the shard file holding it
+INDEX = "model.safetensors.index.json"
+#: weight files in pickle formats (never loaded: named when a folder has only those)
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def _header(file: Path) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of a safetensors file, from its header only (safetensors checks that the
+    header's offsets cover exactly the file's bytes, so no shape outgrows the file).
+
+    Raises:
+        ValueError: the file is no safetensors file (named).
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return {key: tuple(handle.get_slice(key).get_shape())
+                    for key in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"{file}: unreadable safetensors file ({exc})") from None
+
+
+def _index(folder: Path) -> dict[str, str]:
+    """The ``weight_map`` of ``folder``'s ``INDEX`` (key -> shard file name).
+
+    Raises:
+        ValueError: an unreadable index, or one naming a file outside the folder (one line).
+    """
+    path = folder / INDEX
+    try:
+        listed = json.loads(path.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"{path}: unreadable index ({type(error).__name__})") from None
+    if not isinstance(listed, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v == Path(v).name
+            and v.endswith(".safetensors") for k, v in listed.items()):
+        raise ValueError(f"{path}: weight_map must map each tensor name to a *.safetensors "
+                         "file of the folder")
+    return listed
+
+
+def weight_map(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every weight of a local HF model folder -> (the safetensors file holding it, its shape),
+    from the files' headers only. With ``model.safetensors.index.json`` (a sharded save) only
+    the shards it lists are read, each key where the index places it (a shard of an older save
+    left in the folder is not read); without one every ``*.safetensors`` file is, and no key
+    may be in two of them.
+
+    Raises:
+        ValueError: no weight files; a listed shard missing; a shard holding a key the index
+            does not list or places in another shard; a key the index places in a shard that
+            lacks it; without an index, a key in two files (one line naming the files).
+    """
+    folder = Path(folder)
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    if (folder / INDEX).is_file():
+        listed = _index(folder)
+        for name in sorted(set(listed.values())):
+            if not (folder / name).is_file():
+                raise ValueError(f"{folder / INDEX} lists the shard {name}, which is missing "
+                                 f"from {folder}: copy the whole model folder again")
+            for key, shape in _header(folder / name).items():
+                if listed.get(key) != name:
+                    where = (f"places it in {listed[key]}" if key in listed
+                             else "does not list it")
+                    raise ValueError(f"{folder / name} holds {key!r}, but {INDEX} {where} (a "
+                                     "shard of another save?): re-save or re-download the "
+                                     "model folder")
+                found[key] = (folder / name, shape)
+        lacking = next((key for key in listed if key not in found), None)
+        if lacking is not None:
+            raise ValueError(f"{folder / INDEX} places {lacking!r} in {listed[lacking]}, which "
+                             "lacks it: re-save or re-download the model folder")
+        return found
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for pattern in PICKLED for p in folder.glob(pattern))
+        raise ValueError(f"{folder}: no *.safetensors files" + (
+            f" ({pickles[0]} is a pickle, which is never loaded here: save the model with "
+            "safetensors, save_pretrained(..., safe_serialization=True))" if pickles else ""))
+    for file in files:
+        for key, shape in _header(file).items():
+            if key in found:
+                raise ValueError(f"{key!r} is in both {found[key][0].name} and {file.name} of "
+                                 f"{folder}, which has no {INDEX} to say which is the model's: "
+                                 "remove the stale file")
+            found[key] = (file, shape)
+    return found
+
+
 def read_hf_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, state dict) of a local HF model folder (safetensors)."""
+    """(config.json dict, state dict) of a local HF model folder (safetensors; the files
+    ``weight_map`` says hold the model's weights).
+
+    Raises:
+        ValueError: as ``weight_map``, or an unreadable file (named).
+    """
     from safetensors.torch import load_file
 
     config = json.loads((path / "config.json").read_text())
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors files")
+    files = weight_map(path)
     sd: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in sorted({file for file, _shape in files.values()}):
         try:
-            sd.update(load_file(str(f)))
+            sd.update({k: v for k, v in load_file(str(f)).items() if files[k][0] == f})
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type
             raise ValueError(f"{f}: unreadable safetensors file ({exc})") from None
     return config, sd
@@ -272,25 +367,47 @@ def read_hf_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def carried_hf_weights(path: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The tensors of an HF folder whose keys start with one of ``prefixes``: weights a family's
     model does not hold and its exports carry unchanged (Qwen3.5's multi-token-prediction layers,
-    ``mtp.*``). Read key by key (the rest of the checkpoint is not loaded)."""
+    ``mtp.*``). Read key by key from the files ``weight_map`` names (the rest of the checkpoint
+    is not loaded)."""
     from safetensors import safe_open
 
+    if not prefixes:
+        return {}
+    wanted = {key: file for key, (file, _shape) in weight_map(Path(path)).items()
+              if key.startswith(prefixes)}
     out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")) if prefixes else ():
-        with safe_open(str(f), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if key.startswith(prefixes):
-                    out[key] = handle.get_tensor(key)
+    for file in sorted(set(wanted.values())):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in sorted(k for k, f in wanted.items() if f == file):
+                out[key] = handle.get_tensor(key)
     return out
 
 
-def write_hf_folder(path: Path, config: dict, sd: dict[str, torch.Tensor]) -> None:
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' ``save_file`` (metadata ``format: pt``), an I/O error of it raised as the
+    ``OSError`` it is (safetensors reports one as its own error type, "... (os error 28)"), so
+    that a full disk is told apart from a bug."""
+    import errno
+    import os
+
     from safetensors.torch import save_file
 
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+                  metadata={"format": "pt"})
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        if found is None:
+            raise
+        number = int(found.group(1))
+        raise OSError(number, os.strerror(number) if number in errno.errorcode else str(error),
+                      str(path)) from None
+
+
+def write_hf_folder(path: Path, config: dict, sd: dict[str, torch.Tensor]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_safetensors(sd, path / "model.safetensors")
 
 
 def is_our_key(key: str) -> bool:

@@ -26,7 +26,9 @@ assignments). A forward re-run inside backward (activation recomputation) is not
 so that forwards outside the step (validation, a probe, another model in the same process) never
 count in its values. Models without MoE layers log nothing.
 
-``capacity_kwargs`` turns ``model.moe_capacity_factor`` (None: no capacity, nothing is dropped,
+``transformer_config`` builds megatron's config with top-1 softmax routing allowed (megatron
+refuses it; the Qwen MoE models with ``num_experts_per_tok: 1`` route that way). ``capacity_kwargs``
+turns ``model.moe_capacity_factor`` (None: no capacity, nothing is dropped,
 as transformers computes the model) into megatron's fields: per expert, the assignments past
 ``ceil(tokens * top-k / experts * factor)`` with the lowest router probabilities are dropped (the
 token keeps its other experts and the residual), in training and evaluation forwards alike.
@@ -54,6 +56,27 @@ def capacity_kwargs(factor: float | None) -> dict:
         return {}
     return dict(moe_expert_capacity_factor=float(factor), moe_token_drop_policy="probs",
                 moe_pad_expert_input_to_capacity=False)
+
+
+def transformer_config(**fields):
+    """megatron's ``TransformerConfig(**fields)``, top-1 softmax routing included.
+
+    The Qwen MoE models route as transformers computes them: softmax over the top-k logits
+    (``moe_router_pre_softmax=False``; transformers' softmax over all experts renormalised over
+    the top k is the same), so at top-1 the one expert's weight is 1 and the main loss gives the
+    router no gradient (it learns from the aux loss, in transformers too). megatron-core's config
+    check refuses that combination ("Please use --moe-router-pre-softmax when topk is 1"), whose
+    pre-softmax alternative would weight each token's expert by its probability instead, unlike
+    the model. The config is therefore checked with pre-softmax on and set back to the model's
+    routing after (the router reads the field at each forward)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    top1 = (fields.get("moe_router_topk") == 1 and not fields.get("moe_router_pre_softmax")
+            and fields.get("moe_router_score_function", "softmax") == "softmax")
+    config = TransformerConfig(**(fields | {"moe_router_pre_softmax": True} if top1 else fields))
+    if top1:
+        config.moe_router_pre_softmax = False
+    return config
 
 
 def check_capacity(factor: float | None, experts: int) -> None:

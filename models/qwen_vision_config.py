@@ -18,6 +18,7 @@ from typing import Any
 
 from models.flops import pieces
 from models.model_config import hf_value as _get
+from models.model_config import processor_value
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +42,14 @@ class VisionConfig:
     fullatt_block_indexes: list[int] = field(default_factory=list)  #: (2.5) full-attention blocks
     num_position_embeddings: int = 0  #: (3) learned position table size (a square)
     deepstack_visual_indexes: list[int] = field(default_factory=list)  #: (3) DeepStack taps
+
+
+#: the ``vision_config`` values a tower is built of: integers >= 1, heads dividing the width
+#: (``models.model_config.check_hf_shapes``)
+VISION_POSITIVE = tuple(f"vision_config.{key}" for key in (
+    "depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "in_channels",
+    "patch_size", "temporal_patch_size", "spatial_merge_size"))
+VISION_DIVISIBLE = (("vision_config.hidden_size", "vision_config.num_heads"),)
 
 
 def vision_from_hf(vis: Any, variant) -> VisionConfig:
@@ -86,17 +95,18 @@ def processor_settings(image: dict, video: dict) -> tuple[dict, dict]:
     """``preprocessor_config.json`` ``min_pixels`` / ``max_pixels`` (the hub files of
     Qwen2.5-VL) or ``size.shortest_edge`` / ``size.longest_edge`` (transformers 5.x) ->
     ``min_pixels`` / ``max_pixels``; the same keys of the video processor -> ``video_min_pixels``
-    / ``video_max_pixels``; geometry: ``patch_size`` / ``merge_size``."""
+    / ``video_max_pixels``; geometry: ``patch_size`` / ``merge_size`` (each a positive integer
+    or absent: ``models.model_config.processor_value``)."""
     values: dict = {}
     for prefix, processor in (("", image), ("video_", video)):
-        size = processor.get("size") or {}
-        low = processor.get("min_pixels", size.get("shortest_edge"))
-        high = processor.get("max_pixels", size.get("longest_edge"))
-        if low is not None:
-            values[f"{prefix}min_pixels"] = int(low)
-        if high is not None:
-            values[f"{prefix}max_pixels"] = int(high)
-    geometry = {k: image[k] for k in ("patch_size", "merge_size") if image.get(k)}
+        for ours, key, size_key in (("min_pixels", "min_pixels", "size.shortest_edge"),
+                                    ("max_pixels", "max_pixels", "size.longest_edge")):
+            value = processor_value(processor, key)
+            value = processor_value(processor, size_key) if value is None else value
+            if value is not None:
+                values[prefix + ours] = value
+    geometry = {key: value for key in ("patch_size", "merge_size")
+                if (value := processor_value(image, key)) is not None}
     return values, geometry
 
 

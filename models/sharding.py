@@ -8,10 +8,13 @@ PP=1 / EP=1 index, the names ``sharded_state_dict`` stores them under too) and `
 (a full TP=1 state dict sliced to this rank's tensor-parallel shards: by each parameter's
 megatron attributes ``partition_dim`` and, for a tensor packing several components,
 ``partition_sizes``). An MoE expert's weights (``.experts.`` in the name, its LoRA adapters too)
-are sliced over the expert-TP group (``parallel.etp``), every other over TP.
+are sliced over the expert-TP group (``parallel.etp``), every other over TP. ``check_hf_fit``
+compares the shapes a config declares with the HF weights' headers before the model is built.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -93,6 +96,57 @@ def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tens
     return local
 
 
+def _mapped(model, cfg, hf_sd: dict[str, torch.Tensor], folder) -> dict[str, torch.Tensor]:
+    """The HF state dict mapped onto this rank's part of ``model`` (full TP = 1 tensors under
+    its local keys).
+
+    Raises:
+        contract.errors.UsageError: a key or shape that does not map (the first offender).
+    """
+    from megatron.core import parallel_state as ps
+
+    from contract.errors import UsageError
+    from models.families import mapping_module
+
+    to_global = global_keys(model)
+    shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
+    whole = (ps.get_pipeline_model_parallel_world_size() == 1
+             and ps.get_expert_model_parallel_world_size() == 1)
+    try:
+        if whole:  # the whole model is here (a first PP stage's names equal its PP=1 names too)
+            return mapping_module(cfg).hf_to_ours(hf_sd, cfg, shapes)
+        # this stage's layers / this rank's experts, mapped under their global numbers
+        part = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
+        return {local: part[glob] for local, glob in to_global.items() if glob in part}
+    except ValueError as error:
+        raise UsageError(f"the HF weights of {folder}: {error}") from None
+
+
+def check_hf_fit(cfg, folder) -> None:
+    """Before the model of ``cfg`` is built: its shapes against the HF weights of ``folder``,
+    read from the safetensors headers only (a meta-device model, the headers' shapes mapped as
+    ``load_hf_weights`` maps the weights), so that a config.json declaring more than its weights
+    hold (a ``vocab_size`` of 2**40) is refused before anything is allocated.
+
+    Raises:
+        contract.errors.UsageError: an unreadable folder, or a key or shape that does not map.
+    """
+    from contract.errors import UsageError
+    from models.families import meta_model
+    from models.hf_weights import weight_map
+
+    try:
+        headers = weight_map(folder)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    hf_sd = {key: torch.empty(shape, device="meta") for key, (_file, shape) in headers.items()}
+    try:
+        _mapped(meta_model(cfg), cfg, hf_sd, folder)
+    except UsageError as error:
+        raise UsageError(f"{error} (the shapes {Path(folder) / 'config.json'} declares; "
+                         "nothing was allocated)") from None
+
+
 def load_hf_weights(model, cfg, folder) -> dict:
     """Map the HF weights of ``folder`` onto this rank's part of ``model`` (local spec): its
     pipeline stage's layers, its experts (EP), its TP slices. Returns the HF config.
@@ -101,27 +155,12 @@ def load_hf_weights(model, cfg, folder) -> dict:
         contract.errors.UsageError: an unreadable folder, or a key or shape that does not map
             (the first offender named).
     """
-    from megatron.core import parallel_state as ps
-
     from contract.errors import UsageError
-    from models.families import mapping_module
     from models.hf_weights import read_hf_folder
 
     try:
         hf_config, hf_sd = read_hf_folder(folder)  # its messages name the folder
     except ValueError as error:
         raise UsageError(str(error)) from None
-    to_global = global_keys(model)
-    shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
-    whole = (ps.get_pipeline_model_parallel_world_size() == 1
-             and ps.get_expert_model_parallel_world_size() == 1)
-    try:
-        if whole:  # the whole model is here (a first PP stage's names equal its PP=1 names too)
-            full = mapping_module(cfg).hf_to_ours(hf_sd, cfg, shapes)
-        else:  # this stage's layers / this rank's experts, mapped under their global numbers
-            part = mapping_module(cfg).hf_to_ours_stage(hf_sd, cfg, shapes)
-            full = {local: part[glob] for local, glob in to_global.items() if glob in part}
-    except ValueError as error:
-        raise UsageError(f"the HF weights of {folder}: {error}") from None
-    model.load_state_dict(shard_for_rank(full, model), strict=False)
+    model.load_state_dict(shard_for_rank(_mapped(model, cfg, hf_sd, folder), model), strict=False)
     return hf_config

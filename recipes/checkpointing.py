@@ -226,11 +226,14 @@ def _torch_adams(optimizer):
 
 
 def _prime_torch_adam_state(optimizer) -> None:
-    """Give a fresh torch Adam its (zero) per-parameter state before a checkpoint is loaded.
+    """Give a fresh torch Adam its (zero) per-parameter state before a checkpoint is loaded or
+    saved.
 
     megatron's distributed optimizer reads the step count from every parameter's state while it
-    builds the sharded dict to load into; torch's Adam has none before its first step (TE's
-    FusedAdam keeps the step in its param groups). Loading overwrites these zeros.
+    builds its sharded dict (to load into, or to save); torch's Adam has none before its first
+    step (TE's FusedAdam keeps the step in its param groups), e.g. when every step so far was
+    skipped as non-finite. Loading overwrites these zeros; a save writes them, and the next step
+    computes what it would from no state (torch's Adam starts from the same zeros, step 0).
     """
     for opt, adam in _torch_adams(optimizer):
         if opt.init_state_fn is None or any(len(state) for state in adam.state.values()):
@@ -313,6 +316,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_state
             (work / sub).mkdir(parents=True, exist_ok=True)
 
     def rank_files():
+        _prime_torch_adam_state(optimizer)  # no step applied yet (all skipped): its zero state
         dist_checkpointing.save(_sharded(model, optimizer, is_loading=False,
                                          trainable_only=base is not None),
                                 str(work / "model_optim"))
@@ -374,7 +378,13 @@ def _together(action, step_dir: Path, work: Path, first: bool) -> None:
     except (OSError, RuntimeError, CheckpointException) as error:
         failure = _write_failure(error)
         if failure is None:
+            if first:
+                shutil.rmtree(work, ignore_errors=True)  # a bug: a traceback, no partial folder
             raise
+    except Exception:
+        if first:
+            shutil.rmtree(work, ignore_errors=True)  # a bug: a traceback, no partial folder
+        raise
     flag = torch.tensor([failure is not None], dtype=torch.int64, device=cpu.compute_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not int(flag.item()):

@@ -129,17 +129,34 @@ def base_source(cfg) -> dict | None:
 
 
 def check_base(recorded: dict, cfg, checkpoint: str) -> None:
-    """The base this run loads is the one the checkpoint was trained on.
+    """The base this run loads holds the weights the checkpoint was trained on: compared by
+    content (``models.hf_source.same_model``; an init checkpoint by ``weights_fingerprint``),
+    wherever it is now (a copy, a restore, a move: name it with ``model.hf`` /
+    ``train.init_checkpoint``).
 
     Raises:
-        UsageError: another source, or the same source whose files changed (one line).
+        UsageError: another kind of base, or one whose content differs (one line).
     """
+    from models.checkpoint import weights_fingerprint
+    from models.hf_source import resolve, same_model
+
     now = base_source(cfg) or {}
-    if now != recorded:
-        said = ", ".join(f"{k}={v}" for k, v in recorded.items())
-        got = ", ".join(f"{k}={v}" for k, v in now.items()) or "no base"
-        raise UsageError(f"checkpoint {checkpoint} holds only what trains on the base {said}; "
-                         f"this run's base is {got}: resume with the same base weights")
+    kind = "hf" if "hf" in recorded else "init_checkpoint"
+    if kind in now:
+        if kind == "hf":
+            matches, fingerprint = same_model(recorded.get("fingerprint"),
+                                              resolve(cfg.hf, weights=True))
+        else:
+            fingerprint = weights_fingerprint(now[kind])
+            matches = fingerprint == recorded.get("fingerprint")
+        if matches:
+            return
+        now = {kind: now[kind], "fingerprint": fingerprint}
+    said = ", ".join(f"{k}={v}" for k, v in recorded.items())
+    got = ", ".join(f"{k}={v}" for k, v in now.items()) or "no base"
+    raise UsageError(f"checkpoint {checkpoint} holds only what trains on the base {said}; "
+                     f"this run's base is {got}, other weights: resume with the same base weights "
+                     "(wherever they are now: model.hf / train.init_checkpoint)")
 
 
 def import_hf_weights(cfg, is_logger: bool) -> str:

@@ -7,7 +7,9 @@ checkpoint is honoured or refused in one line:
 
 - the model (``model.*``, ``model.hf``, ``model.base``) given on the command line with another
   value than the checkpoint's: refused, naming both (without it the checkpoint's model is used,
-  so ``<out>/config.yaml`` is never rewritten with a model the weights are not of);
+  so ``<out>/config.yaml`` is never rewritten with a model the weights are not of); but a
+  ``model.hf`` of another place whose model is the checkpoint's is taken (a moved base: its
+  weights are checked by content, ``recipes.model_setup.check_base``) and said;
 - the parallel layout (``parallel.tp`` / ``pp`` / ``cp`` / ``ep``): refused, naming
   ``train.init_checkpoint=<step folder>`` (a new run from the checkpoint's weights, which
   dist_checkpointing reshards; the optimizer state is saved ``dp_reshardable``, which megatron-core
@@ -106,6 +108,14 @@ def reconcile(cfg: RunConfig, config: str, overrides: tuple[str, ...], resume_fr
                  if not item.split("=", 1)[0].strip().startswith("model."))
     ours = load_run_config(config, rest, stored={"model": stored["model"]}, world=world)
     now, then = to_dict(cfg), to_dict(ours)
+    notes = []
+    moved = now["model"].get("hf")
+    if "model.hf" in given and moved and then["model"].get("hf") not in (None, moved):
+        # the same model from another place (a moved base): its weights are checked by content
+        ours = load_run_config(config, rest, stored={"model": {**stored["model"], "hf": moved}})
+        notes.append(f"model.hf moved ({then['model']['hf']} -> {moved}): the base is checked "
+                     "by its content")
+        then = to_dict(ours)
     for key in sorted(k for k in given if k.startswith("model.")):
         if key in ("model.base", "model.hf"):
             mine = {k: v for k, v in now["model"].items() if k not in DERIVED}
@@ -121,7 +131,8 @@ def reconcile(cfg: RunConfig, config: str, overrides: tuple[str, ...], resume_fr
             raise UsageError(f"--resume {step_dir}: its model has {key}={_at(then, key)}, the "
                              f"command line gives {key}={_at(now, key)}: a checkpoint resumes "
                              f"with its own model (drop {key}=)")
-    return _changes(ours, stored, step_dir, world)
+    resumed = _changes(ours, stored, step_dir, world)
+    return Resumed(resumed.config, resumed.fresh_loader, (*notes, *resumed.notes))
 
 
 def _changes(cfg: RunConfig, stored: dict, step_dir: Path, world: int) -> Resumed:

@@ -379,6 +379,39 @@ def test_empty_after_budget(eval_ckpt, infovqa_out, tmp_path):
     assert "after budgeting" in _one_line_exit_2(proc)
 
 
+def _file_size_limit() -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past it fails (EFBIG), no signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))  # below the predictions file
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_writing_the_results_is_one_line(eval_ckpt, mantis_out, tmp_path):
+    """A write that fails for lack of space (a file-size limit standing in for a full disk: the
+    same OSError through the same writes) is one line, exit 1, and leaves no results that look
+    complete: neither a half-written predictions.jsonl nor the scores.json of an earlier eval in
+    the same folder."""
+    from energon_tasks.tokenizer import build_test_tokenizer
+
+    tokenizer = build_test_tokenizer(tmp_path / "tokenizer")  # read, not written, by the eval
+    out = tmp_path / "e"
+    out.mkdir()
+    for name in ("scores.json", "predictions.jsonl"):  # an earlier eval's results
+        (out / name).write_text("{}\n")
+    proc = subprocess.run(
+        [sys.executable, "eval.py", "configs/train_qwen_vl_mantis.yaml",
+         f"data.path={mantis_out}/metadataset.yaml", *SMALL, f"task_encoder.tokenizer={tokenizer}",
+         "--ckpt", str(eval_ckpt), "--limit", "8", "--max-new-tokens", "6", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, preexec_fn=_file_size_limit)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("eval.py: error:")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and "predictions.jsonl" in errors[0] and \
+        "File too large" in errors[0] and "no scores.json" in errors[0], errors
+    assert list(out.iterdir()) == []
+
+
 # ------------------------------------------------------------------ scoring glue
 REAL_MC = ("What is the man doing in the video?\nOptions:\nA. running.\nB. swimming.\n"
            "C. cooking.\nD. dancing.\nE. training.\nPlease provide your answer by stating the "

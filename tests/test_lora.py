@@ -7,7 +7,6 @@ PEFT folder that ``peft`` loads onto the base) give the same logits."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -169,7 +168,11 @@ def test_lora_run_starts_at_the_base_and_saves_only_what_trains(lora_run):
 
 
 @pytest.mark.slow
-def test_lora_resume_is_exact_and_checks_its_base(lora_run, mantis_out, tmp_path):
+def test_lora_resume_is_exact_and_checks_its_base(lora_run, mantis_out, tmp_path, capsys):
+    """The base is recognised by its content: a copy made without -p elsewhere (new times, a
+    moved base) resumes exactly; other weights there are refused in one line. The export finds
+    a moved base with --base (one line naming the recorded place without it)."""
+    from models.convert import main
     from tests.test_hf_journey import FAST, train
     from tests.test_train import error_line
 
@@ -177,23 +180,38 @@ def test_lora_resume_is_exact_and_checks_its_base(lora_run, mantis_out, tmp_path
     out = tmp_path / "resumed"
     shutil.copytree(root / "run" / "checkpoints" / "step_000002",
                     out / "checkpoints" / "step_000002")
+    moved = tmp_path / "moved_base"
+    shutil.copytree(lora_run["hf"], moved, copy_function=shutil.copyfile)  # new times
     args = (str(JOURNEYS["qwen2_5_vl"][0]), f"data.path={mantis_out}/metadataset.yaml",
             f"out={out}", f"train.hf_import_cache={lora_run['cache']}", *FAST, *LORA,
             "model.freeze_vision_projection=false", "train.steps=3")
-    proc = train(*args, f"model.hf={lora_run['hf']}", "--resume",
-                 str(out / "checkpoints" / "step_000002"))
+    proc = train(*args, f"model.hf={moved}", "--resume", str(out / "checkpoints" / "step_000002"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert losses(out) == losses(root / "run")[2:]  # bit-exact on CPU
-    weights = next(lora_run["hf"].glob("*.safetensors"))  # the base's files change
-    times = weights.stat()
-    os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns + 10**9))
-    try:
-        proc = train(*args, f"model.hf={lora_run['hf']}", "--resume",
-                     str(out / "checkpoints" / "step_000002"))
-    finally:
-        os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other_base"
+    shutil.copytree(lora_run["hf"], other)
+    weights = load_file(str(other / "model.safetensors"))
+    key = sorted(weights)[0]
+    save_file({**weights, key: weights[key] * 2}, str(other / "model.safetensors"))
+    proc = train(*args, f"model.hf={other}", "--resume", str(out / "checkpoints" / "step_000002"))
     assert proc.returncode == 2
     assert "holds only what trains on the base" in error_line(proc)
+    assert "other weights" in error_line(proc)
+
+    original = lora_run["hf"].with_name("hf_away")
+    lora_run["hf"].rename(original)  # the recorded base is gone; the moved copy holds it
+    try:
+        step = root / "run" / "checkpoints" / "step_000002"
+        assert main(["mcore-to-hf", "--mcore", str(step), "--out", str(tmp_path / "x")]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"{lora_run['hf']} is gone" in line and "--base" in line, line
+        assert main(["mcore-to-hf", "--mcore", str(step), "--out", str(tmp_path / "x"),
+                     "--base", str(moved)]) == 0
+    finally:
+        original.rename(lora_run["hf"])
 
 
 @pytest.mark.slow
@@ -324,3 +342,74 @@ def test_lora_under_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
     assert max(logits_diff(run, export(run, tmp_path / "merged")).values()) <= LOGITS_TOLERANCE
     assert main(["mcore-to-hf", "--mcore", str(run), "--out", str(tmp_path / "peft"),
                  "--adapter"]) == 2
+
+
+def _tiny_hf_of(family: str, out):
+    """A tiny HF model of ``family`` (tests/tiny_hf.py builders)."""
+    from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
+
+    if family == "nemotron_omni":
+        return build_tiny_nemotron_omni(out)
+    if family.startswith("qwen3_5"):
+        return build_tiny_qwen3_5(out, moe=family == "qwen3_5_moe")
+    return build_tiny_hf(family, out)
+
+
+#: per family, the linears given adapters: megatron's attention and MLP linears everywhere, and
+#: the mixers' projections of Qwen3.5 (Gated DeltaNet) and Nemotron-Omni (Mamba)
+PEFT_TARGETS = {"qwen3_5": ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b",
+                            "in_proj_a", "out_proj"),
+                "nemotron_omni": ("in_proj", "out_proj")}
+PEFT_TARGETS["qwen3_5_moe"] = PEFT_TARGETS["qwen3_5"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                    "qwen3_5_moe", "nemotron_omni"])
+def test_every_family_peft_folder_loads_in_peft_with_the_merged_export_logits(family,
+                                                                             tmp_path):
+    """Every family's HF PEFT folder (``write_peft_folder``: adapters on the LM's attention, MLP
+    and mixer projections and on the vision tower) loads with ``peft.PeftModel.from_pretrained``
+    onto the base HF model, and its logits equal the merged export's in transformers (<= 1e-4),
+    and differ from the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from models.checkpoint import ModelCheckpoint
+    from models.convert import hf_logits
+    from models.export import write_merged_folder, write_peft_folder
+    from models.families import build_model, config_from_hf, get
+    from models.hf_weights import is_our_key
+    from models.lora import DEFAULT_TARGETS, LoRAConfig, add_adapters, merge_adapters
+    from models.parallel import init_parallel
+    from models.sharding import load_hf_weights
+    from models.verify_inputs import hf_inputs, make_inputs
+
+    hf = _tiny_hf_of(family, tmp_path / "hf")
+    cfg = config_from_hf(json.loads((hf / "config.json").read_text()))
+    init_parallel()
+    model = build_model(cfg, use_te=False).eval()
+    load_hf_weights(model, cfg, hf)
+    lora = LoRAConfig(rank=4, alpha=8, parts=["language_model", "vision_model"],
+                      target_modules=[*DEFAULT_TARGETS, *PEFT_TARGETS.get(family, ())])
+    add_adapters(model, lora, get(family).parameter_group)
+    torch.manual_seed(0)
+    _random_b(model)
+    found = ModelCheckpoint("test", hf, hf, hf, cfg, {"model": {}}, hf, {"hf": str(hf)}, lora)
+    write_peft_folder(tmp_path / "peft", {k: v.detach() for k, v in model.state_dict().items()
+                                          if is_our_key(k)}, found)
+    merge_adapters(model)
+    (tmp_path / "merged").mkdir()
+    write_merged_folder(tmp_path / "merged", {k: v.detach() for k, v in
+                                              model.state_dict().items() if is_our_key(k)}, found)
+
+    def load(folder):
+        return AutoModelForImageTextToText.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+    base = load(hf)
+    inputs = hf_inputs(cfg, next(iter(make_inputs(cfg).values())))  # an image and its text
+    before = hf_logits(base, inputs)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    got, want = hf_logits(peft_model, inputs), hf_logits(load(tmp_path / "merged"), inputs)
+    assert (want - before).abs().max() > 1e-2  # the adapters change the model
+    assert (got - want).abs().max() <= 1e-4, (got - want).abs().max()

@@ -84,3 +84,31 @@ def test_nonfinite_stop_under_torchrun_is_printed_once(mantis_out, tmp_path):
     assert sorted(per_rank) == ["rank 0", "rank 1"], named
     keys = [set(part.split(" (+")[0].split(", ")) for part in per_rank.values()]
     assert keys[0] != keys[1] and keys[0] | keys[1] <= sample_keys(mantis_out), named
+
+
+@pytest.mark.slow
+def test_a_checkpoint_before_any_applied_step_is_saved_and_resumes(mantis_out, tmp_path):
+    """A base whose logits overflow (finite weights: the final norm scaled by 1e38) makes every
+    step non-finite from step 1, so no optimizer step is ever applied; the checkpoint due then
+    (megatron's distributed optimizer reads torch Adam's step count from a state that does not
+    exist yet) is saved, no ``.partial`` left, and the run resumes from it."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_hf_journey import JOURNEYS, train_from_hf
+    from tests.tiny_hf import build_tiny_hf_model
+
+    hf = build_tiny_hf_model("qwen2_5_vl", tmp_path / "hf", pixels=JOURNEYS["qwen2_5_vl"][1])
+    weights = load_file(str(hf / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1e38
+    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "run"
+    shared = ("checkpoint.interval=1", "train.max_nonfinite_steps=10")
+    train_from_hf("qwen2_5_vl", hf, out, tmp_path / "cache", mantis_out, "train.steps=2",
+                  *shared)
+    assert [r["nonfinite_steps"] for r in records(out)] == [1, 2]
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000001", "step_000002"]
+    ok(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml", f"out={out}", *FAST,
+             f"train.hf_import_cache={tmp_path / 'cache'}", "train.steps=3", *shared,
+             "--resume", str(ckpts / "step_000001")))
+    assert records(out)[-1]["step"] == 3 and not list(ckpts.glob("*.partial"))

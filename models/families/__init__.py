@@ -165,9 +165,12 @@ def meta_model(cfg):
     linear and embedding marked as megatron's initialisation marks it (``tensor_model_parallel``,
     ``partition_dim``, ``partition_stride``: how TP splits it). What the memory estimate and the
     layout planner read (recipes/memory.py; tests/test_memory.py checks it equals an
-    initialised build)."""
+    initialised build), and the checks of what a config declares before the real model is
+    built (models/checkpoint.py)."""
     import torch
     from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from models import moe_aux
 
     post_init = ModelParallelConfig.__post_init__
 
@@ -181,6 +184,7 @@ def meta_model(cfg):
             model = model_class(cfg)(cfg, use_te=False)
     finally:
         ModelParallelConfig.__post_init__ = post_init
+    moe_aux.forget()
     _mark_tensor_parallel(model)
     return model
 

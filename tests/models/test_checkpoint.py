@@ -134,3 +134,35 @@ def test_init_parallel_keeps_the_same_layout_and_reseeds():
     init_parallel(tp=1, pp=1, cp=1, ep=1, seed=7, etp=1)
     assert ps.get_tensor_model_parallel_group() is group  # same sizes: kept
     assert torch.equal(torch.rand(3), first)  # reseeded
+
+
+def test_a_missing_or_short_distcp_and_a_partial_step_are_one_line(saved, tmp_path, capsys):
+    """A dist checkpoint missing one ``.distcp`` (or with one truncated) is named before
+    anything is built; an explicitly named ``step_N.partial`` (a save that did not finish) is not
+    exported."""
+    import shutil
+
+    from models.checkpoint import read_checkpoint
+    from models.convert import main
+
+    for damage in ("missing", "truncated"):
+        broken = tmp_path / damage
+        shutil.copytree(saved, broken)
+        distcp = sorted(broken.glob("*.distcp"))[-1]
+        if damage == "missing":
+            distcp.unlink()
+        else:
+            distcp.write_bytes(distcp.read_bytes()[:-16])
+        with pytest.raises(UsageError, match=f"{distcp.name} is {damage} .* copy the whole"):
+            read_checkpoint(broken)
+        code = main(["mcore-to-hf", "--mcore", str(broken), "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err[-1].startswith("models.convert: error: ") and \
+            f"{distcp.name} is {damage}" in err[-1], err[-3:]
+
+    model = json.loads((saved / "model_config.json").read_text())
+    partial = tmp_path / "run" / "checkpoints" / "step_000004.partial"
+    shutil.copytree(saved, partial / "model_optim")
+    (partial / "config.yaml").write_text(yaml.safe_dump({"model": model}))
+    with pytest.raises(UsageError, match=r"step_000004\.partial is a save that did not finish"):
+        read_checkpoint(partial)

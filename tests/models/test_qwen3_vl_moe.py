@@ -423,3 +423,18 @@ def test_greedy_tokens_equal_transformers_generate(moe_hf, tmp_path):
         ours = greedy_generate(model, [_prompt(case)], eos_id=never, max_new_tokens=6)[0]
         theirs = _hf_greedy(hf, hf_inputs(cfg, case), 6, never)
         assert len(ours) == 6 and ours == theirs, (name, ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_top1_routing_equals_transformers(family, tmp_path):
+    """``num_experts_per_tok: 1`` (which megatron-core's config check refuses without
+    pre-softmax, ``models.moe_aux.transformer_config``) imports, and its logits equal
+    transformers' (each token's one expert at weight 1)."""
+    from models.convert import verify
+    from tests.tiny_hf import build_tiny_qwen3_5
+
+    hf = (build_tiny_hf(family, tmp_path / "hf", moe={"num_experts_per_tok": 1})
+          if family == "qwen3_vl_moe" else
+          build_tiny_qwen3_5(tmp_path / "hf", moe=True, text={"num_experts_per_tok": 1}))
+    for name, row in verify(hf, imported(hf, tmp_path / "mcore")).items():
+        assert row["max_abs_logit_diff"] <= TOL, (name, row)

@@ -44,20 +44,28 @@ def hf_model_class(model_type: str) -> type:
 def processor_settings(image: dict, video: dict) -> tuple[dict, dict]:
     """``min_num_patches`` / ``max_num_patches`` x ``patch_size``**2 -> ``min_pixels`` /
     ``max_pixels``; ``downsample_ratio`` -> merge size; ``video_target_num_patches`` and
-    ``video_maintain_aspect_ratio`` of the video processor."""
+    ``video_maintain_aspect_ratio`` of the video processor (numbers positive or absent:
+    ``models.model_config.processor_value``)."""
+    from models.model_config import processor_value
+
     values: dict = {}
     geometry: dict = {}
-    patch = image.get("patch_size")
+    patch = processor_value(image, "patch_size")
     if patch:
         geometry["patch_size"] = patch
         for ours, theirs in (("min_pixels", "min_num_patches"), ("max_pixels", "max_num_patches")):
-            if image.get(theirs) is not None:
-                values[ours] = int(image[theirs]) * patch ** 2
-    if image.get("downsample_ratio"):
-        geometry["merge_size"] = round(1 / float(image["downsample_ratio"]))
-    for key in ("video_target_num_patches", "video_maintain_aspect_ratio"):
-        if video.get(key) is not None:
-            values[key] = video[key]
+            if (count := processor_value(image, theirs)) is not None:
+                values[ours] = count * patch ** 2
+    ratio = processor_value(image, "downsample_ratio", float)
+    if ratio is not None:
+        if ratio > 1:
+            raise ValueError(f"{getattr(image, 'source', 'image processor')}: downsample_ratio "
+                             f"is {ratio}: a pixel shuffle of at most 1 (fix the file)")
+        geometry["merge_size"] = round(1 / ratio)
+    if (patches := processor_value(video, "video_target_num_patches")) is not None:
+        values["video_target_num_patches"] = patches
+    if video.get("video_maintain_aspect_ratio") is not None:
+        values["video_maintain_aspect_ratio"] = video["video_maintain_aspect_ratio"]
     return values, geometry
 
 

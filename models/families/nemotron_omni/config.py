@@ -22,7 +22,7 @@ from typing import Any
 
 from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from contract.families import HF_MODEL_TYPES, NEMOTRON_OMNI
-from models.model_config import build_model_config, load_model_yaml
+from models.model_config import build_model_config, check_hf_shapes, load_model_yaml
 from models.model_config import hf_value as _get
 from models.moe_aux import check_capacity
 from models.recompute import check_mode
@@ -170,6 +170,16 @@ def _layer_pattern(text: Any) -> str:
     return pattern
 
 
+#: the values the model is built of (``models.model_config.check_hf_shapes``): the LM's (under
+#: ``text_config``, or ``llm_config`` in older configs) and the tower's
+HF_TEXT_POSITIVE = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "intermediate_size", "mamba_num_heads", "mamba_head_dim",
+                    "ssm_state_size", "n_groups", "conv_kernel", "chunk_size", "n_routed_experts",
+                    "num_experts_per_tok", "moe_intermediate_size")
+HF_VISION_POSITIVE = tuple(f"vision_config.{key}" for key in (
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "patch_size", "num_channels"))
+
+
 def from_hf_config(hf: Any) -> NemotronOmniModelConfig:
     """Build from a Hugging Face ``nemotron_h_omni`` config (``config.json`` dict or object).
 
@@ -183,6 +193,11 @@ def from_hf_config(hf: Any) -> NemotronOmniModelConfig:
     vis = _get(hf, "vision_config")
     if text is None or vis is None:
         raise ValueError("config has no text_config / vision_config")
+    section = "text_config" if _get(hf, "text_config") else "llm_config"
+    check_hf_shapes(hf, (*(f"{section}.{key}" for key in HF_TEXT_POSITIVE), *HF_VISION_POSITIVE),
+                    ((f"{section}.num_attention_heads", f"{section}.num_key_value_heads"),
+                     (f"{section}.mamba_num_heads", f"{section}.n_groups"),
+                     ("vision_config.hidden_size", "vision_config.num_attention_heads")))
     width = _get(vis, "hidden_size", 1280)
     mlp_width = int(width * _get(vis, "mlp_ratio", 4.0))
     swiglu = bool(_get(vis, "use_swiglu_ffn", False))

@@ -16,6 +16,11 @@ from megatron's ``partition_sizes`` (``models.sharding.shard_for_rank``). megatr
 the conv ``mixer.conv1d_weight`` / ``conv1d_bias`` (0.16.1: an ``nn.Conv1d``, ``mixer.conv1d.*``):
 the table's targets follow the model's keys (``_as_model_names``).
 
+A PEFT folder names transformers' modules, which its checkpoint conversion renames on load
+(``language_model.model.*``, ``vision_model.encoder.layer.*`` with RADIO's q/k/v split,
+``multi_modal_projector.*``): ``ours_to_hf(hub_layout=False)`` gives those names
+(``module_names``).
+
 Import-only rules: RADIO's input conditioner buffers and ``summary_idxs``, audio (``sound_*``)
 and MTP (``mtp.*``) weights are not part of our model and are skipped; a checkpoint without
 LayerScale vectors gets ``layerscale_value`` (HF does the same). Export writes ``summary_idxs``
@@ -103,6 +108,28 @@ LATENT = {LM + f"mixer.fc{n}_latent_proj.weight": (OL + f"mlp.fc{n}_latent_proj.
 IGNORED = re.compile(r"^(sound_encoder\.|sound_projection\.|mtp\.|language_model\.(backbone\.)?mtp"
                      r"|vision_model\.radio_model\.(input_conditioner\.|summary_idxs$))")
 SUMMARY_IDXS = "vision_model.radio_model.summary_idxs"
+#: the published (on-disk) names -> the names of transformers' modules, as its checkpoint
+#: conversion renames them on load (``NemotronH_Omni_Reasoning_V3``, ``nemotron_h``, ``radio``):
+#: what a PEFT folder's ``target_modules`` and keys name (``ours_to_hf(hub_layout=False)``)
+MODULE_NAMES = (
+    (r"^language_model\.backbone\.", "language_model.model."),
+    (r"^vision_model\.radio_model\.model\.blocks\.", "vision_model.encoder.layer."),
+    (r"\.attn\.proj\.", ".attention.o_proj."),
+    (r"^vision_model\.radio_model\.model\.patch_generator\.video_embedder\.",
+     "vision_model.embeddings.video_patch_projection."),
+    (r"^vision_model\.radio_model\.model\.patch_generator\.embedder\.",
+     "vision_model.embeddings.patch_projection."),
+    (r"^vision_model\.radio_model\.model\.patch_generator\.pos_embed$",
+     "vision_model.embeddings.position_embedding"),
+    (r"^vision_model\.radio_model\.model\.patch_generator\.cls_token\.token$",
+     "vision_model.embeddings.cls_register_token"),
+    (r"^mlp1\.0\.", "multi_modal_projector.layer_norm."),
+    (r"^mlp1\.1\.", "multi_modal_projector.linear_1."),
+    (r"^mlp1\.3\.", "multi_modal_projector.linear_2."),
+    (r"^vision_projector\.vision_final_layernorm\.", "vision_final_layernorm."),
+)
+#: RADIO's fused q/k/v on disk; transformers' modules are its three thirds (rows q, k, v)
+FUSED_QKV = re.compile(r"\.attn\.qkv\.(weight|bias)$")
 LAYER_SCALE = re.compile(r"\.layer_scale[12]\.lambda1$")
 
 
@@ -180,10 +207,28 @@ def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfi
 
 def ours_to_hf(sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
                hub_layout: bool = True, only: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Map our (TP=1) state dict to the published HF key layout (+ ``summary_idxs``);
-    ``only``: just these keys of ours (no ``summary_idxs``)."""
-    del hub_layout  # one layout: the published one
+    """Map our (TP=1) state dict to the published HF key layout (+ ``summary_idxs``), or with
+    ``hub_layout`` false to the names of transformers' modules (``module_names``: a PEFT
+    folder's); ``only``: just these keys of ours (no ``summary_idxs``)."""
     out = hf_weights.ours_to_hf(sd, cfg, _as_model_names(expand_table(cfg), sd), only=only)
+    if not hub_layout:
+        return module_names(out)
     if only is None:
         out[SUMMARY_IDXS] = torch.tensor(cfg.vision.summary_idxs, dtype=torch.long)
+    return out
+
+
+def module_names(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Published HF keys -> the keys of transformers' modules (``MODULE_NAMES``; RADIO's fused
+    ``attn.qkv`` as ``attention.q_proj`` / ``k_proj`` / ``v_proj``, its rows in thirds)."""
+    out = {}
+    for key, value in hf_sd.items():
+        for pattern, name in MODULE_NAMES:
+            key = re.sub(pattern, name, key)
+        fused = FUSED_QKV.search(key)
+        if fused is None:
+            out[key] = value
+            continue
+        for part, third in zip("qkv", value.chunk(3, dim=0), strict=True):
+            out[f"{key[:fused.start()]}.attention.{part}_proj.{fused.group(1)}"] = third
     return out

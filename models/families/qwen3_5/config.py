@@ -17,10 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from contract.families import QWEN3_5, QWEN3_5_MOE
-from models.model_config import build_model_config, load_model_yaml
+from models.model_config import build_model_config, check_hf_shapes, load_model_yaml
 from models.model_config import hf_value as _get
 from models.moe_aux import check_capacity
-from models.qwen_vision_config import VisionConfig, vision_from_hf, vision_to_hf
+from models.qwen_vision_config import (
+    VISION_DIVISIBLE,
+    VISION_POSITIVE,
+    VisionConfig,
+    vision_from_hf,
+    vision_to_hf,
+)
 from models.recompute import check_mode
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -164,6 +170,16 @@ class Qwen35ModelConfig:
 
 
 # ------------------------------------------------------------------ Hugging Face config
+#: the ``text_config`` values the LM is built of (``models.model_config.check_hf_shapes``)
+HF_POSITIVE = tuple(f"text_config.{key}" for key in (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size"))
+HF_DIVISIBLE = (("text_config.num_attention_heads", "text_config.num_key_value_heads"),
+                ("text_config.linear_num_value_heads", "text_config.linear_num_key_heads"))
+
+
 def from_hf_config(hf: Any) -> Qwen35ModelConfig:
     """Build from a Hugging Face Qwen3.5 / Qwen3.5 MoE config (``config.json`` dict or object).
 
@@ -178,6 +194,7 @@ def from_hf_config(hf: Any) -> Qwen35ModelConfig:
         raise ValueError("config has no text_config / vision_config")
     if _get(text, "attention_bias", False):
         raise ValueError("text_config.attention_bias true: Qwen3.5 attention here has no biases")
+    check_hf_shapes(hf, (*HF_POSITIVE, *VISION_POSITIVE), (*HF_DIVISIBLE, *VISION_DIVISIBLE))
     rope = _get(text, "rope_parameters") or _get(text, "rope_scaling") or {}
     layers = _get(text, "num_hidden_layers")
     interval = _get(text, "full_attention_interval", 4) or 4

@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models import kernels
 from models.families.qwen3_5.config import Qwen35ModelConfig
 from models.gated_deltanet import GatedDeltaNet
-from models.moe_aux import capacity_kwargs
+from models.moe_aux import capacity_kwargs, transformer_config
 from models.mrope import megatron_mrope_section
 from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
 from models.norms import ZeroCenteredRMSNorm
@@ -78,7 +78,7 @@ def lm_transformer_config(cfg: Qwen35ModelConfig, use_te: bool = False) -> Trans
             # megatron's MoE layers need sequence parallelism under TP (the whole LM runs it)
             sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1,
             **capacity_kwargs(cfg.moe_capacity_factor))
-    config = TransformerConfig(
+    config = transformer_config(
         num_layers=t.num_layers, hidden_size=t.hidden_size,
         ffn_hidden_size=t.intermediate_size or t.moe_intermediate_size,
         num_attention_heads=t.num_heads, num_query_groups=t.num_kv_heads, kv_channels=t.head_dim,

@@ -18,10 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from contract.families import QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE
-from models.model_config import build_model_config, load_model_yaml
+from models.model_config import build_model_config, check_hf_shapes, load_model_yaml
 from models.model_config import hf_value as _get
 from models.moe_aux import check_capacity
-from models.qwen_vision_config import VisionConfig, vision_from_hf, vision_to_hf
+from models.qwen_vision_config import (
+    VISION_DIVISIBLE,
+    VISION_POSITIVE,
+    VisionConfig,
+    vision_from_hf,
+    vision_to_hf,
+)
 from models.recompute import check_mode
 
 
@@ -153,6 +159,14 @@ class QwenVLModelConfig:
 
 
 # ------------------------------------------------------------------ Hugging Face config
+#: the ``text_config`` values the LM is built of (``models.model_config.check_hf_shapes``)
+HF_POSITIVE = tuple(f"text_config.{key}" for key in (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "moe_intermediate_size"))
+HF_DIVISIBLE = (("text_config.num_attention_heads", "text_config.num_key_value_heads"),)
+
+
 def from_hf_config(hf: Any) -> QwenVLModelConfig:
     """Build from a Hugging Face Qwen2.5-VL / Qwen3-VL config (``config.json`` dict or object).
 
@@ -165,6 +179,7 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
     text, vis = _get(hf, "text_config"), _get(hf, "vision_config")
     if text is None or vis is None:
         raise ValueError("config has no text_config / vision_config")
+    check_hf_shapes(hf, (*HF_POSITIVE, *VISION_POSITIVE), (*HF_DIVISIBLE, *VISION_DIVISIBLE))
     rope = _get(text, "rope_parameters") or _get(text, "rope_scaling") or {}
     hidden, heads = _get(text, "hidden_size"), _get(text, "num_attention_heads")
     variant = VARIANTS[model_type]

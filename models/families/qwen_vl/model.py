@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models import kernels
 from models.families.qwen_vl.config import QwenVLModelConfig
-from models.moe_aux import capacity_kwargs
+from models.moe_aux import capacity_kwargs, transformer_config
 from models.mrope import megatron_mrope_section
 from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
 from models.parallel import moe_parallel_kwargs
@@ -53,7 +53,7 @@ COST_MODELS = {"qwen2_5_vl": CostModel(per_patch=1.0, per_patch_sq=1.6e-5),
 
 def lm_transformer_config(cfg: QwenVLModelConfig, use_te: bool = False) -> TransformerConfig:
     t = cfg.lm
-    config = TransformerConfig(
+    config = transformer_config(
         num_layers=t.num_layers, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
         num_attention_heads=t.num_heads, num_query_groups=t.num_kv_heads, kv_channels=t.head_dim,
         normalization="RMSNorm", layernorm_epsilon=t.rms_norm_eps, add_bias_linear=False,
