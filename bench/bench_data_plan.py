@@ -5,7 +5,8 @@ side in one run.
 Simulated with bench/bench_vision_balance.py's samplers (Mantis-like photo sets, InfoVQA-like
 pages, LLaVA-Video-like clips, and an even mix of the three; Qwen2.5-VL geometry) and the
 vision cost of the same cost model (models.vision_dp.CostModel: patches, and the quadratic
-term of full attention). One packed row of ``--tokens`` tokens per rank per step:
+term of full attention). ``--rows-per-rank`` (1) packed rows of ``--tokens`` tokens per rank per
+step:
 
 - per rank: each rank fills its row from its own stream, first fit in stream order;
 - global plan: the step's samples come from one stream until they hold ``POOL`` (1.5) times the
@@ -79,19 +80,21 @@ def time_ratio(loads: list[tuple[int, float]], share: float) -> float:
     return max(times) / statistics.fmean(times)
 
 
-def simulate(name: str, dp: int, steps: int, capacity: int, share: float) -> dict:
+def simulate(name: str, dp: int, steps: int, capacity: int, share: float,
+             per_rank_rows: int = 1) -> dict:
     rngs = [random.Random(f"{name}-{dp}-{r}") for r in range(dp)]
     carried_ranks: list[list[Item]] = [[] for _ in range(dp)]
     stream, carried = random.Random(f"{name}-{dp}-global"), []
     result = {k: [] for k in ("base_tokens", "base_vision", "base_time", "plan_tokens",
                               "plan_vision", "plan_time", "bound_vision")}
     for _ in range(steps):
-        base = per_rank(rngs, name, capacity, carried_ranks)
+        base = [tuple(map(sum, zip(*loads))) for loads in zip(*[
+            per_rank(rngs, name, capacity, carried_ranks) for _ in range(per_rank_rows)])]
         fresh, have = [], sum(i.tokens for i in carried)
-        while have < POOL * dp * capacity:
+        while have < POOL * dp * per_rank_rows * capacity:
             fresh.append(draw(stream, name, capacity))
             have += fresh[-1].tokens
-        rows, carried = pack_rows(carried, fresh, dp, capacity, packing=True)
+        rows, carried = pack_rows(carried, fresh, dp * per_rank_rows, capacity, packing=True)
         ranks = assign_rows(rows, dp)
         placed = [item for row in rows for item in row.items]
         mean_vision = sum(i.vision for i in placed) / dp  # no split of whole samples beats it
@@ -120,8 +123,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--vision-share", type=float, default=0.3)
+    parser.add_argument("--rows-per-rank", type=int, default=1,
+                        help="Rows (micro-batches) each rank trains per step.")
     args = parser.parse_args()
-    rows = [simulate(name, dp, args.steps, args.tokens, args.vision_share)
+    rows = [simulate(name, dp, args.steps, args.tokens, args.vision_share, args.rows_per_rank)
             for name in DATASETS for dp in (2, 8, 32)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "data_plan.json").write_text(json.dumps(rows, indent=1))
