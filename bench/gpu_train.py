@@ -169,9 +169,9 @@ def train_family(family: str, smoke: bool, steps: int, out: Path, peak_tflops: f
 
     from models import cpu
     from models.flops import batch_flops
+    from recipes.estimate import GIB, estimate
     from recipes.forward import optimizer_step
     from recipes.layout import init_distributed
-    from recipes.memory import GIB, estimate
     from recipes.model_setup import build_model, select_kernels, wrap_for_training
     from recipes.schedule import loss_tokens, lr_at
 

@@ -6,7 +6,7 @@ fits. What the recipes' ``layouts`` were chosen from:
     .venv/bin/python bench/plan_recipes.py --write   # each recipe's ``layouts``: the best per count
 
 Each recipe is estimated on its model YAML of the same name in configs/ (the published shapes)
-under configs/train_qwen_vl_mantis.yaml's run settings, with the recipe applied by name.
+under its family's Mantis train config (``Recipe.mantis_config``), with the recipe applied by name.
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "configs" / "train_qwen_vl_mantis.yaml"
 
 
 def recipe_config(name: str, gpus: int | None, *extra: str):
     """The run config of recipe ``name`` on its model YAML (``gpus``: with its layout)."""
+    from recipes.model_recipes import load
     from recipes.run_config import load_run_config
 
-    return load_run_config(TRAIN, [f"model.base=configs/{name}.yaml", f"recipe={name}",
-                                   *extra], world=gpus)
+    recipe = load(REPO / "configs" / "recipes" / f"{name}.yaml")
+    return load_run_config(recipe.mantis_config(), [f"model.base=configs/{name}.yaml",
+                                                    f"recipe={name}", *extra], world=gpus)
 
 
 #: what a recipe's layout sets (the global batch stays the recipe's, grad_accum follows it)

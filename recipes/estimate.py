@@ -272,8 +272,9 @@ def estimate_layout(table: ModelTable, cfg, gpus: int, layout: Layout, bf16: boo
     lay, te = layout, cfg.task_encoder
     dtype = 2 if bf16 else 4
     sequence_parallel = bool(table.experts) and lay.tp > 1
-    # a Gated DeltaNet under CP shares its heads, or (too few per TP rank) gathers the sequence
-    heads = table.deltanet_key_heads // (1 if table.local else lay.tp)
+    # a Gated DeltaNet under CP shares its heads, or (too few per TP rank) gathers the sequence;
+    # the config's count is the whole model's in a local table too
+    heads = table.deltanet_key_heads // lay.tp
     deltanet_gathers = lay.cp > 1 and not shares_heads(heads, lay.cp)
     stages = [stage] if stage is not None or table.local else range(lay.pp)
     return [_stage(table, te, gpus, lay, bf16, dtype, sequence_parallel, deltanet_gathers,

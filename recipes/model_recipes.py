@@ -54,6 +54,15 @@ class Recipe:
                 and model.lm.num_layers == self.match.get("num_layers")
                 and family_of(model).num_experts(model) == (self.match.get("num_experts") or 0))
 
+    def mantis_config(self) -> Path:
+        """The train config of the recipe's family on Mantis (its make family's,
+        ``configs/train_<make family>_mantis.yaml``): what a recipe is estimated under, on its
+        model YAML of the same name (``model.base=configs/<name>.yaml``)."""
+        from contract.families import MAKE_FAMILIES
+
+        make = MAKE_FAMILIES[self.match["family"]].replace("-", "_")
+        return self.path.parent.parent / f"train_{make}_mantis.yaml"
+
     def layout_for(self, world: int) -> tuple[int, dict] | None:
         """(GPUs, values) of the layout a run of ``world`` GPUs takes: the largest count that
         divides ``world``; None when there is none."""

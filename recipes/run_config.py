@@ -441,6 +441,7 @@ def _check_values(s: dict) -> list[str]:
                  for name, value, low, high in ranges
                  if not (math.isfinite(value) and value >= low
                          and (high is None or value < high))]
+    problems += _rate_problems(t)
     if not (math.isfinite(t.adam_eps) and t.adam_eps > 0):
         problems.append(f"train.adam_eps must be a finite number > 0, got {t.adam_eps}")
     if t.precision not in ("auto", "fp32", "bf16"):
@@ -469,6 +470,27 @@ def _check_values(s: dict) -> list[str]:
                         "true")
     if t.gpu_memory_gib is not None and not t.gpu_memory_gib > 0:
         problems.append(f"train.gpu_memory_gib must be > 0, got {t.gpu_memory_gib}")
+    return problems
+
+
+MAX_RATE = 1e30
+"""The largest learning rate a group may reach (Adam's first step divides it by 1 - beta1 and
+torch converts that to float32: 3.4e38 overflows, a traceback)."""
+
+
+def _rate_problems(t) -> list[str]:
+    """The rates (each part's, LoRA+'s B factors' too) above ``MAX_RATE``, one problem each."""
+    rates = (("train.lr", t.lr), ("train.min_lr", t.min_lr),
+             ("train.lr_vision_model", t.lr_vision_model),
+             ("train.lr_vision_projection", t.lr_vision_projection))
+    problems = [f"{name} must be <= {MAX_RATE:g} (a larger rate overflows float32 in the "
+                f"update), got {value}" for name, value in rates
+                if value is not None and math.isfinite(value) and value > MAX_RATE]
+    top = max((v for _, v in rates if v is not None and math.isfinite(v)), default=0.0)
+    ratio = t.lora_plus_ratio
+    if ratio is not None and math.isfinite(ratio) and top <= MAX_RATE and top * ratio > MAX_RATE:
+        problems.append(f"train.lora_plus_ratio {ratio} times the largest rate {top} is above "
+                        f"{MAX_RATE:g} (it overflows float32 in the update)")
     return problems
 
 

@@ -139,15 +139,15 @@ def test_every_recipe_layout_and_real_size_config_fits_its_gpus():
     from recipes.estimate import Layout, estimate_layout, fits, run_table, uses_bf16
     from recipes.model_recipes import all_recipes
 
-    def recipe_config(name: str, gpus: int | None):
-        return load_run_config(MANTIS, [f"model.base=configs/{name}.yaml", f"recipe={name}"],
-                               world=gpus)
+    def recipe_config(recipe, gpus: int | None):
+        return load_run_config(recipe.mantis_config(), [
+            f"model.base=configs/{recipe.name}.yaml", f"recipe={recipe.name}"], world=gpus)
 
     for recipe in all_recipes():
-        table = run_table(recipe_config(recipe.name, None))
+        table = run_table(recipe_config(recipe, None))
         assert recipe.layouts, recipe.name
         for gpus in recipe.layouts:
-            cfg = recipe_config(recipe.name, gpus)
+            cfg = recipe_config(recipe, gpus)
             estimates = estimate_layout(table, cfg, gpus, Layout.of(cfg), uses_bf16(cfg.train, 1))
             assert fits(estimates, GPU_GIB), (recipe.name, gpus, [e.line() for e in estimates])
     for path in sorted((REPO / "configs").glob("train_*.yaml")):

@@ -2,7 +2,8 @@
 a real input path: the config) gives non-finite losses and gradient norms; each such step is
 skipped (no update, counted as ``nonfinite_steps``), ``train.max_nonfinite_steps`` in a row stop
 the run with one line naming the step and the batch's sample keys, and the checkpoints saved in
-between hold the last finite weights. Infinite weights (``train.lr=.inf``) are never saved.
+between hold the last finite weights. Infinite weights (an infinite base weight) are never
+saved.
 Under the project's torchrun (NPROC=2) the stop is printed once and names both ranks' samples."""
 
 from __future__ import annotations
@@ -60,10 +61,24 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(mantis_out, tmp_path):
 
 @pytest.mark.slow
 def test_nonfinite_weights_are_never_saved(mantis_out, tmp_path):
+    """A base with an infinite weight (a corrupt download; no learning rate the config takes
+    reaches inf: ``train.lr`` is at most 1e30) trains only skipped steps, and the checkpoint due
+    is refused in one line: infinite weights are never saved."""
+    from safetensors.torch import load_file, save_file
+
+    from lookalikes.models import build_tiny_hf_model
+    from tests.test_hf_journey import JOURNEYS
+
+    config, pixels = JOURNEYS["qwen2_5_vl"][:2]
+    hf = build_tiny_hf_model("qwen2_5_vl", tmp_path / "hf", pixels=pixels)
+    weights = load_file(str(hf / "model.safetensors"))
+    weights["model.norm.weight"][0] = float("inf")
+    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
     out = tmp_path / "run"
-    line = failure_line(train(str(MANTIS_CFG), f"data.path={mantis_out}/metadataset.yaml",
-                              f"out={out}", *FAST, "train.lr=.inf", "train.warmup_steps=0",
-                              "train.steps=2", "checkpoint.interval=1"))
+    line = failure_line(train(str(config), f"model.hf={hf}", f"data.path={mantis_out}/"
+                              "metadataset.yaml", f"out={out}", *FAST, "train.steps=2",
+                              f"train.hf_import_cache={tmp_path / 'cache'}",
+                              "checkpoint.interval=1", "train.max_nonfinite_steps=10"))
     assert "the weights are not finite: checkpoint step_000001 not saved" in line, line
     assert not list((out / "checkpoints").glob("step_*"))
 
@@ -94,8 +109,8 @@ def test_a_checkpoint_before_any_applied_step_is_saved_and_resumes(mantis_out, t
     exist yet) is saved, no ``.partial`` left, and the run resumes from it."""
     from safetensors.torch import load_file, save_file
 
+    from lookalikes.models import build_tiny_hf_model
     from tests.test_hf_journey import JOURNEYS, train_from_hf
-    from tests.tiny_hf import build_tiny_hf_model
 
     hf = build_tiny_hf_model("qwen2_5_vl", tmp_path / "hf", pixels=JOURNEYS["qwen2_5_vl"][1])
     weights = load_file(str(hf / "model.safetensors"))

@@ -299,7 +299,8 @@ def test_make_eval_checks_family_and_dataset(exports, capsys):
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["family"] == "qwen2_5_vl"
     from models.checkpoint import read_checkpoint
 
-    for family, (other_run, _export) in exports.items():  # every family its train target trains
+    for name, (other_run, _export) in exports.items():  # every family its train target trains
+        family = name.removesuffix(FROM_HF)
         target = "nemotron_omni" if family == "nemotron_omni" else "qwen_vl"
         eval_script.check_expected(read_checkpoint(str(other_run)),
                                    f"configs/train_{target}_mantis.yaml")

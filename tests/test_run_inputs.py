@@ -57,12 +57,14 @@ def test_optimizer_and_loader_values_out_of_range_are_one_line(capsys):
            "train.clip_grad": "-inf", "train.warmup_steps": "-2", "train.seed": "-5",
            "data.num_workers": "-1", "data.shuffle_buffer_size": "-3",
            "data.max_samples_per_sequence": "0", "data.seed_offset": str(2**40),
-           "parallel.ep": "0", "parallel.etp": "0", "checkpoint.interval": "-1"}
+           "parallel.ep": "0", "parallel.etp": "0", "checkpoint.interval": "-1",
+           "train.lr_vision_model": "1e+39"}  # within float64, not a float32 update
     line = main_error(capsys, str(MANTIS_CFG), *(f"{k}={v}" for k, v in bad.items()))
     for key, value in bad.items():
         assert f"{key} must be" in line and f"got {value}" in line, (key, line)
     assert "train.lr must be a finite number >= 0, got nan" in line
     assert "train.adam_beta1 must be a finite number >= 0 and < 1, got 1.5" in line
+    assert "train.lr_vision_model must be <= 1e+30 (a larger rate overflows float32" in line
 
 
 def test_the_boundaries_of_the_ranges_load():

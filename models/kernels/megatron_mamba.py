@@ -52,10 +52,13 @@ def bind(impl, conv) -> None:
     mamba_mixer.causal_conv1d_fn = conv.impl.fn if conv.name == "causal_conv1d" else None
     mamba_mixer.causal_conv1d_update = conv.impl.update if conv.name == "causal_conv1d" else None
     mamba_mixer.HAVE_MAMBA_SSM = True
-    _final_norm_without_te()
+    final_norm_without_te()
 
 
-def _final_norm_without_te() -> None:
+def final_norm_without_te() -> None:
+    """The hybrid stack's final norm as megatron's torch norm where TransformerEngine is not
+    installed (megatron builds it with ``TENorm`` whatever the spec says): called by ``bind`` and
+    by every hybrid model before its stack is built, Mamba layers or not."""
     from megatron.core.extensions import transformer_engine as te_ext
     from megatron.core.ssm import mamba_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm

@@ -82,7 +82,7 @@ QWEN3_5_MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,),
 
 @pytest.fixture(scope="session")
 def qwen3_5_hf(tmp_path_factory) -> dict[str, Path]:
-    """family -> a tiny HF Qwen3.5 folder (tests/tiny_hf.py); the dense one with the
+    """family -> a tiny HF Qwen3.5 folder (lookalikes/models.py); the dense one with the
     ``QWEN3_5_MTP`` tensors added, as published."""
     from safetensors.torch import load_file, save_file
 

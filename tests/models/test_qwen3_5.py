@@ -1,5 +1,5 @@
 """Qwen3.5 (``qwen3_5``) and Qwen3.5 MoE (``qwen3_5_moe``) on megatron-core against
-transformers' ``Qwen3_5(Moe)ForConditionalGeneration`` on tiny models (tests/tiny_hf.py: three
+transformers' ``Qwen3_5(Moe)ForConditionalGeneration`` on tiny models (lookalikes/models.py: three
 Gated DeltaNet layers then gated attention, rotary on a quarter of each head, two value heads per
 key head, K != V; MoE: 4 experts + a gated shared expert): the torch kernels against transformers'
 torch path (several chunks, packed segments, the decode step), logits with images and a video,

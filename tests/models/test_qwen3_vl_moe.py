@@ -392,7 +392,8 @@ def test_expert_tp_other_than_tp_at_ep1_refused_in_one_line(tmp_path, capsys):
         "parallel.ep > 1" in err, err
     published = load_run_config(REPO / "configs" / "train_qwen3_vl_235b_a22b_mantis.yaml",
                                 [f"data.path={tmp_path / 'none'}", "parallel.tp=4",
-                                 "parallel.etp=1", "parallel.ep=32"], world=32)
+                                 "parallel.etp=1", "parallel.ep=32",
+                                 "task_encoder.fixed_length=true"], world=32)  # (EP on CPU)
     assert (published.parallel.tp, published.parallel.etp, published.parallel.ep) == (4, 1, 32)
     with pytest.raises(UsageError, match="data.path .* does not exist"):  # its layout passes
         check_run(published, 32)
@@ -430,8 +431,8 @@ def test_top1_routing_equals_transformers(family, tmp_path):
     """``num_experts_per_tok: 1`` (which megatron-core's config check refuses without
     pre-softmax, ``models.moe_aux.transformer_config``) imports, and its logits equal
     transformers' (each token's one expert at weight 1)."""
+    from lookalikes.models import build_tiny_qwen3_5
     from models.convert import verify
-    from tests.tiny_hf import build_tiny_qwen3_5
 
     hf = (build_tiny_hf(family, tmp_path / "hf", moe={"num_experts_per_tok": 1})
           if family == "qwen3_vl_moe" else

@@ -254,7 +254,10 @@ class NemotronOmni(LanguageModelRunner, MegatronModule):
         """
         from megatron.core.models.mamba import MambaModel
 
+        from models.kernels.megatron_mamba import final_norm_without_te
+
         use_te = resolve_kernels(cfg, use_te)
+        final_norm_without_te()  # a pattern without Mamba layers binds no Mamba kernels
         config = lm_transformer_config(cfg, use_te)
         super().__init__(config=config)
         self._init_stage(cfg)
