@@ -279,31 +279,38 @@ def test_merged_and_peft_exports_give_the_same_logits(family, fixture, target, r
 
 
 @pytest.mark.slow
-def test_tp2_lora_equals_tp1_on_nemotron(tmp_path, mantis_out):
-    """Nemotron-Omni (Mamba + attention + MLP LM) with adapters on its attention, MLP and Mamba
-    output projections: 3 steps at TP = 2 (column and row adapters sharded) give TP = 1's
-    losses, and both checkpoints merge to the same weights; a Mamba in_proj adapter is refused
-    at TP = 2 in one line."""
+@pytest.mark.parametrize("family,peft,targets,parts", [
+    ("nemotron_omni", "lora", "[linear_qkv,linear_proj,linear_fc1,linear_fc2,out_proj]",
+     "[language_model]"),
+    ("qwen2_5_vl", "dora", "[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+     "[language_model,vision_model]")])
+def test_tp2_adapters_equal_tp1(family, peft, targets, parts, tmp_path, mantis_out):
+    """3 steps at TP = 2 (column and row adapters sharded, DoRA's magnitude sharded with a
+    column base and its row norms summed over TP with a row base) give TP = 1's losses, and both
+    checkpoints merge to the same weights (Qwen2.5-VL's gated MLPs: fc1's B and magnitude read
+    back in TP = 1's gate | up order). Nemotron-Omni (Mamba + attention + MLP LM): LoRA on its
+    Mamba output projections too; a Mamba in_proj adapter is refused at TP = 2 in one line."""
     from tests.test_hf_journey import state
 
-    hf = build_tiny_hf_model("nemotron_omni", tmp_path / "hf", pixels=(16384, 16384))
-    targets = ("model.lora.target_modules="
-               "[linear_qkv,linear_proj,linear_fc1,linear_fc2,out_proj]")
+    hf = build_tiny_hf_model(family, tmp_path / "hf", pixels=(16384, 16384))
     runs = {}
     for tp in (1, 2):
         runs[tp] = tmp_path / f"tp{tp}"
-        train_from_hf("nemotron_omni", hf, runs[tp], tmp_path / "cache", mantis_out, *LORA,
-                      targets, "train.steps=3", "train.lr=1e-2", f"parallel.tp={tp}",
-                      nproc=tp, plain=tp > 1)
+        train_from_hf(family, hf, runs[tp], tmp_path / "cache", mantis_out, *LORA,
+                      f"model.peft={peft}", f"model.lora.target_modules={targets}",
+                      f"model.lora.parts={parts}", "train.steps=3", "train.lr=1e-2",
+                      f"parallel.tp={tp}", nproc=tp, plain=tp > 1)
     one, two = losses(runs[1]), losses(runs[2])
     assert one[0] != one[-1]  # the adapters trained
     torch.testing.assert_close(two, one, rtol=2e-4, atol=0)
     merged = {tp: state(runs[tp]) for tp in runs}
     for key, value in merged[1].items():
         torch.testing.assert_close(merged[2][key], value, rtol=1e-3, atol=1e-5, msg=key)
+    if family != "nemotron_omni":
+        return
     from tests.test_train import error_line, train
 
-    proc = train(str(JOURNEYS["nemotron_omni"][0]), f"model.hf={hf}", *LORA,
+    proc = train(str(JOURNEYS[family][0]), f"model.hf={hf}", *LORA,
                  f"data.path={mantis_out}/metadataset.yaml", f"out={tmp_path / 'x'}",
                  f"train.hf_import_cache={tmp_path / 'cache'}", "parallel.tp=2",
                  "model.lora.target_modules=[in_proj]", nproc=2)
