@@ -190,8 +190,7 @@ def fuse_adapters(modules: dict, cfg: Qwen35ModelConfig, sd: dict[str, torch.Ten
         a = torch.cat([part.a for part in parts.values()])
         b = a.new_zeros(sum(_widths(cfg)), a.shape[0])
         dora = any(part.magnitude is not None for part in parts.values())
-        magnitudes, row = [], 0
-        col = 0
+        magnitudes, row, col = [], 0, 0
         for n, width in zip("qkv", _widths(cfg)):
             if n in parts:
                 rank = parts[n].a.shape[0]
