@@ -1,6 +1,6 @@
-"""Full fine-tuning vs frozen vision tower vs LoRA, side by side in one run: median step time,
-peak memory and the optimizer-state bytes each mode's checkpoint holds, as ratios to full
-fine-tuning.
+"""Full fine-tuning vs frozen vision tower vs LoRA vs DoRA, side by side in one run: median step
+time, peak memory and the optimizer-state bytes each mode's checkpoint holds, as ratios to full
+fine-tuning, and DoRA's as ratios to LoRA's (same rank, targets and data).
 
     .venv/bin/python bench/bench_peft.py [--data META.yaml] [--steps 8] [--rounds 2]
 
@@ -37,7 +37,10 @@ MODES = {
     "full": [],
     "frozen ViT": ["model.freeze_vision_model=true"],
     "LoRA r16 (LM)": ["model.peft=lora"],
+    "DoRA r16 (LM)": ["model.peft=dora"],
 }
+#: (mode, the mode it is compared with) in the second table
+PAIRS = (("DoRA r16 (LM)", "LoRA r16 (LM)"),)
 
 
 def _data(args) -> Path:
@@ -112,6 +115,15 @@ def main() -> None:
                   f"{got['mem_gb'] / full['mem_gb']:.2f}x | "
                   f"{got['optimizer_bytes'] / 1e6:.2f} | "
                   f"{got['optimizer_bytes'] / full['optimizer_bytes']:.3f}x |")
+    print("\n| shape | mode | vs | step time | peak mem | optimizer state |")
+    print("|---|---|---|---|---|---|")
+    for shape_name in SHAPES:
+        for mode_name, other in PAIRS:
+            got = _summary(results[(shape_name, mode_name)])
+            ref = _summary(results[(shape_name, other)])
+            print(f"| {shape_name} | {mode_name} | {other} | "
+                  + " | ".join(f"{got[k] / ref[k]:.3f}x"
+                               for k in ("step_s", "mem_gb", "optimizer_bytes")) + " |")
 
 
 def _summary(rounds: list[dict]) -> dict:

@@ -66,7 +66,7 @@ class ModelCheckpoint:
     #: the frozen base a checkpoint that holds only what trains refers to
     #: (``recipes.model_setup.base_source``); None: it holds every weight
     base: dict | None = None
-    lora: object = None  #: ``models.lora.LoRAConfig`` of a LoRA run, else None
+    lora: object = None  #: ``models.lora.LoRAConfig`` of a LoRA / DoRA run, else None
 
 
 def save_checkpoint(model, cfg, out: Path, hf_config: dict | None = None,
@@ -208,18 +208,18 @@ def read_checkpoint(path: str | Path) -> ModelCheckpoint:
 
 
 def _lora_of(model_section: dict):
-    """The ``LoRAConfig`` a stored run config's model section names (``peft: lora``), else None.
+    """The ``LoRAConfig`` a stored run config's model section names (``peft: lora`` or
+    ``dora``), else None.
 
     Raises:
         ValueError: its ``lora`` settings do not build (the stored config was edited).
     """
-    if model_section.get("peft") != "lora":
-        return None
-    from contract.config import build_into
-    from models.lora import LoRAConfig
+    from models.lora import METHODS, read_settings
 
+    if model_section.get("peft") not in METHODS:
+        return None
     problems: list[str] = []
-    found = build_into(LoRAConfig, model_section.get("lora"), "model.lora", problems)
+    found = read_settings(model_section["peft"], model_section.get("lora"), problems)
     if found is None:
         raise ValueError("; ".join(problems))
     return found

@@ -144,10 +144,11 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False, overwrite: bool =
     config.json made from our config with the bos / eos / pad ids of the tokenizer it recorded,
     a generation config with that eos, the family's processor files from the run's
     ``task_encoder`` pixel settings (``processor_files``). A LoRA run's adapters are merged into
-    the weights (W + alpha / r * B @ A); ``adapter``: write its HF PEFT folder instead
-    (``write_peft_folder``). Where and how it is written: ``check_out``, ``export_folder``.
-    ``base``: where the base of a checkpoint that holds only what trains is now, when it moved
-    (``models.checkpoint.base_folder``).
+    the weights (W + alpha / r * B @ A; DoRA's rows then rescaled to their magnitude:
+    ``models.lora``), and what it trained in full is written as trained; ``adapter``: write its
+    HF PEFT folder instead (``write_peft_folder``). Where and how it is written: ``check_out``,
+    ``export_folder``. ``base``: where the base of a checkpoint that holds only what trains is
+    now, when it moved (``models.checkpoint.base_folder``).
 
     Raises:
         UsageError: not a checkpoint, ``--adapter`` of a run without LoRA, or an ``out`` that
@@ -160,8 +161,8 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False, overwrite: bool =
 
     found = read_checkpoint(mcore)  # a bad folder: one line, before any process group
     if adapter and found.lora is None:
-        raise UsageError(f"--adapter: {mcore} is not a checkpoint of a LoRA run (model.peft=lora)"
-                         "; export it without --adapter")
+        raise UsageError(f"--adapter: {mcore} is not a checkpoint of a LoRA run (model.peft=lora "
+                         "or dora); export it without --adapter")
     check_out(out, found, overwrite, base)
     init_parallel()
     model = load_model(found, use_te=False, merge=not adapter, base=base)
@@ -231,15 +232,17 @@ def _recorded_tokenizer(files: Path | None):
 
 
 def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
-    """The HF PEFT folder of a LoRA run (``adapter_config.json`` + ``adapter_model.safetensors``)
-    that ``peft.PeftModel.from_pretrained(<the base HF model>, out)`` loads: each adapter under
-    the HF names of transformers' modules (a fused q/k/v or gate/up adapter split per projection:
-    B's rows split as the weight's, A shared; adapters of our linears that HF fuses into one, as
-    the family's ``fuse_adapters`` joins them, of the parts' ranks summed: ``rank_pattern`` /
-    ``alpha_pattern``), and the groups the run trained in full as ``modules_to_save``."""
+    """The HF PEFT folder of a LoRA / DoRA run (``adapter_config.json`` +
+    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained(<the base HF model>,
+    out)`` loads: each adapter under the HF names of transformers' modules (a fused q/k/v or
+    gate/up adapter split per projection: B's rows and DoRA's magnitude split as the weight's, A
+    shared; adapters of our linears that HF fuses into one, as the family's ``fuse_adapters``
+    joins them, of the parts' ranks summed: ``rank_pattern`` / ``alpha_pattern``), DoRA's
+    magnitude as peft's ``lora_magnitude_vector`` (``use_dora``), and the groups the run trained
+    in full as ``modules_to_save`` (``_modules_to_save``)."""
     from models.families import family_of
     from models.hf_weights import save_safetensors
-    from models.lora import adapter_factors
+    from models.lora import Factors, adapter_factors
 
     cfg, lora, mapping = found.model_config, found.lora, mapping_module(found.model_config)
     factors = adapter_factors(sd)
@@ -247,17 +250,25 @@ def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
         raise UsageError(f"--adapter: {found.folder} adapted MoE experts (model.lora.experts="
                          "true), which have no PEFT folder layout here (transformers' experts are "
                          "fused tensors, not linears): export the merged model (without --adapter)")
-    modules = {}  # HF module -> (A, B)
-    for weight_key, (a, b) in factors.items():
-        for hf_key, b_part in mapping.ours_to_hf({weight_key: b}, cfg, hub_layout=False,
-                                                 only={weight_key}).items():
-            modules[hf_key.removesuffix(".weight")] = (a, b_part)
+
+    def as_hf(weight_key: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """HF module -> its part of ``rows`` (laid out as the weight's rows)."""
+        return {k.removesuffix(".weight"): v for k, v in mapping.ours_to_hf(
+            {weight_key: rows}, cfg, hub_layout=False, only={weight_key}).items()}
+
+    modules = {}  # HF module -> Factors
+    for weight_key, (a, b, magnitude) in factors.items():
+        norms = {} if magnitude is None else as_hf(weight_key, magnitude[:, None])
+        for module, b_part in as_hf(weight_key, b).items():
+            modules[module] = Factors(a, b_part, norms[module][:, 0] if norms else None)
     if hasattr(mapping, "fuse_adapters"):  # adapters of our linears that HF fuses into one
-        modules = mapping.fuse_adapters(modules, cfg)
+        modules = mapping.fuse_adapters(modules, cfg, sd)
     tensors, targets, ranks = {}, sorted(modules), {}
-    for module, (a, b) in modules.items():
+    for module, (a, b, magnitude) in modules.items():
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.clone()
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+        if magnitude is not None:
+            tensors[f"base_model.model.{module}.lora_magnitude_vector"] = magnitude.contiguous()
         if a.shape[0] != lora.rank:  # a fused adapter: the parts' ranks stacked
             ranks[module] = a.shape[0]
     model_section = (found.run_config or {}).get("model", {})
@@ -271,11 +282,20 @@ def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
     save_safetensors(tensors, Path(out) / "adapter_model.safetensors")
     config = {"peft_type": "LORA", "task_type": None, "r": lora.rank,
               "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
-              "target_modules": targets,
+              "use_dora": lora.dora, "target_modules": targets,
               # a fused adapter's rank r' keeps the scale alpha / r (alpha' = alpha r' / r)
               "rank_pattern": ranks,
               "alpha_pattern": {m: lora.alpha * r / lora.rank for m, r in ranks.items()},
-              "modules_to_save": sorted({k.rsplit(".", 1)[0] for k in saved}) or None,
+              "modules_to_save": _modules_to_save(saved) or None,
               "base_model_name_or_path": (found.base or {}).get("hf"),
               "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True}
     (Path(out) / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _modules_to_save(saved: dict[str, torch.Tensor]) -> list[str]:
+    """peft's ``modules_to_save`` of these HF weights: the modules holding them, none inside
+    another (peft wraps each named module whole, its copy loaded from ``<module>.<param>`` keys;
+    a module named inside a wrapped one would be wrapped twice, its weights loaded nowhere)."""
+    owners = {key.rsplit(".", 1)[0] for key in saved}
+    return sorted(m for m in owners
+                  if not any(m.startswith(other + ".") for other in owners))

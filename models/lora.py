@@ -1,5 +1,6 @@
-"""LoRA adapters on megatron-core's tensor-parallel linears: what ``model.peft=lora`` adds to a
-model, how it trains at any TP, how it is merged back into the base weights.
+"""LoRA and DoRA adapters on megatron-core's tensor-parallel linears: what ``model.peft=lora``
+(or ``dora``) adds to a model, how it trains at any TP, how it is merged back into the base
+weights.
 
 This module owns the adapter (``LoRAAdapter``), where adapters go (``add_adapters``: the
 ``model.lora`` settings, ``LoRAConfig``), their merge into the base weights (``merge_adapters``,
@@ -26,14 +27,26 @@ per expert-TP rank, summed over the expert-TP group in the backward of its use
 (``_replicated_weight``). A starts from a seeded Kaiming uniform draw (the seed from the
 adapter's global name, so every TP / PP layout starts equal), B at zero: step 1 computes the base
 model's loss. Sharded checkpoint entries carry each factor's own TP axis, an expert's over the
-expert-TP group with its replicas counted over the expert-DP group (``sharded_state_dict``).
+expert-TP group with its replicas counted over the expert-DP group, and a gated MLP's
+``linear_fc1`` rows split gate | up as megatron splits the weight's, so that any TP loads them
+in TP = 1's order (``sharded_state_dict``).
+
+DoRA (``model.peft=dora``, HF PEFT's ``use_dora``): the adapted linear computes
+``m * (W + s B A) x / ||W + s B A||`` (s = alpha / r; the norm over each output row, detached from
+the gradient as in the DoRA paper and peft) with the magnitude ``m`` a trained vector that starts
+at the rows' norms of W, so that step 1 computes the base model's loss too. The hook turns the
+base output ``W x`` into ``g W x + g s B A x`` with ``g = m / ||W + s B A||`` (a bias the base adds
+stays as it is; dropout acts on the adapter's branch only). ``m`` is laid out like the base's
+output rows: sharded with a column-parallel base, whole with a row-parallel one, whose row norms
+sum their squares over TP (each rank holds a slice of every row). MoE experts take LoRA only.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +56,8 @@ DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 #: parameter groups whose linears get adapters by default (the ViT only when asked)
 DEFAULT_PARTS = ("language_model",)
 SUFFIX = "_lora"  #: an adapter's module name: the base linear's name + SUFFIX
+#: ``model.peft`` values that add adapters (``model.lora.*`` configures both)
+METHODS = ("lora", "dora")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,10 +75,23 @@ class LoRAConfig:
     #: vision_projection)
     parts: list[str] = field(default_factory=lambda: list(DEFAULT_PARTS))
     experts: bool = False  #: adapters on MoE experts' linears too (vLLM does not load those)
+    #: DoRA: a trained magnitude per output row (set by ``model.peft=dora``, not a model.lora key)
+    dora: bool = field(default=False, init=False)
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def method(self) -> str:
+        """The ``model.peft`` value of these settings."""
+        return "dora" if self.dora else "lora"
+
+    def stored(self) -> dict:
+        """These settings as a run config's ``model`` keys (``peft`` and ``lora``)."""
+        settings = asdict(self)
+        del settings["dora"]
+        return {"peft": self.method, "lora": settings}
 
     def problems(self, groups: tuple[str, ...],
                  widths: dict[str, int] | None = None) -> list[str]:
@@ -84,6 +112,9 @@ class LoRAConfig:
                        "(the update is scaled by alpha / rank: 0 trains nothing; default 32)")
         if not 0.0 <= self.dropout < 1.0:
             out.append(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.dora and self.experts:
+            out.append("model.peft=dora puts no magnitude on MoE experts (model.lora.experts="
+                       "true): set model.lora.experts=false, or use model.peft=lora")
         if not self.target_modules:
             out.append("model.lora.target_modules is empty: no linear would get an adapter")
         unknown = [p for p in self.parts if p not in groups]
@@ -91,6 +122,17 @@ class LoRAConfig:
             out.append(f"model.lora.parts must be a non-empty list of {list(groups)}, "
                        f"got {self.parts}")
         return out
+
+
+def read_settings(peft, lora, problems: list[str]) -> LoRAConfig | None:
+    """The adapters of ``model.peft`` (one of ``METHODS``) with the ``model.lora`` section
+    ``lora`` (a mapping or None), or None with the problems added to ``problems``."""
+    from contract.config import build_into
+
+    found = build_into(LoRAConfig, lora, "model.lora", problems)
+    if found is not None:
+        found.dora = peft == "dora"
+    return found
 
 
 def _tp(is_expert: bool = False):
@@ -128,9 +170,10 @@ class LoRAAdapter(nn.Module):
     """The adapter of one base linear (see the module docstring); ``global_name``: the base's
     name at TP = PP = 1 (its layer numbered globally), which seeds A."""
 
-    def __init__(self, base: nn.Module, cfg: LoRAConfig, global_name: str, *, is_expert: bool):
+    def __init__(self, base: nn.Module, cfg: LoRAConfig, global_name: str, *, is_expert: bool,
+                 gated: bool = False):
         super().__init__()
-        self.kind, self.is_expert = _kind(base), is_expert
+        self.kind, self.is_expert, self.gated = _kind(base), is_expert, gated
         tp, tp_rank = (1, 0) if self.kind == "plain" else _tp(is_expert)
         self.tp = tp
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and tp > 1
@@ -158,6 +201,13 @@ class LoRAAdapter(nn.Module):
                 weight.sequence_parallel = True  # its gradient: a share per rank, summed
             if is_expert:
                 weight.allreduce = False  # experts reduce over the expert-DP group
+        self.register_parameter("magnitude", None)
+        if cfg.dora:  # the rows' norms of W (B = 0): the base model
+            self.magnitude = nn.Parameter(self.row_norms(base.weight).to(dtype))
+            self.magnitude.tensor_model_parallel = self.kind == "column" and tp > 1
+            self.magnitude.partition_dim, self.magnitude.partition_stride = 0, 1
+            if self.kind == "row" and self.sequence_parallel:
+                self.magnitude.sequence_parallel = True  # scales a sequence shard's outputs
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """alpha / r * B(A(x)) with x the base linear's input; the same layout as its output."""
@@ -177,6 +227,26 @@ class LoRAAdapter(nn.Module):
                  else tpl.reduce_from_tensor_model_parallel_region(h))
         return self.lora_b(h) * self.scale
 
+    @torch.no_grad()
+    def row_norms(self, weight: torch.Tensor) -> torch.Tensor:
+        """||W + s B A|| of each of this rank's output rows (float32), ``weight``: the base's W
+        on this rank; a row-parallel base's rows are split over TP: their squares summed."""
+        full = weight.float() + self.update()
+        squares = full.pow(2).sum(dim=1)
+        if self.kind == "row" and self.tp > 1:
+            from megatron.core import parallel_state as ps
+
+            torch.distributed.all_reduce(squares, group=ps.get_tensor_model_parallel_group())
+        return squares.sqrt()
+
+    def dora_output(self, base: torch.Tensor, unbiased: torch.Tensor, delta: torch.Tensor,
+                    weight: torch.Tensor) -> torch.Tensor:
+        """DoRA's output from the base's ``base`` (``unbiased``: without the bias it adds) and
+        the adapter's ``delta`` (s B A x): ``base + (g - 1) W x + g s B A x``, g = m / ||W + s B A||
+        (the norm detached)."""
+        scale = (self.magnitude.float() / self.row_norms(weight)).to(base.dtype)
+        return base + (scale - 1) * unbiased + scale * delta
+
     def _replicated_weight(self, factor: nn.Linear) -> torch.Tensor:
         """An expert adapter's factor weight as its forward uses it: a factor replicated over
         expert-TP > 1 gets its gradient summed over the expert-TP group (each rank computes a
@@ -192,26 +262,45 @@ class LoRAAdapter(nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
-        """Each factor sharded on its own TP axis (B's rows for a column base, A's columns for a
-        row base), the other replicated over TP; an expert's over expert-TP, its replicas over
-        the expert-DP group (megatron's experts' own groups)."""
+        """Each factor sharded on its own TP axis (B's rows and DoRA's magnitude for a column
+        base, A's columns for a row base), the rest replicated over TP; an expert's over
+        expert-TP, its replicas over the expert-DP group (megatron's experts' own groups); a
+        gated ``linear_fc1``'s rows split gate | up as megatron's MLP splits the weight (so TP = 1
+        reads them in its own order)."""
         from megatron.core import parallel_state as ps
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        axis = ({"lora_b.weight": 0} if self.kind == "column" else
+        rows = ("lora_b.weight", "magnitude")  # laid out like the base's output rows
+        axis = (dict.fromkeys(rows, 0) if self.kind == "column" else
                 {"lora_a.weight": 1} if self.kind == "row" else {})
         groups = {}
         if self.is_expert:
             groups = dict(tp_group=ps.get_expert_tensor_parallel_group(),
                           dp_cp_group=ps.get_expert_data_parallel_group())
         state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(state, prefix, axis if self.tp > 1 else {},
-                                                   sharded_offsets, **groups)
+        sharded = make_sharded_tensors_for_checkpoint(state, prefix, axis if self.tp > 1 else {},
+                                                      sharded_offsets, **groups)
+        if self.gated and self.tp > 1:  # each rank's rows are its gate | up slices: split
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            for key in (prefix + row for row in rows if prefix + row in sharded):
+                sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets,
+                                                            singleton)
+        return sharded
 
     @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """The base weight's update on this rank: alpha / r * B @ A (TP = 1 only)."""
+    def update(self) -> torch.Tensor:
+        """alpha / r * B @ A on this rank (float32): LoRA's update of the base weight."""
         return (self.lora_b.weight.float() @ self.lora_a.weight.float()) * self.scale
+
+    @torch.no_grad()
+    def merge_into(self, weight: torch.Tensor) -> None:
+        """Fold the adapter into the base weight (TP = 1): W + s B A; DoRA's rows then rescaled
+        to the magnitude, m (W + s B A) / ||W + s B A||."""
+        merged = weight.float() + self.update()
+        if self.magnitude is not None:
+            merged *= (self.magnitude.float() / merged.norm(dim=1)).unsqueeze(1)
+        weight.copy_(merged.to(weight.dtype))
 
 
 def _fused_norm(base: nn.Module):
@@ -242,12 +331,26 @@ def _seeded_a(name: str, rank: int, in_features: int) -> torch.Tensor:
     return (torch.rand(rank, in_features, generator=generator) * 2 - 1) * bound
 
 
+def _added_bias(module: nn.Module, output) -> torch.Tensor | None:
+    """The bias the base linear added to its output (not one megatron returns apart:
+    ``skip_bias_add``), or None."""
+    if isinstance(output, tuple) and output[1] is not None:
+        return None
+    bias = getattr(module, "bias", None)
+    return bias if isinstance(bias, torch.Tensor) and bias.numel() else None
+
+
 def _hook(adapter: LoRAAdapter):
     def add_delta(module, args, output):
-        delta = adapter.delta(args[0])
-        if isinstance(output, tuple):  # megatron's linears return (output, bias)
-            return (output[0] + delta.to(output[0].dtype), *output[1:])
-        return output + delta.to(output.dtype)
+        base = output[0] if isinstance(output, tuple) else output  # megatron: (output, bias)
+        delta = adapter.delta(args[0]).to(base.dtype)
+        if adapter.magnitude is None:
+            new = base + delta
+        else:
+            bias = _added_bias(module, output)
+            unbiased = base if bias is None else base - bias.to(base.dtype)
+            new = adapter.dora_output(base, unbiased, delta, module.weight)
+        return (new, *output[1:]) if isinstance(output, tuple) else new
 
     return add_delta
 
@@ -295,7 +398,8 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig, group_of) -> list[str]:
             raise ValueError(f"model.lora.target_modules: {name} (a Mamba mixer's in_proj, "
                              "whose rows are split over TP part by part) takes an adapter at "
                              "parallel.tp=1 only")
-        adapter = LoRAAdapter(module, cfg, _global_name(model, name), is_expert=is_expert)
+        adapter = LoRAAdapter(module, cfg, _global_name(model, name), is_expert=is_expert,
+                              gated=_gated_fc1(parent, leaf))
         parent.add_module(leaf + SUFFIX, adapter)
         module.register_forward_hook(_hook(adapter))
         module.lora_adapter = [adapter]  # a list: not registered as a child a second time
@@ -305,15 +409,25 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig, group_of) -> list[str]:
     return adapted
 
 
+def _gated_fc1(parent: nn.Module, leaf: str) -> bool:
+    """The linear is a gated MLP's ``linear_fc1`` (rows gate | up on each TP rank), whose
+    weight megatron's MLP checkpoints split in two (``apply_swiglu_sharded_factory``)."""
+    from megatron.core.transformer.mlp import MLP
+
+    return (leaf == "linear_fc1" and isinstance(parent, MLP)
+            and bool(parent.config.gated_linear_unit))
+
+
 def is_adapter_key(key: str) -> bool:
-    """A state-dict key of an adapter factor."""
-    return f"{SUFFIX}.lora_a." in key or f"{SUFFIX}.lora_b." in key
+    """A state-dict key of an adapter (a factor or DoRA's magnitude)."""
+    return any(f"{SUFFIX}.{name}" in key for name in ("lora_a.", "lora_b.", "magnitude"))
 
 
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> int:
-    """Fold every adapter into its base weight (W += alpha / r * B @ A) and remove it (TP = 1:
-    eval, generation and the merged export load at TP = 1). Returns how many were merged."""
+    """Fold every adapter into its base weight (``LoRAAdapter.merge_into``) and remove it
+    (TP = 1: eval, generation and the merged export load at TP = 1). Returns how many were
+    merged."""
     merged = 0
     for name, module in list(model.named_modules()):
         adapters = getattr(module, "lora_adapter", None)
@@ -322,7 +436,7 @@ def merge_adapters(model: nn.Module) -> int:
         adapter = adapters[0]
         if adapter.tp > 1:
             raise ValueError("merge_adapters runs at TP = 1")
-        module.weight.add_(adapter.merged_weight().to(module.weight.dtype))
+        adapter.merge_into(module.weight)
         module._forward_hooks.clear()
         del module.lora_adapter
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
@@ -331,12 +445,20 @@ def merge_adapters(model: nn.Module) -> int:
     return merged
 
 
-def adapter_factors(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor,
-                                                                       torch.Tensor]]:
-    """base linear's weight key -> (A, B) of a TP = 1 state dict."""
+class Factors(NamedTuple):
+    """One adapter's tensors at TP = 1."""
+
+    a: torch.Tensor  #: (r, in)
+    b: torch.Tensor  #: (out, r)
+    magnitude: torch.Tensor | None = None  #: (out,): DoRA's, else None
+
+
+def adapter_factors(state: dict[str, torch.Tensor]) -> dict[str, Factors]:
+    """base linear's weight key -> its adapter's ``Factors`` of a TP = 1 state dict."""
     out = {}
     for key in state:
         if key.endswith(f"{SUFFIX}.lora_a.weight"):
             base = key[: -len(f"{SUFFIX}.lora_a.weight")]
-            out[f"{base}.weight"] = (state[key], state[f"{base}{SUFFIX}.lora_b.weight"])
+            out[f"{base}.weight"] = Factors(state[key], state[f"{base}{SUFFIX}.lora_b.weight"],
+                                            state.get(f"{base}{SUFFIX}.magnitude"))
     return out

@@ -231,10 +231,10 @@ def _head_counts(model) -> set[int]:
 
 
 def _sharded_factor(name: str, named: dict) -> bool:
-    """A LoRA factor that TP shards (models/lora.py: B of a column-parallel base, A of a row
-    one); at TP = 1 megatron marks only the base linear."""
-    for factor, dim in (("lora_b", 0), ("lora_a", 1)):
-        suffix = f"_lora.{factor}.weight"
+    """A LoRA factor that TP shards (models/lora.py: B and DoRA's magnitude of a column-parallel
+    base, A of a row one); at TP = 1 megatron marks only the base linear."""
+    for suffix, dim in (("_lora.lora_b.weight", 0), ("_lora.magnitude", 0),
+                        ("_lora.lora_a.weight", 1)):
         if name.endswith(suffix):
             base = named.get(name[: -len(suffix)] + ".weight")
             return (base is not None and getattr(base, "tensor_model_parallel", False)

@@ -36,7 +36,8 @@ from models.families import PARAMETER_GROUPS, config_from_dict
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.qwen_vl.config import QwenVLModelConfig
 from models.kernels import KernelsConfig
-from models.lora import LoRAConfig
+from models.lora import METHODS as PEFT_METHODS
+from models.lora import LoRAConfig, read_settings
 from recipes.compatibility import compatibility_problems, profile_for
 
 
@@ -192,7 +193,7 @@ class RunConfig:
     hf: str | None = None
     #: ``model.freeze_*``: the parameter groups that do not train
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
-    #: ``model.peft=lora`` + ``model.lora.*``: the LoRA adapters (None: no adapters)
+    #: ``model.peft=lora`` (or ``dora``) + ``model.lora.*``: the adapters (None: no adapters)
     lora: LoRAConfig | None = None
     #: the recipe applied (configs/recipes/<name>.yaml, recipes/model_recipes.py), None: none
     recipe: str | None = None
@@ -222,17 +223,19 @@ def _refine(base: dict, inline: dict) -> dict:
 
 
 def _lora_section(raw: dict, errors: list[str]) -> LoRAConfig | None:
-    """``model.peft`` (``lora`` or ``none``) and ``model.lora.*`` (popped from ``raw``)."""
+    """``model.peft`` (``lora``, ``dora`` or ``none``) and ``model.lora.*`` (popped from
+    ``raw``)."""
     peft, lora = raw.pop("peft", None), raw.pop("lora", None)
     peft = parse_value(peft) if isinstance(peft, str) else peft  # lora | none | null | false
     if peft in (None, "none", False):
         if lora:
-            errors.append("model.lora.* is set but model.peft is not: add model.peft=lora")
+            errors.append("model.lora.* is set but model.peft is not: add model.peft=lora "
+                          "(or dora)")
         return None
-    if peft != "lora":
-        errors.append(f"model.peft must be lora or none, got {peft!r}")
+    if peft not in PEFT_METHODS:
+        errors.append(f"model.peft must be {', '.join(PEFT_METHODS)} or none, got {peft!r}")
         return None
-    return build_into(LoRAConfig, lora, "model.lora", errors)  # its problems: _model_section
+    return read_settings(peft, lora, errors)  # its problems: _model_section
 
 
 def _model_section(raw: Any, errors: list[str]):
@@ -595,7 +598,7 @@ def to_dict(config: RunConfig) -> dict:
     """The resolved config as plain data (what is logged and saved with checkpoints)."""
     model = {**config.model.to_dict(), **dataclasses.asdict(config.freeze)}
     if config.lora is not None:
-        model |= {"peft": "lora", "lora": dataclasses.asdict(config.lora)}
+        model |= config.lora.stored()
     # resolved values: a recipe is never applied twice (``dump_yaml`` names the one used)
     return {"out": config.out, "recipe": "none",
             "model": {"hf": config.hf, **model} if config.hf else model,

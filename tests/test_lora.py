@@ -1,8 +1,9 @@
-"""LoRA (``model.peft=lora``): the settings, the adapters on megatron's linears (B = 0 starts at
-the base model; merged equals adapted), and runs from tiny HF models of both families through
-train.py and ``models.convert``: the first loss equals the base model's, the checkpoint holds
-only what trains, resume is exact, TP = 2 equals TP = 1, and both exports (merged, and the HF
-PEFT folder that ``peft`` loads onto the base) give the same logits."""
+"""LoRA and DoRA (``model.peft=lora`` / ``dora``): the settings, the adapters on megatron's
+linears (B = 0 starts at the base model; merged equals adapted), and runs from tiny HF models of
+both families through train.py and ``models.convert``: the first loss equals the base model's,
+the checkpoint holds only what trains, resume is exact, TP = 2 equals TP = 1, and both exports
+(merged, and the HF PEFT folder that ``peft`` loads onto the base) give the same logits, a tower
+trained in full next to the adapters included."""
 
 from __future__ import annotations
 
@@ -33,8 +34,15 @@ def test_settings_default_freeze_the_base_round_trip_and_refuse_nonsense():
     again = load_run_config(None, stored=yaml.safe_load(dump_yaml(cfg)))  # eval.py's path
     assert again.lora == cfg.lora and again.freeze == cfg.freeze
     assert load_run_config(MANTIS_CFG).lora is None
+    dora = load_run_config(MANTIS_CFG, ["model.peft=dora", "model.lora.rank=4"])
+    assert dora.lora.dora and dora.lora.rank == 4 and not cfg.lora.dora
+    assert yaml.safe_load(dump_yaml(dora))["model"]["peft"] == "dora"
+    assert load_run_config(None, stored=yaml.safe_load(dump_yaml(dora))).lora == dora.lora
     for bad, said in ((["model.lora.rank=4"], "add model.peft=lora"),
-                      (["model.peft=qlora"], "model.peft must be lora or none"),
+                      (["model.peft=qlora"], "model.peft must be lora, dora or none"),
+                      (["model.peft=dora", "model.lora.experts=true"],
+                       "model.peft=dora puts no magnitude on MoE experts"),
+                      (["model.peft=dora", "model.lora.dora=true"], "model.lora.dora"),
                       (["model.peft=lora", "model.lora.rank=0"], "rank must be >= 1"),
                       (["model.peft=lora", "model.lora.parts=[vit]"], "model.lora.parts"),
                       (["model.peft=lora", "model.lora.rnk=3"], "did you mean model.lora.rank")):
@@ -54,18 +62,25 @@ def _tiny(family: str):
 
 
 def _random_b(model) -> None:
-    """Adapters that change the model: B drawn at random (it starts at zero)."""
+    """Adapters that change the model: B drawn at random (it starts at zero), DoRA's magnitude
+    off its start by up to 10 %."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("lora_b.weight"):
                 param.normal_(0, 0.05)
+            if name.endswith("_lora.magnitude"):
+                param.mul_(1 + 0.1 * torch.rand_like(param))
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "nemotron_omni", "qwen3_vl_moe", "qwen3_5"])
-def test_adapters_start_at_the_base_and_merge_into_it(family):
-    """B = 0: the adapted model computes the base's logits; with B drawn at random, folding the
-    adapters into the weights (``merge_adapters``) computes what the adapted model does (Qwen3-VL
-    MoE: the experts' linears adapted too, ``model.lora.experts=true``)."""
+@pytest.mark.parametrize("family,dora", [("qwen3_vl", False), ("nemotron_omni", False),
+                                         ("qwen3_vl_moe", False), ("qwen3_5", False),
+                                         ("qwen2_5_vl", True), ("nemotron_omni", True)])
+def test_adapters_start_at_the_base_and_merge_into_it(family, dora):
+    """B = 0 (and DoRA's magnitude at the rows' norms): the adapted model computes the base's
+    logits; with B (and the magnitude) drawn at random, folding the adapters into the weights
+    (``merge_adapters``) computes what the adapted model does (Qwen3-VL MoE: the experts'
+    linears adapted too, ``model.lora.experts=true``; DoRA: Qwen2.5-VL's biased q/k/v and
+    Nemotron's megatron-returned biases)."""
     from models.convert import our_logits
     from models.families import get
     from models.lora import LoRAConfig, add_adapters, merge_adapters
@@ -74,11 +89,13 @@ def test_adapters_start_at_the_base_and_merge_into_it(family):
     inputs = next(iter(get(family).verify_inputs(cfg).values()))  # an image and its text
     base = our_logits(model, inputs)
     experts = family == "qwen3_vl_moe"
-    adapted = add_adapters(model, LoRAConfig(rank=4, alpha=8, experts=experts),
-                           get(family).parameter_group)
+    lora = LoRAConfig(rank=4, alpha=8, experts=experts)
+    lora.dora = dora
+    adapted = add_adapters(model, lora, get(family).parameter_group)
     assert adapted and all(n.startswith("language_model.") for n in adapted)
     assert any(".experts." in n for n in adapted) == experts
-    assert torch.equal(our_logits(model, inputs), base)
+    torch.testing.assert_close(our_logits(model, inputs), base, rtol=0,
+                               atol=0 if not dora else 1e-5)  # DoRA: m / ||W|| rounds
     _random_b(model)
     lora = our_logits(model, inputs)
     assert (lora - base).abs().max() > 1e-3
@@ -262,31 +279,38 @@ def test_merged_and_peft_exports_give_the_same_logits(family, fixture, target, r
 
 
 @pytest.mark.slow
-def test_tp2_lora_equals_tp1_on_nemotron(tmp_path, mantis_out):
-    """Nemotron-Omni (Mamba + attention + MLP LM) with adapters on its attention, MLP and Mamba
-    output projections: 3 steps at TP = 2 (column and row adapters sharded) give TP = 1's
-    losses, and both checkpoints merge to the same weights; a Mamba in_proj adapter is refused
-    at TP = 2 in one line."""
+@pytest.mark.parametrize("family,peft,targets,parts", [
+    ("nemotron_omni", "lora", "[linear_qkv,linear_proj,linear_fc1,linear_fc2,out_proj]",
+     "[language_model]"),
+    ("qwen2_5_vl", "dora", "[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+     "[language_model,vision_model]")])
+def test_tp2_adapters_equal_tp1(family, peft, targets, parts, tmp_path, mantis_out):
+    """3 steps at TP = 2 (column and row adapters sharded, DoRA's magnitude sharded with a
+    column base and its row norms summed over TP with a row base) give TP = 1's losses, and both
+    checkpoints merge to the same weights (Qwen2.5-VL's gated MLPs: fc1's B and magnitude read
+    back in TP = 1's gate | up order). Nemotron-Omni (Mamba + attention + MLP LM): LoRA on its
+    Mamba output projections too; a Mamba in_proj adapter is refused at TP = 2 in one line."""
     from tests.test_hf_journey import state
 
-    hf = build_tiny_hf_model("nemotron_omni", tmp_path / "hf", pixels=(16384, 16384))
-    targets = ("model.lora.target_modules="
-               "[linear_qkv,linear_proj,linear_fc1,linear_fc2,out_proj]")
+    hf = build_tiny_hf_model(family, tmp_path / "hf", pixels=(16384, 16384))
     runs = {}
     for tp in (1, 2):
         runs[tp] = tmp_path / f"tp{tp}"
-        train_from_hf("nemotron_omni", hf, runs[tp], tmp_path / "cache", mantis_out, *LORA,
-                      targets, "train.steps=3", "train.lr=1e-2", f"parallel.tp={tp}",
-                      nproc=tp, plain=tp > 1)
+        train_from_hf(family, hf, runs[tp], tmp_path / "cache", mantis_out, *LORA,
+                      f"model.peft={peft}", f"model.lora.target_modules={targets}",
+                      f"model.lora.parts={parts}", "train.steps=3", "train.lr=1e-2",
+                      f"parallel.tp={tp}", nproc=tp, plain=tp > 1)
     one, two = losses(runs[1]), losses(runs[2])
     assert one[0] != one[-1]  # the adapters trained
     torch.testing.assert_close(two, one, rtol=2e-4, atol=0)
     merged = {tp: state(runs[tp]) for tp in runs}
     for key, value in merged[1].items():
         torch.testing.assert_close(merged[2][key], value, rtol=1e-3, atol=1e-5, msg=key)
+    if family != "nemotron_omni":
+        return
     from tests.test_train import error_line, train
 
-    proc = train(str(JOURNEYS["nemotron_omni"][0]), f"model.hf={hf}", *LORA,
+    proc = train(str(JOURNEYS[family][0]), f"model.hf={hf}", *LORA,
                  f"data.path={mantis_out}/metadataset.yaml", f"out={tmp_path / 'x'}",
                  f"train.hf_import_cache={tmp_path / 'cache'}", "parallel.tp=2",
                  "model.lora.target_modules=[in_proj]", nproc=2)
@@ -345,7 +369,7 @@ def test_lora_under_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
 
 
 def _tiny_hf_of(family: str, out):
-    """A tiny HF model of ``family`` (lookalikes/models.py builders)."""
+    """A tiny HF model of ``family`` (``lookalikes.models`` builders)."""
     from lookalikes.models import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
 
     if family == "nemotron_omni":
@@ -356,22 +380,40 @@ def _tiny_hf_of(family: str, out):
 
 
 #: per family, the linears given adapters: megatron's attention and MLP linears everywhere, and
-#: the mixers' projections of Qwen3.5 (Gated DeltaNet) and Nemotron-Omni (Mamba)
+#: the mixers' projections of Qwen3.5 (Gated DeltaNet; the MoE model's in_proj_k not: HF's fused
+#: in_proj_qkv adapter then has a part without an update) and Nemotron-Omni (Mamba)
 PEFT_TARGETS = {"qwen3_5": ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b",
                             "in_proj_a", "out_proj"),
                 "nemotron_omni": ("in_proj", "out_proj")}
-PEFT_TARGETS["qwen3_5_moe"] = PEFT_TARGETS["qwen3_5"]
+PEFT_TARGETS["qwen3_5_moe"] = tuple(t for t in PEFT_TARGETS["qwen3_5"] if t != "in_proj_k")
 
 
+#: (``model.peft``, the vision tower's part): adapted (LoRA / DoRA on the LM and the tower), or
+#: trained in full next to the LM's adapters (``modules_to_save``)
+PEFT_CASES = [("lora", "adapted"), ("dora", "adapted"), ("dora", "trained")]
+
+
+def _perturb_tower(model, group) -> None:
+    """The vision tower as if trained in full: every weight of it moved by up to 5 %."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if group(name) == "vision_model" and "_lora." not in name:
+                param.mul_(1 + 0.05 * torch.rand_like(param))
+
+
+@pytest.mark.parametrize("method,tower", PEFT_CASES)
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
                                     "qwen3_5_moe", "nemotron_omni"])
-def test_every_family_peft_folder_loads_in_peft_with_the_merged_export_logits(family,
-                                                                             tmp_path):
-    """Every family's HF PEFT folder (``write_peft_folder``: adapters on the LM's attention, MLP
-    and mixer projections and on the vision tower) loads with ``peft.PeftModel.from_pretrained``
-    onto the base HF model, and its logits equal the merged export's in transformers (<= 1e-4),
-    and differ from the base's."""
+def test_every_family_peft_folder_loads_in_peft_with_the_merged_export_logits(family, method,
+                                                                             tower, tmp_path):
+    """Every family's HF PEFT folder (``write_peft_folder``: LoRA or DoRA adapters on the LM's
+    attention, MLP and mixer projections, and on the vision tower or the tower trained in full)
+    loads with ``peft.PeftModel.from_pretrained`` onto the base HF model, and its logits equal
+    the merged export's in transformers (<= 1e-4), and differ from the base's; a tower trained in
+    full is in both exports: without it (the PEFT folder's ``modules_to_save`` dropped) the
+    logits differ."""
     from peft import PeftModel
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForImageTextToText
 
     from models.checkpoint import ModelCheckpoint
@@ -389,12 +431,18 @@ def test_every_family_peft_folder_loads_in_peft_with_the_merged_export_logits(fa
     init_parallel()
     model = build_model(cfg, use_te=False).eval()
     load_hf_weights(model, cfg, hf)
-    lora = LoRAConfig(rank=4, alpha=8, parts=["language_model", "vision_model"],
+    trained = tower == "trained"
+    lora = LoRAConfig(rank=4, alpha=8,
+                      parts=["language_model"] if trained else ["language_model", "vision_model"],
                       target_modules=[*DEFAULT_TARGETS, *PEFT_TARGETS.get(family, ())])
+    lora.dora = method == "dora"
     add_adapters(model, lora, get(family).parameter_group)
     torch.manual_seed(0)
     _random_b(model)
-    found = ModelCheckpoint("test", hf, hf, hf, cfg, {"model": {}}, hf, {"hf": str(hf)}, lora)
+    if trained:
+        _perturb_tower(model, get(family).parameter_group)
+    run_config = {"model": {"freeze_vision_model": not trained}}
+    found = ModelCheckpoint("test", hf, hf, hf, cfg, run_config, hf, {"hf": str(hf)}, lora)
     write_peft_folder(tmp_path / "peft", {k: v.detach() for k, v in model.state_dict().items()
                                           if is_our_key(k)}, found)
     merge_adapters(model)
@@ -406,10 +454,21 @@ def test_every_family_peft_folder_loads_in_peft_with_the_merged_export_logits(fa
         return AutoModelForImageTextToText.from_pretrained(
             folder, dtype=torch.float32, attn_implementation="eager").eval()
 
-    base = load(hf)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["use_dora"] == lora.dora and bool(config["modules_to_save"]) == trained
     inputs = hf_inputs(cfg, next(iter(make_inputs(cfg).values())))  # an image and its text
-    before = hf_logits(base, inputs)
-    peft_model = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    before = hf_logits(load(hf), inputs)
+    peft_model = PeftModel.from_pretrained(load(hf), tmp_path / "peft").eval()
     got, want = hf_logits(peft_model, inputs), hf_logits(load(tmp_path / "merged"), inputs)
     assert (want - before).abs().max() > 1e-2  # the adapters change the model
     assert (got - want).abs().max() <= 1e-4, (got - want).abs().max()
+    if trained:  # the same adapters without the trained tower: other logits
+        dropped = tmp_path / "dropped"
+        dropped.mkdir()
+        tensors = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+        save_file({k: v for k, v in tensors.items() if ".lora_" in k},
+                  str(dropped / "adapter_model.safetensors"))
+        (dropped / "adapter_config.json").write_text(json.dumps(
+            {**config, "modules_to_save": None}))
+        without = hf_logits(PeftModel.from_pretrained(load(hf), dropped).eval(), inputs)
+        assert (without - want).abs().max() > 1e-3, (without - want).abs().max()

@@ -61,15 +61,25 @@ def test_each_part_gets_its_rate_and_decay_skips_norms_biases_and_embeddings():
     assert len(equal.param_groups) == len(single.param_groups)
 
 
-def test_lora_plus_multiplies_the_b_factors_rate():
+@pytest.mark.parametrize("peft", ["lora", "dora"])
+def test_lora_plus_multiplies_the_b_factors_rate(peft):
+    """An adapter (DoRA's magnitude too) trains at its part's rate; LoRA+ multiplies its B
+    factor's only; the magnitude (a vector) gets no weight decay."""
     from recipes.param_groups import GroupRates
 
-    cfg, optimizer, names = _groups("model.peft=lora", "model.lora.rank=4",
-                                    "train.lora_plus_ratio=16")
+    cfg, optimizer, names = _groups(f"model.peft={peft}", "model.lora.rank=4",
+                                    "model.lora.parts=[language_model,vision_model]",
+                                    "train.lr_vision_model=1e-4", "train.lora_plus_ratio=16")
     rates = GroupRates.of(optimizer, cfg)
-    for name, i in _where(optimizer, names).items():
-        peak = rates.rates[i][0]
-        assert peak == cfg.train.lr * (16 if name.endswith("lora_b.weight") else 1), name
+    where = _where(optimizer, names)
+    for name, i in where.items():
+        part = 1e-4 if name.startswith("vision.") else cfg.train.lr
+        assert rates.rates[i][0] == part * (16 if name.endswith("lora_b.weight") else 1), name
+    magnitudes = [n for n in where if n.endswith("_lora.magnitude")]
+    assert bool(magnitudes) == (peft == "dora")
+    assert {n.split(".")[0] for n in magnitudes} == ({"vision", "language_model"}
+                                                     if magnitudes else set())
+    assert all(optimizer.param_groups[where[n]]["wd_mult"] == 0.0 for n in magnitudes)
 
 
 @pytest.mark.slow

@@ -172,12 +172,14 @@ def fuse_linear_attention(hf_sd: dict[str, torch.Tensor], cfg: Qwen35ModelConfig
     return out
 
 
-def fuse_adapters(modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                  cfg: Qwen35ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """PEFT adapters (HF module -> (A, B)) of a DeltaNet's ``in_proj_q / _k / _v`` as the one
-    adapter of HF's fused ``in_proj_qkv``: A the parts' As stacked (rank: their sum), B block
-    diagonal over the q | k | v rows (zero rows for a part without an adapter); the same update
-    B A x, exactly."""
+def fuse_adapters(modules: dict, cfg: Qwen35ModelConfig, sd: dict[str, torch.Tensor]) -> dict:
+    """PEFT adapters (HF module -> ``models.lora.Factors``) of a DeltaNet's ``in_proj_q / _k /
+    _v`` as the one adapter of HF's fused ``in_proj_qkv``: A the parts' As stacked (rank: their
+    sum), B block diagonal over the q | k | v rows (zero rows for a part without an adapter); the
+    same update B A x, exactly. DoRA's magnitude: the parts' joined, a part without an adapter
+    given its rows' norms in ``sd`` (our state dict), which keep those rows as they are."""
+    from models.lora import Factors
+
     out = dict(modules)
     for i, linear in enumerate(cfg.lm.linear_layers):
         prefix = A.format(i=i)
@@ -185,16 +187,21 @@ def fuse_adapters(modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  if linear and prefix + f"in_proj_{n}" in out}
         if not parts:
             continue
-        a = torch.cat([pa for pa, _ in parts.values()])
+        a = torch.cat([part.a for part in parts.values()])
         b = a.new_zeros(sum(_widths(cfg)), a.shape[0])
-        row = col = 0
+        dora = any(part.magnitude is not None for part in parts.values())
+        magnitudes, row, col = [], 0, 0
         for n, width in zip("qkv", _widths(cfg)):
             if n in parts:
-                rank = parts[n][0].shape[0]
-                b[row:row + width, col:col + rank] = parts[n][1]
+                rank = parts[n].a.shape[0]
+                b[row:row + width, col:col + rank] = parts[n].b
                 col += rank
+                magnitudes.append(parts[n].magnitude)
+            elif dora:
+                weight = sd[OA.format(i=i) + f"in_proj_{n}.weight"]
+                magnitudes.append(weight.float().norm(dim=1).to(a.dtype))
             row += width
-        out[prefix + "in_proj_qkv"] = (a, b)
+        out[prefix + "in_proj_qkv"] = Factors(a, b, torch.cat(magnitudes) if dora else None)
     return out
 
 
