@@ -18,7 +18,7 @@ environment (device, driver, every package's version, the command):
    H100 / H200 dense bf16), the vision and LM time split, peak memory beside the estimate, the
    losses (finite, falling), the kernel lines.
 3. ``verify``: ``python -m models.convert hf-to-mcore`` then ``verify`` for a tiny transformers
-   model of each family (``--hf-models DIR/<family>``, or built here with tests/tiny_hf.py): our
+   model of each family (``--hf-models DIR/<family>``, or built here with lookalikes/models.py): our
    model on the GPU against transformers' on the CPU, fp32, the largest |logit difference| over
    the generated inputs (the CPU parity tests' bound is 1e-4).
 4. ``packed``: packed batches in megatron's THD format (the tiny models of each family, bf16):
@@ -362,7 +362,7 @@ VERIFY_FAMILIES = ("qwen3_5_moe", "qwen3_5", "qwen3_vl_moe", "qwen3_vl", "qwen2_
 
 
 def build_tiny_hf_folder(family: str, folder: Path) -> Path:
-    """A tiny transformers model of ``family`` (tests/tiny_hf.py, the parity tests' shapes)."""
+    """A tiny transformers model of ``family`` (lookalikes/models.py, the parity tests' shapes)."""
     from tests import tiny_hf
 
     if family in ("qwen3_5", "qwen3_5_moe"):
@@ -418,7 +418,7 @@ def main() -> None:
     ap.add_argument("--part", nargs="+", choices=("all", *PARTS), default=["all"],
                     help="the parts to run, in the order of PARTS")
     ap.add_argument("--hf-models", help="folder of tiny HF models named by family for the verify "
-                                        "part (default: built with tests/tiny_hf.py)")
+                                        "part (default: built with lookalikes/models.py)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

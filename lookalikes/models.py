@@ -115,6 +115,89 @@ def build_tiny_qwen3_5(out: Path, *, moe: bool = False, vocab: int = 300,
     return save_perturbed(cls, config, out, seed)
 
 
+def qwen3_5_mtp_shapes(text: dict, *, packed: bool) -> dict[str, tuple[int, ...]]:
+    """The ``mtp.*`` tensors of a published Qwen3.5 / 3.6 / 3.8 checkpoint (one
+    multi-token-prediction layer; transformers loads none of them) -> their shapes, for an HF
+    ``text_config``: ``fc`` (H, 2H) over [embedding; hidden], three norms, and ``layers.0`` shaped
+    like a gated full-attention decoder layer with the model's MLP; MoE experts one by one
+    (Qwen3.5) or ``packed`` (Qwen3.6: ``experts.gate_up_proj`` (E, H, 2I) and
+    ``experts.down_proj`` (E, I, H), the x@W layout of the published fused tensors)."""
+    h, d = text["hidden_size"], text["head_dim"]
+    heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
+    layer = "mtp.layers.0."
+    out = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+           "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,),
+           layer + "input_layernorm.weight": (h,), layer + "post_attention_layernorm.weight": (h,),
+           layer + "self_attn.q_proj.weight": (2 * heads * d, h),
+           layer + "self_attn.k_proj.weight": (kv * d, h),
+           layer + "self_attn.v_proj.weight": (kv * d, h),
+           layer + "self_attn.o_proj.weight": (h, heads * d),
+           layer + "self_attn.q_norm.weight": (d,), layer + "self_attn.k_norm.weight": (d,)}
+    mlp = layer + "mlp."
+    experts = text.get("num_experts") or 0
+    if not experts:
+        i = text["intermediate_size"]
+        return out | {mlp + "gate_proj.weight": (i, h), mlp + "up_proj.weight": (i, h),
+                      mlp + "down_proj.weight": (h, i)}
+    i, s = text["moe_intermediate_size"], text["shared_expert_intermediate_size"]
+    out |= {mlp + "gate.weight": (experts, h), mlp + "shared_expert_gate.weight": (1, h),
+            mlp + "shared_expert.gate_proj.weight": (s, h),
+            mlp + "shared_expert.up_proj.weight": (s, h),
+            mlp + "shared_expert.down_proj.weight": (h, s)}
+    if packed:
+        return out | {mlp + "experts.gate_up_proj": (experts, h, 2 * i),
+                      mlp + "experts.down_proj": (experts, i, h)}
+    for e in range(experts):
+        out |= {mlp + f"experts.{e}.gate_proj.weight": (i, h),
+                mlp + f"experts.{e}.up_proj.weight": (i, h),
+                mlp + f"experts.{e}.down_proj.weight": (h, i)}
+    return out
+
+
+def add_qwen3_5_mtp(folder: Path, *, packed: bool = False, seed: int = 1
+                    ) -> dict[str, torch.Tensor]:
+    """Add the published ``mtp.*`` tensors (``qwen3_5_mtp_shapes``, random) to a tiny Qwen3.5
+    folder's model.safetensors and ``mtp_num_hidden_layers: 1`` to its text_config, as the hub's
+    checkpoints have them; returns the added tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(seed)
+    added = {key: torch.randn(shape, generator=g) * 0.1
+             for key, shape in qwen3_5_mtp_shapes(config["text_config"], packed=packed).items()}
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file(weights | added, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return added
+
+
+def pack_qwen3_5_experts(folder: Path) -> None:
+    """Rewrite a tiny Qwen3.5 MoE folder's per-expert LM weights as the packed tensors of each
+    layer in the layout transformers loads for this model type (no transpose on load):
+    ``mlp.experts.gate_up_proj`` (E, 2I, H) = [gate; up], ``down_proj`` (E, H, I); the other
+    expert layout of the hub's checkpoints (Qwen3.6)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    per_expert = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts\.)(\d+)\."
+                            r"(gate|up|down)_proj\.weight$")
+    layers: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key in [k for k in weights if per_expert.match(k)]:
+        prefix, e, part = per_expert.match(key).groups()
+        layers.setdefault(prefix, {}).setdefault(int(e), {})[part] = weights.pop(key)
+    for prefix, experts in layers.items():
+        order = [experts[e] for e in sorted(experts)]
+        weights[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([x["gate"], x["up"]]) for x in order]).contiguous()
+        weights[prefix + "down_proj"] = torch.stack([x["down"] for x in order]).contiguous()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 NEMOTRON_TOKENS = dict(image_token_id=420, video_token_id=421)
 
 

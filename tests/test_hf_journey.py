@@ -177,3 +177,46 @@ def test_make_prepare_writes_where_train_reads():
         config = yaml.safe_load((REPO / "configs" / f"train_{family}_mantis.yaml").read_text())
         assert config["data"]["path"] == "data/mantis/metadataset.yaml"
         assert config["out"] == f"runs/{family}_mantis"
+
+
+@pytest.mark.slow
+def test_mtp_weights_survive_training_resume_and_a_new_start(tmp_path, mantis_out):
+    """A Qwen3.6-layout MoE folder (``qwen3_5_moe``, the LM's and the MTP layer's experts packed,
+    every ``mtp.*`` tensor as published): trained 2 steps from ``model.hf``, resumed to step 3,
+    then a new run started from that checkpoint (``train.init_checkpoint``, no ``model.hf``)
+    for a step; each export holds every ``mtp.*`` tensor of the source byte for byte (the head
+    is not trained) and the LM experts packed under the source's names, and loads in
+    transformers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from lookalikes.models import add_qwen3_5_mtp, pack_qwen3_5_experts
+
+    hf = build_tiny_hf_model("qwen3_5_moe", tmp_path / "hf")
+    pack_qwen3_5_experts(hf)
+    mtp = add_qwen3_5_mtp(hf, packed=True)
+    source = load_file(str(hf / "model.safetensors"))
+    run = tmp_path / "run"
+    common = (f"data.path={mantis_out}/metadataset.yaml", *FAST, "checkpoint.interval=1",
+              "train.keep_checkpoints=0")
+    ok(train(str(MANTIS_CFG), f"model.hf={hf}", f"out={run}",
+             f"train.hf_import_cache={tmp_path / 'cache'}", "train.steps=2", *common))
+    ok(train(str(MANTIS_CFG), f"model.hf={hf}", f"out={run}",
+             f"train.hf_import_cache={tmp_path / 'cache'}", "train.steps=3", *common,
+             "--resume", str(run / "checkpoints" / "step_000002")))
+    again, resolved = tmp_path / "again", yaml.safe_load((run / "config.yaml").read_text())
+    del resolved["model"]["hf"]  # the same run, started from the step's weights instead
+    (tmp_path / "again.yaml").write_text(yaml.safe_dump(resolved))
+    ok(train(str(tmp_path / "again.yaml"), f"out={again}",
+             f"train.init_checkpoint={run / 'checkpoints' / 'step_000003'}", "train.steps=1",
+             *common))
+    for name, ckpt in (("resumed", run / "checkpoints" / "step_000003"),
+                       ("new_start", again / "checkpoints" / "step_000001")):
+        exported = export(ckpt, tmp_path / f"export_{name}")
+        after = load_file(str(exported / "model.safetensors"))
+        assert sorted(after) == sorted(source), name
+        for key, tensor in mtp.items():
+            assert after[key].numpy().tobytes() == tensor.numpy().tobytes(), (name, key)
+        assert any(not torch.equal(after[k], source[k]) for k in source
+                   if not k.startswith("mtp.")), name  # the model itself trained
+        AutoModelForImageTextToText.from_pretrained(exported)  # every key and shape it expects

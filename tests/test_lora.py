@@ -345,8 +345,8 @@ def test_lora_under_cp2_ep2_tp2_equals_one_process(mantis_out, tmp_path):
 
 
 def _tiny_hf_of(family: str, out):
-    """A tiny HF model of ``family`` (tests/tiny_hf.py builders)."""
-    from tests.tiny_hf import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
+    """A tiny HF model of ``family`` (lookalikes/models.py builders)."""
+    from lookalikes.models import build_tiny_hf, build_tiny_nemotron_omni, build_tiny_qwen3_5
 
     if family == "nemotron_omni":
         return build_tiny_nemotron_omni(out)

@@ -94,8 +94,8 @@ def test_a_checkpoint_before_any_applied_step_is_saved_and_resumes(mantis_out, t
     exist yet) is saved, no ``.partial`` left, and the run resumes from it."""
     from safetensors.torch import load_file, save_file
 
+    from lookalikes.models import build_tiny_hf_model
     from tests.test_hf_journey import JOURNEYS, train_from_hf
-    from tests.tiny_hf import build_tiny_hf_model
 
     hf = build_tiny_hf_model("qwen2_5_vl", tmp_path / "hf", pixels=JOURNEYS["qwen2_5_vl"][1])
     weights = load_file(str(hf / "model.safetensors"))

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lookalikes.models import build_tiny_hf_model
 from tests.conftest import REPO
-from tests.tiny_hf import build_tiny_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_hf import build_tiny_hf_model
+from lookalikes.models import build_tiny_hf_model
 
 INDEX = "model.safetensors.index.json"
 
@@ -120,7 +120,7 @@ def test_without_an_index_a_key_in_two_files_is_named(tiny, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def configs(tiny, tmp_path_factory) -> dict[str, dict]:
     """family package -> a tiny model's config.json (Qwen2.5-VL, Qwen3.5, Nemotron-Omni)."""
-    from tests.tiny_hf import build_tiny_nemotron_omni, build_tiny_qwen3_5
+    from lookalikes.models import build_tiny_nemotron_omni, build_tiny_qwen3_5
 
     root = tmp_path_factory.mktemp("configs")
     folders = {"qwen_vl": tiny, "qwen3_5": build_tiny_qwen3_5(root / "qwen3_5"),

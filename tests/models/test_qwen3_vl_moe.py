@@ -430,8 +430,8 @@ def test_top1_routing_equals_transformers(family, tmp_path):
     """``num_experts_per_tok: 1`` (which megatron-core's config check refuses without
     pre-softmax, ``models.moe_aux.transformer_config``) imports, and its logits equal
     transformers' (each token's one expert at weight 1)."""
+    from lookalikes.models import build_tiny_qwen3_5
     from models.convert import verify
-    from tests.tiny_hf import build_tiny_qwen3_5
 
     hf = (build_tiny_hf(family, tmp_path / "hf", moe={"num_experts_per_tok": 1})
           if family == "qwen3_vl_moe" else
