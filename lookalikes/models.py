@@ -198,6 +198,87 @@ def pack_qwen3_5_experts(folder: Path) -> None:
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def build_tiny_mimo_vl(out: Path, *, vocab: int = 300, seed: int = 0) -> Path:
+    """Save a tiny MiMo-VL (XiaomiMiMo/MiMo-VL-7B-*: a ``qwen2_5_vl`` checkpoint) as its hub
+    folder has it: config.json in the older flat layout (the LM's keys at the top level next to
+    ``vision_config``, ``rope_scaling`` with both ``type`` and ``rope_type``, ``rope_theta``
+    640000, ``rms_norm_eps`` 1e-5, 4 query heads per KV head, ``max_window_layers`` /
+    ``sliding_window`` / ``use_sliding_window``, the tower's ``in_chans`` and
+    ``spatial_patch_size``) and the weights under the older prefixes (``model.layers.*``,
+    ``visual.*``), built with transformers' Qwen2.5-VL at tiny sizes."""
+    import json
+
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-5, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 640000.0,
+                                 "mrope_section": [1, 1, 2]})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                  patch_size=14, window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
+    config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **TOKENS)
+    save_perturbed(tf.Qwen2_5_VLForConditionalGeneration, config, out, seed)
+    flat = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+            "hidden_act": "silu", "initializer_range": 0.02, "max_window_layers": 2,
+            "model_type": "qwen2_5_vl", "sliding_window": 512, "torch_dtype": "float32",
+            "use_cache": True, "use_sliding_window": False, "vision_token_id": 289,
+            **{k: v for k, v in text.items() if k != "rope_parameters"},
+            "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                             "type": "default"},
+            "rope_theta": 640000, "vision_config": {
+                **vision, "hidden_act": "silu", "in_chans": 3, "spatial_merge_size": 2,
+                "spatial_patch_size": 14, "temporal_patch_size": 2}, **TOKENS}
+    (out / "config.json").write_text(json.dumps(flat, indent=2))
+    weights = load_file(str(out / "model.safetensors"))
+    legacy = {"model.language_model.": "model.", "model.visual.": "visual."}
+    renamed = {}
+    for key, tensor in weights.items():
+        new = next((key.replace(a, b, 1) for a, b in legacy.items() if key.startswith(a)), key)
+        renamed[new] = tensor
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+COSMOS3_DROPPED = {  # published names of the unified checkpoint's other towers -> shapes (tiny)
+    "layers.0.self_attn.add_q_proj.weight": (64, 64), "layers.0.self_attn.to_add_out.weight":
+    (64, 64), "layers.0.moe_gen.experts.0.up_proj.weight": (32, 64), "proj_in.weight": (64, 16),
+    "proj_out.weight": (16, 64), "time_embedder.linear_1.weight": (64, 16),
+    "audio_proj_in.weight": (64, 8), "audio_modality_embed": (64,),
+    "action_proj_in.weight": (64, 7), "action_modality_embed": (64,)}
+
+
+def build_tiny_cosmos3_omni(out: Path, *, vocab: int = 300, seed: int = 0,
+                            unified: bool = True, tokens: dict | None = None,
+                            max_positions: int = 512) -> Path:
+    """Save a tiny Cosmos3-Omni (``cosmos3_omni``: the reasoner is Qwen3-VL) with transformers'
+    ``Cosmos3OmniForConditionalGeneration``, whose save writes the published layout (LM under
+    ``layers.*`` / ``embed_tokens`` / ``norm``, the ViT under flat ``blocks.*`` / ``merger.*``
+    / ``patch_embed`` / ``pos_embed`` / ``deepstack_merger_list.*``, attention as
+    ``to_q / to_k / to_v / to_out / norm_q / norm_k``); ``unified``: with the generator, sound
+    and action weights of the unified checkpoint added (``COSMOS3_DROPPED``, random), which
+    transformers' reasoner ignores."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=max_positions,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                  patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    config = tf.Cosmos3OmniConfig(text_config=text, vision_config=vision, **(tokens or TOKENS))
+    save_perturbed(tf.Cosmos3OmniForConditionalGeneration, config, out, seed)
+    if unified:
+        g = torch.Generator().manual_seed(seed + 1)
+        weights = load_file(str(out / "model.safetensors"))
+        weights |= {k: torch.randn(shape, generator=g) for k, shape in COSMOS3_DROPPED.items()}
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 NEMOTRON_TOKENS = dict(image_token_id=420, video_token_id=421)
 
 
@@ -268,7 +349,8 @@ TEST_TOKENIZER_QWEN = dict(image_token_id=5, video_token_id=6, vision_start_toke
                            vision_end_token_id=4)
 TEST_TOKENIZER_NEMOTRON = dict(image_token_id=420, video_token_id=420)
 #: every family this module builds (contract.families' names)
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "nemotron_omni")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "nemotron_omni",
+            "cosmos3_omni")
 #: (min, max) image pixels a folder's processor files carry by default
 DEFAULT_PIXELS = {"nemotron_omni": (8192, 16384)}
 
@@ -297,6 +379,9 @@ def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int] | Non
     elif family in ("qwen3_5", "qwen3_5_moe"):
         build_tiny_qwen3_5(out, moe=family == "qwen3_5_moe", vocab=448,
                            tokens=TEST_TOKENIZER_QWEN, max_positions=2048, seed=seed)
+    elif family == "cosmos3_omni":  # the reasoner alone (no generator / sound / action weights)
+        build_tiny_cosmos3_omni(out, vocab=448, seed=seed, unified=False,
+                                tokens=TEST_TOKENIZER_QWEN, max_positions=2048)
     else:
         build_tiny_hf(family, out, vocab=448, tokens=TEST_TOKENIZER_QWEN, max_positions=2048,
                       seed=seed)
