@@ -3,7 +3,8 @@ model (``model.hf``: weights imported at the run's layout and cached, tokenizer,
 pixel settings from the model's own files), export of train.py checkpoints
 (``models.convert mcore-to-hf``) that transformers loads with its Auto classes and that gives our
 logits, and the round trip import -> train -> export -> import. Qwen2.5-VL, Qwen3.5 (Gated
-DeltaNet layers) and Nemotron-Omni; one slow run saved at TP=2 (Nemotron-Omni)."""
+DeltaNet layers), Cosmos3-Omni's reasoner and Nemotron-Omni; one slow run saved at TP=2
+(Nemotron-Omni)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.test_train import FAST, MANTIS_CFG, NEMOTRON_MANTIS_CFG, losses, ok, 
 #: family -> (train config, the HF model's own image pixel limits: differ from the config's)
 JOURNEYS = {"qwen2_5_vl": (MANTIS_CFG, (3136, 6272)),
             "qwen3_5": (MANTIS_CFG, (3136, 6272)),
+            "cosmos3_omni": (MANTIS_CFG, (3136, 6272)),
             "nemotron_omni": (NEMOTRON_MANTIS_CFG, (8192, 16384))}
 #: after the fine-tune steps the two stacks sum float32 in other orders: observed up to 1.0e-4
 #: (qwen3_5, interleaved images, full suite); untrained parity is 1e-4 in the family tests
@@ -96,6 +98,8 @@ def test_journey_from_hf_to_hf(family, tmp_path, mantis_out):
     pixels = resolved["task_encoder"]["min_pixels"], resolved["task_encoder"]["max_pixels"]
     assert pixels == JOURNEYS[family][1]  # from its preprocessor_config.json
 
+    if family == "cosmos3_omni":  # a new family: a short run's loss falls
+        assert losses(run)[-1] < losses(run)[0], losses(run)
     exported = export(run, tmp_path / "export")
     diffs = logits_diff(run, exported)
     assert max(diffs.values()) <= LOGITS_TOLERANCE, diffs
