@@ -207,7 +207,7 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     trains loads its base from there again, checked against the recorded one), LoRA adapters
     and frozen groups, bf16 and DDP wrappers, megatron's optimizer (state sharded over DP with
     ``train.distributed_optimizer``)."""
-    from models.checkpoint import check_fit, load_weights, model_record
+    from models.checkpoint import check_fit, checkpoint_record, load_weights, model_record
     from models.checkpoint_folders import weights_folder
     from models.hf_source import resolve
 
@@ -223,6 +223,10 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
         init = import_hf_weights(cfg, run.is_logger)
     hf_folder = resolve(cfg.hf, weights=False) if cfg.hf else None  # the model's own files
     model_files = model_record(hf_folder, plan.tokenizer) if run.is_logger else None
+    if model_files is not None and init and not cfg.hf:  # the start's config, carried weights
+        start = weights_folder(init)
+        start = start.parent if start.name == "model_optim" else start
+        model_files = {**checkpoint_record(start), **model_files}
     select_kernels(cfg.kernels, cfg.model, torch.bfloat16 if bf16 else torch.float32, run.is_logger)
     if init and load_init and not cfg.hf:  # train.init_checkpoint: its shapes before the build
         check_fit(cfg.model, weights_folder(init), init)

@@ -5,7 +5,8 @@ This module owns the names, nothing else: each side keeps its own registry keyed
 ``models.families``: config module, model class, HF weight mapping).
 
 - A *family* is a model architecture: ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``,
-  ``qwen3_5``, ``qwen3_5_moe``, ``nemotron_omni`` (the ``family`` key of a model config;
+  ``qwen3_5``, ``qwen3_5_moe``, ``nemotron_omni``, ``cosmos3_omni`` (the
+  ``family`` key of a model config;
   ``HF_MODEL_TYPES`` gives the Hugging Face ``model_type`` of each).
 - A *profile* is how the data side makes a family's inputs (``TaskEncoderConfig.model``): one per
   family (``qwen3_vl_moe``'s and Qwen3.5's read Qwen3-VL's processor), plus ``nemotron_omni_tiled``
@@ -27,30 +28,35 @@ QWEN3_VL_MOE = "qwen3_vl_moe"
 QWEN3_5 = "qwen3_5"
 QWEN3_5_MOE = "qwen3_5_moe"
 NEMOTRON_OMNI = "nemotron_omni"
+#: Cosmos3-Omni's reasoner: a Qwen3-VL checkpoint in its own layout (generator / sound / action
+#: towers of the unified checkpoint not built)
+COSMOS3_OMNI = "cosmos3_omni"
 NEMOTRON_OMNI_TILED = "nemotron_omni_tiled"
 
-FAMILIES = (QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE, NEMOTRON_OMNI)
+FAMILIES = (QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE, NEMOTRON_OMNI,
+            COSMOS3_OMNI)
 #: profile -> the family whose model its batches feed
 PROFILES = {QWEN2_5_VL: QWEN2_5_VL, QWEN3_VL: QWEN3_VL, QWEN3_VL_MOE: QWEN3_VL_MOE,
             QWEN3_5: QWEN3_5, QWEN3_5_MOE: QWEN3_5_MOE,
             NEMOTRON_OMNI: NEMOTRON_OMNI,
-            NEMOTRON_OMNI_TILED: NEMOTRON_OMNI}
+            NEMOTRON_OMNI_TILED: NEMOTRON_OMNI, COSMOS3_OMNI: COSMOS3_OMNI}
 #: family -> the profiles whose batches it takes (train.py and eval.py refuse other pairings)
 TASK_ENCODER_MODELS = {family: tuple(p for p, f in PROFILES.items() if f == family)
                        for family in FAMILIES}
 #: family -> the Hugging Face config.json ``model_type`` of its checkpoints
 HF_MODEL_TYPES = {QWEN2_5_VL: "qwen2_5_vl", QWEN3_VL: "qwen3_vl", QWEN3_VL_MOE: "qwen3_vl_moe",
                   QWEN3_5: "qwen3_5", QWEN3_5_MOE: "qwen3_5_moe",
-                  NEMOTRON_OMNI: "nemotron_h_omni"}
+                  NEMOTRON_OMNI: "nemotron_h_omni", COSMOS3_OMNI: "cosmos3_omni"}
 #: family -> the family of the make targets that train / export / evaluate it (``make
 #: train-qwen-vl-<dataset> HF=<a Qwen3.5 model>`` trains Qwen3.5: the Makefile's ``FAMILIES``)
 MAKE_FAMILIES = {QWEN2_5_VL: "qwen-vl", QWEN3_VL: "qwen-vl", QWEN3_VL_MOE: "qwen-vl",
-                 QWEN3_5: "qwen-vl", QWEN3_5_MOE: "qwen-vl", NEMOTRON_OMNI: "nemotron-omni"}
+                 QWEN3_5: "qwen-vl", QWEN3_5_MOE: "qwen-vl", NEMOTRON_OMNI: "nemotron-omni",
+                 COSMOS3_OMNI: "qwen-vl"}
 #: other spellings a user may type -> the canonical name
 ALIASES = {"qwen2.5-vl": QWEN2_5_VL, "qwen3-vl": QWEN3_VL, "qwen3-vl-moe": QWEN3_VL_MOE,
            "qwen3.5": QWEN3_5, "qwen3.5-moe": QWEN3_5_MOE,
            "nemotron-omni": NEMOTRON_OMNI,
-           "nemotron-omni-tiled": NEMOTRON_OMNI_TILED}
+           "nemotron-omni-tiled": NEMOTRON_OMNI_TILED, "cosmos3-omni": COSMOS3_OMNI}
 
 
 def _canonical(name: str, valid, what: str) -> str:

@@ -115,6 +115,170 @@ def build_tiny_qwen3_5(out: Path, *, moe: bool = False, vocab: int = 300,
     return save_perturbed(cls, config, out, seed)
 
 
+def qwen3_5_mtp_shapes(text: dict, *, packed: bool) -> dict[str, tuple[int, ...]]:
+    """The ``mtp.*`` tensors of a published Qwen3.5 / 3.6 / 3.8 checkpoint (one
+    multi-token-prediction layer; transformers loads none of them) -> their shapes, for an HF
+    ``text_config``: ``fc`` (H, 2H) over [embedding; hidden], three norms, and ``layers.0`` shaped
+    like a gated full-attention decoder layer with the model's MLP; MoE experts one by one
+    (Qwen3.5) or ``packed`` (Qwen3.6: ``experts.gate_up_proj`` (E, H, 2I) and
+    ``experts.down_proj`` (E, I, H), the x@W layout of the published fused tensors)."""
+    h, d = text["hidden_size"], text["head_dim"]
+    heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
+    layer = "mtp.layers.0."
+    out = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+           "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,),
+           layer + "input_layernorm.weight": (h,), layer + "post_attention_layernorm.weight": (h,),
+           layer + "self_attn.q_proj.weight": (2 * heads * d, h),
+           layer + "self_attn.k_proj.weight": (kv * d, h),
+           layer + "self_attn.v_proj.weight": (kv * d, h),
+           layer + "self_attn.o_proj.weight": (h, heads * d),
+           layer + "self_attn.q_norm.weight": (d,), layer + "self_attn.k_norm.weight": (d,)}
+    mlp = layer + "mlp."
+    experts = text.get("num_experts") or 0
+    if not experts:
+        i = text["intermediate_size"]
+        return out | {mlp + "gate_proj.weight": (i, h), mlp + "up_proj.weight": (i, h),
+                      mlp + "down_proj.weight": (h, i)}
+    i, s = text["moe_intermediate_size"], text["shared_expert_intermediate_size"]
+    out |= {mlp + "gate.weight": (experts, h), mlp + "shared_expert_gate.weight": (1, h),
+            mlp + "shared_expert.gate_proj.weight": (s, h),
+            mlp + "shared_expert.up_proj.weight": (s, h),
+            mlp + "shared_expert.down_proj.weight": (h, s)}
+    if packed:
+        return out | {mlp + "experts.gate_up_proj": (experts, h, 2 * i),
+                      mlp + "experts.down_proj": (experts, i, h)}
+    for e in range(experts):
+        out |= {mlp + f"experts.{e}.gate_proj.weight": (i, h),
+                mlp + f"experts.{e}.up_proj.weight": (i, h),
+                mlp + f"experts.{e}.down_proj.weight": (h, i)}
+    return out
+
+
+def add_qwen3_5_mtp(folder: Path, *, packed: bool = False, seed: int = 1
+                    ) -> dict[str, torch.Tensor]:
+    """Add the published ``mtp.*`` tensors (``qwen3_5_mtp_shapes``, random) to a tiny Qwen3.5
+    folder's model.safetensors and ``mtp_num_hidden_layers: 1`` to its text_config, as the hub's
+    checkpoints have them; returns the added tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(seed)
+    added = {key: torch.randn(shape, generator=g) * 0.1
+             for key, shape in qwen3_5_mtp_shapes(config["text_config"], packed=packed).items()}
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file(weights | added, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return added
+
+
+def pack_qwen3_5_experts(folder: Path) -> None:
+    """Rewrite a tiny Qwen3.5 MoE folder's per-expert LM weights as the packed tensors of each
+    layer in the layout transformers loads for this model type (no transpose on load):
+    ``mlp.experts.gate_up_proj`` (E, 2I, H) = [gate; up], ``down_proj`` (E, H, I); the other
+    expert layout of the hub's checkpoints (Qwen3.6)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    per_expert = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts\.)(\d+)\."
+                            r"(gate|up|down)_proj\.weight$")
+    layers: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key in [k for k in weights if per_expert.match(k)]:
+        prefix, e, part = per_expert.match(key).groups()
+        layers.setdefault(prefix, {}).setdefault(int(e), {})[part] = weights.pop(key)
+    for prefix, experts in layers.items():
+        order = [experts[e] for e in sorted(experts)]
+        weights[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([x["gate"], x["up"]]) for x in order]).contiguous()
+        weights[prefix + "down_proj"] = torch.stack([x["down"] for x in order]).contiguous()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def build_tiny_mimo_vl(out: Path, *, vocab: int = 300, seed: int = 0) -> Path:
+    """Save a tiny MiMo-VL (XiaomiMiMo/MiMo-VL-7B-*: a ``qwen2_5_vl`` checkpoint) as its hub
+    folder has it: config.json in the older flat layout (the LM's keys at the top level next to
+    ``vision_config``, ``rope_scaling`` with both ``type`` and ``rope_type``, ``rope_theta``
+    640000, ``rms_norm_eps`` 1e-5, 4 query heads per KV head, ``max_window_layers`` /
+    ``sliding_window`` / ``use_sliding_window``, the tower's ``in_chans`` and
+    ``spatial_patch_size``) and the weights under the older prefixes (``model.layers.*``,
+    ``visual.*``), built with transformers' Qwen2.5-VL at tiny sizes."""
+    import json
+
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-5, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 640000.0,
+                                 "mrope_section": [1, 1, 2]})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                  patch_size=14, window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
+    config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **TOKENS)
+    save_perturbed(tf.Qwen2_5_VLForConditionalGeneration, config, out, seed)
+    flat = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+            "hidden_act": "silu", "initializer_range": 0.02, "max_window_layers": 2,
+            "model_type": "qwen2_5_vl", "sliding_window": 512, "torch_dtype": "float32",
+            "use_cache": True, "use_sliding_window": False, "vision_token_id": 289,
+            **{k: v for k, v in text.items() if k != "rope_parameters"},
+            "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                             "type": "default"},
+            "rope_theta": 640000, "vision_config": {
+                **vision, "hidden_act": "silu", "in_chans": 3, "spatial_merge_size": 2,
+                "spatial_patch_size": 14, "temporal_patch_size": 2}, **TOKENS}
+    (out / "config.json").write_text(json.dumps(flat, indent=2))
+    weights = load_file(str(out / "model.safetensors"))
+    legacy = {"model.language_model.": "model.", "model.visual.": "visual."}
+    renamed = {}
+    for key, tensor in weights.items():
+        new = next((key.replace(a, b, 1) for a, b in legacy.items() if key.startswith(a)), key)
+        renamed[new] = tensor
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+COSMOS3_DROPPED = {  # published names of the unified checkpoint's other towers -> shapes (tiny)
+    "layers.0.self_attn.add_q_proj.weight": (64, 64), "layers.0.self_attn.to_add_out.weight":
+    (64, 64), "layers.0.moe_gen.experts.0.up_proj.weight": (32, 64), "proj_in.weight": (64, 16),
+    "proj_out.weight": (16, 64), "time_embedder.linear_1.weight": (64, 16),
+    "audio_proj_in.weight": (64, 8), "audio_modality_embed": (64,),
+    "action_proj_in.weight": (64, 7), "action_modality_embed": (64,)}
+
+
+def build_tiny_cosmos3_omni(out: Path, *, vocab: int = 300, seed: int = 0,
+                            unified: bool = True, tokens: dict | None = None,
+                            max_positions: int = 512) -> Path:
+    """Save a tiny Cosmos3-Omni (``cosmos3_omni``: the reasoner is Qwen3-VL) with transformers'
+    ``Cosmos3OmniForConditionalGeneration``, whose save writes the published layout (LM under
+    ``layers.*`` / ``embed_tokens`` / ``norm``, the ViT under flat ``blocks.*`` / ``merger.*``
+    / ``patch_embed`` / ``pos_embed`` / ``deepstack_merger_list.*``, attention as
+    ``to_q / to_k / to_v / to_out / norm_q / norm_k``); ``unified``: with the generator, sound
+    and action weights of the unified checkpoint added (``COSMOS3_DROPPED``, random), which
+    transformers' reasoner ignores."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=max_positions,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                  patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    config = tf.Cosmos3OmniConfig(text_config=text, vision_config=vision, **(tokens or TOKENS))
+    save_perturbed(tf.Cosmos3OmniForConditionalGeneration, config, out, seed)
+    if unified:
+        g = torch.Generator().manual_seed(seed + 1)
+        weights = load_file(str(out / "model.safetensors"))
+        weights |= {k: torch.randn(shape, generator=g) for k, shape in COSMOS3_DROPPED.items()}
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 NEMOTRON_TOKENS = dict(image_token_id=420, video_token_id=421)
 
 
@@ -185,7 +349,8 @@ TEST_TOKENIZER_QWEN = dict(image_token_id=5, video_token_id=6, vision_start_toke
                            vision_end_token_id=4)
 TEST_TOKENIZER_NEMOTRON = dict(image_token_id=420, video_token_id=420)
 #: every family this module builds (contract.families' names)
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "nemotron_omni")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "nemotron_omni",
+            "cosmos3_omni")
 #: (min, max) image pixels a folder's processor files carry by default
 DEFAULT_PIXELS = {"nemotron_omni": (8192, 16384)}
 
@@ -214,6 +379,9 @@ def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int] | Non
     elif family in ("qwen3_5", "qwen3_5_moe"):
         build_tiny_qwen3_5(out, moe=family == "qwen3_5_moe", vocab=448,
                            tokens=TEST_TOKENIZER_QWEN, max_positions=2048, seed=seed)
+    elif family == "cosmos3_omni":  # the reasoner alone (no generator / sound / action weights)
+        build_tiny_cosmos3_omni(out, vocab=448, seed=seed, unified=False,
+                                tokens=TEST_TOKENIZER_QWEN, max_positions=2048)
     else:
         build_tiny_hf(family, out, vocab=448, tokens=TEST_TOKENIZER_QWEN, max_positions=2048,
                       seed=seed)

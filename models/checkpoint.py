@@ -123,18 +123,25 @@ def model_record(hf_folder: Path | None, tokenizer=None) -> dict[str, bytes]:
 
 #: under ``hf/``: the HF weights an export carries unchanged (``carried_record``)
 CARRIED = "carried.safetensors"
+#: under ``hf/``: how the source stored its MoE experts, when packed (``carried_record``)
+EXPERTS_LAYOUT = "experts_layout.json"
 
 
 def carried_record(hf_folder: Path | None) -> dict[str, bytes]:
-    """``hf/carried.safetensors`` (bytes) with the tensors of ``hf_folder`` that its family's
-    model does not hold and every export writes back unchanged (the keys its mapping module's
-    ``CARRIED_PREFIXES`` name: Qwen3.5's ``mtp.*``); empty for other families."""
+    """What ``hf/`` keeps of ``hf_folder``'s weights for the export: ``CARRIED`` with the tensors
+    its family's model does not hold and every export writes back unchanged (the keys its
+    mapping module's ``CARRIED_PREFIXES`` name: the ``mtp.*`` layers of Qwen3.5 / 3.6 / 3.8, in
+    either expert layout), and ``EXPERTS_LAYOUT`` (``{"experts": "packed"}``) when the source
+    stored its LM experts as packed 3-D tensors where the family's export writes them one by one
+    (``{"experts": "packed", "layout": "published" | "transformers"}``: x@W (E, H, 2I) or
+    transformers' (E, 2I, H), by shape), so that the export keeps the source's names and layout;
+    empty for other families."""
     import json
 
     from safetensors.torch import save
 
     from models.families import config_from_hf, mapping_module
-    from models.hf_weights import carried_hf_weights
+    from models.hf_weights import FUSED, carried_hf_weights, weight_map
 
     config = Path(hf_folder) / "config.json" if hf_folder else None
     if config is None or not config.is_file():
@@ -143,9 +150,28 @@ def carried_record(hf_folder: Path | None) -> dict[str, bytes]:
         cfg = config_from_hf(json.loads(config.read_text()))
     except ValueError:  # not a model a family imports: nothing to carry
         return {}
-    tensors = carried_hf_weights(Path(hf_folder),
-                                 getattr(mapping_module(cfg), "CARRIED_PREFIXES", ()))
-    return {f"{HF_FILES}/{CARRIED}": save(tensors)} if tensors else {}
+    mapping = mapping_module(cfg)
+    tensors = carried_hf_weights(Path(hf_folder), getattr(mapping, "CARRIED_PREFIXES", ()))
+    out = {f"{HF_FILES}/{CARRIED}": save(tensors)} if tensors else {}
+    packed = [shape for key, (_file, shape) in weight_map(Path(hf_folder)).items()
+              if key.endswith("gate_up_proj") and FUSED.match(key)]
+    if getattr(mapping, "EXPERTS_ONE_BY_ONE", False) and packed:
+        x_at_w = packed[0][-1] != cfg.lm.hidden_size  # (E, H, 2I), else transformers' (E, 2I, H)
+        out[f"{HF_FILES}/{EXPERTS_LAYOUT}"] = json.dumps(
+            {"experts": "packed", "layout": "published" if x_at_w else "transformers"}).encode()
+    return out
+
+
+def checkpoint_record(folder: Path | None) -> dict[str, bytes]:
+    """The ``hf/`` files of a checkpoint (an import or a train.py step folder) as
+    ``model_record`` gives them: what a run started from it (``train.init_checkpoint``) records
+    in its own checkpoints, so that their exports keep the source's config, processor files and
+    carried weights (MTP layers)."""
+    files = _hf_files(Path(folder)) if folder else None
+    if files is None:
+        return {}
+    return {f"{HF_FILES}/{p.relative_to(files)}": p.read_bytes()
+            for p in sorted(files.rglob("*")) if p.is_file()}
 
 
 def _model_json(folder: Path) -> Path | None:

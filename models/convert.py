@@ -2,6 +2,7 @@
 verification (the family comes from config.json's ``model_type``; models/families.py).
 
     python -m models.convert hf-to-mcore --hf PATH_OR_ID --out DIR [--tp N] [--pp P]
+                                         [--drop-unused]
     python -m models.convert mcore-to-hf --mcore DIR --out DIR [--adapter] [--overwrite] [--base]
                                          (an import or a train.py run / step folder, any
                                           TP/PP/EP; models/export.py)
@@ -151,20 +152,30 @@ def resolve_hf(path_or_id: str) -> Path:
         raise UsageError(str(error).replace("model.hf ", "--hf ", 1)) from None
 
 
-def hf_to_mcore(hf: str, out: Path, tp: int, pp: int) -> None:
+def hf_to_mcore(hf: str, out: Path, tp: int, pp: int, drop_unused: bool = False) -> None:
+    """``drop_unused``: leave out the weights of parts of the checkpoint the model does not have
+    (Cosmos3-Omni's generator, sound and action towers; one line says what was dropped), which
+    are refused otherwise."""
     from models.checkpoint import model_record, save_checkpoint
     from models.hf_source import model_config_of, task_encoder_settings
+    from models.hf_weights import weight_map
     from models.parallel import init_parallel
+    from models.sharding import unused_hf_weights
 
     folder = resolve_hf(hf)
     with refused(f"--hf {hf}"):
         cfg = model_config_of(folder)  # family first
         task_encoder_settings(folder, cfg.family)  # processor files the export ships, checked
     init_parallel(tp=tp, pp=pp)
-    check_hf_fit(cfg, folder)  # before anything is allocated
+    check_hf_fit(cfg, folder, drop_unused)  # before anything is allocated
     model = build_model(cfg, use_te=False)
-    hf_config = load_hf_weights(model, cfg, folder)
+    hf_config = load_hf_weights(model, cfg, folder, drop_unused)
     save_checkpoint(model, cfg, out, hf_config=hf_config, files=model_record(folder))
+    unused = unused_hf_weights(cfg, weight_map(folder)) if drop_unused else {}
+    if unused and int(os.environ.get("RANK", "0")) == 0:
+        click.echo("[convert] hf-to-mcore: dropped (--drop-unused) " + ", ".join(
+            f"{len(keys)} weights of the {part}" for part, keys in unused.items())
+            + f" of {folder}: the export will not have them", err=True)
 
 
 def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
@@ -233,7 +244,9 @@ def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:
                          f"{found.model_config.family} checkpoint: verify compares a checkpoint "
                          "with the HF model of its own family (the one it was imported from)")
     init_parallel(tp=tp, pp=pp)
-    check_hf_fit(found.model_config, hf)  # safetensors of the checkpoint's shapes, or one line
+    # safetensors of the checkpoint's shapes, or one line (weights of parts the model does not
+    # have, which transformers' model ignores too, are no part of the comparison)
+    check_hf_fit(found.model_config, hf, drop_unused=True)
     model, cfg = load_checkpoint(mcore, use_te=False)
     last = ps.is_pipeline_last_stage()
     hf_model = load_hf_model(hf) if last else None
@@ -306,12 +319,17 @@ def cli() -> None:
 @click.option("--hf", required=True, help="Hugging Face model folder, or a hub id.")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Output folder: the megatron dist checkpoint (+ model and HF configs).")
+@click.option("--drop-unused", is_flag=True,
+              help="Leave out the weights of parts of the checkpoint the model does not have "
+                   "(Cosmos3-Omni's generator, sound and action towers), refused otherwise.")
 @_layout_options
 @_console_options
-def hf_to_mcore_command(hf: str, out: Path, tp: int, pp: int, **console) -> None:
+def hf_to_mcore_command(hf: str, out: Path, tp: int, pp: int, drop_unused: bool,
+                        **console) -> None:
     """Import HF weights into a megatron dist checkpoint (loads at any TP / PP)."""
-    _run("hf-to-mcore", ["--hf", hf, "--out", str(out), "--tp", str(tp), "--pp", str(pp)],
-         tp * pp, lambda: hf_to_mcore(hf, out, tp, pp), **console,
+    _run("hf-to-mcore", ["--hf", hf, "--out", str(out), "--tp", str(tp), "--pp", str(pp),
+                         *(["--drop-unused"] if drop_unused else [])],
+         tp * pp, lambda: hf_to_mcore(hf, out, tp, pp, drop_unused), **console,
          wrote=f"wrote the megatron checkpoint {out} (loads at any TP / PP)")
 
 

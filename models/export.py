@@ -179,7 +179,7 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False, overwrite: bool =
 
 def write_merged_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
     """The merged model's HF folder (``mcore_to_hf``) into the existing folder ``out``."""
-    from models.checkpoint import CARRIED, HF_JSON
+    from models.checkpoint import CARRIED, EXPERTS_LAYOUT, HF_JSON
     from models.hf_source import (
         PROCESSOR_FILES,
         SPECIAL_IDS,
@@ -205,6 +205,11 @@ def write_merged_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
         config.update(ids)
         config["text_config"].update(ids)
     weights = mapping_module(cfg).ours_to_hf(sd, cfg)
+    if files is not None and (files / EXPERTS_LAYOUT).is_file():  # the source's packed experts
+        from models.hf_weights import fuse_experts
+
+        layout = json.loads((files / EXPERTS_LAYOUT).read_text()).get("layout", "published")
+        weights = fuse_experts(weights, cfg, transformers_layout=layout == "transformers")
     if files is not None and (files / CARRIED).is_file():  # e.g. Qwen3.5's MTP layers, unchanged
         from safetensors.torch import load_file
 

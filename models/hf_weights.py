@@ -232,23 +232,29 @@ def split_fused_experts(hf_sd: dict[str, torch.Tensor], cfg
     return out
 
 
-def fuse_experts(hf_sd: dict[str, torch.Tensor], cfg
+def fuse_experts(hf_sd: dict[str, torch.Tensor], cfg, transformers_layout: bool = False
                  ) -> dict[str, torch.Tensor]:
     """The per-expert keys of each MoE layer as the published fused tensors: gate_up
-    (E, H, 2I) = [gate; up]^T per expert, down (E, I, H)."""
+    (E, H, 2I) = [gate; up]^T per expert, down (E, I, H); ``transformers_layout``: as
+    transformers holds them, (E, 2I, H) and (E, H, I) (what a checkpoint of a family whose
+    transformers loader does not transpose, Qwen3.5 MoE, has when packed)."""
     if not any(cfg.lm.moe_layers):
         return hf_sd
     out = {k: v for k, v in hf_sd.items() if ".mlp.experts." not in k}
+
+    def oriented(x: torch.Tensor) -> torch.Tensor:
+        return x if transformers_layout else x.T
+
     for i, moe in enumerate(cfg.lm.moe_layers):
         if not moe:
             continue
         prefix = LM_LAYER.format(i=i) + "mlp.experts."
         experts = range(cfg.lm.num_experts)
-        out[prefix + "gate_up_proj"] = torch.stack([torch.cat(
-            [hf_sd[f"{prefix}{n}.gate_proj.weight"], hf_sd[f"{prefix}{n}.up_proj.weight"]]).T
+        out[prefix + "gate_up_proj"] = torch.stack([oriented(torch.cat(
+            [hf_sd[f"{prefix}{n}.gate_proj.weight"], hf_sd[f"{prefix}{n}.up_proj.weight"]]))
             for n in experts]).contiguous()
         out[prefix + "down_proj"] = torch.stack(
-            [hf_sd[f"{prefix}{n}.down_proj.weight"].T for n in experts]).contiguous()
+            [oriented(hf_sd[f"{prefix}{n}.down_proj.weight"]) for n in experts]).contiguous()
     return out
 
 

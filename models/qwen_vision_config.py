@@ -59,7 +59,8 @@ def vision_from_hf(vis: Any, variant) -> VisionConfig:
     return VisionConfig(
         depth=_get(vis, "depth"), hidden_size=_get(vis, "hidden_size"),
         intermediate_size=_get(vis, "intermediate_size"), num_heads=_get(vis, "num_heads"),
-        out_hidden_size=_get(vis, "out_hidden_size"), in_channels=_get(vis, "in_channels", 3),
+        out_hidden_size=_get(vis, "out_hidden_size"),
+        in_channels=_get(vis, "in_channels") or _get(vis, "in_chans", 3),  # the older name
         patch_size=_get(vis, "patch_size"), temporal_patch_size=_get(vis, "temporal_patch_size", 2),
         spatial_merge_size=_get(vis, "spatial_merge_size", 2),
         hidden_act=_get(vis, "hidden_act", variant.vision_act),

@@ -96,9 +96,41 @@ def shard_for_rank(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tens
     return local
 
 
-def _mapped(model, cfg, hf_sd: dict[str, torch.Tensor], folder) -> dict[str, torch.Tensor]:
+def unused_hf_weights(cfg, keys) -> dict[str, list[str]]:
+    """Part of the checkpoint -> its keys among ``keys`` that ``cfg``'s family never builds (the
+    mapping module's ``unused_keys``: Cosmos3-Omni's generator, sound and action towers)."""
+    from models.families import mapping_module
+
+    found = getattr(mapping_module(cfg), "unused_keys", None)
+    return found(keys, cfg) if found else {}
+
+
+def without_unused(cfg, hf_sd: dict, folder, drop: bool) -> dict:
+    """``hf_sd`` without the weights of parts the model does not have (``unused_hf_weights``)
+    when ``drop``; else, if there are any, one line naming them and how to drop them.
+
+    Raises:
+        contract.errors.UsageError: unused weights and not ``drop``.
+    """
+    from contract.errors import UsageError
+
+    unused = unused_hf_weights(cfg, hf_sd)
+    if unused and not drop:
+        what = ", ".join(f"{len(keys)} of the {part} ({keys[0]!r}...)"
+                         for part, keys in unused.items())
+        raise UsageError(f"the HF weights of {folder} hold weights the {cfg.family} model does "
+                         f"not use: {what}; to drop them, import with python -m models.convert "
+                         "hf-to-mcore --drop-unused and train from that import "
+                         "(train.init_checkpoint=<import>)")
+    dropped = {key for keys in unused.values() for key in keys}
+    return {k: v for k, v in hf_sd.items() if k not in dropped}
+
+
+def _mapped(model, cfg, hf_sd: dict[str, torch.Tensor], folder, drop_unused: bool = False
+            ) -> dict[str, torch.Tensor]:
     """The HF state dict mapped onto this rank's part of ``model`` (full TP = 1 tensors under
-    its local keys).
+    its local keys); ``drop_unused``: weights of parts the model does not have are left out
+    (``without_unused``: else refused).
 
     Raises:
         contract.errors.UsageError: a key or shape that does not map (the first offender).
@@ -108,6 +140,7 @@ def _mapped(model, cfg, hf_sd: dict[str, torch.Tensor], folder) -> dict[str, tor
     from contract.errors import UsageError
     from models.families import mapping_module
 
+    hf_sd = without_unused(cfg, hf_sd, folder, drop_unused)
     to_global = global_keys(model)
     shapes = {to_global[k]: shape for k, shape in weight_shapes(model).items()}
     whole = (ps.get_pipeline_model_parallel_world_size() == 1
@@ -122,7 +155,7 @@ def _mapped(model, cfg, hf_sd: dict[str, torch.Tensor], folder) -> dict[str, tor
         raise UsageError(f"the HF weights of {folder}: {error}") from None
 
 
-def check_hf_fit(cfg, folder) -> None:
+def check_hf_fit(cfg, folder, drop_unused: bool = False) -> None:
     """Before the model of ``cfg`` is built: its shapes against the HF weights of ``folder``,
     read from the safetensors headers only (a meta-device model, the headers' shapes mapped as
     ``load_hf_weights`` maps the weights), so that a config.json declaring more than its weights
@@ -140,14 +173,15 @@ def check_hf_fit(cfg, folder) -> None:
     except ValueError as error:
         raise UsageError(str(error)) from None
     hf_sd = {key: torch.empty(shape, device="meta") for key, (_file, shape) in headers.items()}
+    hf_sd = without_unused(cfg, hf_sd, folder, drop_unused)  # its own line, before the shapes
     try:
-        _mapped(meta_model(cfg), cfg, hf_sd, folder)
+        _mapped(meta_model(cfg), cfg, hf_sd, folder, drop_unused)
     except UsageError as error:
         raise UsageError(f"{error} (the shapes {Path(folder) / 'config.json'} declares; "
                          "nothing was allocated)") from None
 
 
-def load_hf_weights(model, cfg, folder) -> dict:
+def load_hf_weights(model, cfg, folder, drop_unused: bool = False) -> dict:
     """Map the HF weights of ``folder`` onto this rank's part of ``model`` (local spec): its
     pipeline stage's layers, its experts (EP), its TP slices. Returns the HF config.
 
@@ -162,5 +196,6 @@ def load_hf_weights(model, cfg, folder) -> dict:
         hf_config, hf_sd = read_hf_folder(folder)  # its messages name the folder
     except ValueError as error:
         raise UsageError(str(error)) from None
-    model.load_state_dict(shard_for_rank(_mapped(model, cfg, hf_sd, folder), model), strict=False)
+    model.load_state_dict(shard_for_rank(_mapped(model, cfg, hf_sd, folder, drop_unused), model),
+                          strict=False)
     return hf_config

@@ -3,7 +3,8 @@ model (``model.hf``: weights imported at the run's layout and cached, tokenizer,
 pixel settings from the model's own files), export of train.py checkpoints
 (``models.convert mcore-to-hf``) that transformers loads with its Auto classes and that gives our
 logits, and the round trip import -> train -> export -> import. Qwen2.5-VL, Qwen3.5 (Gated
-DeltaNet layers) and Nemotron-Omni; one slow run saved at TP=2 (Nemotron-Omni)."""
+DeltaNet layers), Cosmos3-Omni's reasoner and Nemotron-Omni; one slow run saved at TP=2
+(Nemotron-Omni)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.test_train import FAST, MANTIS_CFG, NEMOTRON_MANTIS_CFG, losses, ok, 
 #: family -> (train config, the HF model's own image pixel limits: differ from the config's)
 JOURNEYS = {"qwen2_5_vl": (MANTIS_CFG, (3136, 6272)),
             "qwen3_5": (MANTIS_CFG, (3136, 6272)),
+            "cosmos3_omni": (MANTIS_CFG, (3136, 6272)),
             "nemotron_omni": (NEMOTRON_MANTIS_CFG, (8192, 16384))}
 #: after the fine-tune steps the two stacks sum float32 in other orders: observed up to 1.0e-4
 #: (qwen3_5, interleaved images, full suite); untrained parity is 1e-4 in the family tests
@@ -96,6 +98,8 @@ def test_journey_from_hf_to_hf(family, tmp_path, mantis_out):
     pixels = resolved["task_encoder"]["min_pixels"], resolved["task_encoder"]["max_pixels"]
     assert pixels == JOURNEYS[family][1]  # from its preprocessor_config.json
 
+    if family == "cosmos3_omni":  # a new family: a short run's loss falls
+        assert losses(run)[-1] < losses(run)[0], losses(run)
     exported = export(run, tmp_path / "export")
     diffs = logits_diff(run, exported)
     assert max(diffs.values()) <= LOGITS_TOLERANCE, diffs
@@ -177,3 +181,46 @@ def test_make_prepare_writes_where_train_reads():
         config = yaml.safe_load((REPO / "configs" / f"train_{family}_mantis.yaml").read_text())
         assert config["data"]["path"] == "data/mantis/metadataset.yaml"
         assert config["out"] == f"runs/{family}_mantis"
+
+
+@pytest.mark.slow
+def test_mtp_weights_survive_training_resume_and_a_new_start(tmp_path, mantis_out):
+    """A Qwen3.6-layout MoE folder (``qwen3_5_moe``, the LM's and the MTP layer's experts packed,
+    every ``mtp.*`` tensor as published): trained 2 steps from ``model.hf``, resumed to step 3,
+    then a new run started from that checkpoint (``train.init_checkpoint``, no ``model.hf``)
+    for a step; each export holds every ``mtp.*`` tensor of the source byte for byte (the head
+    is not trained) and the LM experts packed under the source's names, and loads in
+    transformers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from lookalikes.models import add_qwen3_5_mtp, pack_qwen3_5_experts
+
+    hf = build_tiny_hf_model("qwen3_5_moe", tmp_path / "hf")
+    pack_qwen3_5_experts(hf)
+    mtp = add_qwen3_5_mtp(hf, packed=True)
+    source = load_file(str(hf / "model.safetensors"))
+    run = tmp_path / "run"
+    common = (f"data.path={mantis_out}/metadataset.yaml", *FAST, "checkpoint.interval=1",
+              "train.keep_checkpoints=0")
+    ok(train(str(MANTIS_CFG), f"model.hf={hf}", f"out={run}",
+             f"train.hf_import_cache={tmp_path / 'cache'}", "train.steps=2", *common))
+    ok(train(str(MANTIS_CFG), f"model.hf={hf}", f"out={run}",
+             f"train.hf_import_cache={tmp_path / 'cache'}", "train.steps=3", *common,
+             "--resume", str(run / "checkpoints" / "step_000002")))
+    again, resolved = tmp_path / "again", yaml.safe_load((run / "config.yaml").read_text())
+    del resolved["model"]["hf"]  # the same run, started from the step's weights instead
+    (tmp_path / "again.yaml").write_text(yaml.safe_dump(resolved))
+    ok(train(str(tmp_path / "again.yaml"), f"out={again}",
+             f"train.init_checkpoint={run / 'checkpoints' / 'step_000003'}", "train.steps=1",
+             *common))
+    for name, ckpt in (("resumed", run / "checkpoints" / "step_000003"),
+                       ("new_start", again / "checkpoints" / "step_000001")):
+        exported = export(ckpt, tmp_path / f"export_{name}")
+        after = load_file(str(exported / "model.safetensors"))
+        assert sorted(after) == sorted(source), name
+        for key, tensor in mtp.items():
+            assert after[key].numpy().tobytes() == tensor.numpy().tobytes(), (name, key)
+        assert any(not torch.equal(after[k], source[k]) for k in source
+                   if not k.startswith("mtp.")), name  # the model itself trained
+        AutoModelForImageTextToText.from_pretrained(exported)  # every key and shape it expects

@@ -31,6 +31,7 @@ PACKAGES = {
     F.QWEN3_5: "models.families.qwen3_5",
     F.QWEN3_5_MOE: "models.families.qwen3_5",
     F.NEMOTRON_OMNI: "models.families.nemotron_omni",
+    F.COSMOS3_OMNI: "models.families.qwen_vl",
 }
 FAMILIES = tuple(PACKAGES)
 #: what a model's parameters are, for freezing (``ModelFamily.parameter_group``)

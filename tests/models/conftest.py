@@ -74,25 +74,24 @@ def nemotron_imported(tiny_nemotron_hf, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-#: what the published Qwen3.5 checkpoints carry besides the model: one MTP layer (some of its
-#: tensors), added to the tiny dense model of ``qwen3_5_hf``
-QWEN3_5_MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,),
-               "mtp.layers.0.self_attn.q_proj.weight": (256, 64)}
-
-
 @pytest.fixture(scope="session")
 def qwen3_5_hf(tmp_path_factory) -> dict[str, Path]:
-    """family -> a tiny HF Qwen3.5 folder (lookalikes/models.py); the dense one with the
-    ``QWEN3_5_MTP`` tensors added, as published."""
-    from safetensors.torch import load_file, save_file
+    """name -> a tiny HF Qwen3.5 folder (lookalikes.models) with the published ``mtp.*``
+    tensors added (``add_qwen3_5_mtp``): ``qwen3_5`` dense, ``qwen3_5_moe`` with the experts one
+    by one (Qwen3.5's layout, main layers and MTP layer), ``qwen3_6_moe`` the same model type
+    with the experts packed in both (Qwen3.6's MTP layer: ``mtp.layers.0.mlp.experts.gate_up_proj``
+    / ``down_proj``)."""
+    from lookalikes.models import add_qwen3_5_mtp, pack_qwen3_5_experts
 
     root = tmp_path_factory.mktemp("qwen3_5")
     dense = build_tiny_qwen3_5(root / "dense")
-    weights = load_file(str(dense / "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    weights.update({key: torch.randn(shape, generator=g) for key, shape in QWEN3_5_MTP.items()})
-    save_file(weights, str(dense / "model.safetensors"), metadata={"format": "pt"})
-    return {"qwen3_5": dense, "qwen3_5_moe": build_tiny_qwen3_5(root / "moe", moe=True)}
+    add_qwen3_5_mtp(dense)
+    moe = build_tiny_qwen3_5(root / "moe", moe=True)
+    add_qwen3_5_mtp(moe)
+    packed = build_tiny_qwen3_5(root / "moe_packed", moe=True, seed=2)
+    pack_qwen3_5_experts(packed)
+    add_qwen3_5_mtp(packed, packed=True)
+    return {"qwen3_5": dense, "qwen3_5_moe": moe, "qwen3_6_moe": packed}
 
 
 @pytest.fixture(scope="session")

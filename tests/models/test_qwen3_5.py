@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.models.conftest import QWEN3_5_MTP, world2_result
+from tests.models.conftest import world2_result
 
 TOL = 1e-4
 
@@ -60,7 +60,7 @@ def test_torch_kernels_equal_transformers_torch_path():
     torch.testing.assert_close(step, conv[..., -1])
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe"])
 def test_logits_match_transformers(qwen3_5_hf, qwen3_5_imported, family):
     """hf-to-mcore then ``verify``: one image, interleaved images, a video, each <= 1e-4."""
     from models.convert import verify
@@ -71,10 +71,11 @@ def test_logits_match_transformers(qwen3_5_hf, qwen3_5_imported, family):
         assert row["max_abs_logit_diff"] <= TOL, (family, name, row)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe"])
 def test_export_round_trip_is_the_published_layout(qwen3_5_hf, qwen3_5_imported, family, tmp_path):
-    """mcore-to-hf writes every tensor of the source as it was (fused ``in_proj_qkv`` /
-    ``conv1d``, experts one by one as published, the ``mtp.*`` weights carried unchanged) and
+    """mcore-to-hf writes every tensor of the source under its own name, byte for byte (fused
+    ``in_proj_qkv`` / ``conv1d``; the LM experts one by one as Qwen3.5 publishes them, or packed
+    as the Qwen3.6 source has them; every ``mtp.*`` tensor, experts one by one or packed) and
     transformers loads the export with the source's weights."""
     import transformers
 
@@ -85,13 +86,21 @@ def test_export_round_trip_is_the_published_layout(qwen3_5_hf, qwen3_5_imported,
     after = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert sorted(before) == sorted(after)
     for key in before:
-        assert torch.equal(after[key], before[key]), key
-    if family == "qwen3_5_moe":  # the hub's layout: experts one by one
+        assert after[key].dtype == before[key].dtype, key
+        assert after[key].numpy().tobytes() == before[key].numpy().tobytes(), key
+    mtp = {k for k in after if k.startswith("mtp.")}
+    assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+            "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= mtp
+    if family == "qwen3_5_moe":  # Qwen3.5's layout: experts one by one
         assert "model.language_model.layers.0.mlp.experts.3.down_proj.weight" in after
-    else:
-        assert set(QWEN3_5_MTP) <= set(after)
+        assert "mtp.layers.0.mlp.experts.3.down_proj.weight" in mtp
+    if family == "qwen3_6_moe":  # Qwen3.6's: packed, in the main layers and the MTP layer
+        assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in after
+        assert {"mtp.layers.0.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.down_proj"} \
+            <= mtp
     config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert config["model_type"] == family
+    assert config["model_type"] == family.replace("qwen3_6", "qwen3_5")
+    assert config["text_config"]["mtp_num_hidden_layers"] == 1
     cls = getattr(transformers, config["architectures"][0])
     ours = cls.from_pretrained(tmp_path / "export").state_dict()
     theirs = cls.from_pretrained(qwen3_5_hf[family]).state_dict()

@@ -1,6 +1,6 @@
 """The Qwen-VL family package of the data side: Qwen2.5-VL, Qwen3-VL (dense) and Qwen3-VL MoE,
-and Qwen3.5 / Qwen3.5 MoE (whose processor is Qwen3-VL's: their profiles have the Qwen3-VL
-geometry and hooks; the special-token ids come from each model's tokenizer).
+Qwen3.5 / Qwen3.5 MoE and Cosmos3-Omni's reasoner (whose processor is Qwen3-VL's: their profiles
+have the Qwen3-VL geometry and hooks; the special-token ids come from each model's tokenizer).
 
 - ``geometry.py``: every size the processors impose (``QwenVLGeometry``: resize, grids, token
   counts, frame picks, pixel rows), equal to transformers';
@@ -16,6 +16,7 @@ from __future__ import annotations
 from contract import families as F
 from energon_tasks.families import Profile
 from energon_tasks.families.qwen_vl.geometry import (
+    COSMOS3_OMNI,
     QWEN2_5_VL,
     QWEN3_5,
     QWEN3_5_MOE,
@@ -35,4 +36,6 @@ PROFILES = (
             hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen3.5-9B"),
     Profile(name=F.QWEN3_5_MOE, family=F.PROFILES[F.QWEN3_5_MOE], geometry=QWEN3_5_MOE,
             hooks=QwenVLHooks, default_tokenizer="Qwen/Qwen3.5-35B-A3B"),
+    Profile(name=F.COSMOS3_OMNI, family=F.PROFILES[F.COSMOS3_OMNI], geometry=COSMOS3_OMNI,
+            hooks=QwenVLHooks, default_tokenizer="nvidia/Cosmos3-Nano"),
 )

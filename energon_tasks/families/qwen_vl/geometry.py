@@ -407,3 +407,5 @@ QWEN3_VL_MOE = dataclasses.replace(QWEN3_VL, name="qwen3_vl_moe")
 #: Qwen3.5 (dense and MoE) reads Qwen3-VL's processor (``Qwen3VLProcessor``): the same geometry
 QWEN3_5 = dataclasses.replace(QWEN3_VL, name="qwen3_5")
 QWEN3_5_MOE = dataclasses.replace(QWEN3_VL, name="qwen3_5_moe")
+#: Cosmos3-Omni's reasoner reads Qwen3-VL's processor too
+COSMOS3_OMNI = dataclasses.replace(QWEN3_VL, name="cosmos3_omni")

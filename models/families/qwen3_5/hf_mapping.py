@@ -28,6 +28,9 @@ from models.families.qwen3_5.config import Qwen35ModelConfig
 
 #: HF weights our model does not hold, carried from the import into every export unchanged
 CARRIED_PREFIXES = ("mtp.",)
+#: the export writes the LM experts one by one (the Qwen3.5 hub layout); a source with packed
+#: experts (Qwen3.6) is recorded and exported packed again (``models.checkpoint.carried_record``)
+EXPERTS_ONE_BY_ONE = True
 L, V = "model.language_model.layers.{i}.", "model.visual.blocks.{i}."
 OL, OV = "language_model.decoder.layers.{i}.", "vision.layers.{i}."
 A, OA = L + "linear_attn.", OL + "self_attention."

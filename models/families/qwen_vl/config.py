@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contract.families import QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE
+from contract.families import COSMOS3_OMNI, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE
 from models.model_config import build_model_config, check_hf_shapes, load_model_yaml
 from models.model_config import hf_value as _get
 from models.moe_aux import check_capacity
@@ -45,6 +45,8 @@ class Variant:
     windowed: bool  #: 2.5: window attention except ``fullatt_block_indexes``; 3: full attention
     learned_positions: bool  #: 3: interpolated position table, patch bias, DeepStack
     moe: bool = False  #: the LM's MLPs are MoE layers (Qwen3-VL MoE), dense where the config says
+    #: the ``model_type`` prefix of its ``text_config`` / ``vision_config`` (default: the family's)
+    sub_config_type: str = ""
 
     @property
     def deepstack(self) -> bool:
@@ -66,6 +68,10 @@ VARIANTS = {
                           vision_act="gelu_pytorch_tanh", vision_norm="LayerNorm", gated_mlp=False,
                           windowed=False, learned_positions=True, moe=True),
 }
+#: Cosmos3-Omni's reasoner: Qwen3-VL's model and sub-configs (its own architecture name)
+VARIANTS[COSMOS3_OMNI] = dataclasses.replace(
+    VARIANTS[QWEN3_VL], architecture="Cosmos3OmniForConditionalGeneration",
+    sub_config_type=QWEN3_VL)
 FAMILIES = tuple(VARIANTS)
 
 
@@ -176,6 +182,7 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
     model_type = _get(hf, "model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"model_type must be one of {FAMILIES}, got {model_type!r}")
+    hf = with_text_config(hf)
     text, vis = _get(hf, "text_config"), _get(hf, "vision_config")
     if text is None or vis is None:
         raise ValueError("config has no text_config / vision_config")
@@ -212,6 +219,16 @@ def from_hf_config(hf: Any) -> QwenVLModelConfig:
     )
 
 
+def with_text_config(hf: Any) -> Any:
+    """``hf`` with its LM keys under ``text_config``: a config.json of the older flat layout
+    (transformers < 4.52 wrote Qwen2.5-VL's LM keys at the top level, next to ``vision_config``,
+    as the hub's Qwen2.5-VL and MiMo-VL checkpoints still have them) gets a ``text_config`` of
+    its top-level keys, as transformers reads it; a nested one is returned as it is."""
+    if not isinstance(hf, dict) or hf.get("text_config") is not None or "hidden_size" not in hf:
+        return hf
+    return {**hf, "text_config": {k: v for k, v in hf.items() if k != "vision_config"}}
+
+
 def _moe_fields(text: Any) -> dict:
     """The MoE fields of our ``LMConfig`` from a Qwen3-VL MoE ``text_config`` (transformers'
     defaults where a key is absent; transformers 5.x writes ``num_experts`` as
@@ -233,7 +250,8 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
     rope = {"rope_type": "default", "rope_theta": t.rope_theta, "mrope_section": t.mrope_section}
     if qwen3:
         rope["mrope_interleaved"] = t.mrope_interleaved
-    text = {"model_type": f"{cfg.family}_text", "vocab_size": t.vocab_size,
+    text = {"model_type": f"{variant.sub_config_type or cfg.family}_text",
+            "vocab_size": t.vocab_size,
             "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
             "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
             "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
@@ -247,7 +265,7 @@ def to_hf_dict(cfg: QwenVLModelConfig) -> dict:
                     moe_intermediate_size=t.moe_intermediate_size,
                     decoder_sparse_step=t.decoder_sparse_step, mlp_only_layers=t.mlp_only_layers,
                     router_aux_loss_coef=t.router_aux_loss_coef, norm_topk_prob=True)
-    vision = vision_to_hf(v, cfg.family, variant)
+    vision = vision_to_hf(v, variant.sub_config_type or cfg.family, variant)
     return {"architectures": [variant.architecture], "model_type": cfg.family, "text_config": text,
             "vision_config": vision, "tie_word_embeddings": t.tie_embeddings,
             "image_token_id": cfg.image_token_id, "video_token_id": cfg.video_token_id,

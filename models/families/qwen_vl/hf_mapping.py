@@ -18,11 +18,21 @@ layout (E, 2I, H) / (E, H, I) (gate_up is ambiguous only when H = 2I, down only 
 both, so one of the two decides). Any other shape is one ``ValueError`` naming the key, its shape
 and both layouts. Export writes the published layout (``fuse_experts``), which transformers and
 vLLM load.
+
+Cosmos3-Omni (``cosmos3_omni``): the reasoner is Qwen3-VL under its own published names (the LM
+without its ``model.`` prefix, ``layers.*`` / ``embed_tokens`` / ``norm``; the ViT flat,
+``blocks.*`` / ``merger.*`` / ``patch_embed`` / ``pos_embed`` / ``deepstack_merger_list.*``;
+attention as ``to_q / to_k / to_v / to_out / norm_q / norm_k`` in newer checkpoints, the Qwen
+names in older ones): both read (``COSMOS3_NAMES``), the newer one written (what transformers'
+``save_pretrained`` writes). The unified checkpoint's generator, sound and action weights
+(``COSMOS3_UNUSED``) are no part of the reasoner: ``unused_keys`` names them, and the import
+refuses them in one line unless asked to drop them (``models.sharding``).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -103,7 +113,22 @@ MOE_LAYER = {
         (OL + "mlp.experts.local_experts.{e}.linear_fc2.weight", None),
 }
 DENSE_MLP = tuple(L + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
-TABLES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL}
+TABLES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL,
+          "cosmos3_omni": QWEN3_VL}
+#: Cosmos3-Omni's published names -> transformers' Qwen3-VL ones (prefix, then attention names;
+#: ``to_hub_hf_key`` writes them back)
+COSMOS3_PREFIXES = (("model.language_model.", ("layers.", "embed_tokens.", "norm.")),
+                    ("model.visual.", ("blocks.", "merger.", "patch_embed.", "pos_embed.",
+                                       "deepstack_merger_list.")))
+COSMOS3_ATTENTION = {"to_q": "q_proj", "to_k": "k_proj", "to_v": "v_proj", "to_out": "o_proj",
+                     "norm_q": "q_norm", "norm_k": "k_norm"}
+#: what of the unified Cosmos3 checkpoint the reasoner does not use, per tower (key patterns)
+COSMOS3_UNUSED = {
+    "generator": re.compile(r"\.(add_[qkv]_proj|to_add_out|norm_added_[qk])\.|moe_gen"
+                            r"|^(proj_in|proj_out|time_embedder)\."),
+    "sound": re.compile(r"^audio_(proj_in\.|proj_out\.|modality_embed$)"),
+    "action": re.compile(r"^action_(proj_in\.|proj_out\.|modality_embed$)"),
+}
 #: Qwen2.5-VL checkpoints on the hub use the legacy prefixes (transformers < 4.52 layout).
 LEGACY_PREFIXES = {
     "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
@@ -139,6 +164,8 @@ def expand_table(cfg: QwenVLModelConfig) -> dict[str, tuple[str, str | None]]:
 
 
 def to_canonical_hf_key(key: str, family: str) -> str:
+    if family == "cosmos3_omni":
+        return _cosmos3_canonical(key)
     for new, old in LEGACY_PREFIXES.get(family, ()):
         if key.startswith(old) and not key.startswith(new):
             return new + key[len(old):]
@@ -146,10 +173,44 @@ def to_canonical_hf_key(key: str, family: str) -> str:
 
 
 def to_hub_hf_key(key: str, family: str) -> str:
+    if family == "cosmos3_omni":
+        return _cosmos3_hub(key)
     for new, old in LEGACY_PREFIXES.get(family, ()):
         if key.startswith(new):
             return old + key[len(new):]
     return key
+
+
+def _cosmos3_canonical(key: str) -> str:
+    for nested, flat in COSMOS3_PREFIXES:
+        if key.startswith(flat):
+            key = nested + key
+            break
+    parts = key.split(".")
+    if len(parts) > 2 and parts[-3] == "self_attn":
+        parts[-2] = COSMOS3_ATTENTION.get(parts[-2], parts[-2])
+    return ".".join(parts)
+
+
+def _cosmos3_hub(key: str) -> str:
+    for nested, _flat in COSMOS3_PREFIXES:
+        if key.startswith(nested):
+            key = key[len(nested):]
+            break
+    parts = key.split(".")
+    if len(parts) > 2 and parts[-3] == "self_attn":
+        parts[-2] = {q: c for c, q in COSMOS3_ATTENTION.items()}.get(parts[-2], parts[-2])
+    return ".".join(parts)
+
+
+def unused_keys(keys, cfg: QwenVLModelConfig) -> dict[str, list[str]]:
+    """Tower -> the keys of ``keys`` that belong to a part of the checkpoint this family's model
+    is not (Cosmos3-Omni's generator, sound and action towers); empty for the other families."""
+    if cfg.family != "cosmos3_omni":
+        return {}
+    found = {tower: sorted(k for k in keys if pattern.search(k))
+             for tower, pattern in COSMOS3_UNUSED.items()}
+    return {tower: found_keys for tower, found_keys in found.items() if found_keys}
 
 
 # ------------------------------------------------------------------ conversions
