@@ -30,6 +30,7 @@ import json
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,21 +82,25 @@ def time_ratio(loads: list[tuple[int, float]], share: float) -> float:
 
 
 def simulate(name: str, dp: int, steps: int, capacity: int, share: float,
-             per_rank_rows: int = 1) -> dict:
+             per_rank_rows: int = 1, pool: float = POOL) -> dict:
     rngs = [random.Random(f"{name}-{dp}-{r}") for r in range(dp)]
     carried_ranks: list[list[Item]] = [[] for _ in range(dp)]
     stream, carried = random.Random(f"{name}-{dp}-global"), []
     result = {k: [] for k in ("base_tokens", "base_vision", "base_time", "plan_tokens",
-                              "plan_vision", "plan_time", "bound_vision")}
+                              "plan_vision", "plan_time", "bound_vision", "plan_fill",
+                              "plan_ms")}
     for _ in range(steps):
         base = [tuple(map(sum, zip(*loads))) for loads in zip(*[
             per_rank(rngs, name, capacity, carried_ranks) for _ in range(per_rank_rows)])]
         fresh, have = [], sum(i.tokens for i in carried)
-        while have < POOL * dp * per_rank_rows * capacity:
+        while have < pool * dp * per_rank_rows * capacity:
             fresh.append(draw(stream, name, capacity))
             have += fresh[-1].tokens
+        start = time.perf_counter()
         rows, carried = pack_rows(carried, fresh, dp * per_rank_rows, capacity, packing=True)
         ranks = assign_rows(rows, dp)
+        result["plan_ms"].append(1000 * (time.perf_counter() - start))
+        result["plan_fill"].append(sum(r.tokens for r in rows) / (len(rows) * capacity))
         placed = [item for row in rows for item in row.items]
         mean_vision = sum(i.vision for i in placed) / dp  # no split of whole samples beats it
         result["bound_vision"].append(max(1.0, max(i.vision for i in placed) / mean_vision))
@@ -125,21 +130,31 @@ def main() -> None:
     parser.add_argument("--vision-share", type=float, default=0.3)
     parser.add_argument("--rows-per-rank", type=int, default=1,
                         help="Rows (micro-batches) each rank trains per step.")
+    parser.add_argument("--pool", type=float, default=POOL,
+                        help="Candidates per step, in rows' worth of tokens.")
+    parser.add_argument("--datasets", default=",".join(DATASETS))
+    parser.add_argument("--dp", default="2,8,32", help="Comma-separated DP sizes.")
     args = parser.parse_args()
-    rows = [simulate(name, dp, args.steps, args.tokens, args.vision_share, args.rows_per_rank)
-            for name in DATASETS for dp in (2, 8, 32)]
+    names = args.datasets.split(",")
+    if not set(names) <= set(DATASETS):
+        parser.error(f"--datasets: one of {', '.join(DATASETS)} expected, got {args.datasets}")
+    rows = [simulate(name, int(dp), args.steps, args.tokens, args.vision_share,
+                     args.rows_per_rank, args.pool)
+            for name in names for dp in args.dp.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "data_plan.json").write_text(json.dumps(rows, indent=1))
+    (args.out / f"data_plan_rows{args.rows_per_rank}.json").write_text(json.dumps(rows, indent=1))
     share = f"{args.vision_share:g}"
+    print(f"rows per rank: {args.rows_per_rank}, pool: {args.pool:g}")
     print(f"| data | DP | per rank: tokens max/mean (p95) | per rank: vision (p95) | global plan: "
           f"tokens (p95) | global plan: vision (p95) | step time saved (vision {share} of "
-          "compute) | bound: vision |")
-    print("|---|---|---|---|---|---|---|---|")
+          "compute) | bound: vision | plan: row fill | plan: ms / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dataset']} | {r['dp']} | {r['base_tokens']:.3f} ({r['base_tokens_p95']:.3f})"
               f" | {r['base_vision']:.3f} ({r['base_vision_p95']:.3f}) | {r['plan_tokens']:.3f} "
               f"({r['plan_tokens_p95']:.3f}) | {r['plan_vision']:.3f} ({r['plan_vision_p95']:.3f})"
-              f" | {100 * r['time_saved']:.1f} % | {r['bound_vision']:.3f} |")
+              f" | {100 * r['time_saved']:.1f} % | {r['bound_vision']:.3f} | "
+              f"{r['plan_fill']:.3f} | {r['plan_ms']:.0f} ({r['plan_ms_p95']:.0f}) |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from energon_tasks.plan_search import balance_ranks, balance_rows
+
 
 @dataclass(frozen=True, slots=True)
 class Item:
@@ -51,125 +55,51 @@ class Row:
 def pack_rows(carried: Sequence[Item], fresh: Sequence[Item], rows: int, capacity: int,
               packing: bool) -> tuple[list[Row], list[Item]]:
     """(the step's rows, the candidates left for the next step, in their order) of the
-    candidates ``carried`` over from the previous step (placed first, in their order, so none
-    waits twice for long) and ``fresh`` from the stream; see the module docstring. Rows may stay
-    empty when the candidates run out."""
+    candidates ``carried`` over from the previous step (placed first, in their order, or
+    largest first when that leaves one out; never left out again by the local search, so none
+    waits twice) and ``fresh`` from the stream; see
+    the module docstring. Rows may stay empty when the candidates run out."""
     candidates = [*carried, *fresh]
     if not packing:
         chosen = [_one(item) for item in candidates[:rows]]
         return chosen + [Row() for _ in range(rows - len(chosen))], candidates[rows:]
+
+    def largest_first(positions: range) -> list[int]:
+        return sorted(positions, key=lambda i: (-candidates[i].vision, -candidates[i].tokens, i))
+
+    fresh_order = largest_first(range(len(carried), len(candidates)))
+    placed, where = _greedy(candidates, [*range(len(carried)), *fresh_order], rows, capacity)
+    if (where[:len(carried)] < 0).any():  # a carried one did not fit: the largest first
+        placed, where = _greedy(candidates, [*largest_first(range(len(carried))),
+                                             *fresh_order], rows, capacity)
+    balance_rows(np.array([c.tokens for c in candidates], dtype=np.float64),
+                 np.array([c.vision for c in candidates], dtype=np.float64), where, rows,
+                 capacity, fixed=len(carried))
+    for r, row in enumerate(placed):  # each row in stream order (loss-neutral)
+        row.items = [candidates[i] for i in np.flatnonzero(where == r)]
+        row.tokens = sum(item.tokens for item in row.items)
+        row.vision = sum(item.vision for item in row.items)
+    return placed, [candidates[i] for i in np.flatnonzero(where == -1)]
+
+
+def _greedy(candidates: Sequence[Item], order: list[int], rows: int,
+            capacity: int) -> tuple[list[Row], np.ndarray]:
+    """(rows, each candidate's row: -1 for none) of the candidates placed in ``order``, each into
+    the row with the least vision cost that has room (text only: the fewest tokens)."""
     placed = [Row() for _ in range(rows)]
-    slots: list[list[int]] = [[] for _ in range(rows)]  # candidate positions per row
-    left = []
-    fresh_order = sorted(range(len(carried), len(candidates)),
-                         key=lambda i: (-candidates[i].vision, -candidates[i].tokens, i))
-    for i in [*range(len(carried)), *fresh_order]:
+    where = np.full(len(candidates), -1)
+    for i in order:
         item = candidates[i]
         fits = [r for r in range(rows) if placed[r].tokens + item.tokens <= capacity]
         if not fits:
-            left.append(i)
             continue
         if item.vision > 0:
             best = min(fits, key=lambda r: (placed[r].vision, placed[r].tokens, r))
         else:  # text only: the emptiest row
             best = min(fits, key=lambda r: (placed[r].tokens, r))
         placed[best].add(item)
-        slots[best].append(i)
-    _balance(placed, slots, left, candidates, capacity)
-    for row, positions in zip(placed, slots):  # each row in stream order (loss-neutral)
-        row.items = [candidates[i] for i in sorted(positions)]
-        row.tokens = sum(item.tokens for item in row.items)
-        row.vision = sum(item.vision for item in row.items)
-    return placed, [candidates[i] for i in sorted(left)]
-
-
-def _balance(rows: list[Row], slots: list[list[int]], left: list[int], candidates,
-             capacity: int, rounds: int = 0) -> None:
-    """Local search after the greedy placement, on the largest load (a row's tokens or vision
-    cost over the rows' means, whichever is larger): the most loaded row gives a sample to
-    another row or swaps one with another row, or the least loaded row takes a candidate left
-    out or swaps one of its samples for one, whichever lowers the largest load most; until no
-    move lowers it, at most ``rounds`` (default 4 per row) moves. Deterministic: ties go to the
-    first move found."""
-    count = len(rows)
-    tokens = [r.tokens for r in rows]
-    vision = [r.vision for r in rows]
-
-    def largest(t: list, v: list) -> float:
-        mean_t, mean_v = max(sum(t) / count, 1e-9), sum(v) / count
-        return max(max(a / mean_t, b / mean_v if mean_v > 0 else 0.0) for a, b in zip(t, v))
-
-    for _ in range(rounds or 16 * count):
-        mean_t, mean_v = max(sum(tokens) / count, 1e-9), sum(vision) / count
-        loads = [max(t / mean_t, v / mean_v if mean_v > 0 else 0.0)
-                 for t, v in zip(tokens, vision)]
-
-        def load(t: float, v: float, mean_t=mean_t, mean_v=mean_v) -> float:
-            return max(t / mean_t, v / mean_v if mean_v > 0 else 0.0)
-
-        worst = max(range(count), key=lambda r: (loads[r], -r))
-        best, move = loads[worst], None
-        for r in range(count):  # within the rows: totals and means stay
-            if r == worst:
-                continue
-            rest = max((loads[q] for q in range(count) if q not in (r, worst)), default=0.0)
-            if rest >= best:
-                continue
-            for a in slots[worst]:
-                ta, va = candidates[a].tokens, candidates[a].vision
-                if tokens[r] + ta <= capacity:  # a moves to r
-                    score = max(rest, load(tokens[worst] - ta, vision[worst] - va),
-                                load(tokens[r] + ta, vision[r] + va))
-                    if score < best - 1e-9:
-                        best, move = score, ("row", a, None, r)
-                for b in slots[r]:  # a and b swap
-                    tb, vb = candidates[b].tokens, candidates[b].vision
-                    if tokens[worst] - ta + tb <= capacity and tokens[r] - tb + ta <= capacity:
-                        score = max(rest, load(tokens[worst] - ta + tb, vision[worst] - va + vb),
-                                    load(tokens[r] - tb + ta, vision[r] - vb + va))
-                        if score < best - 1e-9:
-                            best, move = score, ("row", a, b, r)
-        low = min(range(count), key=lambda r: (loads[r], r))
-        for b in left:  # the least loaded row takes b, for nothing or for one of its own
-            tb, vb = candidates[b].tokens, candidates[b].vision
-            for a in [None, *slots[low]]:
-                ta = candidates[a].tokens if a is not None else 0
-                va = candidates[a].vision if a is not None else 0.0
-                if tokens[low] - ta + tb > capacity or tb <= ta:
-                    continue
-                t, v = list(tokens), list(vision)
-                t[low], v[low] = t[low] - ta + tb, v[low] - va + vb
-                score = largest(t, v)
-                if score < best - 1e-9:
-                    best, move = score, ("left", a, b, low)
-        if move is None:
-            return
-        kind, a, b, r = move
-        if kind == "row":
-            slots[worst].remove(a)
-            slots[r].append(a)
-            _shift(tokens, vision, candidates[a], worst, r)
-            if b is not None:
-                slots[r].remove(b)
-                slots[worst].append(b)
-                _shift(tokens, vision, candidates[b], r, worst)
-        else:
-            left.remove(b)
-            slots[r].append(b)
-            tokens[r] += candidates[b].tokens
-            vision[r] += candidates[b].vision
-            if a is not None:
-                slots[r].remove(a)
-                left.append(a)
-                tokens[r] -= candidates[a].tokens
-                vision[r] -= candidates[a].vision
-
-
-def _shift(tokens: list, vision: list, item: Item, source: int, target: int) -> None:
-    tokens[source] -= item.tokens
-    vision[source] -= item.vision
-    tokens[target] += item.tokens
-    vision[target] += item.vision
+        where[i] = best
+    return placed, where
 
 
 def _one(item: Item) -> Row:
@@ -197,7 +127,12 @@ def assign_rows(rows: Sequence[Row], dp: int) -> list[list[int]]:
         entry[0] += rows[i].vision
         entry[1] += rows[i].tokens
         ranks[entry[2]].append(i)
-    return [sorted(indices) for indices in ranks]
+    rank_of = np.empty(len(rows), dtype=np.int64)
+    for rank, indices in enumerate(ranks):
+        rank_of[indices] = rank
+    balance_ranks(np.array([row.tokens for row in rows], dtype=np.float64),
+                  np.array([row.vision for row in rows], dtype=np.float64), rank_of, dp)
+    return [np.flatnonzero(rank_of == rank).tolist() for rank in range(dp)]
 
 
 def imbalance(values: Sequence[float]) -> float:
