@@ -9,12 +9,16 @@ A step trains ``rows`` rows (the global batch, ``train.global_batch_size``) of a
   samples are placed by decreasing vision cost (then tokens) into the row with the least vision
   cost that has room for their tokens (ties: the fewest tokens, then the first row), so that the
   rows come out with nearly equal vision cost, then the text-only ones into the emptiest rows;
-  a candidate no row has room for waits for the next step (it goes first there);
+  a candidate no row has room for waits for the next step (it goes first there); then a local
+  search (``plan_search.balance_rows``) moves and swaps samples between the rows and with the
+  candidates left out, to even the rows' tokens and vision cost;
 - without packing, a row is one sample: the first ``rows`` candidates.
 
 ``assign_rows`` gives each rank ``rows / dp`` rows: longest-processing-time scheduling on the
-rows' vision cost (ties: tokens) with that many rows per rank, so that the vision work and the
-tokens of the ranks are nearly equal; ``imbalance`` is max / mean over the ranks (1.0 = equal).
+rows' vision cost (ties: tokens) with that many rows per rank, then swaps of whole rows between
+the most loaded rank and the others (``plan_search.balance_ranks``), so that the vision work and
+the tokens of the ranks are nearly equal; ``imbalance`` is max / mean over the ranks (1.0 =
+equal).
 The loss is the mean over the whole global batch's supervised tokens (train.py's normalisation),
 so which rank trains which row changes nothing but the time.
 """
