@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 _EPS = 1e-9
-_GAIN = 1e-9  #: a move must lower the largest load by more than this
+_GAIN = 1e-4  #: a move must lower the largest load by more than this
 _EVEN = 1.002  #: the search stops once the largest load is within this of the mean
 _GIVE_BACK = 0.01  #: the share of the rows' tokens the search may leave out for the next step
 _LOW_ROWS = 3  #: the least loaded rows that trade with the samples left out
