@@ -18,9 +18,12 @@ Reported per dataset and DP size (2, 8, 32): max / mean over the ranks of the to
 vision cost, mean and p95 over ``--steps`` steps, and the step time the plan saves by the cost
 model: a step lasts as long as its slowest rank; with vision a share ``--vision-share`` of the
 mean rank's compute, time ~ max over ranks of (share x vision / mean vision + (1 - share) x
-tokens / mean tokens).
+tokens / mean tokens). For the plan also: the rows' mean fill (tokens / capacity), the planning
+time per step (``pack_rows`` + ``assign_rows``, one process, mean and p95), and how many carried
+candidates were left out again (waited twice: possible only when a step's carried candidates
+outnumber its rows, whole clips that no row can pair).
 
-    .venv/bin/python bench/bench_data_plan.py --out bench_out/data_plan
+    .venv/bin/python bench/bench_data_plan.py --out bench_out/data_plan [--rows-per-rank 4]
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def simulate(name: str, dp: int, steps: int, capacity: int, share: float,
     stream, carried = random.Random(f"{name}-{dp}-global"), []
     result = {k: [] for k in ("base_tokens", "base_vision", "base_time", "plan_tokens",
                               "plan_vision", "plan_time", "bound_vision", "plan_fill",
-                              "plan_ms")}
+                              "plan_ms", "waited_twice")}
     for _ in range(steps):
         base = [tuple(map(sum, zip(*loads))) for loads in zip(*[
             per_rank(rngs, name, capacity, carried_ranks) for _ in range(per_rank_rows)])]
@@ -97,9 +100,11 @@ def simulate(name: str, dp: int, steps: int, capacity: int, share: float,
             fresh.append(draw(stream, name, capacity))
             have += fresh[-1].tokens
         start = time.perf_counter()
+        before = set(map(id, carried))
         rows, carried = pack_rows(carried, fresh, dp * per_rank_rows, capacity, packing=True)
         ranks = assign_rows(rows, dp)
         result["plan_ms"].append(1000 * (time.perf_counter() - start))
+        result["waited_twice"].append(sum(id(item) in before for item in carried))
         result["plan_fill"].append(sum(r.tokens for r in rows) / (len(rows) * capacity))
         placed = [item for row in rows for item in row.items]
         mean_vision = sum(i.vision for i in placed) / dp  # no split of whole samples beats it
@@ -114,6 +119,7 @@ def simulate(name: str, dp: int, steps: int, capacity: int, share: float,
         summary[key] = statistics.fmean(values)
         summary[f"{key}_p95"] = sorted(values)[int(0.95 * (len(values) - 1))]
     summary["time_saved"] = 1 - summary["plan_time"] / summary["base_time"]
+    summary["waited_twice"] = sum(result["waited_twice"])  # carried candidates, all steps
     return summary
 
 
@@ -147,14 +153,16 @@ def main() -> None:
     print(f"rows per rank: {args.rows_per_rank}, pool: {args.pool:g}")
     print(f"| data | DP | per rank: tokens max/mean (p95) | per rank: vision (p95) | global plan: "
           f"tokens (p95) | global plan: vision (p95) | step time saved (vision {share} of "
-          "compute) | bound: vision | plan: row fill | plan: ms / step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "compute) | bound: vision | plan: row fill | plan: ms / step (p95) | carried that waited "
+          "twice |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dataset']} | {r['dp']} | {r['base_tokens']:.3f} ({r['base_tokens_p95']:.3f})"
               f" | {r['base_vision']:.3f} ({r['base_vision_p95']:.3f}) | {r['plan_tokens']:.3f} "
               f"({r['plan_tokens_p95']:.3f}) | {r['plan_vision']:.3f} ({r['plan_vision_p95']:.3f})"
               f" | {100 * r['time_saved']:.1f} % | {r['bound_vision']:.3f} | "
-              f"{r['plan_fill']:.3f} | {r['plan_ms']:.0f} ({r['plan_ms_p95']:.0f}) |")
+              f"{r['plan_fill']:.3f} | {r['plan_ms']:.0f} ({r['plan_ms_p95']:.0f}) | "
+              f"{r['waited_twice']} |")
 
 
 if __name__ == "__main__":

@@ -153,29 +153,33 @@ def _clips(seed: int, n: int) -> list[Item]:
             for i, tokens in enumerate(rng.randint(2500, 16000) for _ in range(n))]
 
 
-def test_video_rows_stay_whole_and_four_rows_per_rank_balance_within_two_percent():
-    """Clips of up to a whole row: over 40 steps at 8 ranks x 4 rows, each candidate is placed
-    once or waits one step (carried ones never wait again), and the ranks' tokens and vision
-    are within 2 % of their mean on average (the rows' own balance is limited by whole clips;
-    the rank-level swaps of whole rows even them out)."""
-    stream, carried, taken, ratios = _clips(1, 5000), [], 0, []
+@pytest.mark.parametrize("dp, rows_per_rank", [(2, 1), (8, 1), (8, 4)])
+def test_video_rows_stay_whole_and_carried_clips_never_wait_twice(dp, rows_per_rank):
+    """Clips of up to a whole row, candidates worth 1.5 steps (the loader's POOL): over 40
+    steps each candidate is placed once or waits one step, a carried one never waits again
+    (the local search may not leave it out: an earlier planner did, for a fifth of them); at 4
+    rows per rank the ranks' tokens and vision are within 2 % of their mean on average (whole
+    clips limit the rows' own balance; the rank-level swaps of whole rows even them out)."""
+    rows_per_step, capacity = dp * rows_per_rank, 16384
+    stream, carried, taken, ratios = _clips(dp, 5000), [], 0, []
     for _ in range(40):
         fresh, have = [], sum(i.tokens for i in carried)
-        while have < 1.5 * 32 * 16384:
+        while have < 1.5 * rows_per_step * capacity:
             fresh.append(stream[taken])
             have, taken = have + stream[taken].tokens, taken + 1
-        rows, left = pack_rows(carried, fresh, 32, 16384, packing=True)
+        rows, left = pack_rows(carried, fresh, rows_per_step, capacity, packing=True)
         placed = [item for row in rows for item in row.items]
         assert sorted(placed + left, key=id) == sorted(carried + fresh, key=id)
         assert not set(map(id, carried)) & set(map(id, left))
-        assert all(row.tokens <= 16384 for row in rows)
-        ranks = assign_rows(rows, 8)
-        assert sorted(i for r in ranks for i in r) == list(range(32))
-        assert all(len(r) == 4 for r in ranks)
+        assert all(row.tokens <= capacity for row in rows)
+        ranks = assign_rows(rows, dp)
+        assert sorted(i for r in ranks for i in r) == list(range(rows_per_step))
+        assert all(len(r) == rows_per_rank for r in ranks)
         tokens, vision = rank_loads(rows, ranks)
         ratios.append(max(imbalance(tokens), imbalance(vision)))
         carried = left
-    assert sum(ratios) / len(ratios) <= 1.02, ratios
+    if rows_per_rank > 1:
+        assert sum(ratios) / len(ratios) <= 1.02, ratios
 
 
 def test_rank_swaps_fix_what_longest_processing_time_misses():
