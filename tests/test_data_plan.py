@@ -156,10 +156,12 @@ def _clips(seed: int, n: int) -> list[Item]:
 @pytest.mark.parametrize("dp, rows_per_rank", [(2, 1), (8, 1), (8, 4)])
 def test_video_rows_stay_whole_and_carried_clips_never_wait_twice(dp, rows_per_rank):
     """Clips of up to a whole row, candidates worth 1.5 steps (the loader's POOL): over 40
-    steps each candidate is placed once or waits one step, a carried one never waits again
-    (the local search may not leave it out: an earlier planner did, for a fifth of them); at 4
-    rows per rank the ranks' tokens and vision are within 2 % of their mean on average (whole
-    clips limit the rows' own balance; the rank-level swaps of whole rows even them out)."""
+    steps every candidate is placed exactly once (or carried), and a carried one is never left
+    out again while the carried ones are no more than the rows (each then has a row of its own
+    at worst; the local search may not leave one out: an earlier planner did, for a fifth of
+    the clips); at 4 rows per rank the ranks' tokens and vision are within 2 % of their mean on
+    average (whole clips limit the rows' own balance; rank-level swaps of whole rows even them
+    out)."""
     rows_per_step, capacity = dp * rows_per_rank, 16384
     stream, carried, taken, ratios = _clips(dp, 5000), [], 0, []
     for _ in range(40):
@@ -170,7 +172,8 @@ def test_video_rows_stay_whole_and_carried_clips_never_wait_twice(dp, rows_per_r
         rows, left = pack_rows(carried, fresh, rows_per_step, capacity, packing=True)
         placed = [item for row in rows for item in row.items]
         assert sorted(placed + left, key=id) == sorted(carried + fresh, key=id)
-        assert not set(map(id, carried)) & set(map(id, left))
+        if len(carried) <= rows_per_step:
+            assert not set(map(id, carried)) & set(map(id, left))
         assert all(row.tokens <= capacity for row in rows)
         ranks = assign_rows(rows, dp)
         assert sorted(i for r in ranks for i in r) == list(range(rows_per_step))
