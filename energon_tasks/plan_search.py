@@ -5,12 +5,16 @@ possible; after the rank assignment, ``balance_ranks`` swaps whole rows between 
 
 A row's (or rank's) load is its tokens or its vision cost over the rows' (ranks') means,
 whichever is larger; both searches make, round after round, the one move that lowers the
-largest load most (ties: the first found, so the result is a pure function of the inputs), until
-none does. Each round is a few numpy operations over the step's samples, not a Python loop over
-pairs of them (``bench/bench_data_plan.py`` reports the planning time per step).
+largest load most (ties: the first found), until none lowers it by 1e-4 or it is within 0.2 % of
+the mean. Each round is a few numpy operations over the step's samples, not a Python loop over
+pairs of them (``bench/bench_data_plan.py`` reports the planning time per step). Every rank and
+loader worker must come to the same plan: totals are exact sums (``math.fsum``), the rest is
+element-wise IEEE arithmetic and first-index ties, the same on any machine.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -46,7 +50,7 @@ def _best_exchange(unit_t, unit_v, owner, sizes_t, sizes_v, capacity):
     any unit); elements move only when ``capacity`` (tokens) allows (None: swaps only, the units
     keep their sizes)."""
     count = len(unit_t)
-    mean_t, mean_v = unit_t.sum() / count, unit_v.sum() / count
+    mean_t, mean_v = math.fsum(unit_t) / count, math.fsum(unit_v) / count
     loads = _load(unit_t, unit_v, mean_t, mean_v)
     order = np.argsort(-loads, kind="stable")
     worst, rest = order[0], _rest(loads, order)
@@ -92,7 +96,7 @@ def _best_trade(row_t, row_v, where, sizes_t, sizes_v, capacity, fixed, floor, p
     left out, for nothing or for one of their own; the rows' tokens stay at ``floor`` or more.
     (score, change) or None."""
     count = len(row_t)
-    sum_t, sum_v = row_t.sum(), row_v.sum()
+    sum_t, sum_v = math.fsum(row_t), math.fsum(row_v)
     loads = _load(row_t, row_v, sum_t / count, sum_v / count)
     order = np.argsort(-loads, kind="stable")
     best, change = loads[order[0]] - _GAIN, None
@@ -150,7 +154,7 @@ def balance_rows(sizes_t: np.ndarray, sizes_v: np.ndarray, where: np.ndarray, ro
     least loaded rows takes two left out, for nothing or for one of its own (rows of few large
     samples: video clips). At most ``rounds`` moves (default 4 per row, plus 32)."""
     placed = where >= 0
-    floor = sizes_t[placed].sum() - _GIVE_BACK * rows * capacity
+    floor = math.fsum(sizes_t[placed]) - _GIVE_BACK * rows * capacity
     for _ in range(rounds or 4 * rows + 32):
         placed = where >= 0
         row_t = np.bincount(where[placed], sizes_t[placed], minlength=rows)
