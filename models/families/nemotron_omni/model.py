@@ -195,10 +195,14 @@ def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool, grouped_gemm: bool
     submodules = dict(attention_layer=attention, mlp_layer=mlp)
     if "E" in pattern:
         moe = specs.get_gpt_layer_local_spec(num_experts=cfg.lm.num_experts,
-                                             normalization="RMSNorm")
+                                             normalization="RMSNorm").submodules.mlp
+        if cfg.lm.moe_latent_size is not None:  # megatron's MoELayer builds them with TE only
+            from models.layers.latent_moe import LatentMoELayer
+
+            moe = dataclasses.replace(moe, module=LatentMoELayer)
         submodules["moe_layer"] = ModuleSpec(module=TransformerLayer,
                                              submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=norm, mlp=moe.submodules.mlp, mlp_bda=get_bias_dropout_add))
+            pre_mlp_layernorm=norm, mlp=moe, mlp_bda=get_bias_dropout_add))
     if "M" in pattern:
         submodules["mamba_layer"] = _mamba_spec(cfg)
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(**submodules))

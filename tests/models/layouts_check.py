@@ -1,0 +1,33 @@
+"""torchrun helper (2 gloo ranks, ``world2_checks.py``'s check ``layouts``): a tiny HF model's
+logits against transformers' at TP=2 (imported sharded, ``hf_to_mcore --tp 2``) and at EP=2 (its
+TP=1 import loaded with the experts split over the two ranks)."""
+
+import json
+from pathlib import Path
+
+
+def run(out: Path, hf: Path, imported: Path) -> None:
+    """Writes ``out / "layouts_report.json"``: {"tp2": {input: max |logit diff|}, "ep2": ...}."""
+    import torch.distributed as dist
+
+    from models.checkpoint import load_checkpoint
+    from models.convert import hf_logits, hf_to_mcore, load_hf_model, our_logits
+    from models.parallel import init_parallel
+    from models.verify_inputs import hf_inputs, make_inputs
+
+    hf_model = load_hf_model(hf)
+    report = {}
+    for layout in ("tp2", "ep2"):
+        if layout == "tp2":
+            hf_to_mcore(str(hf), out / "tp2", tp=2, pp=1)
+            source = out / "tp2"
+        else:
+            init_parallel(ep=2)
+            source = imported
+        model, cfg = load_checkpoint(source, use_te=False)
+        report[layout] = {
+            name: (hf_logits(hf_model, hf_inputs(cfg, x)) - our_logits(model, x)).abs().max().item()
+            for name, x in make_inputs(cfg).items()}
+    if dist.get_rank() == 0:
+        (out / "layouts_report.json").write_text(json.dumps(report))
+    dist.barrier()

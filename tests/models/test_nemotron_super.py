@@ -1,0 +1,131 @@
+"""Nemotron 3.5 Super VL (``nemotron_h_omni`` without audio, LatentMoE, an MTP layer) on
+megatron-core without TransformerEngine: a tiny model of that shape built with transformers
+(``lookalikes.models.build_tiny_nemotron_super_vl``), imported, its logits against transformers'
+(one image, interleaved images, tiles, a video; at TP=1, TP=2 and EP=2), the export equal to the
+source (the MTP tensors byte for byte), greedy generation against transformers' ``generate``,
+and train.py from the HF folder (loss falls; export and resume keep the MTP tensors)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lookalikes.models import NEMOTRON_MTP_PREFIX, build_tiny_hf_model
+from tests.models.conftest import launch_world2, world2_result
+from tests.models.test_nemotron_omni import _hf_greedy, _prompt
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def super_hf(tmp_path_factory):
+    """A hub-complete tiny Super VL folder (test tokenizer, processor files)."""
+    return build_tiny_hf_model("nemotron_omni", tmp_path_factory.mktemp("super") / "hf",
+                               pixels=(16384, 16384), super_vl=True)
+
+
+@pytest.fixture(scope="module")
+def super_imported(super_hf, tmp_path_factory):
+    from models.convert import hf_to_mcore
+
+    out = tmp_path_factory.mktemp("super_mcore") / "mcore"
+    hf_to_mcore(str(super_hf), out, tp=1, pp=1)
+    return out
+
+
+def tensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+
+
+def test_tiny_has_the_super_vl_shape(super_hf):
+    """No audio keys, LatentMoE, 16 experts / 4 active, an MTP block (attention, MoE) whose
+    published tensors transformers ignores on load."""
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import (
+        NemotronH_Omni_Reasoning_V3,
+    )
+
+    config = json.loads((super_hf / "config.json").read_text())
+    assert "audio_config" not in config
+    text = config["text_config"]
+    assert (text["moe_latent_size"], text["n_routed_experts"], text["num_experts_per_tok"],
+            text["num_nextn_predict_layers"]) == (24, 16, 4, 1)
+    mtp = [k for k in tensors(super_hf) if k.startswith(NEMOTRON_MTP_PREFIX)]
+    assert {NEMOTRON_MTP_PREFIX + "0.eh_proj.weight", NEMOTRON_MTP_PREFIX + "1.final_layernorm."
+            "weight", NEMOTRON_MTP_PREFIX + "1.mixer.fc1_latent_proj.weight"} <= set(mtp)
+    _model, info = NemotronH_Omni_Reasoning_V3.from_pretrained(super_hf, output_loading_info=True)
+    assert not any(info.values()), info
+
+
+def test_builds_without_te_and_logits_match_transformers(super_hf, super_imported):
+    """The import builds on megatron's local spec (no TransformerEngine: megatron's own MoE layer
+    asserts it for latent projections); logits equal transformers' on every input."""
+    from models.checkpoint import load_checkpoint
+    from models.convert import verify
+    from models.layers.latent_moe import LatentMoELayer, ReplicatedLinear
+    from models.parallel import init_parallel
+
+    init_parallel()
+    model, cfg = load_checkpoint(super_imported, use_te=False)
+    moe = [m for m in model.modules() if isinstance(m, LatentMoELayer)]
+    assert len(moe) == cfg.lm.pattern.count("E") == 2
+    for layer in moe:
+        assert isinstance(layer.fc1_latent_proj, ReplicatedLinear)
+        assert layer.fc1_latent_proj.weight.shape == (24, 64)
+        assert layer.experts.local_experts[0].linear_fc1.weight.shape == (32, 24)
+    report = verify(super_hf, super_imported)
+    assert set(report) == {"one_image", "images_interleaved", "tiles", "video"}
+    for name, row in report.items():
+        assert row["max_abs_logit_diff"] <= TOL, (name, row)
+
+
+def test_export_equals_the_source(super_hf, super_imported, tmp_path):
+    """hf -> mcore -> hf: every tensor equal, the MTP ones byte for byte (carried), the same
+    config.json (still without audio keys)."""
+    from models.convert import mcore_to_hf
+
+    mcore_to_hf(super_imported, tmp_path / "hf")
+    before, after = tensors(super_hf), tensors(tmp_path / "hf")
+    assert sorted(before) == sorted(after)
+    assert all(same_bytes(before[k], after[k]) for k in before)
+    assert (json.loads((tmp_path / "hf" / "config.json").read_text())
+            == json.loads((super_hf / "config.json").read_text()))
+
+
+def test_greedy_tokens_equal_transformers_generate(super_hf, super_imported):
+    """models.generate (KV cache, Mamba states, the LatentMoE decode step) gives transformers'
+    ``generate`` tokens on one image, interleaved images, tiles and a video."""
+    from models.checkpoint import load_checkpoint
+    from models.convert import load_hf_model
+    from models.generate import greedy_generate
+    from models.parallel import init_parallel
+    from models.verify_inputs import hf_inputs, make_inputs
+
+    never = 10 ** 6
+    init_parallel()
+    model, cfg = load_checkpoint(super_imported, use_te=False)
+    hf = load_hf_model(super_hf)
+    for name, case in make_inputs(cfg).items():
+        ours = greedy_generate(model, [_prompt(case)], eos_id=never, max_new_tokens=5)[0]
+        assert ours == _hf_greedy(hf, hf_inputs(cfg, case), 5, never), name
+
+
+@pytest.mark.slow
+def test_tp2_and_ep2_logits_match_transformers(super_hf, super_imported, tmp_path):
+    """2 gloo ranks: imported at TP=2 (the latent projections whole on both ranks, the experts
+    sliced), and the TP=1 import loaded at EP=2 (8 experts per rank)."""
+    launched = launch_world2({"layouts": ("layouts", [super_hf, super_imported])}, tmp_path)
+    out = world2_result(launched, "layouts")
+    report = json.loads((out / "layouts_report.json").read_text())
+    assert set(report) == {"tp2", "ep2"}
+    for layout, rows in report.items():
+        assert set(rows) == {"one_image", "images_interleaved", "tiles", "video"}
+        assert max(rows.values()) <= TOL, (layout, rows)
