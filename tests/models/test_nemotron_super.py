@@ -129,3 +129,32 @@ def test_tp2_and_ep2_logits_match_transformers(super_hf, super_imported, tmp_pat
     for layout, rows in report.items():
         assert set(rows) == {"one_image", "images_interleaved", "tiles", "video"}
         assert max(rows.values()) <= TOL, (layout, rows)
+
+
+def mtp_of(folder) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in tensors(folder).items() if k.startswith(NEMOTRON_MTP_PREFIX)}
+
+
+def test_train_from_hf_resume_and_export(super_hf, tmp_path, mantis_out):
+    """train.py from the HF folder (3 steps, step 2 saved): the loss falls; the export loads in
+    transformers with our logits; the MTP tensors come back byte for byte from the run and from
+    a run resumed at step 2."""
+    from tests.test_hf_journey import LOGITS_TOLERANCE, export, logits_diff
+    from tests.test_train import FAST, NEMOTRON_MANTIS_CFG, losses, ok, train
+
+    common = [str(NEMOTRON_MANTIS_CFG), f"model.hf={super_hf}",
+              f"data.path={mantis_out}/metadataset.yaml", *FAST, "checkpoint.save_final=true",
+              f"train.hf_import_cache={tmp_path / 'cache'}", "train.eval_interval=0"]
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    ok(train(*common, "train.steps=3", "checkpoint.interval=2", f"out={run}"))
+    assert losses(run)[-1] < losses(run)[0], losses(run)
+    source_mtp = mtp_of(super_hf)
+    exported = export(run, tmp_path / "export")
+    assert max(logits_diff(run, exported).values()) <= LOGITS_TOLERANCE
+    ok(train(*common, "train.steps=3", f"out={resumed}", "--resume",
+             str(run / "checkpoints" / "step_000002")))
+    assert losses(resumed) == losses(run)[2:]
+    for folder in (exported, export(resumed, tmp_path / "export_resumed")):
+        carried = mtp_of(folder)
+        assert carried.keys() == source_mtp.keys()
+        assert all(same_bytes(carried[k], source_mtp[k]) for k in source_mtp)
