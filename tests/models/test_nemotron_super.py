@@ -118,6 +118,26 @@ def test_greedy_tokens_equal_transformers_generate(super_hf, super_imported):
         assert ours == _hf_greedy(hf, hf_inputs(cfg, case), 5, never), name
 
 
+def test_memory_table_counts_the_latent_projections(super_hf):
+    """The memory estimate's table (recipes/estimate.py, from the parameters' shapes) holds each
+    MoE layer's latent projections as dense, unsharded LM weights (whole on every TP / EP rank)
+    and its routed experts at the latent width."""
+    from recipes.estimate import run_table
+    from recipes.run_config import load_run_config
+    from tests.test_train import NEMOTRON_MANTIS_CFG
+
+    table = run_table(load_run_config(NEMOTRON_MANTIS_CFG, [f"model.hf={super_hf}"]))
+    latent, hidden, experts, inner = 24, 64, 16, 32
+    for layer in (1, 4):  # the E layers of "MEM*E"
+        parts = [p for p in table.parts if p.layer == layer and p.place == "lm"]
+        dense = sum(p.numel for p in parts if not p.expert and not p.sharded)
+        routed = [p for p in parts if p.expert]
+        # the RMSNorm, the router, the two projections (the shared expert: TP-sharded)
+        assert dense == hidden + experts * hidden + 2 * latent * hidden
+        assert sum(p.numel for p in routed) == experts * 2 * inner * latent
+        assert sum(p.width_whole + p.width_split for p in routed) == experts * 2 * (inner + latent)
+
+
 @pytest.mark.slow
 def test_tp2_and_ep2_logits_match_transformers(super_hf, super_imported, tmp_path):
     """2 gloo ranks: imported at TP=2 (the latent projections whole on both ranks, the experts
