@@ -12,11 +12,13 @@ embedding (``position_embedding_type='none'``: NemotronH attention has no rotary
 (3, B, L) ``position_ids`` of the batch are ignored), squared-ReLU non-gated MLPs, GQA attention
 without biases. Specs: on GPU megatron's TransformerEngine hybrid stack spec; on CPU local specs
 (megatron's local GPT attention / MLP / MoE modules, megatron's ``MambaMixer`` with megatron
-linears and a torch norm). ``M`` runs megatron's ``MambaMixer`` on the kernels
-``models.kernels`` chose and bound into it before the stack is built (mamba_ssm's where they are
-installed and agree with torch, else the plain-torch ones of models/kernels/mamba.py: the model
-builds without mamba_ssm on any device; so is MambaStack's final ``TENorm`` without
-TransformerEngine); the mixer gets the config's conv width, chunk size and dt init range.
+linears and a torch norm; LatentMoE, ``lm.moe_latent_size``: models/layers/latent_moe.py's
+``LatentMoELayer``, as megatron's ``MoELayer`` builds its latent projections with TE only).
+``M`` runs megatron's ``MambaMixer`` on the kernels ``models.kernels`` chose and bound into it
+before the stack is built (mamba_ssm's where they are installed and agree with torch, else the
+plain-torch ones of models/kernels/mamba.py: the model builds without mamba_ssm on any device;
+so is MambaStack's final ``TENorm`` without TransformerEngine); the mixer gets the config's conv
+width, chunk size and dt init range.
 Pipeline parallel: MambaStack gives each stage its slice of the pattern (an even split of the
 layer count) and numbers the layers globally (dist checkpoints load at any PP); vision +
 embedding live on the first stage, the output layer + loss on the last
