@@ -10,10 +10,10 @@ def run(out: Path, hf: Path, imported: Path) -> None:
     """Writes ``out / "layouts_report.json"``: {"tp2": {input: max |logit diff|}, "ep2": ...}."""
     import torch.distributed as dist
 
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import hf_logits, hf_to_mcore, load_hf_model, our_logits
+    from models.hf.verify_inputs import hf_inputs, make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import hf_inputs, make_inputs
 
     hf_model = load_hf_model(hf)
     report = {}

@@ -68,7 +68,7 @@ def test_tiny_has_the_super_vl_shape(super_hf):
 def test_builds_without_te_and_logits_match_transformers(super_hf, super_imported):
     """The import builds on megatron's local spec (no TransformerEngine: megatron's own MoE layer
     asserts it for latent projections); logits equal transformers' on every input."""
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import verify
     from models.layers.latent_moe import LatentMoELayer, ReplicatedLinear
     from models.parallel import init_parallel
@@ -101,13 +101,13 @@ def test_export_equals_the_source(super_hf, super_imported, tmp_path):
 
 
 def test_greedy_tokens_equal_transformers_generate(super_hf, super_imported):
-    """models.generate (KV cache, Mamba states, the LatentMoE decode step) gives transformers'
-    ``generate`` tokens on one image, interleaved images, tiles and a video."""
-    from models.checkpoint import load_checkpoint
+    """models.generation.generate (KV cache, Mamba states, the LatentMoE decode step) gives
+    transformers' ``generate`` tokens on one image, interleaved images, tiles and a video."""
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import load_hf_model
-    from models.generate import greedy_generate
+    from models.generation.generate import greedy_generate
+    from models.hf.verify_inputs import hf_inputs, make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import hf_inputs, make_inputs
 
     never = 10 ** 6
     init_parallel()

@@ -128,8 +128,8 @@ def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg, expected: dict[str, to
                      lm_head_key: str = "lm_head.weight", canonical: KeyMap = _same
                      ) -> dict[str, torch.Tensor]:
     """``hf_to_ours`` for one pipeline stage: ``expected`` = this stage's parameters under their
-    PP=1 keys (``models.sharding.global_keys``) -> shape; HF weights of other stages are
-    skipped (each is still checked against the full table).
+    PP=1 keys (``models.checkpointing.sharding.global_keys``) -> shape; HF weights of other stages
+    are skipped (each is still checked against the full table).
 
     With tied embeddings a last stage without the embedding holds its own copy of the output
     weight (megatron keeps it equal to the first stage's): it is filled from ``embed_key``.
