@@ -160,7 +160,6 @@ def add_qwen3_5_mtp(folder: Path, *, packed: bool = False, seed: int = 1
     """Add the published ``mtp.*`` tensors (``qwen3_5_mtp_shapes``, random) to a tiny Qwen3.5
     folder's model.safetensors and ``mtp_num_hidden_layers: 1`` to its text_config, as the hub's
     checkpoints have them; returns the added tensors."""
-
     from safetensors.torch import load_file, save_file
 
     config = json.loads((folder / "config.json").read_text())
@@ -206,7 +205,6 @@ def build_tiny_mimo_vl(out: Path, *, vocab: int = 300, seed: int = 0) -> Path:
     ``sliding_window`` / ``use_sliding_window``, the tower's ``in_chans`` and
     ``spatial_patch_size``) and the weights under the older prefixes (``model.layers.*``,
     ``visual.*``), built with transformers' Qwen2.5-VL at tiny sizes."""
-
     import transformers as tf
     from safetensors.torch import load_file, save_file
 
@@ -440,7 +438,6 @@ def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int] | Non
     with ``pixels`` = (min, max) image pixels). ``pattern``: Nemotron-Omni's LM layers;
     ``super_vl``: Nemotron-Omni in the Nemotron 3.5 Super VL shape
     (``build_tiny_nemotron_super_vl``: LatentMoE, MTP weights; its default pattern)."""
-
     from transformers import AutoTokenizer
 
     from energon_tasks.tokenizer import build_test_tokenizer, chat_template
