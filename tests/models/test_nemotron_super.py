@@ -141,7 +141,9 @@ def test_memory_table_counts_the_latent_projections(super_hf):
 @pytest.mark.slow
 def test_tp2_and_ep2_logits_match_transformers(super_hf, super_imported, tmp_path):
     """2 gloo ranks: imported at TP=2 (the latent projections whole on both ranks, the experts
-    sliced), and the TP=1 import loaded at EP=2 (8 experts per rank)."""
+    sliced), and the TP=1 import loaded at EP=2 (8 experts per rank): logits, and greedy tokens
+    of a batch of two prompts (at EP=2 the lean decode step: each rank's experts, one all-reduce,
+    then the latent up-projection)."""
     launched = launch_world2({"layouts": ("layouts", [super_hf, super_imported])}, tmp_path)
     out = world2_result(launched, "layouts")
     report = json.loads((out / "layouts_report.json").read_text())
@@ -149,6 +151,10 @@ def test_tp2_and_ep2_logits_match_transformers(super_hf, super_imported, tmp_pat
     for layout, rows in report.items():
         assert set(rows) == {"one_image", "images_interleaved", "tiles", "video"}
         assert max(rows.values()) <= TOL, (layout, rows)
+    generated = json.loads((out / "layouts_generate.json").read_text())
+    for layout, tokens in generated.items():
+        assert "error" not in tokens and tokens["ours"] == tokens["hf"], (layout, tokens)
+    assert generated["ep2"]["lean_decode"], generated["ep2"]
 
 
 def mtp_of(folder) -> dict[str, torch.Tensor]:
