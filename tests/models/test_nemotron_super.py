@@ -65,6 +65,27 @@ def test_tiny_has_the_super_vl_shape(super_hf):
     assert not any(info.values()), info
 
 
+def test_published_key_spelling_reads_the_same(super_hf, tmp_path):
+    """The Nemotron-3 Super config.json spelling (``hybrid_override_pattern``,
+    ``mtp_hybrid_override_pattern``) gives the same model config as transformers' saved one, and
+    transformers reads it as the same layers and MTP block."""
+    from transformers import AutoConfig
+
+    from models.families import config_from_hf
+
+    saved = json.loads((super_hf / "config.json").read_text())
+    published = json.loads(json.dumps(saved))
+    text = published["text_config"]
+    text["hybrid_override_pattern"] = "MEM*E"
+    text["mtp_hybrid_override_pattern"] = "*E"
+    del text["layers_block_type"], text["mtp_layers_block_type"]
+    assert config_from_hf(published) == config_from_hf(saved)
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    theirs = AutoConfig.from_pretrained(tmp_path).text_config
+    assert theirs.layers_block_type == saved["text_config"]["layers_block_type"]
+    assert theirs.mtp_layers_block_type == saved["text_config"]["mtp_layers_block_type"]
+
+
 def test_builds_without_te_and_logits_match_transformers(super_hf, super_imported):
     """The import builds on megatron's local spec (no TransformerEngine: megatron's own MoE layer
     asserts it for latent projections); logits equal transformers' on every input."""
