@@ -327,7 +327,7 @@ TINY_SUPER_VL = dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediat
 NEMOTRON_MTP_PREFIX = "language_model.mtp.layers."
 
 
-def build_tiny_nemotron_super_vl(out: Path, *, vocab: int = 640, pattern: str = "MEM*E",
+def build_tiny_nemotron_super_vl(out: Path, *, vocab: int = 640, pattern: str = "MEM*ME",
                                  seed: int = 0, tokens: dict | None = None) -> Path:
     """A tiny Nemotron 3.5 Super VL (``nemotron_h_omni`` with no audio, LatentMoE and an MTP
     layer): ``build_tiny_nemotron_omni`` with ``TINY_SUPER_VL``, config.json without the audio

@@ -1,9 +1,10 @@
 """Nemotron 3.5 Super VL (``nemotron_h_omni`` without audio, LatentMoE, an MTP layer) on
 megatron-core without TransformerEngine: a tiny model of that shape built with transformers
 (``lookalikes.models.build_tiny_nemotron_super_vl``), imported, its logits against transformers'
-(one image, interleaved images, tiles, a video; at TP=1, TP=2 and EP=2), the export equal to the
-source (the MTP tensors byte for byte), greedy generation against transformers' ``generate``,
-and train.py from the HF folder (loss falls; export and resume keep the MTP tensors)."""
+(one image, interleaved images, tiles, a video; at TP=1, TP=2, EP=2 and PP=2), the export equal
+to the source (the MTP tensors byte for byte), greedy generation against transformers'
+``generate``, and train.py from the HF folder (loss falls; export and resume keep the MTP
+tensors)."""
 
 from __future__ import annotations
 
@@ -72,11 +73,12 @@ def test_published_key_spelling_reads_the_same(super_hf, tmp_path):
     from transformers import AutoConfig
 
     from models.families import config_from_hf
+    from models.families.nemotron_omni.config import LAYER_SYMBOLS
 
     saved = json.loads((super_hf / "config.json").read_text())
     published = json.loads(json.dumps(saved))
     text = published["text_config"]
-    text["hybrid_override_pattern"] = "MEM*E"
+    text["hybrid_override_pattern"] = "".join(LAYER_SYMBOLS[t] for t in text["layers_block_type"])
     text["mtp_hybrid_override_pattern"] = "*E"
     del text["layers_block_type"], text["mtp_layers_block_type"]
     assert config_from_hf(published) == config_from_hf(saved)
@@ -149,7 +151,7 @@ def test_memory_table_counts_the_latent_projections(super_hf):
 
     table = run_table(load_run_config(NEMOTRON_MANTIS_CFG, [f"model.hf={super_hf}"]))
     latent, hidden, experts, inner = 24, 64, 16, 32
-    for layer in (1, 4):  # the E layers of "MEM*E"
+    for layer in (1, 5):  # the E layers of "MEM*ME"
         parts = [p for p in table.parts if p.layer == layer and p.place == "lm"]
         dense = sum(p.numel for p in parts if not p.expert and not p.sharded)
         routed = [p for p in parts if p.expert]
@@ -160,12 +162,18 @@ def test_memory_table_counts_the_latent_projections(super_hf):
 
 
 @pytest.mark.slow
-def test_tp2_and_ep2_logits_match_transformers(super_hf, super_imported, tmp_path):
+def test_tp2_ep2_and_pp2_match_transformers(super_hf, super_imported, tmp_path):
     """2 gloo ranks: imported at TP=2 (the latent projections whole on both ranks, the experts
     sliced), and the TP=1 import loaded at EP=2 (8 experts per rank): logits, and greedy tokens
     of a batch of two prompts (at EP=2 the lean decode step: each rank's experts, one all-reduce,
-    then the latent up-projection)."""
-    launched = launch_world2({"layouts": ("layouts", [super_hf, super_imported])}, tmp_path)
+    then the latent up-projection); imported at PP=2 ("MEM" / "*ME": a LatentMoE layer on each
+    stage): logits, and the PP=1 and PP=2 imports equal (tests/models/pp2_check.py)."""
+    from tests.models.pp2_check import check_pp2
+
+    launched = launch_world2({"layouts": ("layouts", [super_hf, super_imported]),
+                              "pp2": ("pp2", [super_hf, super_imported])}, tmp_path)
+    check_pp2(super_hf, super_imported, world2_result(launched, "pp2"),
+              {"one_image", "images_interleaved", "tiles", "video"}, TOL)
     out = world2_result(launched, "layouts")
     report = json.loads((out / "layouts_report.json").read_text())
     assert set(report) == {"tp2", "ep2"}
