@@ -54,12 +54,15 @@ class ReplicatedLinear(MegatronModule):
     def __init__(self, input_size: int, output_size: int, *, config, init_method,
                  bias: bool = False):
         super().__init__(config=config)
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, device=device,
+        # placed as megatron's linears place theirs: the default device (a meta-device build
+        # stays on it) under CPU initialisation, else the current CUDA device
+        where = ({} if config.use_cpu_initialization
+                 else {"device": torch.cuda.current_device()})
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, **where,
                                                      dtype=config.params_dtype))
         if config.perform_initialization:
             init_method(self.weight)  # the default generator: the same on every TP rank
-        self.bias = (torch.nn.Parameter(torch.zeros(output_size, device=device,
+        self.bias = (torch.nn.Parameter(torch.zeros(output_size, **where,
                                                     dtype=config.params_dtype))
                      if bias else None)
         for param in (self.weight, self.bias):

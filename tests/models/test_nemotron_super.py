@@ -144,10 +144,17 @@ def test_greedy_tokens_equal_transformers_generate(super_hf, super_imported):
 def test_memory_table_counts_the_latent_projections(super_hf):
     """The memory estimate's table (recipes/estimate.py, from the parameters' shapes) holds each
     MoE layer's latent projections as dense, unsharded LM weights (whole on every TP / EP rank)
-    and its routed experts at the latent width."""
+    and its routed experts at the latent width; the shapes-only build allocates no projection."""
+    from models.families import config_from_hf, meta_model
+    from models.parallel import init_parallel
     from recipes.estimate import run_table
     from recipes.run_config import load_run_config
     from tests.test_train import NEMOTRON_MANTIS_CFG
+
+    init_parallel()
+    model = meta_model(config_from_hf(json.loads((super_hf / "config.json").read_text())))
+    assert {p.device.type for n, p in model.named_parameters() if "_latent_proj." in n} \
+        == {"meta"}
 
     table = run_table(load_run_config(NEMOTRON_MANTIS_CFG, [f"model.hf={super_hf}"]))
     latent, hidden, experts, inner = 24, 64, 16, 32
