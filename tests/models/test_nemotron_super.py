@@ -197,6 +197,7 @@ def mtp_of(folder) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors(folder).items() if k.startswith(NEMOTRON_MTP_PREFIX)}
 
 
+@pytest.mark.slow  # two train.py runs and three exports: 18-21 s on 2 shared cores
 def test_train_from_hf_resume_and_export(super_hf, tmp_path, mantis_out):
     """train.py from the HF folder (3 steps, step 2 saved): the loss falls; the export loads in
     transformers with our logits; the MTP tensors come back byte for byte from the run and from
