@@ -171,6 +171,33 @@ def shift_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None):
     return shifted.clamp(min=0), mask
 
 
+def segment_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The packed segment of each of ``tokens`` flattened positions (``cu_seqlens``)."""
+    positions = torch.arange(tokens, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+
+
+def mtp_targets(labels: torch.Tensor, loss_mask: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None = None):
+    """Unshifted labels (B, L) (-100 = no loss) -> (target of position i = label i+2, clamped
+    >= 0; float mask: the label i+2 exists in the same packed sample (``cu_seqlens`` over the
+    flattened B*L tokens), is not -100 and its loss-mask entry is set)."""
+    target = torch.full_like(labels, IGNORE_INDEX)
+    target[:, :-2] = labels[:, 2:]
+    mask = (target != IGNORE_INDEX).float()
+    if loss_mask is not None:
+        shifted = torch.zeros_like(mask)
+        shifted[:, :-2] = loss_mask[:, 2:].float()
+        mask = mask * shifted
+    if cu_seqlens is not None:
+        batch, length = labels.shape
+        segment = segment_ids(cu_seqlens.to(labels.device), batch * length)
+        same = torch.zeros_like(segment, dtype=torch.bool)
+        same[:-2] = segment[:-2] == segment[2:]
+        mask = mask * same.view(batch, length)
+    return target.clamp(min=0), mask
+
+
 def packed_sequence_params(cu_seqlens: torch.Tensor, max_seqlen: int | None, device):
     """megatron's THD parameters of a packed batch: every packed sample (and each row's pad tail)
     is one causal segment of the flattened B*L tokens (``cu_seqlens``, batch contract).
