@@ -224,3 +224,48 @@ def test_mtp_weights_survive_training_resume_and_a_new_start(tmp_path, mantis_ou
         assert any(not torch.equal(after[k], source[k]) for k in source
                    if not k.startswith("mtp.")), name  # the model itself trained
         AutoModelForImageTextToText.from_pretrained(exported)  # every key and shape it expects
+
+
+@pytest.mark.slow
+def test_mtp_head_trains_resumes_and_exports(tmp_path, mantis_out):
+    """``model.train_mtp=true`` from a Qwen3.6-layout MoE folder (experts packed, MTP experts
+    too), DP 2 with packed rows: the loss and ``mtp_loss`` (logged apart) fall over 6 steps; a
+    resume from step 3 gives the same losses as the run that went on; the export's ``mtp.*``
+    tensors keep the source's names and shapes but hold trained values, and it loads in
+    transformers. (``train_mtp=false``: the byte-identical carry above.)"""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from lookalikes.models import add_qwen3_5_mtp, pack_qwen3_5_experts
+    from tests.test_train import records
+
+    hf = build_tiny_hf_model("qwen3_5_moe", tmp_path / "hf")
+    pack_qwen3_5_experts(hf)
+    mtp = add_qwen3_5_mtp(hf, packed=True)
+    source = load_file(str(hf / "model.safetensors"))
+    common = ("model.train_mtp=true", "task_encoder.packing=true", "train.lr=3e-3",
+              "train.warmup_steps=1", "checkpoint.interval=3", "train.keep_checkpoints=0")
+    run, again = tmp_path / "run", tmp_path / "again"
+    proc = train_from_hf("qwen3_5", hf, run, tmp_path / "cache", mantis_out, "train.steps=6",
+                         *common, nproc=2)
+    assert "mtp_loss" in proc.stdout
+    first = records(run)
+    assert [r["step"] for r in first] == list(range(1, 7))
+    for key in ("loss", "mtp_loss"):
+        assert first[-1][key] < first[0][key], (key, [r[key] for r in first])
+    assert all(r["mtp_loss_tokens"] > 0 for r in first)
+    print("loss", [round(r["loss"], 4) for r in first], "mtp_loss",
+          [round(r["mtp_loss"], 4) for r in first])
+    train_from_hf("qwen3_5", hf, again, tmp_path / "cache", mantis_out, "train.steps=6",
+                  *common, "--resume", str(run / "checkpoints" / "step_000003"), nproc=2)
+    resumed = records(again)
+    for key in ("loss", "mtp_loss"):
+        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in first[3:]],
+                                                           rel=1e-5), key
+    exported = export(run / "checkpoints" / "step_000006", tmp_path / "export")
+    after = load_file(str(exported / "model.safetensors"))
+    assert sorted(after) == sorted(source)
+    for key, tensor in mtp.items():
+        assert after[key].shape == tensor.shape, key
+        assert not torch.equal(after[key], tensor), key  # trained
+    AutoModelForImageTextToText.from_pretrained(exported)

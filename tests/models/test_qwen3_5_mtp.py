@@ -174,3 +174,21 @@ def test_layouts_train_mtp_refuses():
         config.load_yaml("configs/qwen3_5_moe_tiny.yaml", ["train_mtp=true"])
     with pytest.raises(ValueError, match="mtp_loss_weight must be >= 0"):
         config.load_yaml("configs/qwen3_5_moe_tiny.yaml", ["mtp_loss_weight=-1"])
+
+
+def test_train_py_refuses_what_the_head_does_not_run(mantis_out, capsys):
+    """train.py: each refusal one line before anything is built (exit 2)."""
+    from tests.conftest import REPO
+    from tests.test_train import MANTIS_CFG, main_error
+
+    config = str(REPO / "configs" / "train_qwen3_5_moe_mantis.yaml")
+    mtp = (f"data.path={mantis_out}/metadataset.yaml", "model.lm.mtp_num_layers=1",
+           "model.train_mtp=true")
+    line = main_error(capsys, config, *mtp, "parallel.tp=2", env={"WORLD_SIZE": "2"})
+    assert "model.train_mtp=true needs parallel.tp=1 (the MTP head is not built for TP > 1" in line
+    line = main_error(capsys, config, *mtp, "model.peft=lora")
+    assert "model.train_mtp=true with model.lora" in line
+    line = main_error(capsys, config, *mtp[:2], "model.train_mtp=yes please")
+    assert "model.train_mtp" in line
+    line = main_error(capsys, str(MANTIS_CFG), mtp[0], "model.train_mtp=true")  # Qwen-VL: none
+    assert "train_mtp" in line
