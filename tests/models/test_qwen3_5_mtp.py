@@ -166,7 +166,8 @@ def test_layouts_train_mtp_refuses():
                                                              "train_mtp=true"])
     one = dict(tp=1, pp=1, cp=1, ep=1)
     assert qwen3_5.layout_problems(cfg, SimpleNamespace(**one)) == []
-    for key in one:
+    assert qwen3_5.layout_problems(cfg, SimpleNamespace(**{**one, "tp": 2})) == []
+    for key in ("pp", "cp", "ep"):
         problems = qwen3_5.layout_problems(cfg, SimpleNamespace(**{**one, key: 2}))
         assert problems == [f"model.train_mtp=true needs parallel.{key}=1 (the MTP head is not "
                             f"built for {key.upper()} > 1 yet), got 2"]
@@ -184,8 +185,9 @@ def test_train_py_refuses_what_the_head_does_not_run(mantis_out, capsys):
     config = str(REPO / "configs" / "train_qwen3_5_moe_mantis.yaml")
     mtp = (f"data.path={mantis_out}/metadataset.yaml", "model.lm.mtp_num_layers=1",
            "model.train_mtp=true")
-    line = main_error(capsys, config, *mtp, "parallel.tp=2", env={"WORLD_SIZE": "2"})
-    assert "model.train_mtp=true needs parallel.tp=1 (the MTP head is not built for TP > 1" in line
+    line = main_error(capsys, config, *mtp, "parallel.pp=2", "task_encoder.fixed_length=true",
+                      env={"WORLD_SIZE": "2"})
+    assert "model.train_mtp=true needs parallel.pp=1 (the MTP head is not built for PP > 1" in line
     line = main_error(capsys, config, *mtp, "model.peft=lora")
     assert "model.train_mtp=true with model.lora" in line
     line = main_error(capsys, config, *mtp[:2], "model.train_mtp=yes please")

@@ -61,14 +61,14 @@ def layout_problems(cfg: config.Qwen35ModelConfig, parallel) -> list[str]:
     """Every layout train.py checks runs (with MoE layers TP runs megatron's sequence
     parallelism, as Qwen3-VL MoE's; the Gated DeltaNet's CP paths follow it:
     ``models.gated_deltanet``). A GPU whose fla-core refuses the delta rule's backward trains
-    on the torch rule (``models.kernels``). ``model.train_mtp``: one process per replica along
-    TP / PP / CP / EP (the head is built and checked there; DP and packing run)."""
+    on the torch rule (``models.kernels``). ``model.train_mtp``: PP, CP and EP stay at 1 (the
+    head is built and checked at DP and TP, packed or not)."""
     if not cfg.train_mtp:
         return []
     return [f"model.train_mtp=true needs parallel.{key}=1 (the MTP head is not built for "
             f"{key.upper()} > 1 yet), got {value}"
-            for key, value in (("tp", parallel.tp), ("pp", parallel.pp), ("cp", parallel.cp),
-                               ("ep", parallel.ep)) if value > 1]
+            for key, value in (("pp", parallel.pp), ("cp", parallel.cp), ("ep", parallel.ep))
+            if value > 1]
 
 
 def num_experts(cfg: config.Qwen35ModelConfig) -> int:

@@ -18,8 +18,10 @@ Megatron's ``MultiTokenPredictionLayer`` run it), at position i:
 Every norm is zero-centred (stored w, applied 1 + w) like the rest of the model; the decoder
 layer is built from the family's own full-attention layer spec (gated attention, dense MLP or
 the MoE with its gated shared expert) and runs with the main decoder's rotary table (M-RoPE
-positions of i, as megatron's MTP) and its packed-sequence parameters. One process per model
-replica along TP / PP / CP / EP (``layout_problems`` refuses the rest).
+positions of i, as megatron's MTP) and its packed-sequence parameters. Under TP it runs as the
+decoder does (megatron's sequence parallelism with MoE layers: each rank its share of the
+tokens; ``fc`` and the norms replicated, their gradients summed over TP); PP, CP and EP > 1 are
+refused (``layout_problems``).
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ class Qwen35MTP(MegatronModule):
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.pre_fc_norm_embedding = build_module(norm, config=config, hidden_size=h, eps=eps)
         self.pre_fc_norm_hidden = build_module(norm, config=config, hidden_size=h, eps=eps)
-        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)  # replicated over TP
         config.init_method(self.fc.weight)
+        if config.sequence_parallel:  # each TP rank its share of the tokens: gradients summed
+            self.fc.weight.sequence_parallel = True
         # numbered after the decoder's layers (megatron numbers its MTP layers the same way)
         self.layers = torch.nn.ModuleList(
             [build_module(layer_spec, config=config, layer_number=num_layers + 1)])
@@ -50,12 +54,28 @@ class Qwen35MTP(MegatronModule):
             router.layer_number = None
         self.norm = build_module(norm, config=config, hidden_size=h, eps=eps)
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The decoder layer's TP / expert shards, the rest replicated over TP (megatron's
+        default would take the ``ModuleList`` for replicated tensors)."""
+        from models.vision_layers import tower_sharded_state_dict
+
+        return tower_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
     def forward(self, embeddings, hidden, rotary_pos_emb, packed_seq_params=None):
         """``embeddings`` / ``hidden``: the decoder's input and output (S, B, H) (packed: one
         THD row, (B*L, 1, H)) -> the head's output (S, B, H) before the output layer; position
-        i reads the embedding at i+1 (zeros past the end)."""
+        i reads the embedding at i+1 (zeros past the end). Under sequence parallelism both are
+        this TP rank's share: the embeddings are gathered for the shift and scattered again."""
+        from megatron.core import tensor_parallel
+
+        parallel = self.config.sequence_parallel
+        if parallel:
+            embeddings = tensor_parallel.gather_from_sequence_parallel_region(  # backward: split
+                embeddings, tensor_parallel_output_grad=False)
         following = torch.zeros_like(embeddings)
         following[:-1] = embeddings[1:]
+        if parallel:
+            following = tensor_parallel.scatter_to_sequence_parallel_region(following)
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(following),
                                self.pre_fc_norm_hidden(hidden)], dim=-1))
         x, _ = self.layers[0](x, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
