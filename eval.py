@@ -17,9 +17,9 @@ Each assistant turn of a val conversation is one question: the prompt is the con
 that turn (earlier answers as given) ending with the assistant header; the references are the
 turn's ``answers`` (or its content). Prompts go through the task encoder's own steps
 (``tokenize_turns`` -> ``plan_sample`` -> ``decode_sample`` -> ``assemble``), are generated
-greedily with a KV cache (models/generate.py, batched, stop at ``<|im_end|>``), and are scored:
-InfoVQA ANLS; multiple choice (options "A. ..." in the question) option accuracy; everything else
-exact match (+ relaxed match). Writes ``predictions.jsonl`` and ``scores.json`` (last) under
+greedily with a KV cache (models/generation/generate.py, batched, stop at ``<|im_end|>``), and are
+scored: InfoVQA ANLS; multiple choice (options "A. ..." in the question) option accuracy; everything
+else exact match (+ relaxed match). Writes ``predictions.jsonl`` and ``scores.json`` (last) under
 --out and prints a table and the budget counters (and a progress line every --progress-every
 seconds when stdout is not a terminal). Bad input: one line on stderr, exit code 2; a full
 disk: one line, exit code 1, no scores.json left (``out_of_space``).
@@ -86,7 +86,7 @@ def check_args(args: Args) -> None:
 def load_config(args: Args):
     """The checkpoint and the run config that decides what its model sees (the stored one, refined
     by CONFIG and the overrides); its data and split must exist."""
-    from models.checkpoint import read_checkpoint
+    from models.checkpointing.checkpoint import read_checkpoint
     from recipes.data import check_data_path, check_split
     from recipes.run_config import load_run_config
 
@@ -147,7 +147,7 @@ def build_encoder_and_model(cfg, found, args: Args, out: Path):
     import torch
 
     from energon_tasks import task_encoder_for
-    from models.checkpoint import load_model
+    from models.checkpointing.checkpoint import load_model
     from models.parallel import init_parallel, init_process_group
     from recipes.compatibility import TOKEN_IDS, check_compatible
     from recipes.data import load_run_tokenizer
@@ -222,7 +222,8 @@ def summarize(args: Args, cfg, found, answers, blank: bool) -> dict:
             "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
             "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
             "forwards": stats.forwards, "generate_seconds": round(stats.seconds, 3),
-            # the last generate call's decode: the lean step (models/decode_step.py) or megatron's
+            # the last generate call's decode: the lean step (models/generation/decode_step.py) or
+            # megatron's
             "lean_decode": stats.extra.get("lean_decode"),
             "samples_per_s": round(stats.prompts / stats.seconds, 3) if stats.seconds else None,
             "tokens_per_s": (round(stats.generated_tokens / stats.seconds, 2)

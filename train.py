@@ -45,7 +45,8 @@ import torch
 from contract.cli import run_click
 from contract.errors import UsageError
 from contract.lifetime import die_with_parent
-from models import cpu, moe_aux
+from models import cpu
+from models.layers import moe_aux
 from recipes.checkpointing import (
     load_checkpoint,
     read_rank_state,
@@ -207,9 +208,14 @@ def build_model_and_optimizer(plan: RunPlan, run: Run) -> Trainee:
     trains loads its base from there again, checked against the recorded one), LoRA adapters
     and frozen groups, bf16 and DDP wrappers, megatron's optimizer (state sharded over DP with
     ``train.distributed_optimizer``)."""
-    from models.checkpoint import check_fit, checkpoint_record, load_weights, model_record
-    from models.checkpoint_folders import weights_folder
-    from models.hf_source import resolve
+    from models.checkpointing.checkpoint import (
+        check_fit,
+        checkpoint_record,
+        load_weights,
+        model_record,
+    )
+    from models.checkpointing.folders import weights_folder
+    from models.hf.source import resolve
 
     cfg, t = plan.config, plan.config.train
     bf16 = uses_bf16(t)

@@ -1,6 +1,6 @@
 """What context parallelism costs the Gated DeltaNet layer (Qwen3.5), measured side by side in
 one run: the layer at CP = 1 (the whole sequence on one rank) against its two CP = 2 paths
-(models/gated_deltanet.py): the heads shared over the CP ranks (two all-to-alls; the default
+(models/layers/gated_deltanet.py): the heads shared over the CP ranks (two all-to-alls; the default
 where the key heads split evenly) and the whole sequence gathered (the fallback).
 
 Two ranks (this script starts itself under ``torch.distributed.run``; gloo on CPU, one intra-op
@@ -62,7 +62,7 @@ def build_layer(hidden: int, key_heads: int, value_heads: int, head_dim: int):
     """A GatedDeltaNet layer of the given shape (seeded: the same weights on every rank)."""
     from models.families.qwen3_5.config import load_yaml
     from models.families.qwen3_5.model import lm_transformer_config
-    from models.gated_deltanet import GatedDeltaNet
+    from models.layers.gated_deltanet import GatedDeltaNet
 
     cfg = load_yaml(REPO / "configs" / "qwen3_5_tiny.yaml", [
         f"lm.hidden_size={hidden}", f"vision.out_hidden_size={hidden}",
@@ -103,7 +103,7 @@ def measure(tokens: int, repeats: int) -> list[dict]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from models.gated_deltanet import _GatherSequence, zigzag
+    from models.layers.gated_deltanet import _GatherSequence, zigzag
     from models.parallel import init_parallel
 
     init_parallel(cp=2)

@@ -1,5 +1,5 @@
-"""Greedy generation of models/generate.py side by side with transformers' `generate`, and where
-the time of a decode step goes.
+"""Greedy generation of models/generation/generate.py side by side with transformers' `generate`,
+and where the time of a decode step goes.
 
 For each family's tiny random model (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE built with transformers;
 Nemotron-Omni with the hybrid LM "M*E-": Mamba2, attention, MoE with a shared expert, MLP;
@@ -15,8 +15,8 @@ alternate in each repeat (after one warm-up each) and the median of `--repeats` 
 Reported per model and batch: transformers' time / ours (the speed-up), our share of prefill;
 per decode step (batch 4): CPU ms and Python function calls (cProfile) of our lean step,
 megatron's own decode step (`language_model(...)` with its static inference context, what
-models/generate.py falls back to) and transformers' step, and the share of megatron's step spent
-re-rotating cached keys; per step at batch 1 for ours and megatron's. Tokens: ours at
+models/generation/generate.py falls back to) and transformers' step, and the share of megatron's
+step spent re-rotating cached keys; per step at batch 1 for ours and megatron's. Tokens: ours at
 batch 4 equal transformers' at batch 1, row by row.
 
 Usage: python bench/bench_generate.py --out bench_out/generate
@@ -67,7 +67,7 @@ def import_tiny(name: str, out: Path) -> tuple[Path, Path]:
 
 def build(name: str, out: Path):
     """(model, cfg, hf) of one tiny model (``import_tiny``)."""
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import load_hf_model
 
     hf_dir, mcore_dir = import_tiny(name, out)
@@ -77,7 +77,7 @@ def build(name: str, out: Path):
 
 def make_cases(cfg, n: int, seed: int = 0) -> list[dict]:
     """n single-row inputs: the family's one-image verify case + 1, 4, 7 or 10 text tokens."""
-    from models.verify_inputs import make_inputs
+    from models.hf.verify_inputs import make_inputs
 
     g = torch.Generator().manual_seed(seed)
     case = make_inputs(cfg, seed)["one_image"]
@@ -95,7 +95,7 @@ def make_cases(cfg, n: int, seed: int = 0) -> list[dict]:
 
 
 def _prompt(case: dict):
-    from models.generate import Prompt
+    from models.generation.generate import Prompt
 
     return Prompt(case["input_ids"][0], case["position_ids"][:, 0], case["pixel_values"],
                   case["image_grid_thw"])
@@ -104,7 +104,7 @@ def _prompt(case: dict):
 def hf_generate(hf, cfg, cases: list[dict], new: int) -> list[list[int]]:
     """transformers' greedy generate over the rows, left-padded (its attention mask hides the
     padding); the token types its M-RoPE reads where its forward takes them."""
-    from models.verify_inputs import hf_inputs
+    from models.hf.verify_inputs import hf_inputs
 
     rows = [hf_inputs(cfg, c) for c in cases]
     width = max(r["input_ids"].shape[1] for r in rows)
@@ -165,8 +165,8 @@ def per_step(fn, new: int) -> dict:
 
 
 def bench_model(name: str, out: Path, n_prompts: int, new: int, repeats: int) -> dict:
-    from models import decode_step
-    from models.generate import GenerationStats, greedy_generate
+    from models.generation import decode_step
+    from models.generation.generate import GenerationStats, greedy_generate
 
     model, cfg, hf = build(name, out)
     cases = make_cases(cfg, n_prompts)

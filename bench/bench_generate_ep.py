@@ -37,9 +37,9 @@ def worker(out: Path, names: list[str], new: int, repeats: int) -> None:
     import torch.distributed as dist
     from bench_generate import NEVER, _prompt, make_cases, median_cpu_times
 
-    from models import decode_step
-    from models.checkpoint import load_checkpoint
-    from models.generate import GenerationStats, greedy_generate
+    from models.checkpointing.checkpoint import load_checkpoint
+    from models.generation import decode_step
+    from models.generation.generate import GenerationStats, greedy_generate
     from models.parallel import init_parallel
 
     torch.set_num_threads(1)

@@ -92,7 +92,7 @@ def tiny_model(family: str, config: str):
 
 def model_inputs(cfg, encoded) -> dict:
     """The tiny model's sample: 6 text tokens, the image span, 8 text tokens (its own ids)."""
-    from models.mrope import mrope_positions
+    from models.layers.mrope import mrope_positions
 
     grid = encoded.image_grid_thw
     merge = cfg.merge_size if cfg.family == "nemotron_omni" else cfg.vision.spatial_merge_size

@@ -9,7 +9,7 @@ from this one run.
 
 Families (the task encoder's defaults, ``task_encoder.image_decode: exact``): Qwen2.5-VL,
 Qwen3-VL, Nemotron-Omni (dynamic). Datasets (generated, the sizes the hub's show;
-/work/shared/reference/hf-datasets.md):
+the dataset cards' published sizes):
 
 - Mantis-like multi-image: samples of 3 photo-like JPEGs (q90) of 400..900 px a side (Mantis
   rows hold 2.3 images on average, mostly COCO-sized photos);

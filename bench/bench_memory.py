@@ -58,7 +58,7 @@ def kept_activations(model, batch: dict) -> tuple[int, torch.Tensor]:
 def measure(family: str, repeat: int) -> dict:
     from lookalikes.model_inputs import pack_inputs
     from models.families import build_model, config_module
-    from models.verify_inputs import make_inputs
+    from models.hf.verify_inputs import make_inputs
     from recipes.estimate import Layout, estimate_layout, table_of
     from recipes.run_config import load_run_config
 

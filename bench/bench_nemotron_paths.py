@@ -10,7 +10,7 @@ Paths compared (processor defaults of each model, as a user gets them without tu
 Reported per path over the same images: LLM visual tokens per image, encoder sequence length
 per image (patches, plus RADIO's class/register tokens per segment), the estimated encoder
 forward FLOPs with each tower's published shape (``TOWERS``) and, with ``--measure``,
-the measured encode throughput of our own encoders (models/qwen_vision.py,
+the measured encode throughput of our own encoders (models/layers/qwen_vision.py,
 models/families/nemotron_omni/radio.py) at equal width and depth on CPU (images/s and
 patches/s, CPU time, forward only).
 
@@ -140,7 +140,7 @@ def _encoder(path: str):
         from models.families.nemotron_omni.radio import RadioEncoder
 
         return RadioEncoder(cfg, use_te=False).eval(), 3 * cfg.vision.patch_size**2
-    from models.qwen_vision import QwenVisionEncoder
+    from models.layers.qwen_vision import QwenVisionEncoder
 
     v = cfg.vision
     return QwenVisionEncoder(cfg, use_te=False).eval(), 3 * v.temporal_patch_size * v.patch_size**2

@@ -58,7 +58,7 @@ def _data(args) -> Path:
 
 
 def _optimizer_bytes(step: Path) -> int:
-    from models.dist_load import read_metadata
+    from models.checkpointing.dist_load import read_metadata
 
     meta = read_metadata(step / "model_optim")
     total = 0

@@ -34,7 +34,7 @@ SHAPES = ["vision.depth=4", "vision.hidden_size=128", "vision.intermediate_size=
 
 def make_row(cfg, images: int, tokens: int) -> dict:
     """One row: text, then ``images`` times (image span + text), ``tokens`` tokens in all."""
-    from models.mrope import mrope_positions
+    from models.layers.mrope import mrope_positions
 
     g = torch.Generator().manual_seed(0)
     v, merge = cfg.vision, cfg.vision.spatial_merge_size
@@ -67,8 +67,8 @@ def main(out: Path, images: int, tokens: int, repeats: int) -> None:
     torch.set_num_threads(1)
     from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
+    from models.layers.recompute import backward_footprint
     from models.parallel import init_parallel
-    from models.recompute import backward_footprint
 
     init_parallel()
     models, row = {}, None

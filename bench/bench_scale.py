@@ -70,7 +70,7 @@ MAKERS = {"mantis": (make_mantis, 4200), "infovqa": (make_infovqa_parts, 200),
           "llava-video": (make_video, 320)}
 
 
-#: the full datasets (/work/shared/reference/hf-datasets.md, hub-layouts.md): bytes, rows
+#: the full datasets (the hub's published sizes): bytes, rows
 FULL = {"mantis": (85e9, 721_000), "infovqa": (11.6e9, 23_946),
         "llava-video": (1.5e12, 1_300_000)}
 MACHINES = (8, 32, 128)

@@ -1,8 +1,8 @@
 """Balance of vision data-parallel over CP: cost-balanced plan vs split by image count.
 
 Simulated: batches drawn from size distributions shaped like the three datasets (see
-docs/vision_dp.md), grids of the chosen family (``--family``): Qwen2.5-VL (images resized to
-200704..1003520 pixels, videos per frame) or Nemotron-Omni (dynamic images, 1024..13312
+docs/internals/vision_dp.md), grids of the chosen family (``--family``): Qwen2.5-VL (images resized
+to 200704..1003520 pixels, videos per frame) or Nemotron-Omni (dynamic images, 1024..13312
 patches; videos as frame pairs of the non-dynamic path, each pair one unit), cost from
 models.vision_dp.CostModel (``qwen2_5_vl`` or ``radio``).
 Reports mean and p95 over batches of max/mean encoder cost per CP rank for CP = 2, 4, 8, and

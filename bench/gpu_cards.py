@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.gpu_train import FAMILIES  # noqa: E402 - after the path
 
-#: the published figures a card stands beside (docs: /work/shared facts, the issue)
+#: the published figures a card stands beside (the peers' published cards and papers)
 ANCHORS = [
     ("Megatron-Bridge card: Qwen3.6-35B-A3B SFT, 16 x H100, MedPix (448x448 images), seq 4096, "
      "TP1 PP2 EP8", "2,507 padded slots/s/GPU", "57.7 TFLOP/s/GPU (about 6 % MFU)"),

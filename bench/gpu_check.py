@@ -235,7 +235,7 @@ def vision_part(report: Report, smoke: bool, repeats: int) -> None:
             tower = RadioEncoder(cfg, use_te=use_te)
             width = cfg.vision.in_channels * cfg.vision.patch_size ** 2
         else:
-            from models.qwen_vision import QwenVisionEncoder
+            from models.layers.qwen_vision import QwenVisionEncoder
 
             tower = QwenVisionEncoder(cfg, use_te=use_te)
             v = cfg.vision
@@ -275,8 +275,8 @@ def packed_part(report: Report, smoke: bool) -> None:
 
     from lookalikes.model_inputs import pack_inputs
     from models.families import build_model, config_module
+    from models.hf.verify_inputs import make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
 
     init_parallel()
     device = "cpu" if smoke else "cuda"
@@ -316,10 +316,10 @@ def moe_part(report: Report, smoke: bool, out: Path) -> None:
     on CPU (``smoke``) both are the local spec (the plumbing only)."""
     import torch
 
-    from models.checkpoint import load_checkpoint, save_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint, save_checkpoint
     from models.families import build_model, config_module
+    from models.hf.verify_inputs import make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
 
     init_parallel()
     device = "cpu" if smoke else "cuda"

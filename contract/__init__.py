@@ -3,5 +3,5 @@
 (``contract.families``), the batch contract (``contract.batch``: the typed sample and batch,
 ``contract.constants``: its constants), the user-facing error types (``contract.errors``) and how
 a product command reports them and its progress (``contract.cli``, ``contract.console``).
-docs/architecture.md, "Families and the shared contract".
+docs/internals/architecture.md, "Families and the shared contract".
 """

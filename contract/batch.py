@@ -1,10 +1,11 @@
-"""The batch contract: what one encoded sample and one batch hold (docs/batch_contract.md).
+"""The batch contract: what one encoded sample and one batch hold
+(docs/internals/batch_contract.md).
 
 This module owns the typed outputs of the task encoder, ``EncodedSample`` per sample or packed row
 and ``VLMBatch`` per batch, for both families (Qwen-VL, Nemotron-Omni: what differs between them,
-row widths, row layout, positions, is in docs/batch_contract.md), and ``VLMBatch.model_inputs``:
-the fields a model's forward takes. The data side builds them (``energon_tasks.collate``), the
-recipes hand them to the models.
+row widths, row layout, positions, is in docs/internals/batch_contract.md), and
+``VLMBatch.model_inputs``: the fields a model's forward takes. The data side builds them
+(``energon_tasks.collate``), the recipes hand them to the models.
 
 Images and videos travel in separate tensors; ``visual_kinds`` records how they interleave in the
 token stream (``VISUAL_KINDS`` codes, one per item, in span order), which the model needs when both
@@ -45,7 +46,7 @@ class EncodedSample(Sample):
 
 @edataclass
 class VLMBatch(Batch):
-    """A batch of B rows padded to one length L (see docs/batch_contract.md)."""
+    """A batch of B rows padded to one length L (see docs/internals/batch_contract.md)."""
 
     input_ids: torch.Tensor  #: (B, L) int64, pad id after each row's tokens
     labels: torch.Tensor  #: (B, L) int64, IGNORE_INDEX on pads and unsupervised tokens

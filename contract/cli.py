@@ -58,7 +58,7 @@ def run_click(command: click.Command, prog: str, argv: list[str] | None = None,
 
     Args:
         user_errors: the command's own user-error types besides ``USER_ERRORS`` (e.g. the
-            converters' ``LockedError``, ``models.hf_source.HFSourceError``).
+            converters' ``LockedError``, ``models.hf.source.HFSourceError``).
 
     Returns:
         The exit code: the command's return value when it is an int (else 0); 2 for a usage or

@@ -1,4 +1,4 @@
-"""Constants both sides of the batch contract use (docs/batch_contract.md).
+"""Constants both sides of the batch contract use (docs/internals/batch_contract.md).
 
 This module owns the values the task encoders write into a batch and the models read back from it:
 the label of a token without loss, the codes of ``visual_kinds``, and the CLIP pixel normalisation

@@ -11,6 +11,11 @@
  * Which pass runs first is the caller's (Pillow changed its rule in 13.0); the coefficient code
  * is compiled without FMA contraction (-ffp-contract=off) so its doubles round as Pillow's do.
  * energon_tasks.resize checks the result against the installed Pillow before it is used.
+ *
+ * patch_rows: the Qwen ViT's normalised patch rows (energon_tasks/families/qwen_vl/geometry.py,
+ * ``pixel_rows``) in one pass: each uint8 value looked up in the caller's per-channel table of
+ * its normalised float32 value, written in the processors' row order; a temporal slot that
+ * repeats the previous frame (an image's second slot, a video's padding) is a copy.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -607,6 +612,93 @@ static PyObject *py_bicubic_float(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static int contiguous_view(PyObject *object, Py_buffer *view, int writable, int ndim,
+                           const char *format, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(object, view, flags) < 0) return -1;
+    const char *f = view->format ? view->format : "";
+    if (*f == '<' || *f == '=') f++;
+    if (view->ndim != ndim || strcmp(f, format)) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous %d-D array of format %s",
+                     name, ndim, format);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static void patch_rows(const uint8_t *frames, Py_ssize_t count, Py_ssize_t height,
+                       Py_ssize_t width, Py_ssize_t channels, const float *table, float *dst,
+                       Py_ssize_t p, Py_ssize_t m, Py_ssize_t tp) {
+    Py_ssize_t grid_t = (count + tp - 1) / tp, block_h = height / (p * m),
+               block_w = width / (p * m), row_bytes = width * channels, cell = p * p;
+    for (Py_ssize_t gt = 0; gt < grid_t; gt++)
+        for (Py_ssize_t by = 0; by < block_h; by++)
+            for (Py_ssize_t bx = 0; bx < block_w; bx++)
+                for (Py_ssize_t my = 0; my < m; my++)
+                    for (Py_ssize_t mx = 0; mx < m; mx++) {
+                        Py_ssize_t y0 = (by * m + my) * p, x0 = (bx * m + mx) * p;
+                        for (Py_ssize_t c = 0; c < channels; c++) {
+                            const float *lut = table + c * 256;
+                            Py_ssize_t previous = -1;
+                            for (Py_ssize_t t = 0; t < tp; t++, dst += cell) {
+                                Py_ssize_t frame = gt * tp + t < count ? gt * tp + t : count - 1;
+                                if (frame == previous) {
+                                    memcpy(dst, dst - cell, (size_t)cell * sizeof(float));
+                                    continue;
+                                }
+                                previous = frame;
+                                const uint8_t *src = frames + (frame * height + y0) * row_bytes +
+                                                     x0 * channels + c;
+                                float *out = dst;
+                                for (Py_ssize_t py = 0; py < p; py++, src += row_bytes)
+                                    for (Py_ssize_t px = 0; px < p; px++)
+                                        *out++ = lut[src[px * channels]];
+                            }
+                        }
+                    }
+}
+
+static PyObject *py_patch_rows(PyObject *self, PyObject *args) {
+    PyObject *frames_o, *table_o, *out_o;
+    Py_ssize_t p, m, tp;
+    if (!PyArg_ParseTuple(args, "OOOnnn", &frames_o, &table_o, &out_o, &p, &m, &tp)) return NULL;
+    Py_buffer fv, tv, ov;
+    if (contiguous_view(frames_o, &fv, 0, 4, "B", "frames") < 0) return NULL;
+    if (contiguous_view(table_o, &tv, 0, 2, "f", "table") < 0) {
+        PyBuffer_Release(&fv);
+        return NULL;
+    }
+    if (contiguous_view(out_o, &ov, 1, 2, "f", "out") < 0) {
+        PyBuffer_Release(&fv);
+        PyBuffer_Release(&tv);
+        return NULL;
+    }
+    Py_ssize_t count = fv.shape[0], height = fv.shape[1], width = fv.shape[2],
+               channels = fv.shape[3], side = p * m;
+    int ok = p > 0 && m > 0 && tp > 0 && count > 0 && channels > 0 && height > 0 && width > 0 &&
+             height % side == 0 && width % side == 0 && tv.shape[0] == channels &&
+             tv.shape[1] == 256;
+    if (ok) {
+        Py_ssize_t grid_t = (count + tp - 1) / tp;
+        ok = ov.shape[0] == grid_t * (height / p) * (width / p) &&
+             ov.shape[1] == channels * tp * p * p;
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "patch_rows: frames (T, H, W, C) with H, W multiples "
+                        "of patch * merge, table (C, 256), out (rows, C * temporal * patch**2)");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        patch_rows(fv.buf, count, height, width, channels, tv.buf, ov.buf, p, m, tp);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&fv);
+    PyBuffer_Release(&tv);
+    PyBuffer_Release(&ov);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_float_isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(float_vector() ? "avx2+fma" : "plain");
 }
@@ -626,6 +718,10 @@ static PyMethodDef methods[] = {
      "plain=False): torch's antialiased bicubic of src (H, W, 3) uint8 in float32 into out "
      "(3, H2, W2) float32 with the given taps (None: that side kept); group: the summing rule; "
      "plain: the plain code even where the CPU has AVX2 and FMA."},
+    {"patch_rows", py_patch_rows, METH_VARARGS,
+     "patch_rows(frames, table, out, patch, merge, temporal): the Qwen ViT's patch rows of frames "
+     "(T, H, W, C) uint8 into out (rows, C * temporal * patch**2) float32, each value table[c, "
+     "x] of table (C, 256) float32; all C-contiguous; the last frame fills the temporal padding."},
     {"uint8_isa", py_uint8_isa, METH_NOARGS,
      "uint8_isa(): which bicubic code this CPU runs, \"avx2\" or \"plain\"."},
     {"float_isa", py_float_isa, METH_NOARGS,

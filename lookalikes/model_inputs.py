@@ -1,5 +1,5 @@
 """Synthetic model inputs that tests and bench/ share (never the product): several single-row
-inputs (``models.verify_inputs.make_inputs``) packed into one batch by the task encoder's own
+inputs (``models.hf.verify_inputs.make_inputs``) packed into one batch by the task encoder's own
 packer and collator (``energon_tasks.collate``), to compare a packed forward with the same samples
 alone.
 """
@@ -34,7 +34,7 @@ def _encoded(case: dict, key: str) -> EncodedSample:
 
 
 def pack_inputs(rows: list[list[dict]], tail: int = 0, pad_id: int = 0) -> dict:
-    """Single-row inputs (``models.verify_inputs.make_inputs``; ``labels`` too when they have
+    """Single-row inputs (``models.hf.verify_inputs.make_inputs``; ``labels`` too when they have
     them) packed into one batch as the task encoder lays it out (batch contract): the samples of
     a row packed, rows padded to one length (``tail`` pads after the longest), media and
     ``visual_kinds`` in row-major span order, ``cu_seqlens`` over the flattened B*L tokens with

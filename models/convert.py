@@ -5,13 +5,13 @@ verification (the family comes from config.json's ``model_type``; models/familie
                                          [--drop-unused]
     python -m models.convert mcore-to-hf --mcore DIR --out DIR [--adapter] [--overwrite] [--base]
                                          (an import or a train.py run / step folder, any
-                                          TP/PP/EP; models/export.py)
+                                          TP/PP/EP; models/hf/export.py)
     python -m models.convert verify --hf PATH --mcore DIR [--tp N] [--pp P]
 
 ``hf-to-mcore`` and ``verify`` with ``N * P > 1`` start themselves under ``torch.distributed.run``
 with N * P processes (each writes / loads its TP shards of its pipeline stage's layers; the
 checkpoint loads at any TP / PP; every family). ``verify`` runs transformers' model
-(fp32, eager attention) and ours on generated inputs (models/verify_inputs.py: one image; several
+(fp32, eager attention) and ours on generated inputs (models/hf/verify_inputs.py: one image; several
 images of different sizes interleaved with text; a video; Nemotron-Omni also a tiled image) and
 prints JSON with the max absolute logit difference per input. Bad paths or a wrong model family:
 one line on stderr, ``models.convert: error: <message>``, exit 2 (contract/cli.py); a bug is a
@@ -32,13 +32,13 @@ import click
 import torch
 
 from contract.errors import UsageError
-from models.export import mcore_to_hf
+from models.checkpointing.sharding import check_hf_fit, load_hf_weights
 from models.families import (
     build_model,
     hf_model_class,
 )
-from models.sharding import check_hf_fit, load_hf_weights
-from models.verify_inputs import hf_inputs, make_inputs
+from models.hf.export import mcore_to_hf
+from models.hf.verify_inputs import hf_inputs, make_inputs
 
 #: written last into a cached import folder (``import_hf_cached``): the import is complete
 IMPORT_DONE = "import_complete.json"
@@ -144,7 +144,7 @@ def refused(what: str = ""):
 
 def resolve_hf(path_or_id: str) -> Path:
     from contract.errors import UsageError
-    from models.hf_source import HFSourceError, resolve
+    from models.hf.source import HFSourceError, resolve
 
     try:
         return resolve(path_or_id, weights=True)
@@ -156,11 +156,11 @@ def hf_to_mcore(hf: str, out: Path, tp: int, pp: int, drop_unused: bool = False)
     """``drop_unused``: leave out the weights of parts of the checkpoint the model does not have
     (Cosmos3-Omni's generator, sound and action towers; one line says what was dropped), which
     are refused otherwise."""
-    from models.checkpoint import model_record, save_checkpoint
-    from models.hf_source import model_config_of, task_encoder_settings
-    from models.hf_weights import weight_map
+    from models.checkpointing.checkpoint import model_record, save_checkpoint
+    from models.checkpointing.sharding import unused_hf_weights
+    from models.hf.source import model_config_of, task_encoder_settings
+    from models.hf.weights import weight_map
     from models.parallel import init_parallel
-    from models.sharding import unused_hf_weights
 
     folder = resolve_hf(hf)
     with refused(f"--hf {hf}"):
@@ -181,21 +181,21 @@ def hf_to_mcore(hf: str, out: Path, tp: int, pp: int, drop_unused: bool = False)
 def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
     """The import of ``source``'s weights (hub id or folder) at this process's TP / PP / EP /
     expert-TP, as an import folder under ``cache_root`` named by the weights' fingerprint and the
-    layout (``models.hf_source.cache_name``): written by the first run that needs it (every rank
+    layout (``models.hf.source.cache_name``): written by the first run that needs it (every rank
     its part, through a local-spec model that is then freed), reused by every later one. Collective:
     every rank calls it. Returns (the folder, whether it was reused).
 
     Raises:
         contract.errors.UsageError: the weights do not map onto ``cfg``'s model (one line).
-        models.hf_source.HFSourceError: ``source`` cannot be resolved.
+        models.hf.source.HFSourceError: ``source`` cannot be resolved.
     """
     import shutil
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from models.checkpoint import model_record, save_checkpoint
-    from models.hf_source import cache_name, resolve
+    from models.checkpointing.checkpoint import model_record, save_checkpoint
+    from models.hf.source import cache_name, resolve
 
     folder = resolve(source, weights=True)
     layout = (ps.get_tensor_model_parallel_world_size(),
@@ -233,8 +233,8 @@ def verify(hf: Path, mcore: Path, tp: int = 1, pp: int = 1) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from models.checkpoint import load_checkpoint, read_checkpoint
-    from models.hf_source import model_config_of
+    from models.checkpointing.checkpoint import load_checkpoint, read_checkpoint
+    from models.hf.source import model_config_of
     from models.parallel import init_parallel
 
     found = read_checkpoint(mcore)  # a bad folder: one line, before any process group
@@ -353,7 +353,7 @@ def mcore_to_hf_command(mcore: Path, out: Path, adapter: bool, overwrite: bool,
                         base: Path | None, **console) -> None:
     """Export a megatron dist checkpoint as a Hugging Face model folder (a LoRA run's adapters
     merged into the weights, or with --adapter its PEFT folder), written into a new folder
-    (models/export.py): never into the checkpoint or the base it refers to."""
+    (models/hf/export.py): never into the checkpoint or the base it refers to."""
     wrote = (f"wrote the HF PEFT adapter folder {out} (adapter_config.json, "
              "adapter_model.safetensors)" if adapter else
              f"wrote the Hugging Face model folder {out} (config.json, model.safetensors, "

@@ -276,7 +276,7 @@ class LanguageModelRunner:
         """Generation's first forward: the whole prompt embedded (each image / video encoded
         once, DeepStack features added) and run through the LM with megatron's inference
         context (``inference_kwargs``) -> logits (B, L, V) gathered over TP. One pipeline stage,
-        no CP (models/generate.py)."""
+        no CP (models/generation/generate.py)."""
         emb, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                     video_grid_thw, visual_kinds=visual_kinds)
         with self.deepstack_features(deepstack):
@@ -295,7 +295,7 @@ class LanguageModelRunner:
         ``shape`` is the batch's (B, L). A packed batch (``cu_seqlens``) runs as megatron's THD
         format: the B rows are flattened into one sequence of B*L tokens (hidden states
         (B*L, 1, H), also between pipeline stages) whose segments attend only within themselves
-        (TE's varlen attention on GPU, ``models.segment_attention`` in the local spec; Mamba
+        (TE's varlen attention on GPU, ``models.layers.segment_attention`` in the local spec; Mamba
         layers restart their state per segment); the outputs are returned in (B, L) again.
         Under context parallelism (CP > 1) this rank runs its zig-zag share of the sequence
         (:meth:`run_context_parallel_share`).

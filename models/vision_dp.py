@@ -18,7 +18,7 @@ Stages of :class:`VisionDPOverCP` (``__call__``):
 
 Encoder parameter gradients on a rank then come from its share only; the caller must sum them
 over the CP group (megatron DDP does: it reduces grads over DP x CP), which gives exactly the
-gradient of the unsharded run. See docs/vision_dp.md.
+gradient of the unsharded run. See docs/internals/vision_dp.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,25 @@
 """The training checkpoint: everything a run needs to continue exactly.
 
 This module owns what a step folder holds (its place among the others and its ``COMPLETE``
-marker: ``models.checkpoint_folders``): megatron dist_checkpointing of model + (distributed)
+marker: ``models.checkpointing.folders``): megatron dist_checkpointing of model + (distributed)
 optimizer (``save_checkpoint`` / ``load_checkpoint``, torch Adam's step counts restored),
 ``train_state.json`` (step, scheduler, data-parallel size: ``read_train_state``), and the per-rank
 state files in safe formats only: the
 Energon loader state of each DP replica as JSON (``loader/dp_NNNNN.json``, plain data from
 ``energon_tasks.loader_state``) and each rank's RNG state as plain tensors
-(``rng/rank_NNNNN.pt``, read back by ``models.dist_load.load_blob``: torch's weights-only
-unpickler with torch's own allowlist). The dist checkpoint is read only through
-``models.dist_load`` (every pickle in it by a restricted unpickler). ``check_rank_states``
-(every file, before any heavy work) and ``read_rank_state`` (this rank's) refuse anything else (a
-pickle where a state file should be, a folder of an older format) with one line. ``prune`` keeps
-the newest N complete step folders.
+(``rng/rank_NNNNN.pt``, read back by ``models.checkpointing.dist_load.load_blob``: torch's
+weights-only unpickler with torch's own allowlist). The dist checkpoint is read only through
+``models.checkpointing.dist_load`` (every pickle in it by a restricted unpickler).
+``check_rank_states`` (every file, before any heavy work) and ``read_rank_state`` (this rank's)
+refuse anything else (a pickle where a state file should be, a folder of an older format) with one
+line. ``prune`` keeps the newest N complete step folders.
 
-Integrity (the folder rules are ``models.checkpoint_folders``'): a save writes ``step_N.partial``,
-hashes its files (each rank a share), writes the manifest ``COMPLETE`` last and renames the folder
-``step_N``; an ``OSError`` on the way (a full disk, a file-size limit) is a ``RunFailure`` whose
-line names the checkpoint that stays the newest. ``read_train_state`` checks every recorded file's
-size before anything is read (every rank: stat only); ``verify_checkpoint`` (collective) hashes
-each rank's share of the files and agrees on the first one that differs.
+Integrity (the folder rules are ``models.checkpointing.folders``'): a save writes
+``step_N.partial``, hashes its files (each rank a share), writes the manifest ``COMPLETE`` last and
+renames the folder ``step_N``; an ``OSError`` on the way (a full disk, a file-size limit) is a
+``RunFailure`` whose line names the checkpoint that stays the newest. ``read_train_state`` checks
+every recorded file's size before anything is read (every rank: stat only); ``verify_checkpoint``
+(collective) hashes each rank's share of the files and agrees on the first one that differs.
 
 Raises ``contract.errors.UsageError`` (one line; train.py exits 2) for every bad checkpoint.
 """
@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from contract.errors import RunFailure, UsageError
 from models import cpu
-from models.checkpoint import write_files
-from models.checkpoint_folders import (
+from models.checkpointing.checkpoint import write_files
+from models.checkpointing.dist_load import check_dist_checkpoint, load_blob
+from models.checkpointing.folders import (
     COMPLETE,
     PARTIAL,
     TRAIN_STATE,
@@ -56,7 +57,6 @@ from models.checkpoint_folders import (
     step_name,
     write_manifest,
 )
-from models.dist_load import check_dist_checkpoint, load_blob
 from recipes.layout import Layout
 
 
@@ -298,9 +298,10 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, loader_state
 
     ``loader_states``: this rank's Energon loader states (one per virtual DP reader), in their
     plain form (``energon_tasks.loader_state.to_plain``).
-    ``model_files``: what export needs besides weights (``models.checkpoint.model_record``).
-    ``base``: the frozen base the run started from (``recipes.model_setup.base_source``): the
-    checkpoint then holds only what trains (and its optimizer state) and records the base.
+    ``model_files``: what export needs besides weights
+    (``models.checkpointing.checkpoint.model_record``). ``base``: the frozen base the run started
+    from (``recipes.model_setup.base_source``): the checkpoint then holds only what trains (and its
+    optimizer state) and records the base.
 
     Raises:
         RunFailure: a write failed (a full disk, a file-size limit): the partial folder is
@@ -475,7 +476,7 @@ def load_checkpoint(resume: dict, *, model, optimizer, rng: dict | None) -> None
     Raises:
         UsageError: the dist checkpoint does not match the model (one line).
     """
-    from models import dist_load
+    from models.checkpointing import dist_load
 
     step_dir = Path(resume["dir"])
     partial = resume.get("base") is not None  # the base was loaded from its source already

@@ -81,7 +81,7 @@ def check_compatible(model, task_encoder, *, weights: str | None = None,
     Args:
         weights: where the model's weights come from, as messages name it (``"checkpoint X"``,
             ``"model.hf X"``); None for a model built from the run config.
-        processor: the HF processors' geometry (``models.hf_source.task_encoder_settings``).
+        processor: the HF processors' geometry (``models.hf.source.task_encoder_settings``).
 
     Raises:
         ConfigError: every problem of ``compatibility_problems``.

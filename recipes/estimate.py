@@ -28,7 +28,7 @@ as train.py sets them up):
   1 / tp share of the tokens; an expert's linears once per routed token: top-k of them, the
   active experts, not all; a Gated DeltaNet's conv its input and output, and, where its layer
   all-gathers the CP shares instead of sharing its heads over them, the whole sequence, CP-fold
-  (models/gated_deltanet.py)); under
+  (models/layers/gated_deltanet.py)); under
   ``recompute=full`` (where the LM honours it) one hidden vector per layer plus one layer's
   worth; the logits (fp32 for the loss, V / tp wide) on the last stage; the vision tower at
   ``max_visual_tokens`` x merge² patches per row (shared over CP by vision DP), only when the
@@ -54,7 +54,8 @@ GIB = 2 ** 30
 RESERVE_GIB = 4.0
 _LAYER = re.compile(r"language_model\.decoder\.layers\.(\d+)\.")
 _VISION_LAYER = re.compile(r"vision\.(?:\w+\.)?layers\.(\d+)\.")
-#: a Gated DeltaNet's parameters (models/gated_deltanet.py): its projections, conv and gated norm
+#: a Gated DeltaNet's parameters (models/layers/gated_deltanet.py): its projections, conv and
+#: gated norm
 _DELTANET = re.compile(r"\.self_attention\.(?:in_proj_|out_proj\.|conv_|norm\.weight)")
 
 
@@ -267,7 +268,7 @@ def estimate_layout(table: ModelTable, cfg, gpus: int, layout: Layout, bf16: boo
                     stage: int | None = None) -> list[Estimate]:
     """Every pipeline stage's estimate (``stage``: only that one) of the model of ``table`` at
     ``layout`` on ``gpus`` GPUs; a ``local`` table gives its own stage (``stage``)."""
-    from models.gated_deltanet import shares_heads
+    from models.layers.gated_deltanet import shares_heads
 
     lay, te = layout, cfg.task_encoder
     dtype = 2 if bf16 else 4

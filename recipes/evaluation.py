@@ -1,15 +1,15 @@
 """eval.py's own pieces: the val samples, the prompts of a conversation, the scored answers.
 
-The checkpoint is read and loaded by ``models.checkpoint`` (``read_checkpoint``, ``load_model``)
-and checked against the task encoder by ``recipes.compatibility``, as in training. This module
-owns, in the order eval.py uses them:
+The checkpoint is read and loaded by ``models.checkpointing.checkpoint`` (``read_checkpoint``,
+``load_model``) and checked against the task encoder by ``recipes.compatibility``, as in training.
+This module owns, in the order eval.py uses them:
 
 - ``read_samples``: cooked val samples in the loader's fixed order (the loaders' worker config, so
   damaged samples are skipped as in training);
 - ``encode_prompts``: one prompt encoding per assistant turn through the task encoder's own steps
   (``tokenize_turns`` -> ``plan_sample`` -> ``decode_sample`` -> ``assemble``), budget counters as
   in training;
-- ``answer_questions``: batched greedy generation (models/generate.py) and scoring
+- ``answer_questions``: batched greedy generation (models/generation/generate.py) and scoring
   (``recipes.scores.score_answer``) of every question, one record each.
 """
 
@@ -19,7 +19,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
-from models.generate import GenerationStats
+from models.generation.generate import GenerationStats
 
 
 # ------------------------------------------------------------------ prompts
@@ -32,7 +32,7 @@ class Item:
     subset: str
     question: str
     references: list[str]
-    prompt: object  # models.generate.Prompt
+    prompt: object  # models.generation.generate.Prompt
     media: str
 
 
@@ -54,7 +54,7 @@ def encode_prompts(encoder, sample, counters: Counter, turns_mode: str = "all",
 
     from contract.errors import MediaError
     from energon_tasks.sample_format import PLACEHOLDER_RE, Turn
-    from models.generate import Prompt
+    from models.generation.generate import Prompt
 
     conv = sample.conversation
     targets = [i for i, t in enumerate(conv.conversation) if t.role == "assistant"]
@@ -151,7 +151,7 @@ def answer_questions(model, encoder, tokenizer, samples, *, batch_size: int, max
     call, in reading order), each scored against its references."""
     import time
 
-    from models.generate import greedy_generate
+    from models.generation.generate import greedy_generate
     from recipes.scores import score_answer
 
     answers = Answers()

@@ -15,7 +15,7 @@ import torch
 
 from contract.batch import VLMBatch
 from contract.errors import UsageError
-from models import moe_aux
+from models.layers import moe_aux
 from recipes.checkpointing import rng_state, set_rng_state
 from recipes.schedule import loss_tokens, step_token_total
 
@@ -225,7 +225,7 @@ class NonFiniteGuard:
         """Raises RunFailure: the ``limit``-th non-finite step in a row, naming the step, its
         loss and grad norm, the sample keys of this rank's batches and the newest checkpoint."""
         from contract.errors import RunFailure
-        from models.checkpoint_folders import newest_complete
+        from models.checkpointing.folders import newest_complete
 
         if stepped:
             self.streak = 0

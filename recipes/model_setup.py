@@ -37,9 +37,9 @@ def select_kernels(kernels_cfg, model_cfg, dtype=None, log: bool = True,
 
 def build_model(cfg):
     """The model of ``cfg.model.family`` (vision DP over CP inside); CPU CP attention; its MoE
-    routers' load counted for the step metrics (``models.moe_aux``)."""
-    from models import moe_aux
+    routers' load counted for the step metrics (``models.layers.moe_aux``)."""
     from models.families import build_model as build
+    from models.layers import moe_aux
 
     model = build(cfg.model, vision_dp_over_cp=cfg.parallel.vision_dp)
     cpu.use_cp_attention(model.language_model)
@@ -114,14 +114,14 @@ def base_source(cfg) -> dict | None:
     trains: ``{"hf": <model.hf>, "fingerprint": ...}`` or ``{"init_checkpoint": <folder>,
     "fingerprint": ...}``; None when nothing is frozen (the checkpoint holds every weight) or the
     run starts from random weights (the base has no source to refer to)."""
-    from models.hf_source import fingerprint, resolve
+    from models.hf.source import fingerprint, resolve
 
     if not (cfg.lora is not None or cfg.freeze.frozen()):
         return None
     if cfg.hf:
         return {"hf": cfg.hf, "fingerprint": fingerprint(resolve(cfg.hf, weights=True))}
     if cfg.train.init_checkpoint:
-        from models.checkpoint import weights_fingerprint
+        from models.checkpointing.checkpoint import weights_fingerprint
 
         folder = Path(cfg.train.init_checkpoint)
         return {"init_checkpoint": str(folder), "fingerprint": weights_fingerprint(folder)}
@@ -130,15 +130,15 @@ def base_source(cfg) -> dict | None:
 
 def check_base(recorded: dict, cfg, checkpoint: str) -> None:
     """The base this run loads holds the weights the checkpoint was trained on: compared by
-    content (``models.hf_source.same_model``; an init checkpoint by ``weights_fingerprint``),
+    content (``models.hf.source.same_model``; an init checkpoint by ``weights_fingerprint``),
     wherever it is now (a copy, a restore, a move: name it with ``model.hf`` /
     ``train.init_checkpoint``).
 
     Raises:
         UsageError: another kind of base, or one whose content differs (one line).
     """
-    from models.checkpoint import weights_fingerprint
-    from models.hf_source import resolve, same_model
+    from models.checkpointing.checkpoint import weights_fingerprint
+    from models.hf.source import resolve, same_model
 
     now = base_source(cfg) or {}
     kind = "hf" if "hf" in recorded else "init_checkpoint"
@@ -164,7 +164,7 @@ def import_hf_weights(cfg, is_logger: bool) -> str:
     ``train.hf_import_cache`` and reused by reruns (``models.convert.import_hf_cached``); logs
     which weights the run starts from. Returns the import folder (a dist checkpoint)."""
     from models.convert import import_hf_cached
-    from models.hf_source import HFSourceError, default_import_cache
+    from models.hf.source import HFSourceError, default_import_cache
 
     cache = Path(cfg.train.hf_import_cache or default_import_cache())
     try:

@@ -40,7 +40,7 @@ import yaml
 
 from contract.bounded_yaml import safe_load
 from contract.errors import UsageError
-from models.checkpoint_folders import resolve_checkpoint
+from models.checkpointing.folders import resolve_checkpoint
 from recipes.checkpointing import read_train_state
 from recipes.run_config import RunConfig, load_run_config, to_dict
 from recipes.run_folder import plan_start

@@ -292,11 +292,11 @@ def _group_widths(model) -> dict[str, int]:
 def _hf_model(raw: dict, command_line: set[str], errors: list[str]) -> tuple[str, dict] | None:
     """``model.hf``: the HF model's config.json becomes the model section's base (inline
     ``model.*`` keys refine it), and its own files set ``task_encoder.tokenizer`` (the model's
-    folder), the pixel limits (``models.hf_source.task_encoder_settings``) and, when the
+    folder), the pixel limits (``models.hf.source.task_encoder_settings``) and, when the
     configured one does not feed the model's family, ``task_encoder.model``; a
     ``task_encoder.*`` key given on the command line keeps its value. Edits ``raw`` in place;
     returns (source, the processors' patch / merge sizes) or None when ``model.hf`` is unset."""
-    from models.hf_source import HFSourceError, model_config_of, resolve, task_encoder_settings
+    from models.hf.source import HFSourceError, model_config_of, resolve, task_encoder_settings
 
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("hf"):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from contract.errors import UsageError
 from models import cpu
-from models.checkpoint_folders import (
+from models.checkpointing.folders import (
     ABANDONED,
     check_sizes,
     complete_folders,

@@ -168,7 +168,7 @@ def _with_token_ids(cfg: RunConfig, tokenizer, encoder):
     check_compatible(model, cfg.task_encoder, tokenizer=tokenizer, encoder=encoder,
                      weights=cfg.hf and f"model.hf {cfg.hf}")
     if cfg.hf:  # its vision ids, and its bos / eos / pad ids, must be its tokenizer's
-        from models.hf_source import hf_config, resolve, special_token_problems
+        from models.hf.source import hf_config, resolve, special_token_problems
 
         folder = resolve(cfg.hf, weights=False)
         problems = [*hf_token_problems(folder / "config.json", hf_config(folder), model,

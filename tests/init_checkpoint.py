@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv):
-    from models.checkpoint import save_checkpoint
+    from models.checkpointing.checkpoint import save_checkpoint
     from models.families import build_model
     from models.parallel import init_parallel
     from recipes.run_config import load_run_config

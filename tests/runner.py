@@ -57,8 +57,9 @@ ENTRY_MODULES = ("train", "eval", "models.convert", "tests.init_checkpoint")
 PRELOAD = (
     "megatron.core", "megatron.core.parallel_state", "megatron.core.dist_checkpointing",
     "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.models.gpt",
-    "megatron.core.models.mamba", "transformers", "safetensors.torch", "models.checkpoint",
-    "models.convert", "energon_tasks", "energon_tasks.loader", "recipes.evaluation",
+    "megatron.core.models.mamba", "transformers", "safetensors.torch",
+    "models.checkpointing.checkpoint", "models.convert", "energon_tasks", "energon_tasks.loader",
+    "recipes.evaluation",
 )
 #: environment variables a run may set or change (read when the run uses them, not at import)
 RUN_TIME_ENV = frozenset({

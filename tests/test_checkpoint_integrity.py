@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from models.checkpoint_folders import COMPLETE, checkpoint_files, hash_files, write_manifest
+from models.checkpointing.folders import COMPLETE, checkpoint_files, hash_files, write_manifest
 from tests import runner
 from tests.test_train import FAST, MANTIS_CFG, REPO, error_line, losses, main_error, ok, train
 

@@ -1,5 +1,5 @@
-"""eval.py and models/generate.py: greedy tokens equal transformers' generate; end to end on the
-lookalike val splits with a tiny imported model; bad input is one line and exit code 2."""
+"""eval.py and models/generation/generate.py: greedy tokens equal transformers' generate; end to end
+on the lookalike val splits with a tiny imported model; bad input is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def imported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 # ------------------------------------------------------------------ 1. identical greedy tokens
 def _prompts(cfg):
     """A text-only prompt and a text + image + text prompt (random ids above the specials)."""
-    from models.generate import Prompt
-    from models.mrope import mrope_positions
+    from models.generation.generate import Prompt
+    from models.layers.mrope import mrope_positions
 
     g = torch.Generator().manual_seed(3)
     v, merge = cfg.vision, cfg.vision.spatial_merge_size
@@ -86,9 +86,9 @@ def _hf_greedy(hf, prompt, image_token: int, new: int, eos: int) -> list[int]:
 def _greedy_check(family: str, hf_dir: str, mcore_dir: str) -> dict:
     """Runs in a fresh process (megatron's parallel state and the Manager of dist_checkpointing
     stay out of the pytest process)."""
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import load_hf_model
-    from models.generate import greedy_generate
+    from models.generation.generate import greedy_generate
     from models.parallel import init_parallel
 
     init_parallel()
@@ -259,7 +259,7 @@ def same_rows_worker(argv=None) -> int:
     generation's precondition holds for the same ids and media on both ranks only."""
     import torch.distributed as dist
 
-    from models.generate import Prompt, same_prompts_on_expert_ranks
+    from models.generation.generate import Prompt, same_prompts_on_expert_ranks
     from models.parallel import init_parallel
 
     init_parallel(ep=2)
@@ -282,7 +282,7 @@ def same_rows_worker(argv=None) -> int:
         return 1
     from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
-    from models.generate import greedy_generate
+    from models.generation.generate import greedy_generate
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml")  # 4 experts, 2 per rank
     model = build_model(cfg, use_te=False).eval()

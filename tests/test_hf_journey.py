@@ -49,7 +49,7 @@ def export(ckpt: Path, out: Path) -> Path:
 
 def state(path: Path) -> dict[str, torch.Tensor]:
     """Our weights (TP=1) of an import or a train.py checkpoint."""
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.parallel import init_parallel
 
     init_parallel()
@@ -62,10 +62,10 @@ def logits_diff(ckpt: Path, exported: Path) -> dict[str, float]:
     on generated inputs (images, interleaved images, video)."""
     from transformers import AutoModelForImageTextToText
 
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import hf_logits, our_logits
+    from models.hf.verify_inputs import hf_inputs, make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import hf_inputs, make_inputs
 
     init_parallel()
     model, cfg = load_checkpoint(ckpt, use_te=False)

@@ -1,4 +1,5 @@
-"""The project's import graph: no import circles, and the layering rules of docs/architecture.md.
+"""The project's import graph: no import circles, and the layering rules of
+docs/internals/architecture.md.
 
 Read with ``ast`` from the source (nothing is imported, so it runs in well under a second). Every
 ``import`` counts, also those inside functions: a lazy import that closes a circle is still a
@@ -129,6 +130,49 @@ def test_layering():
                 for target in targets
                 if target.split(".")[0] in forbidden.get(module.split(".")[0], ())]
     assert not problems, "; ".join(problems)
+
+
+#: the rooms of models/ (docs/internals/architecture.md "models/"): what each may not import. The
+#: foundations and building blocks know no family, checkpoint, HF folder or generation loop
+#: (``models.flops`` asks the family registry for the formulas); the families use the HF mapping
+#: helpers only; generation takes a built model; nothing in models/ imports the HF command line.
+FILES = ("models.checkpointing", "models.hf", "models.generation", "models.convert")
+MODEL_ROOMS = {
+    **{room: ("models.families", *FILES) for room in (
+        "models.cpu", "models.kernels", "models.parallel", "models.model_config",
+        "models.layers", "models.multimodal", "models.lora", "models.vision_dp")},
+    "models.flops": FILES,
+    "models.families": ("models.checkpointing", "models.hf.export", "models.hf.source",
+                        "models.hf.verify_inputs", "models.generation", "models.convert"),
+    "models.generation": ("models.checkpointing", "models.hf", "models.convert"),
+    "models.checkpointing": ("models.generation", "models.convert"),
+    "models.hf": ("models.generation", "models.convert"),
+}
+
+
+def _in(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def room_problems(graph: dict[str, set[str]]) -> list[str]:
+    """``a imports b`` for every import that breaks ``MODEL_ROOMS``."""
+    return [f"{module} imports {target}"
+            for module, targets in graph.items()
+            for room, forbidden in MODEL_ROOMS.items() if _in(module, room)
+            for target in sorted(targets) if any(_in(target, f) for f in forbidden)]
+
+
+def test_models_rooms():
+    """Every module of models/ is in a room, and the rooms keep their order; the checker finds a
+    planted layer that loads a checkpoint."""
+    graph = import_graph()
+    homeless = [m for m in graph if _in(m, "models") and m != "models"
+                and not any(_in(m, room) for room in (*MODEL_ROOMS, "models.convert"))]
+    assert not homeless, homeless
+    assert room_problems(graph) == []
+    planted = {"models.layers.planted": {"models.checkpointing.checkpoint", "models.kernels"}}
+    assert room_problems(planted) == [
+        "models.layers.planted imports models.checkpointing.checkpoint"]
 
 
 def _family_package(module: str) -> str | None:

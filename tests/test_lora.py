@@ -109,8 +109,8 @@ def test_packed_rows_with_adapters_equal_samples_alone():
     per-token losses it has alone (the adapters act token by token, the segments stay apart)."""
     from lookalikes.model_inputs import pack_inputs
     from models.families import get
+    from models.hf.verify_inputs import make_inputs
     from models.lora import LoRAConfig, add_adapters
-    from models.verify_inputs import make_inputs
     from tests.models.test_packed_lm import with_labels
 
     cfg, model = _tiny("qwen3_vl_moe")
@@ -161,7 +161,7 @@ def qwen3_5_lora_run(tmp_path_factory, mantis_out):
 
 
 def _checkpoint_keys(step) -> list[str]:
-    from models.dist_load import read_metadata
+    from models.checkpointing.dist_load import read_metadata
 
     return sorted(read_metadata(step / "model_optim").state_dict_metadata)
 
@@ -243,9 +243,9 @@ def test_merged_and_peft_exports_give_the_same_logits(family, fixture, target, r
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    from models.checkpoint import read_checkpoint
+    from models.checkpointing.checkpoint import read_checkpoint
     from models.convert import hf_logits, main
-    from models.verify_inputs import hf_inputs, make_inputs
+    from models.hf.verify_inputs import hf_inputs, make_inputs
     from tests.test_hf_journey import LOGITS_TOLERANCE, logits_diff
 
     lora_run = request.getfixturevalue(fixture)
@@ -416,15 +416,15 @@ def test_every_family_peft_folder_loads_in_peft_with_the_merged_export_logits(fa
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForImageTextToText
 
-    from models.checkpoint import ModelCheckpoint
+    from models.checkpointing.checkpoint import ModelCheckpoint
+    from models.checkpointing.sharding import load_hf_weights
     from models.convert import hf_logits
-    from models.export import write_merged_folder, write_peft_folder
     from models.families import build_model, config_from_hf, get
-    from models.hf_weights import is_our_key
+    from models.hf.export import write_merged_folder, write_peft_folder
+    from models.hf.verify_inputs import hf_inputs, make_inputs
+    from models.hf.weights import is_our_key
     from models.lora import DEFAULT_TARGETS, LoRAConfig, add_adapters, merge_adapters
     from models.parallel import init_parallel
-    from models.sharding import load_hf_weights
-    from models.verify_inputs import hf_inputs, make_inputs
 
     hf = _tiny_hf_of(family, tmp_path / "hf")
     cfg = config_from_hf(json.loads((hf / "config.json").read_text()))

@@ -162,8 +162,8 @@ def test_train_refuses_a_layout_over_the_gpu_with_the_planners_best(tmp_path, ca
 
 
 def test_gated_deltanet_layers_keep_the_whole_sequence_under_cp_where_they_gather():
-    """Qwen3.5 MoE's Gated DeltaNet layers under CP = 2 (models/gated_deltanet.py): with 1 key
-    head per TP rank they all-gather the CP shares, and their mixers keep the activations of the
+    """Qwen3.5 MoE's Gated DeltaNet layers under CP = 2 (models/layers/gated_deltanet.py): with 1
+    key head per TP rank they all-gather the CP shares, and their mixers keep the activations of the
     whole sequence (per DeltaNet layer: 4 of them count 4 / 3 of 3), the rest of the LM (norms,
     router, experts, attention, logits) half; with 2 key heads they share the heads over the CP
     ranks and everything halves. The conv counts its input and output channels (not its kernel

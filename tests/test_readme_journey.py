@@ -226,7 +226,8 @@ def test_readme_table_lists_every_family():
     from contract.families import HF_MODEL_TYPES
 
     text = README.read_text()
-    table = text[text.index("## Supported models"):text.index("```bash")]
+    start = text.index("## Supported models")
+    table = text[start:text.index("```bash", start)]
     for family, model_type in HF_MODEL_TYPES.items():
         assert re.search(rf"^\| `{family}` .*\| `{model_type}` \|", table, re.M), family
 
@@ -300,7 +301,7 @@ def test_make_eval_checks_family_and_dataset(exports, capsys):
             f"eval.py: error: --ckpt {run} is qwen2_5_vl trained on mantis, but "
             f"configs/{config}.yaml is {wanted}"), err
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["family"] == "qwen2_5_vl"
-    from models.checkpoint import read_checkpoint
+    from models.checkpointing.checkpoint import read_checkpoint
 
     for name, (other_run, _export) in exports.items():  # every family its train target trains
         family = name.removesuffix(FROM_HF)

@@ -399,7 +399,7 @@ def test_cp2_equals_single_process_other_families(family, mantis_out, tmp_path):
     its Mamba layers by megatron's CP (all-to-all: the whole sequence, half the heads per rank).
     Qwen3.5: its Gated DeltaNet layers share their 2 key heads over the CP ranks (all-to-all:
     the whole sequence, one head group per rank); with 1 key head they gather the whole sequence
-    (models.gated_deltanet): both give one process's losses and gradient norms."""
+    (models.layers.gated_deltanet): both give one process's losses and gradient norms."""
     args = [f"data.path={mantis_out}/metadataset.yaml", "train.steps=3", *FAST]
     if family.startswith(("qwen3_vl", "qwen3_5")):
         base = family.removesuffix("_gathered")

@@ -16,7 +16,7 @@ a family or profile name: what differs is asked of the profile, its geometry or 
   from the geometry, the profile's knobs applied to it): the frozen value the planner
   (``energon_tasks.budget.plan``) and the encoder read.
 
-"Adding a family" in docs/architecture.md lists the files a new package adds.
+"Adding a family" in docs/internals/architecture.md lists the files a new package adds.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ model of a config.
 
 Families are named in ``contract.families`` (the names the data side's ``energon_tasks.profiles``
 uses too, with the HF ``model_type`` of each and which profiles feed which family).
-"Adding a family" in docs/architecture.md lists the files a new package adds and the registry
-lines it touches (``PACKAGES`` here, ``energon_tasks.profiles.PACKAGES``, ``contract.families``).
+"Adding a family" in docs/internals/architecture.md lists the files a new package adds and the
+registry lines it touches (``PACKAGES`` here, ``energon_tasks.profiles.PACKAGES``,
+``contract.families``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class ModelFamily(Protocol):
         """The transformers class that ``verify`` and the parity tests compare against."""
 
     def verify_inputs(self, cfg, seed: int = 0) -> dict[str, dict]:
-        """Named single-row inputs in our batch contract (``models.verify_inputs``)."""
+        """Named single-row inputs in our batch contract (``models.hf.verify_inputs``)."""
 
     def hf_inputs(self, cfg, inputs: dict) -> dict:
         """Our inputs as transformers' forward of the family takes them."""
@@ -79,7 +80,7 @@ class ModelFamily(Protocol):
 
     def processor_settings(self, image: dict, video: dict) -> tuple[dict, dict]:
         """(task encoder values, geometry) that the model's processor configs set
-        (``models.hf_source.task_encoder_settings``)."""
+        (``models.hf.source.task_encoder_settings``)."""
 
     def processor_files(self, cfg, task_encoder: dict) -> dict[str, dict]:
         """File name -> JSON of the transformers processor files an export writes when the run
@@ -155,7 +156,8 @@ def build_model(cfg, use_te: bool | None = None, vision_dp_over_cp: bool | None 
     layout (``models.parallel.init_parallel`` first), on the GPU when present. megatron's MoE
     aux-loss tracker (process-wide, sized by the layer count of the first model that logs into it)
     is dropped, so that a second model of another depth in the process never indexes past it."""
-    from models import cpu, moe_aux
+    from models import cpu
+    from models.layers import moe_aux
 
     model = model_class(cfg)(cfg, use_te=use_te, vision_dp_over_cp=vision_dp_over_cp)
     moe_aux.forget()
@@ -171,11 +173,11 @@ def meta_model(cfg):
     ``partition_dim``, ``partition_stride``: how TP splits it). What the memory estimate and the
     layout planner read (recipes/memory.py; tests/test_memory.py checks it equals an
     initialised build), and the checks of what a config declares before the real model is
-    built (models/checkpoint.py)."""
+    built (models/checkpointing/checkpoint.py)."""
     import torch
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from models import moe_aux
+    from models.layers import moe_aux
 
     post_init = ModelParallelConfig.__post_init__
 

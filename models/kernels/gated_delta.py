@@ -1,10 +1,10 @@
 """The plain-torch gated delta rule of the Gated DeltaNet layer: the reference fla-core's kernels
 are checked against, and the fallback that runs on any device (models.kernels picks).
 
-``models.gated_deltanet`` calls its sequence kernels with the signatures of flash-linear-attention
-(``fla.ops.gated_delta_rule``): ``chunk_gated_delta_rule`` for training / prefill,
-``fused_recurrent_gated_delta_rule`` for the one-token decode step. This module holds both in
-torch (the layer's conv: models/kernels/conv.py).
+``models.layers.gated_deltanet`` calls its sequence kernels with the signatures of
+flash-linear-attention (``fla.ops.gated_delta_rule``): ``chunk_gated_delta_rule`` for training /
+prefill, ``fused_recurrent_gated_delta_rule`` for the one-token decode step. This module holds both
+in torch (the layer's conv: models/kernels/conv.py).
 
 Semantics (per head; q and k already L2-normalised when ``use_qk_l2norm_in_kernel``, q scaled by
 ``scale``, default ``K ** -0.5``):

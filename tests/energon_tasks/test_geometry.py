@@ -457,17 +457,32 @@ def test_cli_bad_input_is_one_line_exit_2(args):
     assert args[-1] in result.stderr
 
 
-@pytest.mark.parametrize("frames", [1, 2, 3])
+@pytest.fixture(params=["native", "numpy"])
+def rows_path(request, monkeypatch):
+    """pixel_rows through the C kernel (make install builds it; required here) or numpy."""
+    from energon_tasks.families.qwen_vl import geometry
+
+    if request.param == "numpy":
+        monkeypatch.setattr(geometry, "_native_patch_rows", None)
+    else:
+        assert geometry._native_patch_rows is not None, "energon_tasks._resample not built"
+    return request.param
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
-def test_pixel_rows_equal_normalize_then_patchify(name, frames):
+def test_pixel_rows_equal_normalize_then_patchify(name, frames, rows_path):
     geo = get_geometry(name)
     pixels = np.random.default_rng(frames).integers(
         0, 256, (frames, geo.factor * 3, geo.factor * 5, 3), dtype=np.uint8)
     expected = geo.patchify(geo.normalize(pixels.transpose(0, 3, 1, 2)))
     assert np.array_equal(geo.pixel_rows(pixels), expected)
+    strided = np.zeros((frames, geo.factor * 3, geo.factor * 5 + 7, 3), np.uint8)
+    strided[:, :, :geo.factor * 5] = pixels  # a view whose rows are not contiguous
+    assert np.array_equal(geo.pixel_rows(strided[:, :, :geo.factor * 5]), expected)
 
 
-def test_pixel_rows_fill_a_slice_of_one_buffer():
+def test_pixel_rows_fill_a_slice_of_one_buffer(rows_path):
     geo = get_geometry("qwen2.5-vl")
     rng = np.random.default_rng(5)
     items = [rng.integers(0, 256, (t, geo.factor * h, geo.factor * w, 3), dtype=np.uint8)
@@ -486,7 +501,7 @@ def test_pixel_rows_fill_a_slice_of_one_buffer():
         geo.pixel_rows(items[0][:, :-1])
 
 
-def test_float32_rescale_equals_the_processor_rescale_for_every_uint8():
+def test_float32_rescale_equals_the_processor_rescale_for_every_uint8(rows_path):
     """pixel_rows rescales in float32 (x / 255); the processors go through float64 (x * 1/255)."""
     values = np.arange(256, dtype=np.uint8)
     processor = (values.astype(np.float64) * (1 / 255)).astype(np.float32)

@@ -18,7 +18,7 @@ def check_pp2(hf: Path, pp1: Path, out: Path, cases: set[str], tol: float) -> di
     (each stage) and at PP=1. Returns the torchrun report."""
     import torch
 
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import verify
     from models.parallel import init_parallel
 
@@ -52,7 +52,7 @@ def run(out: Path, hf: Path, pp1: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import hf_to_mcore, verify
 
     hf_to_mcore(str(hf), out / "pp2", tp=1, pp=2)

@@ -1,6 +1,6 @@
-"""The model checkpoint folder (models/checkpoint.py): the one reader's description of both kinds,
-its one-line refusals, the model config's old file name, and init_parallel's reuse (models/
-parallel.py)."""
+"""The model checkpoint folder (models/checkpointing/checkpoint.py): the one reader's description of
+both kinds, its one-line refusals, the model config's old file name, and init_parallel's reuse
+(models/parallel.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.models.conftest import build_tiny
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     """A tiny Qwen2.5-VL saved by ``save_checkpoint`` (an import folder without ``hf/``)."""
-    from models.checkpoint import save_checkpoint
+    from models.checkpointing.checkpoint import save_checkpoint
 
     cfg, model = build_tiny("qwen2_5_vl")
     out = tmp_path_factory.mktemp("ckpt") / "import"
@@ -31,7 +31,12 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 def test_import_folder_is_described_and_loads(saved):
-    from models.checkpoint import MODEL_JSON, OLD_MODEL_JSON, load_checkpoint, read_checkpoint
+    from models.checkpointing.checkpoint import (
+        MODEL_JSON,
+        OLD_MODEL_JSON,
+        load_checkpoint,
+        read_checkpoint,
+    )
 
     assert (saved / MODEL_JSON).is_file() and not (saved / OLD_MODEL_JSON).exists()
     found = read_checkpoint(saved)
@@ -47,7 +52,12 @@ def test_folder_with_the_old_model_json_name_loads(saved, tmp_path):
     weights."""
     import shutil
 
-    from models.checkpoint import MODEL_JSON, OLD_MODEL_JSON, load_checkpoint, read_checkpoint
+    from models.checkpointing.checkpoint import (
+        MODEL_JSON,
+        OLD_MODEL_JSON,
+        load_checkpoint,
+        read_checkpoint,
+    )
 
     old = tmp_path / "old"
     shutil.copytree(saved, old)
@@ -63,8 +73,8 @@ def test_folder_with_the_old_model_json_name_loads(saved, tmp_path):
 def test_train_step_folder_is_described(saved, tmp_path):
     """A train.py run folder reads as its newest complete step: weights in model_optim/, the
     model from the stored run config, hf/ when recorded."""
-    from models.checkpoint import read_checkpoint
-    from models.checkpoint_folders import COMPLETE
+    from models.checkpointing.checkpoint import read_checkpoint
+    from models.checkpointing.folders import COMPLETE
 
     model = json.loads((saved / "model_config.json").read_text())
     run = tmp_path / "run"
@@ -85,7 +95,7 @@ def test_train_step_folder_is_described(saved, tmp_path):
 
 
 def test_bad_checkpoints_are_one_usage_line(tmp_path):
-    from models.checkpoint import read_checkpoint
+    from models.checkpointing.checkpoint import read_checkpoint
 
     with pytest.raises(UsageError, match="does not exist"):
         read_checkpoint(tmp_path / "nope")
@@ -105,7 +115,7 @@ def test_load_weights_refuses_a_planted_metadata_pickle(saved, tmp_path):
     import pickle
     import shutil
 
-    from models.checkpoint import load_weights
+    from models.checkpointing.checkpoint import load_weights
 
     marker = tmp_path / "unpickled"
 
@@ -142,7 +152,7 @@ def test_a_missing_or_short_distcp_and_a_partial_step_are_one_line(saved, tmp_pa
     exported."""
     import shutil
 
-    from models.checkpoint import read_checkpoint
+    from models.checkpointing.checkpoint import read_checkpoint
     from models.convert import main
 
     for damage in ("missing", "truncated"):

@@ -1,4 +1,4 @@
-"""Nothing executes from a checkpoint (models/dist_load.py, docs/training.md).
+"""Nothing executes from a checkpoint (models/checkpointing/dist_load.py, docs/training.md).
 
 A payload (it writes a marker file) is planted in each kind of item a checkpoint holds: the DCP
 ``.metadata``, megatron's ``common.pt``, each kind of byte item of the ``.distcp`` files (every
@@ -57,7 +57,7 @@ def te_state(obj) -> torch.Tensor:
 
 def _metadata(folder: Path):
     """The DCP metadata of a clean test checkpoint, through the project's restricted reader."""
-    from models.dist_load import read_metadata
+    from models.checkpointing.dist_load import read_metadata
 
     return read_metadata(folder)
 
@@ -100,7 +100,7 @@ def as_common_state_layout(folder: Path) -> None:
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from models.dist_load import load_blob
+    from models.checkpointing.dist_load import load_blob
 
     common = folder / "common.pt"
     if not common.is_file():
@@ -157,7 +157,7 @@ def planted_copy(source: Path, tmp_path: Path, kind: str) -> tuple[Path, str, Pa
 @pytest.fixture(scope="module", params=FAMILIES)
 def tiny_saved(request, tmp_path_factory):
     """(family, model, import folder saved by save_checkpoint)."""
-    from models.checkpoint import save_checkpoint
+    from models.checkpointing.checkpoint import save_checkpoint
 
     cfg, model = build_tiny(request.param)
     out = tmp_path_factory.mktemp(request.param) / "import"
@@ -176,8 +176,8 @@ def test_the_load_refuses_a_planted_item(kind, tiny_saved, tmp_path):
     """``dist_load.load`` alone (no check before it) refuses the payload, one line naming the
     item; ``read_checkpoint`` / ``load_weights`` refuse it too (``check_dist_checkpoint``); the
     marker never appears and the process's safe-globals registry is as it was."""
-    from models import dist_load
-    from models.checkpoint import load_weights, read_checkpoint
+    from models.checkpointing import dist_load
+    from models.checkpointing.checkpoint import load_weights, read_checkpoint
 
     _family, model, saved = tiny_saved
     registered = set(torch.serialization.get_safe_globals())
@@ -200,7 +200,7 @@ def test_the_loaded_weights_are_the_saved_ones(layout, tiny_saved, tmp_path):
     """A legitimate checkpoint loads through the restricted reading, every weight equal, in the
     layout this megatron-core writes and in the other one (``common.pt`` or the ``common_state``
     item: a checkpoint of either version loads with the other)."""
-    from models import dist_load
+    from models.checkpointing import dist_load
 
     _family, model, saved = tiny_saved
     folder = tmp_path / "ckpt"
@@ -236,7 +236,7 @@ def test_extra_state_pickles_are_read_as_transformer_engine_data(tmp_path):
     numbers) passes, an empty or absent state holds nothing, a payload is refused in any dtype's
     bytes (TE ignores the dtype) and in TE's older BytesIO format; the control: the planted
     bytes really are a call of ``os.system`` (read with ``pickletools``, never run)."""
-    from models.dist_load import RefusedCheckpoint, check_extra_state
+    from models.checkpointing.dist_load import RefusedCheckpoint, check_extra_state
 
     marker = tmp_path / "MARKER"
     check_extra_state(te_state({"scale_fwd": torch.ones(3), "amax": torch.zeros(2, 4),
@@ -263,7 +263,7 @@ def test_extra_state_pickled_after_megatron_0_19_replaced_the_storage_loader(mon
     any version, as 0.19 makes it)."""
     import megatron.core.safe_globals as safe_globals
 
-    from models.dist_load import check_extra_state
+    from models.checkpointing.dist_load import check_extra_state
 
     def safe_load_from_bytes(b):  # what 0.19 assigns; never called here
         raise AssertionError("the checkpoint reader must not call a loader a pickle names")
@@ -284,7 +284,7 @@ def test_other_backends_and_foreign_files_are_refused(tiny_saved, tmp_path):
     """metadata.json naming another backend, an item stored outside the folder: one line."""
     import json
 
-    from models.dist_load import RefusedCheckpoint, check_dist_checkpoint
+    from models.checkpointing.dist_load import RefusedCheckpoint, check_dist_checkpoint
 
     _family, _model, saved = tiny_saved
     other = tmp_path / "zarr"

@@ -1,4 +1,4 @@
-"""Where and how ``models.convert mcore-to-hf`` writes (models/export.py): never into the
+"""Where and how ``models.convert mcore-to-hf`` writes (models/hf/export.py): never into the
 checkpoint or the base a checkpoint that holds only what trains loads, never over a folder that is
 not a previous export, a previous export replaced as a whole only with ``--overwrite`` (no stale
 file survives), a full disk one line with nothing half-written left, and the source's
@@ -79,7 +79,7 @@ def test_out_is_new_or_a_previous_export_replaced_whole(imported, tmp_path, caps
 def test_the_base_of_a_checkpoint_holding_what_trains_is_refused(imported, tmp_path, capsys):
     """A LoRA run's step folder refers to its base (``model.hf``): --out there is refused (its
     weights unchanged), inside it too."""
-    from models.hf_source import fingerprint
+    from models.hf.source import fingerprint
 
     hf = tmp_path / "base"
     shutil.copytree(imported["hf"], hf)
@@ -97,8 +97,8 @@ def test_the_base_of_a_checkpoint_holding_what_trains_is_refused(imported, tmp_p
     assert (hf / "model.safetensors").read_bytes() == weights
 
     from contract.errors import UsageError
-    from models.checkpoint import read_checkpoint
-    from models.export import check_out
+    from models.checkpointing.checkpoint import read_checkpoint
+    from models.hf.export import check_out
 
     (step / "COMPLETE").write_text("{}")
     run = read_checkpoint(tmp_path / "run")  # the run folder given: its newest step

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lookalikes.model_inputs import pack_inputs
 from models.flops import batch_flops
-from models.mrope import mrope_positions
+from models.layers.mrope import mrope_positions
 from tests.models.conftest import build_tiny
 
 aten = torch.ops.aten

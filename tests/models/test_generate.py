@@ -1,10 +1,10 @@
-"""Greedy generation (models/generate.py: the megatron prefill, then the lean decode step of
-models/decode_step.py) against transformers' greedy ``generate``, for every family and LM layer
-kind: attention (Qwen2.5-VL with q/k/v biases, Qwen3-VL with q/k norms), MoE (Qwen3-VL-MoE's
-softmax router, Nemotron's sigmoid router with a shared expert), Mamba2 and MLP (Nemotron-Omni's
-hybrid stack), Qwen3.5's Gated DeltaNet (conv and recurrent state; its pads kept out of them in
-the padded prefill), gated attention with zero-centred norms and rotary on a quarter of each
-head, and Qwen3.5 MoE's sigmoid-gated shared expert; four prompts of unequal length, alone
+"""Greedy generation (models/generation/generate.py: the megatron prefill, then the lean decode step
+of models/generation/decode_step.py) against transformers' greedy ``generate``, for every family and
+LM layer kind: attention (Qwen2.5-VL with q/k/v biases, Qwen3-VL with q/k norms), MoE
+(Qwen3-VL-MoE's softmax router, Nemotron's sigmoid router with a shared expert), Mamba2 and MLP
+(Nemotron-Omni's hybrid stack), Qwen3.5's Gated DeltaNet (conv and recurrent state; its pads kept
+out of them in the padded prefill), gated attention with zero-centred norms and rotary on a quarter
+of each head, and Qwen3.5 MoE's sigmoid-gated shared expert; four prompts of unequal length, alone
 (batch 1) and together (batch 4, one row stopping early); the lean step is the one taken; the
 plain-torch MoE routing equals the router modules'; megatron's own decode step (the fallback,
 also taken when a hook sits on a weight the lean step reads) gives the same tokens."""
@@ -23,7 +23,7 @@ NEVER = 10 ** 6  # outside the vocabulary: never generated
 def _cases(cfg) -> list[dict]:
     """Four single-row inputs of unequal length: the family's verify cases (each media kind),
     the first again without its last two text tokens, to make four."""
-    from models.verify_inputs import make_inputs
+    from models.hf.verify_inputs import make_inputs
 
     cases = list(make_inputs(cfg).values())[:3]
     short = dict(cases[0], input_ids=cases[0]["input_ids"][:, :-2],
@@ -34,7 +34,7 @@ def _cases(cfg) -> list[dict]:
 
 
 def _prompt(case: dict):
-    from models.generate import Prompt
+    from models.generation.generate import Prompt
 
     return Prompt(input_ids=case["input_ids"][0], position_ids=case["position_ids"][:, 0],
                   **{k: case.get(k) for k in ("pixel_values", "image_grid_thw",
@@ -44,7 +44,7 @@ def _prompt(case: dict):
 def _hf_greedy(hf, cfg, case: dict, eos: int) -> list[int]:
     """transformers' greedy ``generate`` of one row (with the token types its M-RoPE reads
     where its forward takes them)."""
-    from models.verify_inputs import hf_inputs
+    from models.hf.verify_inputs import hf_inputs
 
     inputs = hf_inputs(cfg, case)
     ids = inputs["input_ids"]
@@ -58,10 +58,10 @@ def _hf_greedy(hf, cfg, case: dict, eos: int) -> list[int]:
 
 
 def _check(hf_dir, mcore_dir, monkeypatch):
-    from models import decode_step
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import load_hf_model
-    from models.generate import GenerationStats, greedy_generate
+    from models.generation import decode_step
+    from models.generation.generate import GenerationStats, greedy_generate
     from models.parallel import init_parallel
 
     init_parallel()
@@ -101,7 +101,7 @@ def _check_routers(model) -> None:
     from the decode's."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from models.decode_layers import router_step
+    from models.generation.decode_layers import router_step
 
     g = torch.Generator().manual_seed(0)
     for router in (m for m in model.modules() if isinstance(m, TopKRouter)):

@@ -68,7 +68,7 @@ def _refused(hf: Path, tmp_path: Path, capsys, *said: str) -> str:
 def test_a_sharded_folder_is_read_through_its_index(tiny, tmp_path, capsys):
     """A shard of an older save left in the folder (not in the index) is not read: the import
     equals the folder's weights; the index's own shards are all read."""
-    from models.hf_weights import read_hf_folder
+    from models.hf.weights import read_hf_folder
 
     hf = _copy(tiny, tmp_path / "hf")
     weights, first, _second = _shard(hf)
@@ -264,8 +264,8 @@ def test_the_fingerprint_is_the_content_wherever_the_files_are(tiny, tmp_path, m
 
     from huggingface_hub import constants
 
-    import models.checkpoint_folders
-    from models import hf_source
+    import models.checkpointing.folders
+    from models.hf import source as hf_source
 
     monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf_home"))
     first = hf_source.fingerprint(tiny)
@@ -279,7 +279,7 @@ def test_the_fingerprint_is_the_content_wherever_the_files_are(tiny, tmp_path, m
                          hf_source.HASH_CACHE).read_text())
     assert str((copy / "model.safetensors").resolve()) in cached
     hf_source._HASHES.clear()  # a new process: the shared cache answers, nothing is read
-    monkeypatch.setattr(models.checkpoint_folders, "sha256_of", lambda path: 1 / 0)
+    monkeypatch.setattr(models.checkpointing.folders, "sha256_of", lambda path: 1 / 0)
     assert hf_source.fingerprint(copy) == first
     monkeypatch.undo()
 

@@ -219,7 +219,7 @@ def test_qwen3_5_trains_where_fla_refuses_its_backward(fresh):
     builds and takes a training step on it (no refusal before the model is built)."""
     from models.families import build_model, get
     from models.families.qwen3_5.config import load_yaml
-    from models.verify_inputs import make_inputs
+    from models.hf.verify_inputs import make_inputs
     from tests.conftest import REPO
 
     refusal = ("fla-core refuses the delta rule's backward with Triton 3.6.0 on NVIDIA H200 "

@@ -63,9 +63,9 @@ def test_builds_without_mamba_ssm_through_the_kernel_choice(monkeypatch):
     from models import kernels
     from models.families import build_model
     from models.families.nemotron_omni.config import load_yaml
+    from models.hf.verify_inputs import make_inputs
     from models.kernels.mamba import RMSNormGated
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
 
     if importlib.util.find_spec("mamba_ssm") is not None:
         pytest.skip("mamba_ssm is installed")
@@ -89,9 +89,9 @@ def test_builds_without_mamba_ssm_through_the_kernel_choice(monkeypatch):
 
 
 def test_count_mismatch_names_row(imported):
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
+    from models.hf.verify_inputs import make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
 
     init_parallel()
     model, cfg = load_checkpoint(imported["M*M-"], use_te=False)
@@ -197,9 +197,9 @@ def test_tiny_config_trains_and_generates():
     decoding by full forwards."""
     from models.families import build_model
     from models.families.nemotron_omni.config import load_yaml
-    from models.generate import Prompt, greedy_generate
+    from models.generation.generate import Prompt, greedy_generate
+    from models.hf.verify_inputs import make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
 
     for path in sorted((REPO / "configs").glob("nemotron_omni_*.yaml")):
         load_yaml(path)  # every shipped model config parses
@@ -234,7 +234,7 @@ def test_tiny_config_trains_and_generates():
 
 
 def _prompt(case: dict):
-    from models.generate import Prompt
+    from models.generation.generate import Prompt
 
     return Prompt(input_ids=case["input_ids"][0], position_ids=case["position_ids"][:, 0],
                   **{k: case.get(k) for k in ("pixel_values", "image_grid_thw",
@@ -250,15 +250,15 @@ def _hf_greedy(hf, inputs: dict, new: int, eos: int) -> list[int]:
 
 
 def test_greedy_tokens_equal_transformers_generate(tiny_nemotron_hf, imported):
-    """"M*M-": models.generate (megatron's KV cache, Mamba prefill states then one-token decode
-    steps) gives transformers' ``generate`` tokens on one image, interleaved images, tiles and a
-    video; stopping at a token of the video run stops both at the same place; the four prompts in
-    one call (unequal lengths: one run per length) give what each gives alone."""
-    from models.checkpoint import load_checkpoint
+    """"M*M-": models.generation.generate (megatron's KV cache, Mamba prefill states then one-token
+    decode steps) gives transformers' ``generate`` tokens on one image, interleaved images, tiles
+    and a video; stopping at a token of the video run stops both at the same place; the four prompts
+    in one call (unequal lengths: one run per length) give what each gives alone."""
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import load_hf_model
-    from models.generate import greedy_generate
+    from models.generation.generate import greedy_generate
+    from models.hf.verify_inputs import hf_inputs, make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import hf_inputs, make_inputs
 
     never = 10 ** 6  # outside the vocabulary: never generated
     init_parallel()
@@ -317,7 +317,7 @@ def test_mamba_mixer_on_torch_kernels():
     clusters): the training path equals the step-by-step float64 recurrence; a packed row of
     three segments (``packed_sequence_params``) equals each segment alone; the inference prefill
     then one-token decode steps (megatron's torch decode on the kernels' final states) equal the
-    full forward, for the rows ``models.generate`` runs together on this version."""
+    full forward, for the rows ``models.generation.generate`` runs together on this version."""
     from models import kernels
     from models.parallel import init_parallel
 
@@ -331,7 +331,7 @@ def test_mamba_mixer_on_torch_kernels():
 
     from models.families.nemotron_omni.config import load_yaml
     from models.families.nemotron_omni.model import lm_transformer_config
-    from models.generate import _inference_mode, _make_context
+    from models.generation.generate import _inference_mode, _make_context
     from models.multimodal import packed_sequence_params
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")
@@ -350,7 +350,8 @@ def test_mamba_mixer_on_torch_kernels():
         packed = mixer(x[:, :1], packed_seq_params=packed_sequence_params(cu, None, "cpu"))[0]
         alone = torch.cat([mixer(x[a:b, :1])[0] for a, b in zip(cu[:-1], cu[1:])])
         torch.testing.assert_close(packed, alone, rtol=0, atol=1e-6)
-        rows = 1 if Version(__version__) >= Version("0.17") else 2  # models.generate._row_groups
+        # as models.generation.generate._row_groups
+        rows = 1 if Version(__version__) >= Version("0.17") else 2
         context = _make_context(rows, 40)
         context.seqlen_offset = 0  # set by MambaStack before its layers run
         with _inference_mode():
@@ -418,7 +419,7 @@ def test_generation_batch_mixing_images_and_videos():
     ``<image>`` token generate in one batch exactly what each generates alone."""
     from models.families import build_model
     from models.families.nemotron_omni.config import load_yaml
-    from models.generate import Prompt, greedy_generate
+    from models.generation.generate import Prompt, greedy_generate
     from models.parallel import init_parallel
 
     cfg = load_yaml(REPO / "configs" / "nemotron_omni_tiny.yaml")

@@ -1,6 +1,6 @@
 """Packed batches through the VLM families: megatron's THD path (the rows flattened into one
-sequence over ``cu_seqlens``; on CPU ``models.segment_attention.PackedCausalAttention`` stands in
-for TE's varlen attention, and Mamba layers restart their conv window and state at every
+sequence over ``cu_seqlens``; on CPU ``models.layers.segment_attention.PackedCausalAttention``
+stands in for TE's varlen attention, and Mamba layers restart their conv window and state at every
 segment: ``models.kernels.mamba``, as do Gated DeltaNet layers: ``models.kernels.gated_delta``)
 gives every packed sample the logits and per-token losses it has alone."""
 
@@ -15,7 +15,7 @@ IGNORE = -100
 #: (family, overrides): Qwen2.5-VL, Qwen3-VL (DeepStack rows land on the flattened tokens), and
 #: Nemotron-Omni with Mamba and MoE layers (images and videos share one context token:
 #: visual_kinds), Qwen3.5 dense and MoE (Gated DeltaNet layers restart their conv and state per
-#: sample: ``models.gated_deltanet``)
+#: sample: ``models.layers.gated_deltanet``)
 CASES = [("qwen2_5_vl", ()), ("qwen3_vl", ()), ("nemotron_omni", ("lm.pattern='ME*E'",)),
          ("qwen3_5", ()), ("qwen3_5_moe", ())]
 
@@ -30,7 +30,7 @@ def with_labels(case: dict) -> dict:
 @pytest.mark.parametrize("family,overrides", CASES, ids=[c[0] for c in CASES])
 def test_packed_samples_match_samples_alone(family, overrides):
     from lookalikes.model_inputs import pack_inputs
-    from models.verify_inputs import make_inputs
+    from models.hf.verify_inputs import make_inputs
 
     cfg, model = build_tiny(family, *overrides)
     model.eval()

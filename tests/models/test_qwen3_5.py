@@ -126,7 +126,7 @@ def test_tp2_parity_and_reshard_to_tp1(qwen3_5_hf, world2):
         assert row["max_abs_logit_diff"] <= TOL, (name, row)
     # the DeltaNet's gated norm: its weight replicated, each rank its own heads; the gradient
     # summed over TP on both ranks equals TP = 1's
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.parallel import init_parallel
     from tests.models.tp2_check import deltanet_norm_grads
 

@@ -18,10 +18,10 @@ FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe"]
 
 
 def _our_model(folder):
+    from models.checkpointing.sharding import load_hf_weights
     from models.families import build_model
     from models.families.qwen3_5 import config
     from models.parallel import init_parallel
-    from models.sharding import load_hf_weights
 
     cfg = config.from_hf_config(json.loads((folder / "config.json").read_text()))
     cfg = dataclasses.replace(cfg, train_mtp=True)
@@ -133,8 +133,8 @@ def test_trained_head_is_exported_in_the_source_layout(qwen3_5_hf, family, tmp_p
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from models.checkpoint import model_record, save_checkpoint
-    from models.export import mcore_to_hf
+    from models.checkpointing.checkpoint import model_record, save_checkpoint
+    from models.hf.export import mcore_to_hf
 
     folder = qwen3_5_hf[family]
     cfg, model = _our_model(folder)

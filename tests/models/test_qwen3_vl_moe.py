@@ -126,14 +126,14 @@ def test_export_is_the_published_layout_transformers_loads(moe_hf, tmp_path):
 
 def test_aux_loss_equals_transformers(tmp_path):
     """One MoE layer (layers 1, 2 dense): the aux-loss term our training forward adds (megatron's
-    router, logged by ``models.moe_aux``) equals ``router_aux_loss_coef * aux_loss`` of
+    router, logged by ``models.layers.moe_aux``) equals ``router_aux_loss_coef * aux_loss`` of
     transformers (``output_router_logits=True``) on the same tokens; its gradient reaches the
     router."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from models import moe_aux
-    from models.checkpoint import load_checkpoint
-    from models.verify_inputs import hf_inputs, make_inputs
+    from models.checkpointing.checkpoint import load_checkpoint
+    from models.hf.verify_inputs import hf_inputs, make_inputs
+    from models.layers import moe_aux
 
     hf = build_tiny_hf("qwen3_vl_moe", tmp_path / "hf", moe={"mlp_only_layers": [1, 2]})
     model, cfg = load_checkpoint(imported(hf, tmp_path / "mcore"), use_te=False)
@@ -163,7 +163,7 @@ def _routed_counts(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def _train_forward_metrics(model, inputs) -> dict:
     """One training forward + backward of ``model`` (routers tracked) and its step metrics."""
-    from models import moe_aux
+    from models.layers import moe_aux
 
     moe_aux.track_router_load(model)
     model.train()
@@ -185,10 +185,10 @@ def test_router_load_and_capacity_drops_equal_transformers_routing(moe_hf, tmp_p
 
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from models import moe_aux
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.families import build_model
-    from models.verify_inputs import hf_inputs, make_inputs
+    from models.hf.verify_inputs import hf_inputs, make_inputs
+    from models.layers import moe_aux
 
     def hf_logits(hf: Path, cfg, inputs):
         hf_model = Qwen3VLMoeForConditionalGeneration.from_pretrained(hf).eval()
@@ -248,8 +248,8 @@ def test_tiny_config_trains():
 
     from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
+    from models.hf.verify_inputs import make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
     from tests.models.conftest import train_steps
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_moe_tiny.yaml", ["lm.max_position_embeddings=512"])
@@ -269,8 +269,8 @@ def test_moe_models_of_other_depths_train_in_one_process():
     it: a 4-layer MoE model trained after a 3-layer one in the same process (a test worker, a
     notebook) used to end in an IndexError inside megatron; building a model empties it."""
     from models.families import build_model, config_from_dict
+    from models.hf.verify_inputs import make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
     from tests.models.conftest import train_steps
 
     init_parallel()
@@ -409,12 +409,12 @@ def test_expert_tp_other_than_tp_at_ep1_refused_in_one_line(tmp_path, capsys):
 
 
 def test_greedy_tokens_equal_transformers_generate(moe_hf, tmp_path):
-    """models.generate (megatron's KV cache, MoE layers in the decode steps) gives transformers'
-    ``generate`` tokens on one image, interleaved images and a video."""
-    from models.checkpoint import load_checkpoint
+    """models.generation.generate (megatron's KV cache, MoE layers in the decode steps) gives
+    transformers' ``generate`` tokens on one image, interleaved images and a video."""
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import load_hf_model
-    from models.generate import greedy_generate
-    from models.verify_inputs import hf_inputs, make_inputs
+    from models.generation.generate import greedy_generate
+    from models.hf.verify_inputs import hf_inputs, make_inputs
     from tests.models.test_nemotron_omni import _hf_greedy, _prompt
 
     never = 10 ** 6  # outside the vocabulary: never generated
@@ -429,7 +429,7 @@ def test_greedy_tokens_equal_transformers_generate(moe_hf, tmp_path):
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
 def test_top1_routing_equals_transformers(family, tmp_path):
     """``num_experts_per_tok: 1`` (which megatron-core's config check refuses without
-    pre-softmax, ``models.moe_aux.transformer_config``) imports, and its logits equal
+    pre-softmax, ``models.layers.moe_aux.transformer_config``) imports, and its logits equal
     transformers' (each token's one expert at weight 1)."""
     from lookalikes.models import build_tiny_qwen3_5
     from models.convert import verify

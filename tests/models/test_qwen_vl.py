@@ -48,9 +48,9 @@ def test_round_trip_identical(family, tiny_hf, imported, tmp_path):
 
 
 def test_count_mismatch_names_row(imported):
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
+    from models.hf.verify_inputs import make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
 
     init_parallel()
     model, cfg = load_checkpoint(imported["qwen2_5_vl"], use_te=False)
@@ -146,8 +146,8 @@ def test_tiny_config_trains(name):
 
     from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
+    from models.hf.verify_inputs import make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
 
     for path in glob.glob(str(REPO / "configs" / "qwen*_vl_*.yaml")):
         load_yaml(path)  # every shipped model config parses
@@ -166,8 +166,8 @@ def test_visual_kinds_ignored_with_separate_tokens():
     without it, or with a wrong one (Qwen3-VL: DeepStack included)."""
     from models.families import build_model
     from models.families.qwen_vl.config import load_yaml
+    from models.hf.verify_inputs import make_inputs
     from models.parallel import init_parallel
-    from models.verify_inputs import make_inputs
 
     cfg = load_yaml(REPO / "configs" / "qwen3_vl_tiny.yaml", ["lm.max_position_embeddings=512"])
     assert cfg.image_token_id != cfg.video_token_id

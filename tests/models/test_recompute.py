@@ -1,5 +1,5 @@
-"""Activation recomputation (model config ``recompute``, models/recompute.py) for both families:
-the gradients are those of ``none`` and fewer activation bytes are kept for backward."""
+"""Activation recomputation (model config ``recompute``, models/layers/recompute.py) for both
+families: the gradients are those of ``none`` and fewer activation bytes are kept for backward."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tests.models.conftest import TINY_CONFIGS, build_tiny
 
 @pytest.mark.parametrize("family", list(TINY_CONFIGS))
 def test_recompute_keeps_gradients_and_saves_memory(family):
-    from models.recompute import backward_footprint
-    from models.verify_inputs import make_inputs
+    from models.hf.verify_inputs import make_inputs
+    from models.layers.recompute import backward_footprint
 
     kept, grads = {}, {}
     for mode in ("none", "selective", "full"):

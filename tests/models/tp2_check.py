@@ -18,9 +18,9 @@ def run(out: Path, hf_paths: list[Path]) -> None:
     |logit diff| per input vs transformers in ``out / "tp2_report.json"``."""
     import torch.distributed as dist
 
-    from models.checkpoint import load_checkpoint
+    from models.checkpointing.checkpoint import load_checkpoint
     from models.convert import hf_logits, hf_to_mcore, load_hf_model, our_logits
-    from models.verify_inputs import hf_inputs, make_inputs
+    from models.hf.verify_inputs import hf_inputs, make_inputs
 
     report, generated = {}, {}
     for hf in hf_paths:
@@ -44,7 +44,7 @@ def greedy_at_tp2(model, cfg, hf_model) -> dict:
     """Greedy tokens of the first two verify inputs, as one left-padded batch, at TP = 2
     (megatron's decode step: the lean one is TP = 1 only) and transformers' of each alone:
     {"ours": [[...], [...]], "hf": [[...], [...]]}, or {"error": the exception's line}."""
-    from models.generate import GenerationStats, greedy_generate
+    from models.generation.generate import GenerationStats, greedy_generate
     from tests.models.test_generate import NEVER, _cases, _hf_greedy, _prompt
 
     cases = _cases(cfg)[:2]
@@ -61,7 +61,7 @@ def greedy_at_tp2(model, cfg, hf_model) -> dict:
 def deltanet_norm_grads(model, cfg) -> dict:
     """name -> the gradient of every Gated DeltaNet gated-norm weight of the summed per-token
     loss of the first verify input (labels: its tokens)."""
-    from models.verify_inputs import make_inputs
+    from models.hf.verify_inputs import make_inputs
 
     x = next(iter(make_inputs(cfg).values()))
     model.zero_grad(set_to_none=True)

@@ -13,7 +13,7 @@ model:
   and frame k+1 sampled at ... seconds: "`` + ``<img>`` + ``<image>`` x (h*w/4) + ``</img>``, pairs
   joined by ``"\\n"``. The tokenizer has no video context token, so ``video_pad == image_pad``
   (``<image>``), as in transformers; the batch's ``visual_kinds`` (image / video per item, in span
-  order) tells the model which runs are videos (docs/batch_contract.md);
+  order) tells the model which runs are videos (docs/internals/batch_contract.md);
 - tiled images are decoded at the grid size, cut into 512x512 tiles (row-major) and followed by a
   512x512 thumbnail decoded from the source (InternVL's ``dynamic_preprocess``);
 - pixel rows (``NemotronOmniGeometry.pixel_rows``): images one 16x16 patch per row (768 floats),

@@ -15,8 +15,9 @@ computes each one exactly as the Hugging Face transformers (5.x) processors and 
 
 The geometry of a model by name is ``energon_tasks.profiles.get_geometry`` (the profile registry).
 
-Pure Python + numpy; torch is imported lazily only by the Qwen2.5-VL frame sampler, which must
-reproduce qwen-vl-utils' float32 ``torch.linspace``.
+Pure Python + numpy (the patch rows in one C pass where make install built
+``energon_tasks._resample``); torch is imported lazily only by the Qwen2.5-VL frame sampler, which
+must reproduce qwen-vl-utils' float32 ``torch.linspace``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ import numpy as np
 from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from energon_tasks.families.qwen_vl.mrope import mrope_position_ids
 from energon_tasks.image_grid import ImageGrid, check_aspect
+
+try:  # pixel_rows in one pass: make install's C extension (energon_tasks/_resample.c)
+    from energon_tasks._resample import patch_rows as _native_patch_rows
+except ImportError:  # not built (no C compiler at install): numpy, the same values
+    _native_patch_rows = None
+
+#: (image_mean, image_std) -> ``QwenVLGeometry.normalization_table`` (the C kernel's lookup)
+_TABLES: dict[tuple, np.ndarray] = {}
 
 __all__ = [
     "QWEN2_5_VL",
@@ -296,12 +305,15 @@ class QwenVLGeometry:
         """uint8 frames (T, H, W, C) -> normalised float32 patch rows, equal bit for bit to
         ``patchify(normalize(frames.transpose(0, 3, 1, 2)))`` but several times cheaper.
 
-        The uint8 frames are read through a strided patch-layout view (no copy); normalising runs
-        in float32 over a cache-sized scratch block (about 256 rows) and each block is copied into
-        its temporal slot of ``out`` (an image's second slot is the same block again): one pass
-        of writes over the output. ``float32(x) / 255`` equals ``normalize``'s
-        ``float32(float64(x) * (1 / 255))`` for every uint8 ``x`` (test_geometry checks all 256),
-        and the subtract / divide are the same float32 ops.
+        With the C extension (``energon_tasks._resample.patch_rows``) one pass writes ``out`` in
+        row order, each value looked up in ``normalization_table`` (the same float32 values) and
+        each repeated temporal slot a copy. Without it, numpy: the uint8 frames are read through a
+        strided patch-layout view (no copy); normalising runs in float32 over a cache-sized scratch
+        block (about 256 rows) and each block is copied into its temporal slot of ``out`` (an
+        image's second slot is the same block again): one pass of writes over the output.
+        ``float32(x) / 255`` equals ``normalize``'s ``float32(float64(x) * (1 / 255))`` for every
+        uint8 ``x`` (test_geometry checks all 256), and the subtract / divide are the same float32
+        ops.
 
         Args:
             frames: (T, H, W, C) uint8, H and W multiples of ``factor``.
@@ -327,6 +339,13 @@ class QwenVLGeometry:
         elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out of shape {out.shape} {out.dtype}: need C-contiguous float32 "
                              f"{shape}")
+        if _native_patch_rows is not None:
+            key = (tuple(self.image_mean), tuple(self.image_std))
+            table = _TABLES.get(key)
+            if table is None:
+                table = _TABLES[key] = np.ascontiguousarray(self.normalization_table())
+            _native_patch_rows(np.ascontiguousarray(frames), table, out, p, m, tp)
+            return out
         # (T, block row, block col, row in block, col in block, C, patch row, patch col): a view
         source = frames.reshape(count, block_h, m, p, block_w, m, p, channels)
         source = source.transpose(0, 1, 4, 2, 5, 7, 3, 6)

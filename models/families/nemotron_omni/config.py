@@ -22,10 +22,10 @@ from typing import Any
 
 from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from contract.families import HF_MODEL_TYPES, NEMOTRON_OMNI
+from models.layers.moe_aux import check_capacity
+from models.layers.recompute import check_mode
 from models.model_config import build_model_config, check_hf_shapes, load_model_yaml
 from models.model_config import hf_value as _get
-from models.moe_aux import check_capacity
-from models.recompute import check_mode
 
 FAMILY = NEMOTRON_OMNI
 HF_MODEL_TYPE = HF_MODEL_TYPES[NEMOTRON_OMNI]
@@ -126,10 +126,11 @@ class NemotronOmniModelConfig:
     video_token_id: int = 18
     vision_start_token_id: int = -1  #: ``<img>`` (not used by the model; kept for the data side)
     vision_end_token_id: int = -1  #: ``</img>``
-    #: activation recomputation while training: none | selective | full (models/recompute.py;
+    #: activation recomputation while training: none | selective | full (models/layers/recompute.py;
     #: the hybrid LM recomputes its core attention for full)
     recompute: str = "none"
-    #: MoE expert capacity (models/moe_aux.py: the assignments past it are dropped); null: none
+    #: MoE expert capacity (models/layers/moe_aux.py: the assignments past it are dropped);
+    #: null: none
     moe_capacity_factor: float | None = None
 
     def kernel_kinds(self) -> tuple[str, ...]:

@@ -4,7 +4,7 @@ This module owns the literal name table of the published checkpoint layout (the 
 which transformers renames on load: ``language_model.backbone.*``, ``mlp1.*``,
 ``vision_model.radio_model.*``) and the family's import/export rules; the checks, the fused
 layouts (q/k/v grouping, ViT fused qkv) and safetensors I/O are the shared machinery of
-``models.hf_weights``. Our keys are the state-dict keys of ``NemotronOmni`` (this package's
+``models.hf.weights``. Our keys are the state-dict keys of ``NemotronOmni`` (this package's
 ``model``) built with the local (non-TE) spec at TP=1.
 
 LM layers are mapped by the symbol of the layer in ``lm.pattern``: the block's ``norm`` goes to
@@ -12,9 +12,9 @@ the norm in front of its one mixer. ``M`` (Mamba2) and ``E`` (MoE) names follow 
 modeling code (``NemotronHMamba2Mixer``, ``NemotronHMoE`` with per-expert hub keys) and megatron's
 ``MambaMixer`` / ``MoELayer`` (parity-tested on CPU, Mamba through models/cpu/mamba.py). Mamba
 tensors keep their layout (in_proj z|x|B|C|dt, conv1d x|B|C); their tensor-parallel slices come
-from megatron's ``partition_sizes`` (``models.sharding.shard_for_rank``). megatron >= 0.19 names
-the conv ``mixer.conv1d_weight`` / ``conv1d_bias`` (0.16.1: an ``nn.Conv1d``, ``mixer.conv1d.*``):
-the table's targets follow the model's keys (``_as_model_names``).
+from megatron's ``partition_sizes`` (``models.checkpointing.sharding.shard_for_rank``). megatron >=
+0.19 names the conv ``mixer.conv1d_weight`` / ``conv1d_bias`` (0.16.1: an ``nn.Conv1d``,
+``mixer.conv1d.*``): the table's targets follow the model's keys (``_as_model_names``).
 
 A PEFT folder names transformers' modules, which its checkpoint conversion renames on load
 (``language_model.model.*``, ``vision_model.encoder.layer.*`` with RADIO's q/k/v split,
@@ -33,8 +33,8 @@ import re
 
 import torch
 
-from models import hf_weights
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
+from models.hf import weights as hf_weights
 
 LM, OL = "language_model.backbone.layers.{i}.", "language_model.decoder.layers.{i}."
 VB, OV = "vision_model.radio_model.model.blocks.{i}.", "vision.layers.{i}."
@@ -194,7 +194,7 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
 
 def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
                      expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """``hf_to_ours`` for one pipeline stage (``models.hf_weights.hf_to_ours_stage``: this
+    """``hf_to_ours`` for one pipeline stage (``models.hf.weights.hf_to_ours_stage``: this
     stage's parameters under their PP=1 keys; a tied last stage's output from the embedding).
 
     Raises:

@@ -41,11 +41,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models import kernels
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.nemotron_omni.radio import RadioEncoder
-from models.moe_aux import capacity_kwargs
+from models.layers.moe_aux import capacity_kwargs
+from models.layers.recompute import transformer_config_kwargs
+from models.layers.segment_attention import with_packed_attention
 from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
 from models.parallel import moe_parallel_kwargs
-from models.recompute import transformer_config_kwargs
-from models.segment_attention import with_packed_attention
 from models.vision_dp import CostModel, VisionDPOverCP
 
 #: RADIO's vision-DP cost model: 32 full-attention layers, hidden 1280, MLP 5120:
@@ -209,7 +209,7 @@ def mark_mamba_tp_layout(lm) -> None:
     this megatron-core lacks them (0.16.1; >= 0.17 sets them itself): ``partition_dim`` 0, and
     ``partition_sizes`` (this rank's rows of each component) on the packed ``in_proj``
     (z | x | B | C | dt) and conv1d (x | B | C). Import slicing reads them
-    (``models.sharding.shard_for_rank``)."""
+    (``models.checkpointing.sharding.shard_for_rank``)."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
 
     for mixer in lm.modules():

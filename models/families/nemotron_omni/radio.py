@@ -43,8 +43,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from models.families.nemotron_omni.config import NemotronOmniModelConfig, RadioConfig
-from models.recompute import run_layer, transformer_config_kwargs
-from models.vision_layers import tower_sharded_state_dict, vision_layer_spec
+from models.layers.recompute import run_layer, transformer_config_kwargs
+from models.layers.vision_layers import tower_sharded_state_dict, vision_layer_spec
 
 
 @functools.cache

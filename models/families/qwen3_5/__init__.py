@@ -3,8 +3,9 @@ the ``ModelFamily`` of the two (Qwen3.6 / Qwen3.8 reuse the architecture).
 
 - ``config.py``: shapes (``Qwen35ModelConfig``), what differs between the two (``VARIANTS``), HF
   config in and out;
-- ``model.py``: ``Qwen35``, the Qwen ViT (``models.qwen_vision``, no DeepStack) + the hybrid
-  M-RoPE ``GPTModel`` (Gated DeltaNet layers from ``models.gated_deltanet``, gated attention);
+- ``model.py``: ``Qwen35``, the Qwen ViT (``models.layers.qwen_vision``, no DeepStack) + the hybrid
+  M-RoPE ``GPTModel`` (Gated DeltaNet layers from ``models.layers.gated_deltanet``, gated
+  attention);
 - ``hf_mapping.py``: the literal HF weight tables; ``verify_inputs.py``: the inputs of ``verify``;
 - ``flops.py``: the FLOP formulas.
 """
@@ -17,8 +18,8 @@ from types import ModuleType
 from models.families.qwen3_5 import config
 from models.families.qwen3_5.flops import head_flops, lm_flops, patch_embed_flops, vision_flops
 from models.families.qwen3_5.verify_inputs import hf_inputs, verify_inputs
-from models.qwen_vision_config import processor_files as qwen_processor_files
-from models.qwen_vision_config import processor_settings
+from models.layers.qwen_vision_config import processor_files as qwen_processor_files
+from models.layers.qwen_vision_config import processor_settings
 
 __all__ = ["config", "head_flops", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops",
            "mapping",
@@ -45,7 +46,7 @@ def hf_model_class(model_type: str) -> type:
 
 def processor_files(cfg: config.Qwen35ModelConfig, task_encoder: dict) -> dict[str, dict]:
     """The processor files of an export whose run named no HF model: Qwen3-VL's processors
-    (normalisation 0.5; ``models.qwen_vision_config.processor_files``)."""
+    (normalisation 0.5; ``models.layers.qwen_vision_config.processor_files``)."""
     return qwen_processor_files(vision_geometry(cfg), task_encoder, mean=(0.5,) * 3,
                                 std=(0.5,) * 3, video_processor="Qwen3VLVideoProcessor",
                                 processor_class="Qwen3VLProcessor")
@@ -60,7 +61,7 @@ def vision_geometry(cfg: config.Qwen35ModelConfig) -> dict[str, int]:
 def layout_problems(cfg: config.Qwen35ModelConfig, parallel) -> list[str]:
     """Every layout train.py checks runs (with MoE layers TP runs megatron's sequence
     parallelism, as Qwen3-VL MoE's; the Gated DeltaNet's CP paths follow it:
-    ``models.gated_deltanet``). A GPU whose fla-core refuses the delta rule's backward trains
+    ``models.layers.gated_deltanet``). A GPU whose fla-core refuses the delta rule's backward trains
     on the torch rule (``models.kernels``). ``model.train_mtp``: PP, CP and EP stay at 1 (the
     head is built and checked at DP and TP, packed or not)."""
     if not cfg.train_mtp:

@@ -17,17 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from contract.families import QWEN3_5, QWEN3_5_MOE
-from models.model_config import build_model_config, check_hf_shapes, load_model_yaml
-from models.model_config import hf_value as _get
-from models.moe_aux import check_capacity
-from models.qwen_vision_config import (
+from models.layers.moe_aux import check_capacity
+from models.layers.qwen_vision_config import (
     VISION_DIVISIBLE,
     VISION_POSITIVE,
     VisionConfig,
     vision_from_hf,
     vision_to_hf,
 )
-from models.recompute import check_mode
+from models.layers.recompute import check_mode
+from models.model_config import build_model_config, check_hf_shapes, load_model_yaml
+from models.model_config import hf_value as _get
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -70,7 +70,7 @@ class LMConfig:
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     max_position_embeddings: int = 262144
-    # Gated DeltaNet (models.gated_deltanet)
+    # Gated DeltaNet (models.layers.gated_deltanet)
     linear_conv_kernel: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
@@ -98,7 +98,7 @@ class LMConfig:
 
     @property
     def attention_output_gate(self) -> bool:
-        """Full attention is gated (``q_proj`` gives query and gate: ``models.hf_weights``)."""
+        """Full attention is gated (``q_proj`` gives query and gate: ``models.hf.weights``)."""
         return True
 
     @property
@@ -115,9 +115,10 @@ class Qwen35ModelConfig:
     video_token_id: int = 248057
     vision_start_token_id: int = 248053
     vision_end_token_id: int = 248054
-    #: activation recomputation while training: none | selective | full (models/recompute.py)
+    #: activation recomputation while training: none | selective | full (models/layers/recompute.py)
     recompute: str = "none"
-    #: MoE expert capacity (models/moe_aux.py: the assignments past it are dropped); null: none
+    #: MoE expert capacity (models/layers/moe_aux.py: the assignments past it are dropped);
+    #: null: none
     moe_capacity_factor: float | None = None
     #: build and train the checkpoint's multi-token-prediction layer (``mtp.*``,
     #: ``models.families.qwen3_5.mtp``); false: its weights are carried unchanged

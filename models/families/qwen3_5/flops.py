@@ -1,6 +1,6 @@
 """Training-FLOP formulas of Qwen3.5 (the conventions of ``models.flops``): the hybrid decoder
 (Gated DeltaNet and gated attention layers, dense or MoE MLPs); the ViT, its merger and the patch
-embedding are the tower's (``models.qwen_vision_config``).
+embedding are the tower's (``models.layers.qwen_vision_config``).
 
 A Gated DeltaNet layer per token: the projections (hidden -> q, k (key heads x K each), v, z
 (value heads x V), b, a (one per value head); out_proj), the depthwise conv over q | k | v, and
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from models.flops import causal_pairs
-from models.qwen_vision_config import patch_embed_flops, vision_flops
+from models.layers.qwen_vision_config import patch_embed_flops, vision_flops
 
 __all__ = ["CHUNK", "head_flops", "lm_flops", "patch_embed_flops", "vision_flops"]
 

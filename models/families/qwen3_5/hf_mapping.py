@@ -1,13 +1,13 @@
 """Hugging Face <-> our weight names for Qwen3.5 and Qwen3.5 MoE: the literal mapping tables.
 
 This module owns the tables (HF key template -> our key template, and the part of a fused tensor:
-``models.hf_weights``), the split of the Gated DeltaNet's fused HF tensors into our per-component
+``models.hf.weights``), the split of the Gated DeltaNet's fused HF tensors into our per-component
 ones (``in_proj_qkv`` -> ``in_proj_q / _k / _v``, ``conv1d`` (channels, 1, w) -> ``conv_q / _k /
 _v`` (channels, w); ``split_linear_attention`` / ``fuse_linear_attention``; their LoRA
 adapters as one PEFT adapter of ``in_proj_qkv``: ``fuse_adapters``), the experts of the
 MoE family (published and written one by one, ``mlp.experts.{e}.gate_proj / up_proj /
 down_proj``, as transformers' ``save_pretrained`` writes them too; a checkpoint with
-transformers' in-memory fused 3-D tensors is read as well: ``models.hf_weights``), and the
+transformers' in-memory fused 3-D tensors is read as well: ``models.hf.weights``), and the
 family's three conversions. Our keys are those of ``Qwen35`` (this package's ``model``) with the
 local spec at TP=1.
 
@@ -15,22 +15,24 @@ Gated attention: HF's ``q_proj`` holds per head [query; gate] (2 x heads x head_
 fuses with k / v into megatron's ``linear_qkv`` (part ``qg``). Norm weights are copied as they
 are (zero-centred on both sides). The multi-token-prediction weights of the published
 checkpoints (``mtp.*``): ``CARRIED_PREFIXES`` names them, and the import records them for the
-export (``models.checkpoint.carried_record``), which writes them back unchanged unless the model
-holds them (``model.train_mtp``: ``MTP`` maps them onto ``models.families.qwen3_5.mtp``'s head,
-packed MTP experts split on import and packed again on export in the source's layout).
+export (``models.checkpointing.checkpoint.carried_record``), which writes them back unchanged
+unless the model holds them (``model.train_mtp``: ``MTP`` maps them onto
+``models.families.qwen3_5.mtp``'s head, packed MTP experts split on import and packed again on
+export in the source's layout).
 """
 
 from __future__ import annotations
 
 import torch
 
-from models import hf_weights
 from models.families.qwen3_5.config import Qwen35ModelConfig
+from models.hf import weights as hf_weights
 
 #: HF weights our model does not hold, carried from the import into every export unchanged
 CARRIED_PREFIXES = ("mtp.",)
 #: the export writes the LM experts one by one (the Qwen3.5 hub layout); a source with packed
-#: experts (Qwen3.6) is recorded and exported packed again (``models.checkpoint.carried_record``)
+#: experts (Qwen3.6) is recorded and exported packed again
+#: (``models.checkpointing.checkpoint.carried_record``)
 EXPERTS_ONE_BY_ONE = True
 L, V = "model.language_model.layers.{i}.", "model.visual.blocks.{i}."
 OL, OV = "language_model.decoder.layers.{i}.", "vision.layers.{i}."
@@ -244,14 +246,14 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: Qwen35ModelConfig,
     """Map an HF state dict to our (TP=1) keys; ``expected`` = our key -> shape.
 
     Raises:
-        ValueError: see ``models.hf_weights.hf_to_ours``.
+        ValueError: see ``models.hf.weights.hf_to_ours``.
     """
     return hf_weights.hf_to_ours(_to_table_keys(hf_sd, cfg), cfg, expected, expand_table(cfg))
 
 
 def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: Qwen35ModelConfig,
                      expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """``hf_to_ours`` for one pipeline stage (``models.hf_weights.hf_to_ours_stage``)."""
+    """``hf_to_ours`` for one pipeline stage (``models.hf.weights.hf_to_ours_stage``)."""
     return hf_weights.hf_to_ours_stage(_to_table_keys(hf_sd, cfg), cfg, expected,
                                        expand_table(cfg))
 

@@ -7,11 +7,11 @@ This module owns the assembled VLM (``Qwen35``) and its language model's layer s
   ``linear_qkv`` gives q, the gate, k and v per KV group; the output is multiplied by
   sigmoid(gate) before ``linear_proj``), per-head q/k RMSNorm, M-RoPE on the first
   ``partial_rotary_factor`` of each head (``rotary_percent``; interleaved t/h/w frequencies as
-  megatron's chunked ``mrope_section``, ``models.mrope``);
-- linear-attention layers: the same ``TransformerLayer`` with ``models.gated_deltanet``'s
+  megatron's chunked ``mrope_section``, ``models.layers.mrope``);
+- linear-attention layers: the same ``TransformerLayer`` with ``models.layers.gated_deltanet``'s
   ``GatedDeltaNet`` as its ``self_attention`` (it ignores rotary);
 - every norm zero-centred (``layernorm_zero_centered_gamma``: TE's norms on GPU,
-  ``models.norms.ZeroCenteredRMSNorm`` in the local spec), except the DeltaNet's gated norm;
+  ``models.layers.norms.ZeroCenteredRMSNorm`` in the local spec), except the DeltaNet's gated norm;
 - MLPs: SwiGLU (dense), or megatron ``MoELayer``s (Qwen3.5 MoE: transformers' router as
   Qwen3-VL MoE's, fp32 softmax, top-k, renormalised; plus megatron's shared expert with its
   sigmoid gate, ``moe_shared_expert_gate``); under TP the whole LM runs megatron's sequence
@@ -19,9 +19,10 @@ This module owns the assembled VLM (``Qwen35``) and its language model's layer s
 
 The vision embeddings are scattered into the ``<|image_pad|>`` / ``<|video_pad|>`` positions in
 order (``models.multimodal``); the loss follows the batch contract (labels unshifted). Packed rows
-run as THD (``LanguageModelRunner``): attention per sample (TE / ``models.segment_attention``)
-and the DeltaNet's conv and state restarted per sample. ``encode_visual(pixel_values, grid_thw)``
-is the one call into the vision tower (wrapped by the vision-DP module, models/vision_dp.py).
+run as THD (``LanguageModelRunner``): attention per sample (TE /
+``models.layers.segment_attention``) and the DeltaNet's conv and state restarted per sample.
+``encode_visual(pixel_values, grid_thw)`` is the one call into the vision tower (wrapped by the
+vision-DP module, models/vision_dp.py).
 """
 
 from __future__ import annotations
@@ -39,15 +40,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from models import kernels
 from models.families.qwen3_5.config import Qwen35ModelConfig
 from models.families.qwen3_5.mtp import Qwen35MTP, capture_decoder
-from models.gated_deltanet import GatedDeltaNet
-from models.moe_aux import capacity_kwargs, transformer_config
-from models.mrope import megatron_mrope_section
+from models.layers.gated_deltanet import GatedDeltaNet
+from models.layers.moe_aux import capacity_kwargs, transformer_config
+from models.layers.mrope import megatron_mrope_section
+from models.layers.norms import ZeroCenteredRMSNorm
+from models.layers.qwen_vision import QwenVisionEncoder
+from models.layers.recompute import transformer_config_kwargs
+from models.layers.segment_attention import with_packed_attention
 from models.multimodal import LanguageModelRunner, mtp_targets, resolve_kernels, scatter_visual
-from models.norms import ZeroCenteredRMSNorm
 from models.parallel import moe_parallel_kwargs
-from models.qwen_vision import QwenVisionEncoder
-from models.recompute import transformer_config_kwargs
-from models.segment_attention import with_packed_attention
 from models.vision_dp import CostModel, VisionDPOverCP
 
 #: the tower's vision-DP cost model: Qwen3-VL's (27 full-attention layers, hidden 1152)

@@ -57,7 +57,7 @@ class Qwen35MTP(MegatronModule):
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The decoder layer's TP / expert shards, the rest replicated over TP (megatron's
         default would take the ``ModuleList`` for replicated tensors)."""
-        from models.vision_layers import tower_sharded_state_dict
+        from models.layers.vision_layers import tower_sharded_state_dict
 
         return tower_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 

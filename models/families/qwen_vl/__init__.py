@@ -20,8 +20,8 @@ from types import ModuleType
 from models.families.qwen_vl import config
 from models.families.qwen_vl.flops import head_flops, lm_flops, patch_embed_flops, vision_flops
 from models.families.qwen_vl.verify_inputs import hf_inputs, verify_inputs
-from models.qwen_vision_config import processor_files as qwen_processor_files
-from models.qwen_vision_config import processor_settings
+from models.layers.qwen_vision_config import processor_files as qwen_processor_files
+from models.layers.qwen_vision_config import processor_settings
 
 __all__ = ["config", "head_flops", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops",
            "mapping",
@@ -48,7 +48,7 @@ def hf_model_class(model_type: str) -> type:
 
 def processor_files(cfg: config.QwenVLModelConfig, task_encoder: dict) -> dict[str, dict]:
     """The processor files of an export whose run named no HF model
-    (``models.qwen_vision_config.processor_files``): the family's video processor and the
+    (``models.layers.qwen_vision_config.processor_files``): the family's video processor and the
     normalisation the task encoder used (CLIP's on 2.5, 0.5 on 3)."""
     from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 

@@ -18,17 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from contract.families import COSMOS3_OMNI, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE
-from models.model_config import build_model_config, check_hf_shapes, load_model_yaml
-from models.model_config import hf_value as _get
-from models.moe_aux import check_capacity
-from models.qwen_vision_config import (
+from models.layers.moe_aux import check_capacity
+from models.layers.qwen_vision_config import (
     VISION_DIVISIBLE,
     VISION_POSITIVE,
     VisionConfig,
     vision_from_hf,
     vision_to_hf,
 )
-from models.recompute import check_mode
+from models.layers.recompute import check_mode
+from models.model_config import build_model_config, check_hf_shapes, load_model_yaml
+from models.model_config import hf_value as _get
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,9 +119,10 @@ class QwenVLModelConfig:
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
-    #: activation recomputation while training: none | selective | full (models/recompute.py)
+    #: activation recomputation while training: none | selective | full (models/layers/recompute.py)
     recompute: str = "none"
-    #: MoE expert capacity (models/moe_aux.py: the assignments past it are dropped); null: none
+    #: MoE expert capacity (models/layers/moe_aux.py: the assignments past it are dropped);
+    #: null: none
     moe_capacity_factor: float | None = None
 
     def kernel_kinds(self) -> tuple[str, ...]:

@@ -1,11 +1,11 @@
 """Training-FLOP formulas of Qwen-VL (the conventions of ``models.flops``): the decoder; the ViT
 with window / full attention and the mergers (DeepStack included) and the patch embedding are
-the tower's (``models.qwen_vision_config``)."""
+the tower's (``models.layers.qwen_vision_config``)."""
 
 from __future__ import annotations
 
 from models.flops import causal_pairs
-from models.qwen_vision_config import patch_embed_flops, vision_flops
+from models.layers.qwen_vision_config import patch_embed_flops, vision_flops
 
 __all__ = ["head_flops", "lm_flops", "patch_embed_flops", "vision_flops"]
 

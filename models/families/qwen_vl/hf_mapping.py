@@ -2,9 +2,9 @@
 mapping tables.
 
 This module owns the tables (HF key template -> our key template, and which part of a fused
-tensor it is: the part names of ``models.hf_weights``), the hub's legacy Qwen2.5-VL key prefixes,
+tensor it is: the part names of ``models.hf.weights``), the hub's legacy Qwen2.5-VL key prefixes,
 and the family's three conversions (``hf_to_ours``, ``hf_to_ours_stage`` for one pipeline stage,
-``ours_to_hf``), which run the shared machinery of ``models.hf_weights`` (every key and shape
+``ours_to_hf``), which run the shared machinery of ``models.hf.weights`` (every key and shape
 checked; the first offender named in a one-line ``ValueError``) over these tables. Our keys are
 the state-dict keys of ``QwenVL`` (this package's ``model``) built with the local (non-TE) spec at
 TP=1; megatron's ``sharded_state_dict`` maps them to the TE names inside distributed checkpoints.
@@ -26,7 +26,7 @@ attention as ``to_q / to_k / to_v / to_out / norm_q / norm_k`` in newer checkpoi
 names in older ones): both read (``COSMOS3_NAMES``), the newer one written (what transformers'
 ``save_pretrained`` writes). The unified checkpoint's generator, sound and action weights
 (``COSMOS3_UNUSED``) are no part of the reasoner: ``unused_keys`` names them, and the import
-refuses them in one line unless asked to drop them (``models.sharding``).
+refuses them in one line unless asked to drop them (``models.checkpointing.sharding``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import re
 
 import torch
 
-from models import hf_weights
 from models.families.qwen_vl.config import QwenVLModelConfig
-from models.hf_weights import fuse_experts, split_fused_experts
+from models.hf import weights as hf_weights
+from models.hf.weights import fuse_experts, split_fused_experts
 
 L, V = "model.language_model.layers.{i}.", "model.visual.blocks.{i}."
 OL, OV = "language_model.decoder.layers.{i}.", "vision.layers.{i}."
@@ -219,7 +219,7 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
     """Map an HF state dict to our (TP=1) keys; ``expected`` = our key -> shape.
 
     Raises:
-        ValueError: see ``models.hf_weights.hf_to_ours``.
+        ValueError: see ``models.hf.weights.hf_to_ours``.
     """
     return hf_weights.hf_to_ours(split_fused_experts(hf_sd, cfg), cfg, expected,
                                  expand_table(cfg), _canonical(cfg))
@@ -227,7 +227,7 @@ def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
 
 def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg: QwenVLModelConfig,
                      expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """``hf_to_ours`` for one pipeline stage (``models.hf_weights.hf_to_ours_stage``)."""
+    """``hf_to_ours`` for one pipeline stage (``models.hf.weights.hf_to_ours_stage``)."""
     return hf_weights.hf_to_ours_stage(split_fused_experts(hf_sd, cfg), cfg, expected,
                                        expand_table(cfg), canonical=_canonical(cfg))
 

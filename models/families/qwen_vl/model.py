@@ -6,14 +6,14 @@ q/k RMSNorm for Qwen3-VL; local spec on CPU, TransformerEngine spec on GPU), the
 embeddings into the ``<|image_pad|>`` / ``<|video_pad|>`` positions in order, DeepStack (Qwen3-VL:
 features added to the outputs of the first LM layers, through forward hooks on those
 ``TransformerLayer`` modules, because ``GPTModel`` has no per-layer input), and the loss on the
-batch contract (docs/batch_contract.md; labels are unshifted, the model shifts).
+batch contract (docs/internals/batch_contract.md; labels are unshifted, the model shifts).
 
 Qwen3-VL MoE: the same model, its LM MLPs megatron ``MoELayer``s where ``lm.moe_layers`` says
 (``moe_layer_freq`` = that list; dense MLPs elsewhere): transformers' router (fp32 softmax over all
 experts, top-k, renormalised: megatron's top-k then softmax over the selected logits), no shared
 expert, experts as megatron's ``SequentialMLP`` on CPU and grouped GEMM with TransformerEngine.
 The load-balancing aux loss is megatron's (attached to the router's output: its gradient joins the
-loss's; logged per layer in megatron's tracker, ``models.moe_aux``) with the weight
+loss's; logged per layer in megatron's tracker, ``models.layers.moe_aux``) with the weight
 ``moe_aux_loss_weight`` gives it.
 
 Qwen3-VL's interleaved M-RoPE (t/h/w frequencies interleaved, ``mrope_interleaved``) is expressed
@@ -35,13 +35,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models import kernels
 from models.families.qwen_vl.config import QwenVLModelConfig
-from models.moe_aux import capacity_kwargs, transformer_config
-from models.mrope import megatron_mrope_section
+from models.layers.moe_aux import capacity_kwargs, transformer_config
+from models.layers.mrope import megatron_mrope_section
+from models.layers.qwen_vision import QwenVisionEncoder
+from models.layers.recompute import transformer_config_kwargs
+from models.layers.segment_attention import with_packed_attention
 from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
 from models.parallel import moe_parallel_kwargs
-from models.qwen_vision import QwenVisionEncoder
-from models.recompute import transformer_config_kwargs
-from models.segment_attention import with_packed_attention
 from models.vision_dp import CostModel, VisionDPOverCP
 
 #: vision-DP cost models of the towers (``models.vision_dp.CostModel``; the model uses the

@@ -1,22 +1,22 @@
-"""The lean decode step's layer builders (models/decode_step.py): each turns one megatron layer
-into a closure over its parameters (read once) that takes the residual stream of one new token per
-row, (B, H), and returns the layer's output, advancing the layer's own cache / state.
+"""The lean decode step's layer builders (models/generation/decode_step.py): each turns one megatron
+layer into a closure over its parameters (read once) that takes the residual stream of one new token
+per row, (B, H), and returns the layer's output, advancing the layer's own cache / state.
 
 - ``transformer_layer``: megatron's ``TransformerLayer`` / the hybrid stack's ``MLPLayer``:
   attention (GQA, q/k norms, biases, the output gate sigmoid(gate) of ``attention_output_gate``;
   rotary on all or the first part of each head; keys cached after RoPE), or a ``self_attention``
   mixer with its own ``lean_decoder(prefilled)`` (the Gated DeltaNet:
-  models/decode_deltanet.py); dense MLP, MoE (the router's gating and top-k as megatron computes
-  them at inference; the picked experts on all rows, weighted by the router's probabilities; the
-  shared expert, with its sigmoid gate where it has one);
+  models/generation/decode_deltanet.py); dense MLP, MoE (the router's gating and top-k as megatron
+  computes them at inference; the picked experts on all rows, weighted by the router's
+  probabilities; the shared expert, with its sigmoid gate where it has one);
 - ``mamba_layer``: megatron's ``MambaLayer`` (Mamba2 mixer: conv window, SSM state, gated norm);
   ``mamba_pad_hooks``: the hooks that keep left padding out of its prefill state.
 
 Norms: torch's ``RMSNorm`` / ``LayerNorm`` and the zero-centred
-``models.norms.ZeroCenteredRMSNorm`` (weight applied as 1 + w in float32). A builder raises
+``models.layers.norms.ZeroCenteredRMSNorm`` (weight applied as 1 + w in float32). A builder raises
 ``Unsupported`` for a part it does not cover (the generator then runs megatron's own decode
-step). ``prefilled`` is ``models.decode_step.Prefilled`` (the prefill's caches and the run's
-geometry).
+step). ``prefilled`` is ``models.generation.decode_step.Prefilled`` (the prefill's caches and the
+run's geometry).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.norms import ZeroCenteredRMSNorm
+from models.layers.norms import ZeroCenteredRMSNorm
 
 
 class Unsupported(Exception):
@@ -79,7 +79,7 @@ def linear_of(module) -> tuple[torch.Tensor, torch.Tensor | None]:
 def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """RoPE (megatron's non-interleaved ``_apply_rotary_pos_emb_bshd``) on the first
     ``cos.shape[-1]`` channels of t: t cos + (-t2, t1) sin, with the sign of the rotated half
-    folded into ``signed_sin`` (``models.decode_step.rotary_table``)."""
+    folded into ``signed_sin`` (``models.generation.decode_step.rotary_table``)."""
     dim = cos.shape[-1]
     rot, rest = t[..., :dim], t[..., dim:]
     x1, x2 = rot.chunk(2, dim=-1)
@@ -172,7 +172,7 @@ def moe_step(module) -> Callable:
     weighted by their probabilities, the shared expert. Experts over ranks (EP > 1, each
     expert whole: expert-TP 1): each rank adds its own experts' share and one all-reduce over
     the expert-parallel group sums them; that needs the same rows on every EP rank
-    (``models.generate.same_prompts_on_expert_ranks`` checks it)."""
+    (``models.generation.generate.same_prompts_on_expert_ranks`` checks it)."""
     experts = getattr(module.experts, "local_experts", None)
     cfg = module.config
     if experts is None or getattr(cfg, "moe_latent_size", None):
@@ -267,6 +267,12 @@ def attention_step(attn, prefilled) -> Callable:
     return attention
 
 
+#: ``self_attention`` mixer class -> builder ``(mixer, prefilled) -> step`` of a mixer with a
+#: decode step of its own (a recurrent one; registered by models/generation/decode_step.py;
+#: subclasses match); any other mixer is attention
+MIXER_DECODERS: dict[type, Callable] = {}
+
+
 def transformer_layer(layer, prefilled) -> Callable:
     """megatron's ``TransformerLayer`` (and the hybrid stack's ``MLPLayer``): attention and / or
     MLP / MoE, each with its pre-norm and residual."""
@@ -275,9 +281,9 @@ def transformer_layer(layer, prefilled) -> Callable:
     parts = []
     mixer = layer.self_attention
     if not is_identity(mixer):  # a mixer with its own step (a recurrent one), else attention
-        parts.append((norm_of(layer.input_layernorm),
-                      mixer.lean_decoder(prefilled) if hasattr(mixer, "lean_decoder")
-                      else attention_step(mixer, prefilled)))
+        builder = next((MIXER_DECODERS[c] for c in type(mixer).__mro__ if c in MIXER_DECODERS),
+                       attention_step)
+        parts.append((norm_of(layer.input_layernorm), builder(mixer, prefilled)))
     if not is_identity(layer.mlp):
         mlp = layer.mlp
         kind = type(mlp).__name__

@@ -55,7 +55,7 @@ def _related(a: Path, b: Path) -> bool:
 def _base_folders(found, moved_to: Path | None) -> list[Path]:
     """The folders of the frozen base ``found`` refers to: where it was recorded (its
     ``model.hf`` folder or ``train.init_checkpoint``, if there) and ``moved_to``."""
-    from models.hf_source import HFSourceError, resolve
+    from models.hf.source import HFSourceError, resolve
 
     base, folders = found.base or {}, [moved_to] if moved_to else []
     try:
@@ -148,15 +148,15 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False, overwrite: bool =
     ``models.lora``), and what it trained in full is written as trained; ``adapter``: write its
     HF PEFT folder instead (``write_peft_folder``). Where and how it is written: ``check_out``,
     ``export_folder``. ``base``: where the base of a checkpoint that holds only what trains is
-    now, when it moved (``models.checkpoint.base_folder``).
+    now, when it moved (``models.checkpointing.checkpoint.base_folder``).
 
     Raises:
         UsageError: not a checkpoint, ``--adapter`` of a run without LoRA, or an ``out`` that
             ``check_out`` refuses (one line, before anything is loaded).
         RunFailure: a full disk (``export_folder``).
     """
-    from models.checkpoint import load_model, read_checkpoint
-    from models.hf_weights import is_our_key
+    from models.checkpointing.checkpoint import load_model, read_checkpoint
+    from models.hf.weights import is_our_key
     from models.parallel import init_parallel
 
     found = read_checkpoint(mcore)  # a bad folder: one line, before any process group
@@ -179,15 +179,15 @@ def mcore_to_hf(mcore: Path, out: Path, adapter: bool = False, overwrite: bool =
 
 def write_merged_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
     """The merged model's HF folder (``mcore_to_hf``) into the existing folder ``out``."""
-    from models.checkpoint import CARRIED, EXPERTS_LAYOUT, HF_JSON
-    from models.hf_source import (
+    from models.checkpointing.checkpoint import CARRIED, EXPERTS_LAYOUT, HF_JSON
+    from models.hf.source import (
         PROCESSOR_FILES,
         SPECIAL_IDS,
         TOKENIZER_FILES,
         copy_files,
         tokenizer_token_ids,
     )
-    from models.hf_weights import write_hf_folder
+    from models.hf.weights import write_hf_folder
 
     cfg, files = found.model_config, found.hf_files
     source = next((p for p in (files and files / "config.json", found.folder / HF_JSON)
@@ -206,14 +206,14 @@ def write_merged_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
         config["text_config"].update(ids)
     weights = mapping_module(cfg).ours_to_hf(sd, cfg)
     if files is not None and (files / EXPERTS_LAYOUT).is_file():  # the source's packed experts
-        from models.hf_weights import fuse_experts
+        from models.hf.weights import fuse_experts
 
         layout = json.loads((files / EXPERTS_LAYOUT).read_text()).get("layout", "published")
         weights = fuse_experts(weights, cfg, transformers_layout=layout == "transformers")
     if files is not None and (files / CARRIED).is_file():  # e.g. Qwen3.5's MTP layers
         from safetensors.torch import load_file
 
-        from models.hf_weights import fuse_experts_like
+        from models.hf.weights import fuse_experts_like
 
         carried = load_file(str(files / CARRIED))  # unchanged, unless the model holds them
         weights = fuse_experts_like(weights, carried, cfg)  # (model.train_mtp: trained)
@@ -231,7 +231,7 @@ def write_merged_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
 
 def _recorded_tokenizer(files: Path | None):
     """The tokenizer a checkpoint recorded (``hf/``), or None."""
-    from models.hf_source import TOKENIZER_FILES
+    from models.hf.source import TOKENIZER_FILES
 
     if files is None or not any((files / name).is_file() for name in TOKENIZER_FILES[:2]):
         return None
@@ -250,7 +250,7 @@ def write_peft_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
     magnitude as peft's ``lora_magnitude_vector`` (``use_dora``), and the groups the run trained
     in full as ``modules_to_save`` (``_modules_to_save``)."""
     from models.families import family_of
-    from models.hf_weights import save_safetensors
+    from models.hf.weights import save_safetensors
     from models.lora import Factors, adapter_factors
 
     cfg, lora, mapping = found.model_config, found.lora, mapping_module(found.model_config)

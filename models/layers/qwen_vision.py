@@ -16,9 +16,9 @@ interpolated (align_corners) from a square table, full attention per temporal sl
 DeepStack mergers on the outputs of ``deepstack_visual_indexes`` blocks.
 Qwen3.5: Qwen3-VL's tower without DeepStack (no ``deepstack_visual_indexes``).
 
-The model config it takes (``cfg``) has ``vision`` (``models.qwen_vision_config.VisionConfig``),
-``variant`` (``vision_norm``, ``gated_mlp``, ``windowed``, ``learned_positions``), ``family`` and
-``recompute``.
+The model config it takes (``cfg``) has ``vision``
+(``models.layers.qwen_vision_config.VisionConfig``), ``variant`` (``vision_norm``, ``gated_mlp``,
+``windowed``, ``learned_positions``), ``family`` and ``recompute``.
 
 ``forward(pixel_values, grid_thw) -> (embeds, deepstack)``: embeds (sum t*h*w/4, out_hidden),
 deepstack a list (one per DeepStack index, empty for Qwen2.5-VL) of tensors of the same shape.
@@ -35,9 +35,9 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from models.qwen_vision_config import VisionConfig
-from models.recompute import run_layer, transformer_config_kwargs
-from models.vision_layers import ACTIVATIONS, tower_sharded_state_dict, vision_layer_spec
+from models.layers.qwen_vision_config import VisionConfig
+from models.layers.recompute import run_layer, transformer_config_kwargs
+from models.layers.vision_layers import ACTIVATIONS, tower_sharded_state_dict, vision_layer_spec
 
 
 def vision_transformer_config(v: VisionConfig, variant, recompute: str = "none"

@@ -37,7 +37,7 @@ and its common-state reader replaced by ``_common_state`` (megatron-core <= 0.16
 strategy passed to ``load``; 0.17 and 0.18: ``serialization.load_common``; >= 0.19:
 ``serialization.load_common_state_dict``, which would otherwise read the item with torch's
 full unpickler); the extra states it loaded are checked before the caller hands them to the
-model. ``models.checkpoint`` (import folders, eval,
+model. ``models.checkpointing.checkpoint`` (import folders, eval,
 export, ``train.init_checkpoint``) and ``recipes.checkpointing`` (resume) load only through it.
 
 Every refusal is ``RefusedCheckpoint`` (a ``contract.errors.UsageError``): one line naming the

@@ -1,11 +1,11 @@
-"""The Gated DeltaNet's part in greedy generation (models/generate.py): its lean decode step over
-the prefill's states (models/decode_step.py) and the hooks that keep left padding out of those
-states when prompts of unequal length prefill as one left-padded batch.
+"""The Gated DeltaNet's part in greedy generation (models/generation/generate.py): its lean decode
+step over the prefill's states (models/generation/decode_step.py) and the hooks that keep left
+padding out of those states when prompts of unequal length prefill as one left-padded batch.
 
-``models.gated_deltanet.GatedDeltaNet`` plugs both in (its ``lean_decoder`` and
-``prefill_pad_hooks`` methods); the state layout is that module's: per row the conv state (the
-last w - 1 conv inputs, (B, channels, w - 1)) and the recurrent state (B, value heads, K, V)
-float32, in megatron's static inference context under the layer number.
+models/generation/decode_step.py registers both for ``models.layers.gated_deltanet.GatedDeltaNet``
+(``decode_layers.MIXER_DECODERS``, ``PREFILL_PAD_HOOKS``); the state layout is that module's: per
+row the conv state (the last w - 1 conv inputs, (B, channels, w - 1)) and the recurrent state (B,
+value heads, K, V) float32, in megatron's static inference context under the layer number.
 
 - ``deltanet_step``: one token per row, what the layer's decode path computes with its kernels
   (``causal_conv1d_update``, ``fused_recurrent_gated_delta_rule`` with the q/k L2 norm in the
@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from models.decode_layers import Unsupported, linear_of, plain
-from models.norms import gated_rms_norm
+from models.generation.decode_layers import Unsupported, linear_of, plain
+from models.layers.norms import gated_rms_norm
 
 #: the input projections in the layer's order of the conv's channels (q | k | v), then the rest
 PROJECTIONS = ("q", "k", "v", "z", "b", "a")

@@ -11,16 +11,16 @@ resume aside, ``recipes.checkpointing``, which also reads the optimizer):
 - ``read_checkpoint``: the one reader of both kinds of model checkpoint, an import folder
   (``models.convert hf-to-mcore``, the cached ``model.hf`` imports) and a train.py run /
   checkpoints / step folder (weights in ``model_optim/``, the model and run config in
-  ``config.yaml``; the folder layout is ``models.checkpoint_folders``). It reads only the
+  ``config.yaml``; the folder layout is ``models.checkpointing.folders``). It reads only the
   self-description and every pickle of the dist checkpoint with the restricted unpicklers
-  (``models.dist_load.check_dist_checkpoint``), and returns a ``ModelCheckpoint``; eval.py and
-  ``models.convert`` read checkpoints through it;
+  (``models.checkpointing.dist_load.check_dist_checkpoint``), and returns a ``ModelCheckpoint``;
+  eval.py and ``models.convert`` read checkpoints through it;
 - ``load_model`` / ``load_checkpoint``: the model built at this process's TP / PP and every
   weight loaded (for a checkpoint that holds only what trains, its recorded base first: the HF
   model or the init checkpoint, found by its content fingerprint; LoRA adapters merged into the
   base weights); ``load_weights``: a dist checkpoint's weights into a model built already
   (train.py's ``train.init_checkpoint`` / ``model.hf`` start), checked the same way and loaded
-  through ``models.dist_load.load`` (nothing is unpickled but checkpoint data).
+  through ``models.checkpointing.dist_load.load`` (nothing is unpickled but checkpoint data).
 
 dist_checkpointing stores global tensors, so a checkpoint saved at one TP / PP / EP loads at any
 other (megatron reshards on load; decoder layers and experts are stored by their global index).
@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.errors import UsageError
-from models.checkpoint_folders import (
+from models.checkpointing.dist_load import check_dist_checkpoint
+from models.checkpointing.folders import (
     COMPLETE,
     PARTIAL,
     TRAIN_STATE,
     check_sizes,
     resolve_checkpoint,
 )
-from models.dist_load import check_dist_checkpoint
 from models.families import build_model, config_from_dict
 
 #: our model config in an import folder; ``OLD_MODEL_JSON``: its name in older folders (read)
@@ -104,7 +104,7 @@ def model_record(hf_folder: Path | None, tokenizer=None) -> dict[str, bytes]:
     not hold but its exports carry (``CARRIED``: ``carried_record``). No other weights."""
     import tempfile
 
-    from models.hf_source import PROCESSOR_FILES, TOKENIZER_FILES
+    from models.hf.source import PROCESSOR_FILES, TOKENIZER_FILES
 
     def read(folder: Path, names) -> dict[str, bytes]:
         return {f"{HF_FILES}/{name}": (folder / name).read_bytes() for name in names
@@ -141,7 +141,7 @@ def carried_record(hf_folder: Path | None) -> dict[str, bytes]:
     from safetensors.torch import save
 
     from models.families import config_from_hf, mapping_module
-    from models.hf_weights import FUSED, carried_hf_weights, weight_map
+    from models.hf.weights import FUSED, carried_hf_weights, weight_map
 
     config = Path(hf_folder) / "config.json" if hf_folder else None
     if config is None or not config.is_file():
@@ -189,7 +189,7 @@ def _hf_files(folder: Path) -> Path | None:
 def read_checkpoint(path: str | Path) -> ModelCheckpoint:
     """What the model checkpoint at ``path`` is, from its self-description only: an import
     folder (``model_config.json``, or ``qwen_vl_model.json`` in older ones) or a train.py run /
-    checkpoints / step folder (its newest complete step: ``models.checkpoint_folders``). Nothing
+    checkpoints / step folder (its newest complete step: ``models.checkpointing.folders``). Nothing
     is built; every pickle of its dist checkpoint is read by the restricted unpicklers first
     (``check_dist_checkpoint``), so a wrong or planted checkpoint fails fast.
 
@@ -280,7 +280,7 @@ def check_fit(cfg, weights: str | Path, name: str | Path | None = None) -> None:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from models import dist_load
+    from models.checkpointing import dist_load
     from models.families import meta_model
 
     held = dist_load.read_metadata(weights).state_dict_metadata
@@ -310,15 +310,16 @@ def _held(sharded: dict, keys: set[str]) -> dict:
 def load_weights(model, weights: str | Path, name: str | Path | None = None, *,
                  partial: bool = False) -> set[str]:
     """Load the dist checkpoint folder ``weights`` into ``model`` (built at this process's
-    layout), every pickle in it read by the restricted unpicklers (``models.dist_load``: checked
-    first, then loaded through them). ``partial``: only the weights the checkpoint holds (one
-    that holds only what trains); the others keep their values. Returns the keys it held.
+    layout), every pickle in it read by the restricted unpicklers
+    (``models.checkpointing.dist_load``: checked first, then loaded through them). ``partial``: only
+    the weights the checkpoint holds (one that holds only what trains); the others keep their
+    values. Returns the keys it held.
 
     Raises:
         UsageError: a refused pickle, or weights that do not load into ``model`` (``name``: the
             checkpoint as messages name it; default ``weights``).
     """
-    from models import dist_load
+    from models.checkpointing import dist_load
 
     dist_load.check_dist_checkpoint(weights)
     try:
@@ -341,13 +342,13 @@ def base_folder(base: dict, checkpoint: Path, moved_to: str | Path | None = None
     """The folder of a checkpoint's recorded base (an HF model folder or a dist checkpoint):
     ``moved_to`` (where the base is now: ``--base`` of the export and eval.py) or the recorded
     place, the first that holds the weights the recorded fingerprint names (by content:
-    ``models.hf_source.same_model``; a dist checkpoint by ``weights_fingerprint``), so a copy,
+    ``models.hf.source.same_model``; a dist checkpoint by ``weights_fingerprint``), so a copy,
     a restore or the same snapshot on another node loads.
 
     Raises:
         UsageError: no place holds that base (one line naming each place and what it holds).
     """
-    from models.hf_source import HFSourceError, resolve, same_model
+    from models.hf.source import HFSourceError, resolve, same_model
 
     recorded = base.get("hf") or base.get("init_checkpoint")
     tried = []
@@ -372,10 +373,10 @@ def base_folder(base: dict, checkpoint: Path, moved_to: str | Path | None = None
 
 def _check_fits(found: ModelCheckpoint, base: Path | None) -> None:
     """The shapes ``found``'s model config declares against its weights and its base's, before
-    the model is built (``check_fit``, ``models.sharding.check_hf_fit``)."""
+    the model is built (``check_fit``, ``models.checkpointing.sharding.check_hf_fit``)."""
     cfg = found.model_config
     if base is not None and "hf" in found.base:
-        from models.sharding import check_hf_fit
+        from models.checkpointing.sharding import check_hf_fit
 
         try:
             check_hf_fit(cfg, base)
@@ -390,7 +391,7 @@ def _load_base(model, found: ModelCheckpoint, folder: Path) -> None:
     """The recorded base's weights (in ``folder``) into ``model`` (HF weights mapped, or a dist
     checkpoint)."""
     if "hf" in found.base:
-        from models.sharding import load_hf_weights
+        from models.checkpointing.sharding import load_hf_weights
 
         try:
             load_hf_weights(model, found.model_config, folder)

@@ -7,19 +7,19 @@ DeepStack applied there, the LM over every prompt token with megatron's
 padding mask (Mamba, Gated DeltaNet), keep the pads out of their states through
 ``decode_step.padded_prefill``) for all rows at once (``_row_groups``: one row at a time only on
 megatron >= 0.17 with Mamba layers). Then every row decodes in one batch through
-``models.decode_step``: one token per row per step in plain torch over the model's own weights,
-keys cached after RoPE (rotated once), Mamba conv / SSM and DeltaNet conv / recurrent states per
-row, no megatron per-token machinery. Where that module does not cover the model (it says which
-parts it covers; e.g. TP > 1), each group decodes with megatron's own step
+``models.generation.decode_step``: one token per row per step in plain torch over the model's own
+weights, keys cached after RoPE (rotated once), Mamba conv / SSM and DeltaNet conv / recurrent
+states per row, no megatron per-token machinery. Where that module does not cover the model (it says
+which parts it covers; e.g. TP > 1), each group decodes with megatron's own step
 (``language_model(...)`` on the context, which re-rotates the cached keys every step). M-RoPE: a
 generated token gets the same position on all three axes, ``max(prompt positions) + 1`` for the
 first and +1 per step after (what HF's ``rope_deltas`` do). One host sync per step (``tolist``
 of the B new tokens) decides which rows stopped; the batch stops when all have. Runs under
 ``torch.inference_mode``.
 
-Gated DeltaNet layers (``models.gated_deltanet``) keep each row's conv and recurrent state in
-the same inference context; their pad hooks (models/decode_deltanet.py: zero conv input, no
-state step on pads) make a left-padded batch prefill give each row's states of its prompt alone.
+Gated DeltaNet layers (``models.layers.gated_deltanet``) keep each row's conv and recurrent state in
+the same inference context; their pad hooks (models/generation/decode_deltanet.py: zero conv input,
+no state step on pads) make a left-padded batch prefill give each row's states of its prompt alone.
 
 megatron >= 0.17's static-batching Mamba decode step hands the mixer's (1, B, d) projection to
 a step that reads it as (B, s, d): right for one row only, so there rows run one at a time
@@ -28,10 +28,10 @@ a step that reads it as (B, s, d): right for one row only, so there rows run one
 (``inference_params=`` / ``InferenceParams``); >= 0.19 reads the process-wide ``InferenceMode``
 flag (its Mamba mixer uses the context only when it is set), which is set for the run as
 megatron's engines do. Needs a layer spec whose attention takes an explicit mask (the local
-spec; ``models.checkpoint.load_checkpoint(..., use_te=False)``). TP > 1: megatron's decode step
-(it gathers the vocab-parallel logits, ``runtime_gather_output``); at TP 2 it gives transformers'
-tokens for Qwen2.5-VL, Qwen3-VL, Nemotron-Omni (MoE, Mamba) and Qwen3.5 (the Gated DeltaNet's
-states split over the TP ranks) (tests/models/test_generate.py, 2 gloo ranks).
+spec; ``models.checkpointing.checkpoint.load_checkpoint(..., use_te=False)``). TP > 1: megatron's
+decode step (it gathers the vocab-parallel logits, ``runtime_gather_output``); at TP 2 it gives
+transformers' tokens for Qwen2.5-VL, Qwen3-VL, Nemotron-Omni (MoE, Mamba) and Qwen3.5 (the Gated
+DeltaNet's states split over the TP ranks) (tests/models/test_generate.py, 2 gloo ranks).
 """
 
 from __future__ import annotations
@@ -254,9 +254,9 @@ def same_prompts_on_expert_ranks(ids: torch.Tensor, prompts: list[Prompt]) -> bo
 def _generate(qwen, lm, prompts: list[Prompt], eos_id, max_new_tokens: int, pad_id: int,
               stats: GenerationStats | None) -> list[list[int]]:
     """``greedy_generate``: the prefill of each row group (``_row_groups``; all prompt tokens,
-    vision encoded once), then the lean decode of all rows (``models.decode_step``) or, where
-    it does not cover the model, megatron's decode step per group."""
-    from models import decode_step
+    vision encoded once), then the lean decode of all rows (``models.generation.decode_step``) or,
+    where it does not cover the model, megatron's decode step per group."""
+    from models.generation import decode_step
 
     device = next(qwen.parameters()).device
     eos = {eos_id} if isinstance(eos_id, int) else set(eos_id)
@@ -311,7 +311,7 @@ def _prefill(qwen, prompts: list[Prompt], ids, pos, valid, width: int, max_new_t
     """(megatron context, last-position logits (b, V)) of one group's prefill: ``ids`` (b, w)
     left-padded, ``pos`` / ``valid`` the group's (3, b, w + N) positions and (b, w + N) mask;
     recurrent layers keep the pads out of their states (``decode_step.padded_prefill``)."""
-    from models import decode_step
+    from models.generation import decode_step
 
     def media(name):
         value = _cat([getattr(p, name) for p in prompts])

@@ -128,8 +128,8 @@ def hf_to_ours_stage(hf_sd: dict[str, torch.Tensor], cfg, expected: dict[str, to
                      lm_head_key: str = "lm_head.weight", canonical: KeyMap = _same
                      ) -> dict[str, torch.Tensor]:
     """``hf_to_ours`` for one pipeline stage: ``expected`` = this stage's parameters under their
-    PP=1 keys (``models.sharding.global_keys``) -> shape; HF weights of other stages are
-    skipped (each is still checked against the full table).
+    PP=1 keys (``models.checkpointing.sharding.global_keys``) -> shape; HF weights of other stages
+    are skipped (each is still checked against the full table).
 
     With tied embeddings a last stage without the embedding holds its own copy of the output
     weight (megatron keeps it equal to the first stage's): it is filled from ``embed_key``.
@@ -253,7 +253,7 @@ def fuse_experts_like(hf_sd: dict[str, torch.Tensor], source: dict[str, torch.Te
                       ) -> dict[str, torch.Tensor]:
     """``hf_sd`` with the experts of each layer that ``source`` (the tensors an import recorded,
     e.g. Qwen3.6's MTP layer) holds packed, packed again in that tensor's layout (by shape, as
-    ``models.checkpoint.carried_record`` tells the LM's apart)."""
+    ``models.checkpointing.checkpoint.carried_record`` tells the LM's apart)."""
     out = dict(hf_sd)
     for key, tensor in source.items():
         match = FUSED.match(key)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 
-from models.segment_attention import SegmentAttention
+from models.layers.segment_attention import SegmentAttention
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}

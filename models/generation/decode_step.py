@@ -1,5 +1,6 @@
 """The lean greedy decode step: one token per row through a megatron language model's own weights
-in plain torch, with its own caches filled from the megatron prefill (models/generate.py).
+in plain torch, with its own caches filled from the megatron prefill
+(models/generation/generate.py).
 
 Why: a megatron decode step (``language_model(...)`` with a ``StaticInferenceContext``) makes
 about 1,600 Python calls on a two-layer model (module calls, tensor-parallel region functions,
@@ -19,23 +20,25 @@ zero-centred RMSNorm, grouped-GEMM experts, latent MoE projections, experts' lin
 (expert TP).
 
 Layer kinds (``LAYER_DECODERS``, by megatron module class; the builders live in
-models/decode_layers.py, each returns a ``LayerDecoder`` or raises ``Unsupported``):
+models/generation/decode_layers.py, each returns a ``LayerDecoder`` or raises ``Unsupported``):
 ``TransformerLayer`` / ``MLPLayer`` (attention with keys cached after RoPE, rotary on all or
 the first ``rotary_percent`` of each head, q/k norms, the output gate; or the layer's
-``self_attention`` mixer's own step: the Gated DeltaNet of Qwen3.5, models/decode_deltanet.py;
-dense MLP, MoE with a shared expert, gated or not) and ``MambaLayer`` (Mamba2 conv window and
-SSM state per row). So the lean step covers every family: Qwen2.5-VL, Qwen3-VL (MoE),
-Nemotron-Omni, Qwen3.5 (MoE), at TP = 1 with the local layer spec; experts over ranks (EP > 1,
-every rank decodes the same rows, which ``models.generate`` checks with
-``same_prompts_on_expert_ranks``) as each rank's experts summed by one all-reduce per MoE layer.
+``self_attention`` mixer's own step: the Gated DeltaNet of Qwen3.5,
+models/generation/decode_deltanet.py; dense MLP, MoE with a shared expert, gated or not) and
+``MambaLayer`` (Mamba2 conv window and SSM state per row). So the lean step covers every family:
+Qwen2.5-VL, Qwen3-VL (MoE), Nemotron-Omni, Qwen3.5 (MoE), at TP = 1 with the local layer spec;
+experts over ranks (EP > 1, every rank decodes the same rows, which ``models.generation.generate``
+checks with ``same_prompts_on_expert_ranks``) as each rank's experts summed by one all-reduce per
+MoE layer.
 
-A recurrent layer with its own cached state plugs in at two places: its decode step, with an
-entry in ``LAYER_DECODERS`` or a ``lean_decoder(prefilled)`` method on its layer module (asked
-first; on a ``TransformerLayer``'s ``self_attention`` module: the mixer alone, the layer adding
-its pre-norm and residual, as the Gated DeltaNet does), returning a ``LayerDecoder`` built from
+A recurrent layer with its own cached state plugs in at two places, both registered here (the
+layer's module knows nothing of generation): its decode step, with an entry in
+``LAYER_DECODERS`` (a whole layer) or in ``decode_layers.MIXER_DECODERS`` (a
+``TransformerLayer``'s ``self_attention`` mixer alone, the layer adding its pre-norm and
+residual, as the Gated DeltaNet's), returning a ``LayerDecoder`` built from
 ``prefilled.row_states(...)``; and, when its prefill has no padding mask, hooks that keep left
-padding out of its state (``PREFILL_PAD_HOOKS`` or a ``prefill_pad_hooks(keep)`` method on the
-module; ``padded_prefill``), as the Mamba mixer's and the Gated DeltaNet's do. Without them a
+padding out of its state (``PREFILL_PAD_HOOKS``; ``padded_prefill``), as the Mamba mixer's and
+the Gated DeltaNet's do. Without them a
 batch of unequal prompt lengths would carry the pads into the state (the tests compare each row
 with transformers).
 
@@ -55,8 +58,9 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from models import decode_layers as layers
-from models.decode_layers import Unsupported, linear_of, norm_of, plain
+from models.generation import decode_layers as layers
+from models.generation.decode_deltanet import deltanet_pad_hooks, deltanet_step
+from models.generation.decode_layers import Unsupported, linear_of, norm_of, plain
 
 
 class LayerDecoder(Protocol):
@@ -105,6 +109,9 @@ def _layer_decoders() -> dict[type, Callable]:
     from megatron.core.ssm.mamba_layer import MambaLayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from models.layers.gated_deltanet import GatedDeltaNet
+
+    layers.MIXER_DECODERS.setdefault(GatedDeltaNet, deltanet_step)
     return {TransformerLayer: layers.transformer_layer, MambaLayer: layers.mamba_layer}
 
 
@@ -113,8 +120,6 @@ LAYER_DECODERS: dict[type, Callable] = {}
 
 
 def _layer_decoder(layer, prefilled: Prefilled) -> LayerDecoder:
-    if hasattr(layer, "lean_decoder"):
-        return layer.lean_decoder(prefilled)
     if not LAYER_DECODERS:
         LAYER_DECODERS.update(_layer_decoders())
     for cls in type(layer).__mro__:
@@ -135,14 +140,14 @@ def padded_prefill(lm, keep: torch.Tensor):
     if not PREFILL_PAD_HOOKS:
         from megatron.core.ssm.mamba_mixer import MambaMixer
 
+        from models.layers.gated_deltanet import GatedDeltaNet
+
         PREFILL_PAD_HOOKS[MambaMixer] = layers.mamba_pad_hooks
+        PREFILL_PAD_HOOKS[GatedDeltaNet] = deltanet_pad_hooks
     handles = []
     try:
         if not bool(keep.all()):
             for module in lm.modules():
-                if hasattr(module, "prefill_pad_hooks"):
-                    handles += module.prefill_pad_hooks(keep)
-                    continue
                 hooks = next((PREFILL_PAD_HOOKS[c] for c in type(module).__mro__
                               if c in PREFILL_PAD_HOOKS), None)
                 if hooks is not None:

@@ -114,7 +114,7 @@ CONTENT = "content-"
 
 def fingerprint(folder: Path) -> str:
     """What the folder's model is, by content: a short hash of config.json's bytes and, for each
-    weight file the model is read from (``models.hf_weights.weight_map``: the index's shards, or
+    weight file the model is read from (``models.hf.weights.weight_map``: the index's shards, or
     every safetensors file), its name and the sha256 of its bytes (``content_hash``, cached by
     path, size and modification time). No path and no time enters it: the same files copied
     without ``-p``, restored, moved or on another node give the same fingerprint.
@@ -122,7 +122,7 @@ def fingerprint(folder: Path) -> str:
     Raises:
         HFSourceError: the weight files cannot be told (``weight_map``'s one line).
     """
-    from models.hf_weights import weight_map
+    from models.hf.weights import weight_map
 
     try:
         files = sorted({file for file, _shape in weight_map(folder).values()})
@@ -163,7 +163,7 @@ def content_hash(file: Path) -> str:
     """The sha256 of ``file``'s bytes, cached by its real path, size and modification time (in
     this process and in ``HASH_CACHE`` beside the import cache, so a base of many gigabytes is
     read once, not at every resume or export)."""
-    from models.checkpoint_folders import sha256_of
+    from models.checkpointing.folders import sha256_of
 
     real = Path(file).resolve()
     stat = real.stat()

@@ -29,10 +29,10 @@ last w - 1 inputs of the conv, (b, channels, w - 1)) and the recurrent state (b,
 float32 in ``key_value_memory_dict[layer_number]``; every decode step (one token) updates both in
 place (``causal_conv1d_update``, ``fused_recurrent_gated_delta_rule``): megatron's own decode
 step. The layer has no padding mask: a left-padded prefill of prompts of unequal length keeps the
-pads out of both states through ``prefill_pad_hooks`` (zero conv input, beta = 0 and decay g = 0
-on pads), and greedy generation's lean decode step runs the layer from those states in plain
-torch (``lean_decoder``); both live in models/decode_deltanet.py (models/decode_step.py's plug-in
-points for a recurrent layer).
+pads out of both states through pad hooks (zero conv input, beta = 0 and decay g = 0 on pads),
+and greedy generation's lean decode step runs the layer from those states in plain torch; both
+live in models/generation/decode_deltanet.py, registered by models/generation/decode_step.py
+(its plug-in points for a recurrent layer).
 
 Kernels: what ``models.kernels`` chose for this process (kinds ``deltanet``: fla-core's
 ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` or the torch ones of
@@ -72,8 +72,8 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from models import kernels
+from models.layers.norms import gated_rms_norm
 from models.multimodal import zigzag
-from models.norms import gated_rms_norm
 
 PARTS = ("q", "k", "v")
 
@@ -206,21 +206,6 @@ class GatedDeltaNet(MegatronModule):
             out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
                                                   metadata, tp_group=tp))
         return out
-
-    # ---------------------------------------------------------------- generation
-    def lean_decoder(self, prefilled):
-        """The lean decode step of this mixer over the prefill's states (a
-        ``models.decode_step.Prefilled``): x (B, H) normed -> (B, H)."""
-        from models.decode_deltanet import deltanet_step
-
-        return deltanet_step(self, prefilled)
-
-    def prefill_pad_hooks(self, keep: torch.Tensor) -> list:
-        """Hooks that keep the left pads of a padded prefill out of the states (``keep`` (b, s):
-        True on real tokens); returns their handles."""
-        from models.decode_deltanet import deltanet_pad_hooks
-
-        return deltanet_pad_hooks(self, keep)
 
     # ---------------------------------------------------------------- forward
     def forward(self, hidden_states, attention_mask=None, inference_context=None,

@@ -16,7 +16,7 @@ This module owns the layout of the checkpoints folder and what makes a step fold
   or step folder -> the step folder.
 
 What is unpickled of the dist checkpoint inside (``model_optim/``, an import folder) is
-``models.dist_load``'s.
+``models.checkpointing.dist_load``'s.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The shape of the Qwen ViT (Qwen2.5-VL, Qwen3-VL, Qwen3.5: ``models.qwen_vision``) and its
+"""The shape of the Qwen ViT (Qwen2.5-VL, Qwen3-VL, Qwen3.5: ``models.layers.qwen_vision``) and its
 Hugging Face ``vision_config`` in and out, shared by the families that use that tower
 (``models/families/qwen_vl``, ``models/families/qwen3_5``). No megatron import: building a
 config needs none.

@@ -8,8 +8,8 @@ normalised in float32, multiplied by ``1 + w`` in float32, cast back to the inpu
 Built by megatron's specs as ``norm(config=..., hidden_size=..., eps=...)``.
 
 ``gated_rms_norm``: the Gated DeltaNet's output norm (transformers' ``Qwen3_5RMSNormGated``;
-its weight applied as is), the one body of ``models.gated_deltanet.GatedRMSNorm`` and of the
-DeltaNet's lean decode step (models/decode_deltanet.py).
+its weight applied as is), the one body of ``models.layers.gated_deltanet.GatedRMSNorm`` and of the
+DeltaNet's lean decode step (models/generation/decode_deltanet.py).
 """
 
 from __future__ import annotations

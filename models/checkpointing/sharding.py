@@ -1,6 +1,6 @@
 """Tensor / pipeline / expert parallel slicing of a model's weights, for loading weights that
 come whole (an HF import: ``load_hf_weights``, used by ``models.convert`` and by
-``models.checkpoint`` for a checkpoint's recorded HF base).
+``models.checkpointing.checkpoint`` for a checkpoint's recorded HF base).
 
 This module owns ``weight_shapes`` (each parameter's full, TP=1 shape from this rank's shards),
 ``global_keys`` (a pipeline stage's layers and an expert-parallel rank's experts named by their
@@ -166,7 +166,7 @@ def check_hf_fit(cfg, folder, drop_unused: bool = False) -> None:
     """
     from contract.errors import UsageError
     from models.families import meta_model
-    from models.hf_weights import weight_map
+    from models.hf.weights import weight_map
 
     try:
         headers = weight_map(folder)
@@ -190,7 +190,7 @@ def load_hf_weights(model, cfg, folder, drop_unused: bool = False) -> dict:
             (the first offender named).
     """
     from contract.errors import UsageError
-    from models.hf_weights import read_hf_folder
+    from models.hf.weights import read_hf_folder
 
     try:
         hf_config, hf_sd = read_hf_folder(folder)  # its messages name the folder
