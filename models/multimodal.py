@@ -7,7 +7,8 @@ images and videos share one context token, as Nemotron-Omni's ``<image>``, the b
 ``visual_kinds`` tells which runs are videos), the scatter of the encoded media into those tokens
 (``scatter_visual``), megatron's THD parameters of packed rows (``packed_sequence_params``),
 the label shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at
-t), and the pipeline-parallel surface of a VLM (``LanguageModelRunner``: stage-aware LM call
+t) and of a multi-token-prediction head (``mtp_targets``: t+2 at t, within each packed sample),
+and the pipeline-parallel surface of a VLM (``LanguageModelRunner``: stage-aware LM call
 (packed batches in megatron's THD format), megatron's ``model_type`` / ``set_input_tensor`` /
 tied-embedding accessors).
 """

@@ -2,7 +2,8 @@
 micro-batch (``forward_step``; the vision-signal control blanks the pixels), megatron's 1F1B
 schedule under pipeline parallelism (``pipeline_step``), the loss summed over DP x CP
 (``reduce_loss``), one optimizer step over a step's micro-batches (``optimizer_step``: the loss
-normalised by the step's supervised tokens, see ``recipes.schedule``; a non-finite loss or
+normalised by the step's supervised tokens, see ``recipes.schedule``; with an MTP head
+(``model.train_mtp``, ``MTPStep``) + its weight x its own per-token mean; a non-finite loss or
 gradient norm skips the update and zeroes the gradients) and the validation loss
 (``validation_loss``: the same batches every time, the RNG state left as it was).
 """
