@@ -232,7 +232,8 @@ def test_mtp_head_trains_resumes_and_exports(tmp_path, mantis_out):
     too), DP 2 with packed rows: the loss and ``mtp_loss`` (logged apart) fall over 6 steps; a
     resume from step 3 gives the same losses as the run that went on; TP 2 (sequence parallel,
     the same batches: ``data.virtual_dp=2``) gives DP 2's losses over 3 steps and its first
-    gradient norm (the head's TP shards saved and loaded as such); the exports' ``mtp.*`` tensors
+    gradient norm (the head's TP shards saved and loaded as such); EP 2 (the head's experts
+    split over the ranks) gives DP 2's losses and gradient norms; the exports' ``mtp.*`` tensors
     keep the source's names and shapes but hold trained values, and they load in transformers.
     (``train_mtp=false``: the byte-identical carry above.)"""
     from safetensors.torch import load_file
@@ -250,7 +251,10 @@ def test_mtp_head_trains_resumes_and_exports(tmp_path, mantis_out):
     runs = {"dp2": ("train.steps=6",),
             "resumed": ("train.steps=6", "--resume",
                         str(tmp_path / "dp2" / "checkpoints" / "step_000003")),
-            "tp2": ("train.steps=3", "parallel.tp=2", "data.virtual_dp=2")}
+            "tp2": ("train.steps=3", "parallel.tp=2", "data.virtual_dp=2"),
+            # EP on CPU needs equal rows (megatron's allgather dispatcher): its own DP baseline
+            "dp2_fixed": ("train.steps=3", "task_encoder.fixed_length=true"),
+            "ep2": ("train.steps=3", "task_encoder.fixed_length=true", "parallel.ep=2")}
     logged = {}
     for name, extra in runs.items():
         proc = train_from_hf("qwen3_5", hf, tmp_path / name, tmp_path / "cache", mantis_out,
@@ -269,7 +273,9 @@ def test_mtp_head_trains_resumes_and_exports(tmp_path, mantis_out):
         # without the head: 5e-4 by step 6 at this learning rate)
         assert logged["tp2"][key] == pytest.approx(dp2[key][:3], rel=1e-4), key
     assert logged["tp2"]["grad_norm"][0] == pytest.approx(dp2["grad_norm"][0], rel=1e-5)
-    for name, step in (("dp2", "step_000006"), ("tp2", "step_000003")):
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        assert logged["ep2"][key] == pytest.approx(logged["dp2_fixed"][key], rel=1e-5), key
+    for name, step in (("dp2", "step_000006"), ("tp2", "step_000003"), ("ep2", "step_000003")):
         exported = export(tmp_path / name / "checkpoints" / step, tmp_path / f"export_{name}")
         after = load_file(str(exported / "model.safetensors"))
         assert sorted(after) == sorted(source), name

@@ -62,13 +62,13 @@ def layout_problems(cfg: config.Qwen35ModelConfig, parallel) -> list[str]:
     """Every layout train.py checks runs (with MoE layers TP runs megatron's sequence
     parallelism, as Qwen3-VL MoE's; the Gated DeltaNet's CP paths follow it:
     ``models.layers.gated_deltanet``). A GPU whose fla-core refuses the delta rule's backward trains
-    on the torch rule (``models.kernels``). ``model.train_mtp``: PP, CP and EP stay at 1 (the
-    head is built and checked at DP and TP, packed or not)."""
+    on the torch rule (``models.kernels``). ``model.train_mtp``: PP and CP stay at 1 (the
+    head is built and checked at DP, TP and EP, packed or not)."""
     if not cfg.train_mtp:
         return []
     return [f"model.train_mtp=true needs parallel.{key}=1 (the MTP head is not built for "
             f"{key.upper()} > 1 yet), got {value}"
-            for key, value in (("pp", parallel.pp), ("cp", parallel.cp), ("ep", parallel.ep))
+            for key, value in (("pp", parallel.pp), ("cp", parallel.cp))
             if value > 1]
 
 

@@ -20,8 +20,8 @@ layer is built from the family's own full-attention layer spec (gated attention,
 the MoE with its gated shared expert) and runs with the main decoder's rotary table (M-RoPE
 positions of i, as megatron's MTP) and its packed-sequence parameters. Under TP it runs as the
 decoder does (megatron's sequence parallelism with MoE layers: each rank its share of the
-tokens; ``fc`` and the norms replicated, their gradients summed over TP); PP, CP and EP > 1 are
-refused (``layout_problems``).
+tokens; ``fc`` and the norms replicated, their gradients summed over TP), under EP its experts
+are split over the ranks as the decoder's; PP and CP > 1 are refused (``layout_problems``).
 """
 
 from __future__ import annotations
