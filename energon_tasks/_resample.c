@@ -14,8 +14,9 @@
  *
  * patch_rows: the Qwen ViT's normalised patch rows (energon_tasks/families/qwen_vl/geometry.py,
  * ``pixel_rows``) in one pass: each uint8 value looked up in the caller's per-channel table of
- * its normalised float32 value, written in the processors' row order; a temporal slot that
- * repeats the previous frame (an image's second slot, a video's padding) is a copy.
+ * its normalised float32 value, in the processors' row order: each patch's values of one channel
+ * built in a small buffer and written with non-temporal stores (x86-64), once per temporal slot
+ * that shows that frame (an image's two slots, a video's padding).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -627,11 +628,30 @@ static int contiguous_view(PyObject *object, Py_buffer *view, int writable, int 
     return 0;
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+/* count floats from the L1-resident cell to dst with non-temporal stores (the rows are written
+ * once and read later: no read-for-ownership of their cache lines); dst 16-byte aligned, count a
+ * multiple of 4 */
+static void stream_floats(float *dst, const float *src, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+}
+#define CAN_STREAM(dst, count) ((((uintptr_t)(dst)) & 15) == 0 && (count) % 4 == 0)
+#define STREAM_FENCE() _mm_sfence()
+#else
+static void stream_floats(float *dst, const float *src, Py_ssize_t count) {
+    memcpy(dst, src, (size_t)count * sizeof(float));
+}
+#define CAN_STREAM(dst, count) 1
+#define STREAM_FENCE() ((void)0)
+#endif
+
 static void patch_rows(const uint8_t *frames, Py_ssize_t count, Py_ssize_t height,
                        Py_ssize_t width, Py_ssize_t channels, const float *table, float *dst,
-                       Py_ssize_t p, Py_ssize_t m, Py_ssize_t tp) {
+                       Py_ssize_t p, Py_ssize_t m, Py_ssize_t tp, float *cell_buffer) {
     Py_ssize_t grid_t = (count + tp - 1) / tp, block_h = height / (p * m),
                block_w = width / (p * m), row_bytes = width * channels, cell = p * p;
+    int stream = CAN_STREAM(dst, cell);
     for (Py_ssize_t gt = 0; gt < grid_t; gt++)
         for (Py_ssize_t by = 0; by < block_h; by++)
             for (Py_ssize_t bx = 0; bx < block_w; bx++)
@@ -643,20 +663,23 @@ static void patch_rows(const uint8_t *frames, Py_ssize_t count, Py_ssize_t heigh
                             Py_ssize_t previous = -1;
                             for (Py_ssize_t t = 0; t < tp; t++, dst += cell) {
                                 Py_ssize_t frame = gt * tp + t < count ? gt * tp + t : count - 1;
-                                if (frame == previous) {
-                                    memcpy(dst, dst - cell, (size_t)cell * sizeof(float));
-                                    continue;
+                                if (frame != previous) {  /* else: the same cell again */
+                                    previous = frame;
+                                    const uint8_t *src = frames + (frame * height + y0) *
+                                                         row_bytes + x0 * channels + c;
+                                    float *out = cell_buffer;
+                                    for (Py_ssize_t py = 0; py < p; py++, src += row_bytes)
+                                        for (Py_ssize_t px = 0; px < p; px++)
+                                            *out++ = lut[src[px * channels]];
                                 }
-                                previous = frame;
-                                const uint8_t *src = frames + (frame * height + y0) * row_bytes +
-                                                     x0 * channels + c;
-                                float *out = dst;
-                                for (Py_ssize_t py = 0; py < p; py++, src += row_bytes)
-                                    for (Py_ssize_t px = 0; px < p; px++)
-                                        *out++ = lut[src[px * channels]];
+                                if (stream)
+                                    stream_floats(dst, cell_buffer, cell);
+                                else
+                                    memcpy(dst, cell_buffer, (size_t)cell * sizeof(float));
                             }
                         }
                     }
+    if (stream) STREAM_FENCE();
 }
 
 static PyObject *py_patch_rows(PyObject *self, PyObject *args) {
@@ -687,11 +710,19 @@ static PyObject *py_patch_rows(PyObject *self, PyObject *args) {
     if (!ok) {
         PyErr_SetString(PyExc_ValueError, "patch_rows: frames (T, H, W, C) with H, W multiples "
                         "of patch * merge, table (C, 256), out (rows, C * temporal * patch**2)");
-    } else {
+    }
+    float *cell_buffer = ok ? malloc((size_t)(p * p) * sizeof(float)) : NULL;
+    if (ok && !cell_buffer) {
+        ok = 0;
+        PyErr_NoMemory();
+    }
+    if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        patch_rows(fv.buf, count, height, width, channels, tv.buf, ov.buf, p, m, tp);
+        patch_rows(fv.buf, count, height, width, channels, tv.buf, ov.buf, p, m, tp,
+                   cell_buffer);
         Py_END_ALLOW_THREADS
     }
+    free(cell_buffer);
     PyBuffer_Release(&fv);
     PyBuffer_Release(&tv);
     PyBuffer_Release(&ov);

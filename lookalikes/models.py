@@ -17,6 +17,7 @@ The lower-level builders (``build_tiny_hf``, ``build_tiny_qwen3_5``,
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -159,8 +160,6 @@ def add_qwen3_5_mtp(folder: Path, *, packed: bool = False, seed: int = 1
     """Add the published ``mtp.*`` tensors (``qwen3_5_mtp_shapes``, random) to a tiny Qwen3.5
     folder's model.safetensors and ``mtp_num_hidden_layers: 1`` to its text_config, as the hub's
     checkpoints have them; returns the added tensors."""
-    import json
-
     from safetensors.torch import load_file, save_file
 
     config = json.loads((folder / "config.json").read_text())
@@ -206,8 +205,6 @@ def build_tiny_mimo_vl(out: Path, *, vocab: int = 300, seed: int = 0) -> Path:
     ``sliding_window`` / ``use_sliding_window``, the tower's ``in_chans`` and
     ``spatial_patch_size``) and the weights under the older prefixes (``model.layers.*``,
     ``visual.*``), built with transformers' Qwen2.5-VL at tiny sizes."""
-    import json
-
     import transformers as tf
     from safetensors.torch import load_file, save_file
 
@@ -312,10 +309,86 @@ def build_tiny_nemotron_omni(out: Path, *, vocab: int = 640, pattern: str = "M*M
         text_config=dict(vocab_size=vocab, hidden_size=64, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, intermediate_size=96,
                          layers_block_type=[names[s] for s in pattern],
-                         num_nextn_predict_layers=1, **{**TINY_MAMBA, **(text or {})}),
+                         **{"num_nextn_predict_layers": 1, **TINY_MAMBA, **(text or {})}),
         projector_hidden_size=48, vision_hidden_size=32, **(tokens or NEMOTRON_TOKENS))
     return save_perturbed(NemotronH_Omni_Reasoning_V3, config, out, seed,
                           adjust=dt_above_transformers_floor)
+
+
+#: the Nemotron 3.5 Super VL shape in small (text_config keys of the published config): LatentMoE
+#: (routed experts on a latent width, shared expert on the hidden one), 16 experts of which 4
+#: are active, one MTP layer of the default block (attention, then MoE)
+TINY_SUPER_VL = dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                     moe_shared_expert_intermediate_size=48, moe_latent_size=24,
+                     routed_scaling_factor=2.5, num_nextn_predict_layers=1,
+                     mtp_layers_block_type=["attention", "moe"])
+#: where the ``nemotron_h_omni`` checkpoints keep the MTP layers: under the LM, next to
+#: ``language_model.backbone`` (the key names SGLang's Nemotron-H MTP loader strips)
+NEMOTRON_MTP_PREFIX = "language_model.mtp.layers."
+
+
+def build_tiny_nemotron_super_vl(out: Path, *, vocab: int = 640, pattern: str = "MEM*ME",
+                                 seed: int = 0, tokens: dict | None = None) -> Path:
+    """A tiny Nemotron 3.5 Super VL (``nemotron_h_omni`` with no audio, LatentMoE and an MTP
+    layer): ``build_tiny_nemotron_omni`` with ``TINY_SUPER_VL``, config.json without the audio
+    keys (no ``audio_config`` at all, as a checkpoint without a sound encoder), then the MTP
+    layer's tensors (``nemotron_mtp_shapes``, random) added to model.safetensors under their
+    published names (transformers builds no MTP module and ignores them on load)."""
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_nemotron_omni(out, vocab=vocab, pattern=pattern, seed=seed, tokens=tokens,
+                             text=TINY_SUPER_VL)
+    config = json.loads((out / "config.json").read_text())
+    for key in ("audio_config", "audio_token_id"):
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    text = config["text_config"]
+    g = torch.Generator().manual_seed(seed + 1)
+    added = {key: torch.randn(shape, generator=g) * 0.1
+             for key, shape in nemotron_mtp_shapes(text).items()}
+    weights = load_file(str(out / "model.safetensors"))
+    save_file(weights | added, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def nemotron_mtp_shapes(text: dict) -> dict[str, tuple[int, ...]]:
+    """The ``language_model.mtp.layers.{i}.*`` tensors of a ``nemotron_h_omni`` checkpoint ->
+    their shapes, for its HF ``text_config``: the MTP block's inner layers numbered one after
+    the other (``num_nextn_predict_layers`` x ``mtp_layers_block_type``), each a ``norm`` and a
+    ``mixer``; ``enorm`` / ``hnorm`` / ``eh_proj`` (H x 2H) on the first, ``final_layernorm`` on
+    the last of each block."""
+    h, heads, kv = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"]
+    d = text.get("head_dim") or h // heads
+    experts, latent = text["n_routed_experts"], text.get("moe_latent_size")
+    width = latent or h
+    inner, shared = text["moe_intermediate_size"], text["moe_shared_expert_intermediate_size"]
+    mixers = {
+        "attention": {"q_proj.weight": (heads * d, h), "k_proj.weight": (kv * d, h),
+                      "v_proj.weight": (kv * d, h), "o_proj.weight": (h, heads * d)},
+        "mlp": {"up_proj.weight": (text["intermediate_size"], h),
+                "down_proj.weight": (h, text["intermediate_size"])},
+        "moe": {"gate.weight": (experts, h), "gate.e_score_correction_bias": (experts,),
+                "shared_experts.up_proj.weight": (shared, h),
+                "shared_experts.down_proj.weight": (h, shared),
+                **{f"experts.{e}.up_proj.weight": (inner, width) for e in range(experts)},
+                **{f"experts.{e}.down_proj.weight": (width, inner) for e in range(experts)},
+                **({"fc1_latent_proj.weight": (latent, h), "fc2_latent_proj.weight": (h, latent)}
+                   if latent else {})},
+    }
+    block = [{"full_attention": "attention"}.get(kind, kind)
+             for kind in text.get("mtp_layers_block_type") or ["attention", "moe"]]
+    out: dict[str, tuple[int, ...]] = {}
+    for step in range(text.get("num_nextn_predict_layers") or 0):
+        for j, kind in enumerate(block):
+            layer = f"{NEMOTRON_MTP_PREFIX}{step * len(block) + j}."
+            out[layer + "norm.weight"] = (h,)
+            out |= {layer + "mixer." + name: shape for name, shape in mixers[kind].items()}
+            if j == 0:
+                out |= {layer + "enorm.weight": (h,), layer + "hnorm.weight": (h,),
+                        layer + "eh_proj.weight": (h, 2 * h)}
+            if j == len(block) - 1:
+                out[layer + "final_layernorm.weight"] = (h,)
+    return out
 
 
 def dt_above_transformers_floor(model) -> None:
@@ -356,15 +429,15 @@ DEFAULT_PIXELS = {"nemotron_omni": (8192, 16384)}
 
 
 def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int] | None = None,
-                        pattern: str = "M*M-", seed: int = 0) -> Path:
+                        pattern: str = "M*M-", seed: int = 0, super_vl: bool = False) -> Path:
     """A complete tiny HF model folder as the hub has them: weights + config.json (token ids of
     the test tokenizer), the test tokenizer with the family's chat template
     (``energon_tasks.tokenizer.chat_template``: ChatML, list contents with the media tokens
     where transformers' processor expands them), generation_config.json and the processor files
     an export of the family writes (``processor_files``: image, video and processor configs,
-    with ``pixels`` = (min, max) image pixels). ``pattern``: Nemotron-Omni's LM layers."""
-    import json
-
+    with ``pixels`` = (min, max) image pixels). ``pattern``: Nemotron-Omni's LM layers;
+    ``super_vl``: Nemotron-Omni in the Nemotron 3.5 Super VL shape
+    (``build_tiny_nemotron_super_vl``: LatentMoE, MTP weights; its default pattern)."""
     from transformers import AutoTokenizer
 
     from energon_tasks.tokenizer import build_test_tokenizer, chat_template
@@ -373,7 +446,10 @@ def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int] | Non
     pixels = pixels or DEFAULT_PIXELS.get(family, (3136, 6272))
     out = Path(out)
     video = {}
-    if family == "nemotron_omni":
+    if family == "nemotron_omni" and super_vl:
+        build_tiny_nemotron_super_vl(out, seed=seed, tokens=TEST_TOKENIZER_NEMOTRON)
+        video = {"video_target_num_patches": 64, "video_maintain_aspect_ratio": True}
+    elif family == "nemotron_omni":
         build_tiny_nemotron_omni(out, pattern=pattern, seed=seed, tokens=TEST_TOKENIZER_NEMOTRON)
         video = {"video_target_num_patches": 64, "video_maintain_aspect_ratio": True}
     elif family in ("qwen3_5", "qwen3_5_moe"):
@@ -408,10 +484,14 @@ def build_tiny_hf_model(family: str, out: Path, *, pixels: tuple[int, int] | Non
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="The model folder to write (files in it are replaced).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Weight seed.")
-def cli(family: str, out: Path, seed: int) -> None:
+@click.option("--super-vl", is_flag=True,
+              help="nemotron_omni only: the Nemotron 3.5 Super VL shape (LatentMoE, MTP layer).")
+def cli(family: str, out: Path, seed: int, super_vl: bool) -> None:
     """Write a hub-complete tiny model folder of FAMILY: what HF= / model.hf, export and the
     README's transformers snippet take offline."""
-    folder = build_tiny_hf_model(family, out, seed=seed)
+    if super_vl and family != "nemotron_omni":
+        raise click.UsageError(f"--super-vl is a nemotron_omni shape, not {family}'s")
+    folder = build_tiny_hf_model(family, out, seed=seed, super_vl=super_vl)
     size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     click.echo(f"lookalikes.models: wrote a tiny {family} model folder {folder} "
                f"({size / 1e6:.1f} MB): HF={folder}")

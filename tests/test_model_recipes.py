@@ -74,7 +74,8 @@ def test_recipe_refusals_are_one_line(qwen7b):
                                           r"train.micro_batch_size x DP = 1 x 3"):
         load_run_config(MANTIS, [f"model.hf={qwen7b}"], world=12)  # layout of 4: DP 3
     with pytest.raises(ConfigError, match="recipe 'qwen9' is not one of configs/recipes/: "
-                                          "nemotron_omni_30b_a3b, qwen2_5_vl_3b"):
+                                          "nemotron_omni_30b_a3b, nemotron_omni_super_120b_a12b, "
+                                          "qwen2_5_vl_3b"):
         load_run_config(MANTIS, [f"model.hf={qwen7b}", "recipe=qwen9"])
     with pytest.raises(ConfigError, match=r"train.grad_accum=3 disagrees with "
                                           r"train.global_batch_size 32"):

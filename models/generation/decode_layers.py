@@ -169,14 +169,18 @@ def shared_expert_step(module) -> Callable:
 
 def moe_step(module) -> Callable:
     """x (B, H) -> a megatron ``MoELayer``'s output: its router's choice, the picked experts
-    weighted by their probabilities, the shared expert. Experts over ranks (EP > 1, each
-    expert whole: expert-TP 1): each rank adds its own experts' share and one all-reduce over
-    the expert-parallel group sums them; that needs the same rows on every EP rank
+    weighted by their probabilities, the shared expert. LatentMoE (``moe_latent_size``): the
+    experts run on ``fc1_latent_proj(x)`` and their weighted sum goes through
+    ``fc2_latent_proj`` (the router and the shared expert read x). Experts over ranks (EP > 1,
+    each expert whole: expert-TP 1): each rank adds its own experts' share and one all-reduce
+    over the expert-parallel group sums them; that needs the same rows on every EP rank
     (``models.generation.generate.same_prompts_on_expert_ranks`` checks it)."""
     experts = getattr(module.experts, "local_experts", None)
     cfg = module.config
-    if experts is None or getattr(cfg, "moe_latent_size", None):
-        raise Unsupported("MoE layout (grouped experts or latent projections)")
+    if experts is None:
+        raise Unsupported("MoE layout (grouped experts)")
+    down, up = ((linear_of(module.fc1_latent_proj), linear_of(module.fc2_latent_proj))
+                if getattr(cfg, "moe_latent_size", None) else (None, None))
     if getattr(cfg, "moe_shared_expert_overlap", False):
         raise Unsupported("MoE shared expert overlapped with the dispatcher")
     group = None
@@ -194,16 +198,17 @@ def moe_step(module) -> Callable:
 
     def moe(x):
         probs, top = route(x)  # (B, k) each
-        out = shared(x) if shared is not None and group is None else torch.zeros_like(x)
+        inner = x if down is None else F.linear(x, *down)  # the experts' input (latent width)
+        out = torch.zeros_like(inner)
         for e in top.unique().tolist():  # the experts this step needs (one host sync)
             if e in mlps:
                 weight = (probs * (top == e)).sum(-1)  # (B,): 0 where a row did not pick e
-                out = out + mlps[e](x, weight)
-        if group is not None:  # the other ranks' experts, then the shared expert once
+                out = out + mlps[e](inner, weight)
+        if group is not None:  # the other ranks' experts
             torch.distributed.all_reduce(out, group=group)
-            if shared is not None:
-                out = out + shared(x)
-        return out
+        if up is not None:
+            out = F.linear(out, *up)
+        return out + shared(x) if shared is not None else out
 
     return moe
 
@@ -287,7 +292,7 @@ def transformer_layer(layer, prefilled) -> Callable:
     if not is_identity(layer.mlp):
         mlp = layer.mlp
         kind = type(mlp).__name__
-        if kind == "MoELayer":
+        if kind in ("MoELayer", "LatentMoELayer"):
             parts.append((norm_of(layer.pre_mlp_layernorm), moe_step(mlp)))
         elif kind == "MLP":
             parts.append((norm_of(layer.pre_mlp_layernorm), mlp_step(mlp)))

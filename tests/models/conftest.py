@@ -111,10 +111,6 @@ def world2(tiny_hf, tiny_nemotron_hf, qwen_imported, nemotron_imported, qwen3_5_
     """The one torchrun launch (2 gloo ranks) of every 2-process check of tests/models
     (tests/models/world2_checks.py) -> check name -> its output folder. Each test asserts on its
     check's files (``world2_result``)."""
-    import json
-    import subprocess
-    import sys
-
     root = tmp_path_factory.mktemp("world2")
     checks = {
         "tp2_qwen": ("tp2", [tiny_hf["qwen2_5_vl"], tiny_hf["qwen3_vl"]]),
@@ -129,6 +125,16 @@ def world2(tiny_hf, tiny_nemotron_hf, qwen_imported, nemotron_imported, qwen3_5_
         "vision_dp_cp2": ("vision_dp", []),
         "nemotron_vision_dp_cp2": ("nemotron_vision_dp", []),
     }
+    return launch_world2(checks, root)
+
+
+def launch_world2(checks: dict[str, tuple[str, list]], root: Path) -> dict:
+    """One torchrun launch (2 gloo ranks) of tests/models/world2_checks.py over ``checks`` (name
+    -> (check kind, its arguments)) -> name -> (its output folder under ``root``, the process)."""
+    import json
+    import subprocess
+    import sys
+
     folders = {name: root / f"c{i}" for i, name in enumerate(checks)}
     spec = [{"check": kind, "out": str(folders[name]), "args": [str(a) for a in args]}
             for name, (kind, args) in checks.items()]

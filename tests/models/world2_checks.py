@@ -1,12 +1,14 @@
 """One torchrun launch (2 gloo ranks) for every 2-process check of tests/models: TP=2 import parity
-(tp2_check.py), PP=2 import parity and reshard (pp2_check.py), vision DP over CP2 on the tiny
-encoder (vision_dp_worker.py) and on the Nemotron-Omni tower (nemotron_vision_dp_worker.py).
+(tp2_check.py), PP=2 import parity and reshard (pp2_check.py), TP=2 and EP=2 parity of one
+model (layouts_check.py), vision DP over CP2 on the tiny encoder (vision_dp_worker.py) and on the
+Nemotron-Omni tower (nemotron_vision_dp_worker.py).
 
     torchrun --standalone --nproc-per-node 2 tests/models/world2_checks.py SPEC.json
 
-SPEC.json: a list of {"check": "tp2" | "pp2" | "vision_dp" | "nemotron_vision_dp", "out": folder,
-"args": [...]}. Each check runs in turn in the one process group (megatron's parallel state torn
-down between them) and writes what its own launch wrote, under its ``out``, then ``out/DONE``.
+SPEC.json: a list of {"check": "tp2" | "pp2" | "layouts" | "vision_dp" | "nemotron_vision_dp",
+"out": folder, "args": [...]}. Each check runs in turn in the one process group (megatron's
+parallel state torn down between them) and writes what its own launch wrote, under its ``out``,
+then ``out/DONE``.
 A check that raises writes ``out/FAILED.rank<N>`` (the traceback) and ends the launch (exit 1):
 the other rank may be waiting in one of its collectives. The tests read the files
 (tests/models/conftest.py, fixture ``world2``).
@@ -30,6 +32,10 @@ def run_check(check: str, out: Path, args: list[str]) -> None:
         from tests.models import pp2_check
 
         pp2_check.run(out, Path(args[0]), Path(args[1]))
+    elif check == "layouts":
+        from tests.models import layouts_check
+
+        layouts_check.run(out, Path(args[0]), Path(args[1]))
     elif check in ("vision_dp", "nemotron_vision_dp"):
         from tests.models import nemotron_vision_dp_worker, vision_dp_worker
 

@@ -10,7 +10,7 @@ layouts (q/k/v grouping, ViT fused qkv) and safetensors I/O are the shared machi
 LM layers are mapped by the symbol of the layer in ``lm.pattern``: the block's ``norm`` goes to
 the norm in front of its one mixer. ``M`` (Mamba2) and ``E`` (MoE) names follow transformers'
 modeling code (``NemotronHMamba2Mixer``, ``NemotronHMoE`` with per-expert hub keys) and megatron's
-``MambaMixer`` / ``MoELayer`` (parity-tested on CPU, Mamba through models/cpu/mamba.py). Mamba
+``MambaMixer`` / ``MoELayer`` (parity-tested on CPU, Mamba on models/kernels/mamba.py). Mamba
 tensors keep their layout (in_proj z|x|B|C|dt, conv1d x|B|C); their tensor-parallel slices come
 from megatron's ``partition_sizes`` (``models.checkpointing.sharding.shard_for_rank``). megatron >=
 0.19 names the conv ``mixer.conv1d_weight`` / ``conv1d_bias`` (0.16.1: an ``nn.Conv1d``,
@@ -21,10 +21,18 @@ A PEFT folder names transformers' modules, which its checkpoint conversion renam
 ``multi_modal_projector.*``): ``ours_to_hf(hub_layout=False)`` gives those names
 (``module_names``).
 
-Import-only rules: RADIO's input conditioner buffers and ``summary_idxs``, audio (``sound_*``)
-and MTP (``mtp.*``) weights are not part of our model and are skipped; a checkpoint without
-LayerScale vectors gets ``layerscale_value`` (HF does the same). Export writes ``summary_idxs``
-from the config.
+Import-only rules: RADIO's input conditioner buffers and ``summary_idxs`` and audio
+(``sound_*``) weights are not part of our model and are skipped; a checkpoint without LayerScale
+vectors gets ``layerscale_value`` (HF does the same). Export writes ``summary_idxs`` from the
+config. The multi-token-prediction layers (``language_model.mtp.*``, no module here: not
+trained) are not mapped: ``CARRIED_PREFIXES`` names them, and the import records them for the
+export, which writes them back byte for byte (the one mechanism of every family:
+``models.checkpointing.checkpoint.carried_record``).
+
+LatentMoE (``moe_latent_size``): ``mixer.fc1_latent_proj`` / ``fc2_latent_proj`` map to the MoE
+layer's projections of the same names (megatron's; ``models/layers/latent_moe.py`` without TE),
+whole on every tensor-parallel rank (megatron's duplicated linears: no TP attribute, so
+``models.checkpointing.sharding.shard_for_rank`` never slices them).
 """
 
 from __future__ import annotations
@@ -104,8 +112,12 @@ LM_LAYER = {
 }
 LATENT = {LM + f"mixer.fc{n}_latent_proj.weight": (OL + f"mlp.fc{n}_latent_proj.weight", None)
           for n in (1, 2)}
-#: HF keys that are not part of our model (skipped on import)
-IGNORED = re.compile(r"^(sound_encoder\.|sound_projection\.|mtp\.|language_model\.(backbone\.)?mtp"
+#: HF weights our model does not hold, carried from the import into every export unchanged:
+#: the multi-token-prediction layers (``language_model.mtp.layers.{i}.*`` in the published
+#: ``nemotron_h_omni`` checkpoints; a text checkpoint's top-level ``mtp.*`` too)
+CARRIED_PREFIXES = ("language_model.mtp.", "mtp.")
+#: HF keys that are not part of our model and not exported (skipped on import)
+IGNORED = re.compile(r"^(sound_encoder\.|sound_projection\.|language_model\.backbone\.mtp"
                      r"|vision_model\.radio_model\.(input_conditioner\.|summary_idxs$))")
 SUMMARY_IDXS = "vision_model.radio_model.summary_idxs"
 #: the published (on-disk) names -> the names of transformers' modules, as its checkpoint
@@ -171,7 +183,8 @@ def _import_view(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
                  table: dict[str, tuple[str, str | None]]) -> dict[str, torch.Tensor]:
     """The HF weights as the table reads them: ignored keys and a tied lm_head dropped, missing
     LayerScale vectors filled (see module docstring)."""
-    hf_sd = {k: v for k, v in hf_sd.items() if not IGNORED.match(k)}
+    hf_sd = {k: v for k, v in hf_sd.items()
+             if not IGNORED.match(k) and not k.startswith(CARRIED_PREFIXES)}
     if cfg.lm.tie_embeddings:
         hf_sd.pop(LM_HEAD, None)
     for key in table:

@@ -12,11 +12,13 @@ embedding (``position_embedding_type='none'``: NemotronH attention has no rotary
 (3, B, L) ``position_ids`` of the batch are ignored), squared-ReLU non-gated MLPs, GQA attention
 without biases. Specs: on GPU megatron's TransformerEngine hybrid stack spec; on CPU local specs
 (megatron's local GPT attention / MLP / MoE modules, megatron's ``MambaMixer`` with megatron
-linears and a torch norm). ``M`` runs megatron's ``MambaMixer`` on the kernels
-``models.kernels`` chose and bound into it before the stack is built (mamba_ssm's where they are
-installed and agree with torch, else the plain-torch ones of models/kernels/mamba.py: the model
-builds without mamba_ssm on any device; so is MambaStack's final ``TENorm`` without
-TransformerEngine); the mixer gets the config's conv width, chunk size and dt init range.
+linears and a torch norm; LatentMoE, ``lm.moe_latent_size``: models/layers/latent_moe.py's
+``LatentMoELayer``, as megatron's ``MoELayer`` builds its latent projections with TE only).
+``M`` runs megatron's ``MambaMixer`` on the kernels ``models.kernels`` chose and bound into it
+before the stack is built (mamba_ssm's where they are installed and agree with torch, else the
+plain-torch ones of models/kernels/mamba.py: the model builds without mamba_ssm on any device;
+so is MambaStack's final ``TENorm`` without TransformerEngine); the mixer gets the config's conv
+width, chunk size and dt init range.
 Pipeline parallel: MambaStack gives each stage its slice of the pattern (an even split of the
 layer count) and numbers the layers globally (dist checkpoints load at any PP); vision +
 embedding live on the first stage, the output layer + loss on the last
@@ -195,10 +197,14 @@ def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool, grouped_gemm: bool
     submodules = dict(attention_layer=attention, mlp_layer=mlp)
     if "E" in pattern:
         moe = specs.get_gpt_layer_local_spec(num_experts=cfg.lm.num_experts,
-                                             normalization="RMSNorm")
+                                             normalization="RMSNorm").submodules.mlp
+        if cfg.lm.moe_latent_size is not None:  # megatron's MoELayer builds them with TE only
+            from models.layers.latent_moe import LatentMoELayer
+
+            moe = dataclasses.replace(moe, module=LatentMoELayer)
         submodules["moe_layer"] = ModuleSpec(module=TransformerLayer,
                                              submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=norm, mlp=moe.submodules.mlp, mlp_bda=get_bias_dropout_add))
+            pre_mlp_layernorm=norm, mlp=moe, mlp_bda=get_bias_dropout_add))
     if "M" in pattern:
         submodules["mamba_layer"] = _mamba_spec(cfg)
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(**submodules))
