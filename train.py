@@ -54,7 +54,7 @@ from recipes.checkpointing import (
     verified_resume,
 )
 from recipes.estimate import estimate as estimate_memory
-from recipes.forward import NonFiniteGuard, optimizer_step, validation_loss
+from recipes.forward import MTPStep, NonFiniteGuard, optimizer_step, validation_loss
 from recipes.layout import Layout, init_distributed
 from recipes.loaders import PlanLog, loader_states, restore_loaders
 from recipes.loaders import build_loaders as loaders_for
@@ -75,7 +75,7 @@ from recipes.resume import reconcile
 from recipes.run_config import ConfigError, load_run_config, to_dict
 from recipes.run_folder import SKIP_LOG, StopSignal, lock_run, prepare_run_folder
 from recipes.run_plan import RunPlan, resolve_plan, save_run_tokenizer
-from recipes.schedule import loss_tokens, lr_at, step_token_total
+from recipes.schedule import loss_tokens, lr_at, mtp_loss_tokens, step_token_total
 
 # --- config ------------------------------------------------------------------------------------
 #: a dotted ``key=value`` override (what ``--resume`` must not swallow as its value)
@@ -295,15 +295,18 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
     iterators = [iter(loader) for loader in loaders]
     meter, guard = StepMeter(), NonFiniteGuard(t.max_nonfinite_steps)
     plans = PlanLog(run.out, layout, cfg.data.virtual_dp, cfg.log.sample_keys)
+    trains_mtp = getattr(cfg.model, "train_mtp", False)  # Qwen3.5's MTP head: its own loss
     for step in range(start, t.steps):
         step_start = time.perf_counter()
         batches, wait = next_batches(iterators, t.grad_accum)
         total_tokens = step_token_total(sum(loss_tokens(b) for b in batches))
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                    total_steps=t.steps)
+        mtp = MTPStep(cfg.model.mtp_loss_weight, step_token_total(
+            sum(mtp_loss_tokens(b) for b in batches))) if trains_mtp else None
         loss_sum, grad_norm, stepped = optimizer_step(layout, model, trainee.optimizer, batches,
                                                       trainee.rates.at(step), total_tokens,
-                                                      cfg.data.blank_media)
+                                                      cfg.data.blank_media, mtp)
         aux = moe_aux.step_metrics(model, len(batches))  # MoE: aux loss, expert load, drops
         meter.time += time.perf_counter() - step_start
         meter.wait += wait
@@ -318,6 +321,7 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
             logger.log({"step": done, "loss": float(loss_sum) / max(total_tokens, 1),
                         "lr": lr, "grad_norm": float(grad_norm or 0.0),
                         "loss_tokens": total_tokens, "nonfinite_steps": guard.count, **aux,
+                        **({"mtp_loss": mtp.loss, "mtp_loss_tokens": mtp.tokens} if mtp else {}),
                         **meter.summary(layout), **plans.summary()})
             meter.reset()
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):

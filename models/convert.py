@@ -202,7 +202,8 @@ def import_hf_cached(cfg, source: str, cache_root: Path) -> tuple[Path, bool]:
               ps.get_pipeline_model_parallel_world_size(),
               ps.get_expert_model_parallel_world_size(),
               ps.get_expert_tensor_parallel_world_size())
-    target = Path(cache_root) / cache_name(source, folder, *layout)
+    mtp = "-mtp" if getattr(cfg, "train_mtp", False) else ""  # the MTP head's weights too
+    target = Path(cache_root) / (cache_name(source, folder, *layout) + mtp)
     done = [(target / IMPORT_DONE).is_file()]
     dist.broadcast_object_list(done, src=0)  # one answer for every rank
     if done[0]:

@@ -39,7 +39,8 @@ def batch_flops(batch, model_cfg) -> float:
     tokens = float(sum(lengths))
     grids = [g.tolist() for g in (batch.image_grid_thw, batch.video_grid_thw)]
     family = family_of(model_cfg)
-    forward = family.lm_flops(model_cfg.lm, tokens, lengths) + vision_flops(model_cfg, grids)
+    forward = (family.lm_flops(model_cfg.lm, tokens, lengths)
+               + family.head_flops(model_cfg, tokens, lengths) + vision_flops(model_cfg, grids))
     return 3.0 * forward - family.patch_embed_flops(model_cfg, grids)
 
 

@@ -7,7 +7,8 @@ images and videos share one context token, as Nemotron-Omni's ``<image>``, the b
 ``visual_kinds`` tells which runs are videos), the scatter of the encoded media into those tokens
 (``scatter_visual``), megatron's THD parameters of packed rows (``packed_sequence_params``),
 the label shift of the loss (``shift_labels``: labels arrive unshifted, the model predicts t+1 at
-t), and the pipeline-parallel surface of a VLM (``LanguageModelRunner``: stage-aware LM call
+t) and of a multi-token-prediction head (``mtp_targets``: t+2 at t, within each packed sample),
+and the pipeline-parallel surface of a VLM (``LanguageModelRunner``: stage-aware LM call
 (packed batches in megatron's THD format), megatron's ``model_type`` / ``set_input_tensor`` /
 tied-embedding accessors).
 """
@@ -169,6 +170,33 @@ def shift_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None):
         mask[:, :-1] = loss_mask[:, 1:]
         mask = mask * (shifted != IGNORE_INDEX)
     return shifted.clamp(min=0), mask
+
+
+def segment_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The packed segment of each of ``tokens`` flattened positions (``cu_seqlens``)."""
+    positions = torch.arange(tokens, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+
+
+def mtp_targets(labels: torch.Tensor, loss_mask: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None = None):
+    """Unshifted labels (B, L) (-100 = no loss) -> (target of position i = label i+2, clamped
+    >= 0; float mask: the label i+2 exists in the same packed sample (``cu_seqlens`` over the
+    flattened B*L tokens), is not -100 and its loss-mask entry is set)."""
+    target = torch.full_like(labels, IGNORE_INDEX)
+    target[:, :-2] = labels[:, 2:]
+    mask = (target != IGNORE_INDEX).float()
+    if loss_mask is not None:
+        shifted = torch.zeros_like(mask)
+        shifted[:, :-2] = loss_mask[:, 2:].float()
+        mask = mask * shifted
+    if cu_seqlens is not None:
+        batch, length = labels.shape
+        segment = segment_ids(cu_seqlens.to(labels.device), batch * length)
+        same = torch.zeros_like(segment, dtype=torch.bool)
+        same[:-2] = segment[:-2] == segment[2:]
+        mask = mask * same.view(batch, length)
+    return target.clamp(min=0), mask
 
 
 def packed_sequence_params(cu_seqlens: torch.Tensor, max_seqlen: int | None, device):

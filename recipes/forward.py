@@ -2,7 +2,8 @@
 micro-batch (``forward_step``; the vision-signal control blanks the pixels), megatron's 1F1B
 schedule under pipeline parallelism (``pipeline_step``), the loss summed over DP x CP
 (``reduce_loss``), one optimizer step over a step's micro-batches (``optimizer_step``: the loss
-normalised by the step's supervised tokens, see ``recipes.schedule``; a non-finite loss or
+normalised by the step's supervised tokens, see ``recipes.schedule``; with an MTP head
+(``model.train_mtp``, ``MTPStep``) + its weight x its own per-token mean; a non-finite loss or
 gradient norm skips the update and zeroes the gradients) and the validation loss
 (``validation_loss``: the same batches every time, the RNG state left as it was).
 """
@@ -24,14 +25,35 @@ def forward_step(model, batch: VLMBatch, blank_media: bool):
     """Per-token loss (B, L/CP) * mask of this rank's CP share of ``batch`` (the model runs its
     share); under PP a stage before the last returns its output hidden states (L, B, H), or
     (B*L, 1, H) for a packed batch, which megatron's schedule sends on."""
+    out = forward_outputs(model, batch, blank_media)
+    return out[0] if isinstance(out, tuple) else out  # (per-token loss, mask) | hidden
+
+
+def forward_outputs(model, batch: VLMBatch, blank_media: bool):
+    """The model's output on ``batch``: (per-token loss * mask, mask[, the MTP head's per-token
+    loss * its mask (``model.train_mtp``, while training)]) on the last stage, hidden states
+    on the others."""
     device = next(model.parameters()).device
     fields = batch.model_inputs(device)
     if blank_media:  # the vision-signal control: every pixel row at the normalised mean
         fields["pixel_values"] = torch.zeros_like(fields["pixel_values"])
         fields["pixel_values_videos"] = torch.zeros_like(fields["pixel_values_videos"])
-    out = model(**fields, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
-                sample_keys=batch.__key__)
-    return out[0] if isinstance(out, tuple) else out  # (per-token loss, mask) | hidden
+    return model(**fields, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
+                 sample_keys=batch.__key__)
+
+
+class MTPStep:
+    """``model.train_mtp``: the MTP loss's weight and the step's MTP tokens over DP (its mean's
+    denominator); ``optimizer_step`` adds the step's summed MTP token loss (``loss_sum``, over
+    every rank: ``loss`` is its mean)."""
+
+    def __init__(self, weight: float, tokens: int):
+        self.weight, self.tokens = weight, tokens
+        self.loss_sum = torch.zeros(1, dtype=torch.float64)
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_sum) / max(self.tokens, 1)
 
 
 def pipeline_step(model, batches, layout, blank_media: bool, loss_scale: float,
@@ -120,12 +142,14 @@ def validation_loss(model, cfg, encoder, layout) -> tuple[float, int, int]:
 
 
 def optimizer_step(layout, model, optimizer, batches, lr, total_tokens: int,
-                   blank_media: bool = False):
+                   blank_media: bool = False, mtp: MTPStep | None = None):
     """Forward and backward over the step's micro-batches (1F1B schedule under PP), then the
     optimizer step (clipped to ``train.clip_grad``) unless the loss sum (over every rank) or the
     gradient norm is not finite: then no update, the gradients zeroed. Returns (the step's loss
     sum over every rank, the grad norm, whether the optimizer stepped): the same on every rank.
-    ``lr``: one rate, or one per optimizer group (recipes.param_groups.GroupRates)."""
+    ``lr``: one rate, or one per optimizer group (recipes.param_groups.GroupRates). ``mtp``
+    (``model.train_mtp``, PP = 1): the objective is the LM loss + ``mtp.weight`` x the MTP
+    head's loss, each a mean over its own tokens."""
     import math
 
     from megatron.core.distributed import finalize_model_grads
@@ -145,12 +169,22 @@ def optimizer_step(layout, model, optimizer, batches, lr, total_tokens: int,
         loss_sum = torch.zeros(1, dtype=torch.float64)
         moe_aux.set_backward_scale(model, len(batches), layout.cp)  # MoE: as megatron's schedule
         for batch in batches:
-            token_loss = forward_step(model, batch, blank_media).float().sum()
-            (token_loss * scale / max(total_tokens, 1)).backward()
+            out = forward_outputs(model, batch, blank_media)
+            token_loss = out[0].float().sum()
+            objective = token_loss * scale / max(total_tokens, 1)
+            if mtp is not None:
+                mtp_loss = out[2].float().sum()
+                objective = objective + mtp_loss * (mtp.weight * scale / max(mtp.tokens, 1))
+                mtp.loss_sum += mtp_loss.detach().double().cpu()
+            objective.backward()
             loss_sum += token_loss.detach().double().cpu()
     finalize_model_grads([model])
     reduce_loss(loss_sum, layout)
-    stepped, grad_norm = _step_if_finite(optimizer, math.isfinite(float(loss_sum)))
+    finite = math.isfinite(float(loss_sum))
+    if mtp is not None:
+        reduce_loss(mtp.loss_sum, layout)
+        finite = finite and math.isfinite(float(mtp.loss_sum))
+    stepped, grad_norm = _step_if_finite(optimizer, finite)
     if not stepped:
         model.zero_grad_buffer()
         optimizer.zero_grad()

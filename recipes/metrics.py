@@ -141,7 +141,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         budget = record.get("budget", {})
-        print(f"[train] step {record['step']}/{self.total_steps} loss {record['loss']:.4f} "
+        mtp = f"mtp_loss {record['mtp_loss']:.4f} " if "mtp_loss" in record else ""
+        print(f"[train] step {record['step']}/{self.total_steps} loss {record['loss']:.4f} {mtp}"
               f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f} "
               f"step {record['step_time_s']:.2f}s wait {record['data_wait_s']:.2f}s "
               f"{record['samples_per_s']:.1f} samp/s {record['tokens_per_s']:.0f} tok/s "

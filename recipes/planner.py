@@ -214,7 +214,8 @@ def step_seconds(table: ModelTable, cfg, gpus: int, layout: Layout,
     dp = gpus // (lay.tp * lay.pp * lay.cp)
     micro = lay.grad_accum  # micro-batches per step on every DP rank
     rows = lay.micro_batch_size * micro * dp
-    lm = family.lm_flops(cfg.model.lm, float(te.seq_length), [te.seq_length])
+    lm = (family.lm_flops(cfg.model.lm, float(te.seq_length), [te.seq_length])
+          + family.head_flops(cfg.model, float(te.seq_length), [te.seq_length]))
     side = max(1, round(math.sqrt(te.max_visual_tokens))) * table.merge_size
     vision = family.vision_flops(cfg.model, [[[1, side, side]], []]) if table.vision_trains else 0
     recomputed = 4 / 3 if lay.recompute == "full" else 1.0

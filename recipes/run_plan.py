@@ -103,6 +103,9 @@ def check_run(cfg: RunConfig, world: int) -> None:
         raise UsageError("model.freeze_language_model with parallel.pp > 1: the pipeline stages "
                          "after the first hold only language-model layers, nothing would train "
                          "there (freeze the LM at parallel.pp=1)")
+    if getattr(cfg.model, "train_mtp", False) and cfg.lora is not None:
+        raise UsageError("model.train_mtp=true with model.lora: the MTP head trains in full "
+                         "only (its adapters are not exported); drop one of them")
     if cfg.lora is not None and p.tp > 1 and "in_proj" in cfg.lora.target_modules:
         raise UsageError("model.lora.target_modules: in_proj (a Mamba mixer's, whose rows are "
                          "split over TP part by part) takes adapters at parallel.tp=1 only")

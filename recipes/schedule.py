@@ -32,6 +32,14 @@ def loss_tokens(batch: VLMBatch) -> int:
     return int(shifted.sum())
 
 
+def mtp_loss_tokens(batch: VLMBatch) -> int:
+    """Tokens of a batch the MTP loss counts (``model.train_mtp``): a label two ahead in the
+    same packed sample (``models.multimodal.mtp_targets``)."""
+    from models.multimodal import mtp_targets
+
+    return int(mtp_targets(batch.labels, batch.loss_mask, batch.cu_seqlens)[1].sum())
+
+
 def step_token_total(local_tokens: int) -> int:
     """Supervised tokens of one optimizer step over all DP replicas (CP ranks share samples)."""
     from megatron.core import parallel_state as ps

@@ -224,3 +224,62 @@ def test_mtp_weights_survive_training_resume_and_a_new_start(tmp_path, mantis_ou
         assert any(not torch.equal(after[k], source[k]) for k in source
                    if not k.startswith("mtp.")), name  # the model itself trained
         AutoModelForImageTextToText.from_pretrained(exported)  # every key and shape it expects
+
+
+@pytest.mark.slow
+def test_mtp_head_trains_resumes_and_exports(tmp_path, mantis_out):
+    """``model.train_mtp=true`` from a Qwen3.6-layout MoE folder (experts packed, MTP experts
+    too), DP 2 with packed rows: the loss and ``mtp_loss`` (logged apart) fall over 6 steps; a
+    resume from step 3 gives the same losses as the run that went on; TP 2 (sequence parallel,
+    the same batches: ``data.virtual_dp=2``) gives DP 2's losses over 3 steps and its first
+    gradient norm (the head's TP shards saved and loaded as such); EP 2 (the head's experts
+    split over the ranks) gives DP 2's losses and gradient norms; the exports' ``mtp.*`` tensors
+    keep the source's names and shapes but hold trained values, and they load in transformers.
+    (``train_mtp=false``: the byte-identical carry above.)"""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from lookalikes.models import add_qwen3_5_mtp, pack_qwen3_5_experts
+    from tests.test_train import records
+
+    hf = build_tiny_hf_model("qwen3_5_moe", tmp_path / "hf")
+    pack_qwen3_5_experts(hf)
+    mtp = add_qwen3_5_mtp(hf, packed=True)
+    source = load_file(str(hf / "model.safetensors"))
+    common = ("model.train_mtp=true", "task_encoder.packing=true", "train.lr=3e-3",
+              "train.warmup_steps=1", "checkpoint.interval=3", "train.keep_checkpoints=0")
+    runs = {"dp2": ("train.steps=6",),
+            "resumed": ("train.steps=6", "--resume",
+                        str(tmp_path / "dp2" / "checkpoints" / "step_000003")),
+            "tp2": ("train.steps=3", "parallel.tp=2", "data.virtual_dp=2"),
+            # EP on CPU needs equal rows (megatron's allgather dispatcher): its own DP baseline
+            "dp2_fixed": ("train.steps=3", "task_encoder.fixed_length=true"),
+            "ep2": ("train.steps=3", "task_encoder.fixed_length=true", "parallel.ep=2")}
+    logged = {}
+    for name, extra in runs.items():
+        proc = train_from_hf("qwen3_5", hf, tmp_path / name, tmp_path / "cache", mantis_out,
+                             *common, *extra, nproc=2)
+        assert "mtp_loss" in proc.stdout, name
+        logged[name] = {key: [r[key] for r in records(tmp_path / name)]
+                        for key in ("loss", "mtp_loss", "mtp_loss_tokens", "grad_norm")}
+    dp2 = logged["dp2"]
+    print({name: {k: [round(v, 4) for v in values] for k, values in rows.items()}
+           for name, rows in logged.items()})
+    assert len(dp2["loss"]) == 6 and min(dp2["mtp_loss_tokens"]) > 0
+    for key in ("loss", "mtp_loss"):
+        assert dp2[key][-1] < dp2[key][0], (key, dp2[key])
+        assert logged["resumed"][key] == pytest.approx(dp2[key][3:], rel=1e-5), key
+        # float32 sums in other orders: 2.3e-5 relative at step 3 (later steps drift apart, as
+        # without the head: 5e-4 by step 6 at this learning rate)
+        assert logged["tp2"][key] == pytest.approx(dp2[key][:3], rel=1e-4), key
+    assert logged["tp2"]["grad_norm"][0] == pytest.approx(dp2["grad_norm"][0], rel=1e-5)
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        assert logged["ep2"][key] == pytest.approx(logged["dp2_fixed"][key], rel=1e-5), key
+    for name, step in (("dp2", "step_000006"), ("tp2", "step_000003"), ("ep2", "step_000003")):
+        exported = export(tmp_path / name / "checkpoints" / step, tmp_path / f"export_{name}")
+        after = load_file(str(exported / "model.safetensors"))
+        assert sorted(after) == sorted(source), name
+        for key, tensor in mtp.items():
+            assert after[key].shape == tensor.shape, key
+            assert not torch.equal(after[key], tensor), key  # trained
+        AutoModelForImageTextToText.from_pretrained(exported)

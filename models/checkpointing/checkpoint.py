@@ -151,10 +151,12 @@ def carried_record(hf_folder: Path | None) -> dict[str, bytes]:
     except ValueError:  # not a model a family imports: nothing to carry
         return {}
     mapping = mapping_module(cfg)
-    tensors = carried_hf_weights(Path(hf_folder), getattr(mapping, "CARRIED_PREFIXES", ()))
+    prefixes = getattr(mapping, "CARRIED_PREFIXES", ())
+    tensors = carried_hf_weights(Path(hf_folder), prefixes)
     out = {f"{HF_FILES}/{CARRIED}": save(tensors)} if tensors else {}
     packed = [shape for key, (_file, shape) in weight_map(Path(hf_folder)).items()
-              if key.endswith("gate_up_proj") and FUSED.match(key)]
+              if key.endswith("gate_up_proj") and FUSED.match(key)
+              and not (prefixes and key.startswith(prefixes))]
     if getattr(mapping, "EXPERTS_ONE_BY_ONE", False) and packed:
         x_at_w = packed[0][-1] != cfg.lm.hidden_size  # (E, H, 2I), else transformers' (E, 2I, H)
         out[f"{HF_FILES}/{EXPERTS_LAYOUT}"] = json.dumps(

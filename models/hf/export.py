@@ -210,10 +210,14 @@ def write_merged_folder(out: Path, sd: dict[str, torch.Tensor], found) -> None:
 
         layout = json.loads((files / EXPERTS_LAYOUT).read_text()).get("layout", "published")
         weights = fuse_experts(weights, cfg, transformers_layout=layout == "transformers")
-    if files is not None and (files / CARRIED).is_file():  # e.g. Qwen3.5's MTP layers, unchanged
+    if files is not None and (files / CARRIED).is_file():  # e.g. Qwen3.5's MTP layers
         from safetensors.torch import load_file
 
-        weights.update(load_file(str(files / CARRIED)))
+        from models.hf.weights import fuse_experts_like
+
+        carried = load_file(str(files / CARRIED))  # unchanged, unless the model holds them
+        weights = fuse_experts_like(weights, carried, cfg)  # (model.train_mtp: trained)
+        weights.update({k: v for k, v in carried.items() if k not in weights})
     write_hf_folder(out, config, weights)
     copied = copy_files(files, out, TOKENIZER_FILES + PROCESSOR_FILES) if files else []
     if "generation_config.json" not in copied and tokenizer is not None:

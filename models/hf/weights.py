@@ -181,7 +181,7 @@ def ours_to_hf(sd: dict[str, torch.Tensor], cfg, table: Table,
 #: the HF prefix of an LM layer of the Qwen VLMs (Qwen3-VL MoE, Qwen3.5 MoE)
 LM_LAYER = "model.language_model.layers.{i}."
 #: the fused expert tensors of a Qwen MoE checkpoint (no ``.weight`` suffix)
-FUSED = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts\.)"
+FUSED = re.compile(r"^((?:model\.language_model|mtp)\.layers\.\d+\.mlp\.experts\.)"
                    r"(gate_up_proj|down_proj)$")
 
 
@@ -240,22 +240,47 @@ def fuse_experts(hf_sd: dict[str, torch.Tensor], cfg, transformers_layout: bool 
     transformers loader does not transpose, Qwen3.5 MoE, has when packed)."""
     if not any(cfg.lm.moe_layers):
         return hf_sd
-    out = {k: v for k, v in hf_sd.items() if ".mlp.experts." not in k}
+    out = {k: v for k, v in hf_sd.items()
+           if not (k.startswith("model.language_model.") and ".mlp.experts." in k)}
+    for i, moe in enumerate(cfg.lm.moe_layers):
+        if moe:
+            out.update(_packed(hf_sd, LM_LAYER.format(i=i) + "mlp.experts.",
+                               cfg.lm.num_experts, transformers_layout))
+    return out
 
+
+def fuse_experts_like(hf_sd: dict[str, torch.Tensor], source: dict[str, torch.Tensor], cfg
+                      ) -> dict[str, torch.Tensor]:
+    """``hf_sd`` with the experts of each layer that ``source`` (the tensors an import recorded,
+    e.g. Qwen3.6's MTP layer) holds packed, packed again in that tensor's layout (by shape, as
+    ``models.checkpointing.checkpoint.carried_record`` tells the LM's apart)."""
+    out = dict(hf_sd)
+    for key, tensor in source.items():
+        match = FUSED.match(key)
+        if not match or match.group(2) != "gate_up_proj" or \
+                f"{match.group(1)}0.gate_proj.weight" not in out:
+            continue
+        prefix, experts = match.group(1), tensor.shape[0]
+        packed = _packed(out, prefix, experts, tensor.shape[-1] == cfg.lm.hidden_size)
+        for n in range(experts):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                out.pop(f"{prefix}{n}.{name}.weight")
+        out.update(packed)
+    return out
+
+
+def _packed(hf_sd: dict[str, torch.Tensor], prefix: str, experts: int,
+            transformers_layout: bool) -> dict[str, torch.Tensor]:
+    """One layer's per-expert tensors under ``prefix`` as its packed gate_up / down."""
     def oriented(x: torch.Tensor) -> torch.Tensor:
         return x if transformers_layout else x.T
 
-    for i, moe in enumerate(cfg.lm.moe_layers):
-        if not moe:
-            continue
-        prefix = LM_LAYER.format(i=i) + "mlp.experts."
-        experts = range(cfg.lm.num_experts)
-        out[prefix + "gate_up_proj"] = torch.stack([oriented(torch.cat(
-            [hf_sd[f"{prefix}{n}.gate_proj.weight"], hf_sd[f"{prefix}{n}.up_proj.weight"]]))
-            for n in experts]).contiguous()
-        out[prefix + "down_proj"] = torch.stack(
-            [oriented(hf_sd[f"{prefix}{n}.down_proj.weight"]) for n in experts]).contiguous()
-    return out
+    return {prefix + "gate_up_proj": torch.stack([oriented(torch.cat(
+        [hf_sd[f"{prefix}{n}.gate_proj.weight"], hf_sd[f"{prefix}{n}.up_proj.weight"]]))
+        for n in range(experts)]).contiguous(),
+        prefix + "down_proj": torch.stack(
+            [oriented(hf_sd[f"{prefix}{n}.down_proj.weight"]) for n in range(experts)]
+        ).contiguous()}
 
 
 # ------------------------------------------------------------------ HF folders

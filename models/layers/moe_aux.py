@@ -130,6 +130,8 @@ def _in_backward() -> bool:
 def _tally(router, args, output) -> None:
     if not (router.training and torch.is_grad_enabled()) or _in_backward():
         return
+    if router.layer_number is None:  # an MTP head's router: not a decoder layer of the table
+        return
     routing_map = output[1]  # (tokens, experts) bool: the assignments kept
     counts = routing_map.sum(0, dtype=torch.int64).detach()
     entry = _TALLY.get(router.layer_number)

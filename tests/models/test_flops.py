@@ -62,6 +62,8 @@ CASES = [
                  id="qwen3_5-image"),
     pytest.param("qwen3_5_moe", (), "image", [[[1, 16, 22]], [[1, 8, 8]]],
                  id="qwen3_5_moe-image"),
+    pytest.param("qwen3_5_moe", ("lm.mtp_num_layers=1", "train_mtp=true"), "image",
+                 [[[1, 16, 22]], [[1, 8, 8]]], id="qwen3_5_moe-mtp-image"),
 ]
 
 
@@ -115,13 +117,14 @@ def counted_flops(model, batch: dict) -> float:
     """FLOPs torch counts for forward + backward, causal attention reduced to unmasked pairs."""
     counter = FlopCounterMode(display=False, custom_mapping=CPU_FLASH)
     with counter:
-        loss, mask = model(**batch)
-        (loss.sum() / mask.sum()).backward()
+        loss, mask, *mtp = model(**batch)  # + the MTP head's token losses (model.train_mtp)
+        (loss.sum() / mask.sum() + sum(m.sum() for m in mtp)).backward()
     forward = FlopCounterMode(display=False, custom_mapping=CPU_FLASH)
     with forward:  # module attribution is exact in the forward pass
         model(**batch)
     causal = sum(sum(ops.values()) for name, ops in forward.get_flop_counts().items()
-                 if ".language_model." in name and name.endswith(".core_attention"))
+                 if (".language_model." in name or ".mtp." in name)
+                 and name.endswith(".core_attention"))
     lengths = (batch["cu_seqlens"][1:] - batch["cu_seqlens"][:-1]).tolist()
     masked = sum(s * (s - 1) / 2 for s in lengths) / sum(s * s for s in lengths)
     return counter.get_total_flops() - 3 * causal * masked

@@ -15,10 +15,16 @@ import importlib
 from types import ModuleType
 
 from models.families.nemotron_omni import config
-from models.families.nemotron_omni.flops import lm_flops, patch_embed_flops, vision_flops
+from models.families.nemotron_omni.flops import (
+    head_flops,
+    lm_flops,
+    patch_embed_flops,
+    vision_flops,
+)
 from models.families.nemotron_omni.verify_inputs import hf_inputs, verify_inputs
 
-__all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
+__all__ = ["config", "head_flops", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops",
+           "mapping",
            "model_class", "num_experts", "parameter_group", "patch_embed_flops",
            "processor_files", "processor_settings", "verify_inputs", "vision_flops",
            "vision_geometry"]

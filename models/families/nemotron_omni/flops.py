@@ -70,3 +70,8 @@ def vision_flops(model_cfg: NemotronOmniModelConfig, grids) -> float:
                 merged * model_cfg.projector_hidden_size
                 + model_cfg.projector_hidden_size * model_cfg.lm.hidden_size)
     return flops
+
+
+def head_flops(cfg, tokens: float, lengths: list[int]) -> float:
+    """Forward FLOPs of heads trained beside the LM: none here."""
+    return 0.0

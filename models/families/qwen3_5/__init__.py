@@ -16,12 +16,13 @@ import importlib
 from types import ModuleType
 
 from models.families.qwen3_5 import config
-from models.families.qwen3_5.flops import lm_flops, patch_embed_flops, vision_flops
+from models.families.qwen3_5.flops import head_flops, lm_flops, patch_embed_flops, vision_flops
 from models.families.qwen3_5.verify_inputs import hf_inputs, verify_inputs
 from models.layers.qwen_vision_config import processor_files as qwen_processor_files
 from models.layers.qwen_vision_config import processor_settings
 
-__all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
+__all__ = ["config", "head_flops", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops",
+           "mapping",
            "model_class", "num_experts", "parameter_group", "patch_embed_flops",
            "processor_files", "processor_settings", "verify_inputs", "vision_flops",
            "vision_geometry"]
@@ -61,8 +62,14 @@ def layout_problems(cfg: config.Qwen35ModelConfig, parallel) -> list[str]:
     """Every layout train.py checks runs (with MoE layers TP runs megatron's sequence
     parallelism, as Qwen3-VL MoE's; the Gated DeltaNet's CP paths follow it:
     ``models.layers.gated_deltanet``). A GPU whose fla-core refuses the delta rule's backward trains
-    on the torch rule (``models.kernels``)."""
-    return []
+    on the torch rule (``models.kernels``). ``model.train_mtp``: PP and CP stay at 1 (the
+    head is built and checked at DP, TP and EP, packed or not)."""
+    if not cfg.train_mtp:
+        return []
+    return [f"model.train_mtp=true needs parallel.{key}=1 (the MTP head is not built for "
+            f"{key.upper()} > 1 yet), got {value}"
+            for key, value in (("pp", parallel.pp), ("cp", parallel.cp))
+            if value > 1]
 
 
 def num_experts(cfg: config.Qwen35ModelConfig) -> int:

@@ -120,6 +120,12 @@ class Qwen35ModelConfig:
     #: MoE expert capacity (models/layers/moe_aux.py: the assignments past it are dropped);
     #: null: none
     moe_capacity_factor: float | None = None
+    #: build and train the checkpoint's multi-token-prediction layer (``mtp.*``,
+    #: ``models.families.qwen3_5.mtp``); false: its weights are carried unchanged
+    train_mtp: bool = False
+    #: the MTP loss's weight in the objective (LM loss + weight x MTP loss); 0.1 is megatron's
+    #: ``mtp_loss_scaling_factor`` default
+    mtp_loss_weight: float = 0.1
 
     def kernel_kinds(self) -> tuple[str, ...]:
         """The layer kinds whose kernels ``models.kernels`` chooses for this model."""
@@ -152,6 +158,11 @@ class Qwen35ModelConfig:
             problems.append(f"lm.experts_per_token {t.experts_per_token} must be in 1.."
                             f"{t.num_experts}, lm.moe_intermediate_size and "
                             "lm.shared_expert_intermediate_size positive")
+        if self.train_mtp and t.mtp_num_layers != 1:
+            problems.append(f"train_mtp needs the checkpoint's one MTP layer "
+                            f"(lm.mtp_num_layers 1), got {t.mtp_num_layers}")
+        if not 0.0 <= self.mtp_loss_weight < float("inf"):
+            problems.append(f"mtp_loss_weight must be >= 0 and finite, got {self.mtp_loss_weight}")
         if self.vision.out_hidden_size != t.hidden_size:
             problems.append(f"vision.out_hidden_size {self.vision.out_hidden_size} != "
                             f"lm.hidden_size {t.hidden_size}")

@@ -14,9 +14,11 @@ local spec at TP=1.
 Gated attention: HF's ``q_proj`` holds per head [query; gate] (2 x heads x head_dim rows); it
 fuses with k / v into megatron's ``linear_qkv`` (part ``qg``). Norm weights are copied as they
 are (zero-centred on both sides). The multi-token-prediction weights of the published
-checkpoints (``mtp.*``, no module here) are not mapped: ``CARRIED_PREFIXES`` names them, and
-the import records them for the export, which writes them back unchanged
-(``models.checkpointing.checkpoint.carried_record``).
+checkpoints (``mtp.*``): ``CARRIED_PREFIXES`` names them, and the import records them for the
+export (``models.checkpointing.checkpoint.carried_record``), which writes them back unchanged
+unless the model holds them (``model.train_mtp``: ``MTP`` maps them onto
+``models.families.qwen3_5.mtp``'s head, packed MTP experts split on import and packed again on
+export in the source's layout).
 """
 
 from __future__ import annotations
@@ -98,6 +100,19 @@ MOE_MLP = {
 }
 
 
+#: the MTP head (``model.train_mtp``): its own tensors, then its decoder layer ({i}) as a gated
+#: full-attention layer of the model (``MTP_LAYER``: the LM tables under ``mtp.layers.{i}.``)
+MTP = {f"mtp.{name}.weight": (f"mtp.{name}.weight", None)
+       for name in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+M = "mtp.layers.{i}."
+
+
+def mtp_layer_rows(rows: dict) -> dict:
+    """LM layer rows (``L`` / ``OL`` keys) as the MTP layer's (``M`` on both sides)."""
+    return {hf.replace(L, M): (ours.replace(OL, M), part) for hf, (ours, part) in rows.items()
+            if hf.startswith(L)}
+
+
 def expand_table(cfg: Qwen35ModelConfig) -> dict[str, tuple[str, str | None]]:
     """The table with {i}/{e} filled in for this model's layers (tied lm_head dropped)."""
     t = cfg.lm
@@ -125,6 +140,16 @@ def expand_table(cfg: Qwen35ModelConfig) -> dict[str, tuple[str, str | None]]:
             [{"i": i} for i in range(t.num_layers)])
     else:
         add(DENSE_MLP, [{"i": i} for i in range(t.num_layers)])
+    if cfg.train_mtp:
+        layers = [{"i": i} for i in range(t.mtp_num_layers)]
+        add(MTP, [{}])
+        add(mtp_layer_rows({**COMMON, **FULL_ATTENTION,
+                            **({k: v for k, v in MOE_MLP.items() if "{e}" not in k}
+                               if t.num_experts else DENSE_MLP)}), layers)
+        if t.num_experts:
+            add(mtp_layer_rows({k: v for k, v in MOE_MLP.items() if "{e}" in k}),
+                [{"i": i, "e": e} for i in range(t.mtp_num_layers)
+                 for e in range(t.num_experts)])
     return out
 
 
@@ -211,7 +236,8 @@ def fuse_adapters(modules: dict, cfg: Qwen35ModelConfig, sd: dict[str, torch.Ten
 
 # ------------------------------------------------------------------ conversions
 def _to_table_keys(hf_sd: dict[str, torch.Tensor], cfg: Qwen35ModelConfig):
-    sd = {k: v for k, v in hf_sd.items() if not k.startswith(CARRIED_PREFIXES)}
+    sd = {k: v for k, v in hf_sd.items()
+          if cfg.train_mtp or not k.startswith(CARRIED_PREFIXES)}
     return split_linear_attention(hf_weights.split_fused_experts(sd, cfg), cfg)
 
 

@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models import kernels
 from models.families.qwen3_5.config import Qwen35ModelConfig
+from models.families.qwen3_5.mtp import Qwen35MTP, capture_decoder
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.moe_aux import capacity_kwargs, transformer_config
 from models.layers.mrope import megatron_mrope_section
@@ -46,7 +47,7 @@ from models.layers.norms import ZeroCenteredRMSNorm
 from models.layers.qwen_vision import QwenVisionEncoder
 from models.layers.recompute import transformer_config_kwargs
 from models.layers.segment_attention import with_packed_attention
-from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
+from models.multimodal import LanguageModelRunner, mtp_targets, resolve_kernels, scatter_visual
 from models.parallel import moe_parallel_kwargs
 from models.vision_dp import CostModel, VisionDPOverCP
 
@@ -111,15 +112,10 @@ def _local_norms(spec) -> None:
     attention.q_layernorm = attention.k_layernorm = ZeroCenteredRMSNorm
 
 
-def lm_block_spec(cfg: Qwen35ModelConfig, config: TransformerConfig, use_te: bool):
-    """The decoder's block spec: this pipeline stage's layers, each a gated-attention or a Gated
-    DeltaNet layer by ``lm.layer_types`` (global layer index), with the dense / MoE MLP."""
+def layer_specs(cfg: Qwen35ModelConfig, config: TransformerConfig, use_te: bool):
+    """(gated full-attention layer spec, Gated DeltaNet layer spec, norm), each layer with the
+    dense / MoE MLP."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     experts = cfg.lm.num_experts or None
     if use_te:
@@ -139,6 +135,19 @@ def lm_block_spec(cfg: Qwen35ModelConfig, config: TransformerConfig, use_te: boo
     linear.submodules.sharded_state_dict_keys_map = {
         k: v for k, v in linear.submodules.sharded_state_dict_keys_map.items()
         if k != "input_layernorm."}
+    return attention, linear, norm
+
+
+def lm_block_spec(cfg: Qwen35ModelConfig, config: TransformerConfig, use_te: bool):
+    """The decoder's block spec: this pipeline stage's layers, each a gated-attention or a Gated
+    DeltaNet layer by ``lm.layer_types`` (global layer index)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    attention, linear, norm = layer_specs(cfg, config, use_te)
     offset = get_transformer_layer_offset(config)
     count = get_num_layers_to_build(config)
     kinds = cfg.lm.linear_layers[offset:offset + count]
@@ -173,6 +182,10 @@ class Qwen35(LanguageModelRunner, MegatronModule):
             # whole sequences out of the embedding (the visual scatter needs them); under
             # sequence parallelism ``run_language_model`` scatters the decoder input
             scatter_embedding_sequence_parallel=False)
+        self.mtp = None  # model.train_mtp: the multi-token-prediction head (on the one stage)
+        if cfg.train_mtp and self.post_process:
+            attention, _linear, norm = layer_specs(cfg, config, use_te)
+            self.mtp = Qwen35MTP(config, attention, norm, cfg.lm.num_layers)
         self._vision_dp = None
         if self.pre_process:
             self._vision_dp = VisionDPOverCP(
@@ -217,5 +230,34 @@ class Qwen35(LanguageModelRunner, MegatronModule):
             decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
                                           pixel_values_videos, video_grid_thw, sample_keys,
                                           visual_kinds)
-        return self.run_language_model(decoder_input, position_ids, labels, loss_mask,
-                                       (batch, length), cu_seqlens, max_seqlen)
+        if self.mtp is None or labels is None or not self.training:
+            return self.run_language_model(decoder_input, position_ids, labels, loss_mask,
+                                           (batch, length), cu_seqlens, max_seqlen)
+        with capture_decoder(self.language_model.decoder) as seen:
+            loss, mask = self.run_language_model(decoder_input, position_ids, labels, loss_mask,
+                                                 (batch, length), cu_seqlens, max_seqlen)
+        target, mtp_mask = mtp_targets(labels, loss_mask, cu_seqlens)
+        logits = self._mtp_logits(seen)
+        lm = self.language_model
+        mtp_loss = lm.compute_language_model_loss(target.reshape(logits.shape[1], -1), logits)
+        return loss, mask, mtp_loss.reshape(batch, length) * mtp_mask
+
+    def _mtp_logits(self, seen: dict) -> torch.Tensor:
+        """The MTP head's logits (S, B, V/TP) from what ``capture_decoder`` saw."""
+        lm = self.language_model
+        x = self.mtp(seen["embeddings"], seen["hidden"], seen["rotary_pos_emb"],
+                     seen["packed_seq_params"])
+        weight = lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights \
+            else None
+        return lm.output_layer(x, weight=weight)[0]
+
+    def mtp_logits(self, input_ids, position_ids, pixel_values=None, image_grid_thw=None,
+                   pixel_values_videos=None, video_grid_thw=None, **_unused):
+        """(the LM's logits, the MTP head's logits), each (B, L, V): position i of the second
+        predicts token i+2 (parity checks; one stage, TP = 1)."""
+        decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
+                                      pixel_values_videos, video_grid_thw)
+        with capture_decoder(self.language_model.decoder) as seen:
+            logits = self.run_language_model(decoder_input, position_ids, None, None,
+                                             tuple(input_ids.shape))
+        return logits, self._mtp_logits(seen).transpose(0, 1)

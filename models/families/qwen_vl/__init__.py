@@ -18,12 +18,13 @@ import importlib
 from types import ModuleType
 
 from models.families.qwen_vl import config
-from models.families.qwen_vl.flops import lm_flops, patch_embed_flops, vision_flops
+from models.families.qwen_vl.flops import head_flops, lm_flops, patch_embed_flops, vision_flops
 from models.families.qwen_vl.verify_inputs import hf_inputs, verify_inputs
 from models.layers.qwen_vision_config import processor_files as qwen_processor_files
 from models.layers.qwen_vision_config import processor_settings
 
-__all__ = ["config", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops", "mapping",
+__all__ = ["config", "head_flops", "hf_inputs", "hf_model_class", "layout_problems", "lm_flops",
+           "mapping",
            "model_class", "num_experts", "parameter_group", "patch_embed_flops",
            "processor_files", "processor_settings", "verify_inputs", "vision_flops",
            "vision_geometry"]

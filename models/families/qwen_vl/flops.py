@@ -7,7 +7,7 @@ from __future__ import annotations
 from models.flops import causal_pairs
 from models.layers.qwen_vision_config import patch_embed_flops, vision_flops
 
-__all__ = ["lm_flops", "patch_embed_flops", "vision_flops"]
+__all__ = ["head_flops", "lm_flops", "patch_embed_flops", "vision_flops"]
 
 
 def lm_flops(lm, tokens: float, lengths: list[int]) -> float:
@@ -23,3 +23,8 @@ def lm_flops(lm, tokens: float, lengths: list[int]) -> float:
     per_token = 2 * (lm.num_layers * lm.hidden_size * (2 * q + 2 * kv) + mlp
                      + lm.hidden_size * lm.vocab_size)
     return per_token * tokens + lm.num_layers * 4 * q * causal_pairs(lengths)
+
+
+def head_flops(cfg, tokens: float, lengths: list[int]) -> float:
+    """Forward FLOPs of heads trained beside the LM: none here."""
+    return 0.0
