@@ -17,6 +17,12 @@
  * its normalised float32 value, in the processors' row order: each patch's values of one channel
  * built in a small buffer and written with non-temporal stores (x86-64), once per temporal slot
  * that shows that frame (an image's two slots, a video's padding).
+ *
+ * normalize_rows: Nemotron-Omni's patch rows of float32 frames (resized in float32 as its image
+ * processor does; energon_tasks/families/nemotron_omni/geometry.py, ``pixel_rows``) in one pass:
+ * each value ((x / pre) - sub) / div in float32 with the caller's per-channel constants (the
+ * processors' float ops, each rounded as numpy rounds it), each patch's p values of a row
+ * computed in a small buffer and streamed out as patch_rows does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -730,6 +736,84 @@ static PyObject *py_patch_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static void normalize_rows(const float *planes, Py_ssize_t count, Py_ssize_t channels,
+                           Py_ssize_t height, Py_ssize_t width, const float *pre,
+                           const float *sub, const float *div, float *dst, Py_ssize_t p,
+                           Py_ssize_t tp, float *line) {
+    Py_ssize_t grid_t = (count + tp - 1) / tp, grid_h = height / p, grid_w = width / p,
+               plane = height * width;
+    int stream = CAN_STREAM(dst, p);
+    for (Py_ssize_t gt = 0; gt < grid_t; gt++)
+        for (Py_ssize_t gy = 0; gy < grid_h; gy++)
+            for (Py_ssize_t gx = 0; gx < grid_w; gx++)
+                for (Py_ssize_t t = 0; t < tp; t++) {
+                    Py_ssize_t frame = gt * tp + t < count ? gt * tp + t : count - 1;
+                    for (Py_ssize_t c = 0; c < channels; c++) {
+                        const float *src = planes + (frame * channels + c) * plane +
+                                           gy * p * width + gx * p;
+                        const float a = pre[c], b = sub[c], d = div[c];
+                        for (Py_ssize_t py = 0; py < p; py++, src += width, dst += p) {
+                            if (a == 1.0f)  /* x / 1 is x: one division less */
+                                for (Py_ssize_t px = 0; px < p; px++)
+                                    line[px] = (src[px] - b) / d;
+                            else
+                                for (Py_ssize_t px = 0; px < p; px++)
+                                    line[px] = ((src[px] / a) - b) / d;
+                            if (stream)
+                                stream_floats(dst, line, p);
+                            else
+                                memcpy(dst, line, (size_t)p * sizeof(float));
+                        }
+                    }
+                }
+    if (stream) STREAM_FENCE();
+}
+
+static PyObject *py_normalize_rows(PyObject *self, PyObject *args) {
+    PyObject *objects[5];
+    Py_ssize_t p, tp;
+    if (!PyArg_ParseTuple(args, "OOOOOnn", &objects[0], &objects[1], &objects[2], &objects[3],
+                          &objects[4], &p, &tp))
+        return NULL;
+    static const char *names[5] = {"planes", "pre", "sub", "div", "out"};
+    static const int dims[5] = {4, 1, 1, 1, 2};
+    Py_buffer views[5];
+    int held = 0;
+    for (; held < 5; held++)
+        if (contiguous_view(objects[held], &views[held], held == 4, dims[held], "f",
+                            names[held]) < 0)
+            break;
+    int ok = held == 5;
+    if (ok) {
+        Py_ssize_t count = views[0].shape[0], channels = views[0].shape[1],
+                   height = views[0].shape[2], width = views[0].shape[3];
+        ok = p > 0 && tp > 0 && count > 0 && channels > 0 && height > 0 && width > 0 &&
+             height % p == 0 && width % p == 0 && views[1].shape[0] == channels &&
+             views[2].shape[0] == channels && views[3].shape[0] == channels &&
+             views[4].shape[0] == (count + tp - 1) / tp * (height / p) * (width / p) &&
+             views[4].shape[1] == tp * channels * p * p;
+        if (!ok)
+            PyErr_SetString(PyExc_ValueError, "normalize_rows: planes (T, C, H, W) with H, W "
+                            "multiples of patch, pre / sub / div (C,), out (rows, temporal * C "
+                            "* patch**2), all float32 C-contiguous");
+        float *line = ok ? malloc((size_t)p * sizeof(float)) : NULL;
+        if (ok && !line) {
+            ok = 0;
+            PyErr_NoMemory();
+        }
+        if (ok) {
+            Py_BEGIN_ALLOW_THREADS
+            normalize_rows(views[0].buf, count, channels, height, width, views[1].buf,
+                           views[2].buf, views[3].buf, views[4].buf, p, tp, line);
+            Py_END_ALLOW_THREADS
+        }
+        free(line);
+    }
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_float_isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(float_vector() ? "avx2+fma" : "plain");
 }
@@ -753,6 +837,11 @@ static PyMethodDef methods[] = {
      "patch_rows(frames, table, out, patch, merge, temporal): the Qwen ViT's patch rows of frames "
      "(T, H, W, C) uint8 into out (rows, C * temporal * patch**2) float32, each value table[c, "
      "x] of table (C, 256) float32; all C-contiguous; the last frame fills the temporal padding."},
+    {"normalize_rows", py_normalize_rows, METH_VARARGS,
+     "normalize_rows(planes, pre, sub, div, out, patch, temporal): Nemotron-Omni's patch rows of "
+     "planes (T, C, H, W) float32 into out (rows, temporal * C * patch**2) float32, each value "
+     "((x / pre[c]) - sub[c]) / div[c] in float32; all C-contiguous; the last frame fills the "
+     "temporal padding."},
     {"uint8_isa", py_uint8_isa, METH_NOARGS,
      "uint8_isa(): which bicubic code this CPU runs, \"avx2\" or \"plain\"."},
     {"float_isa", py_float_isa, METH_NOARGS,

@@ -50,6 +50,7 @@ from energon_tasks.energon_dataset import (
     worker_line,
 )
 from energon_tasks.image_grid import ImageGrid
+from energon_tasks.pixel_memory import keep_freed_memory
 from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
 from energon_tasks.video_decode import decode_video_at
 
@@ -220,6 +221,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
         pixels: list[np.ndarray], base: dict,
     ) -> EncodedSample:
         """Tokens, labels, positions and pixel rows of a planned, decoded sample."""
+        keep_freed_memory()  # the rows' buffers reuse freed pages (energon_tasks.pixel_memory)
         ids, labels = [], []
         grids = {"image": [], "video": []}
         kinds = []  # VISUAL_KINDS code of each item, in span order

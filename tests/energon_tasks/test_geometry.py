@@ -653,3 +653,23 @@ def test_nemotron_geometry_constants_are_the_processors():
         assert geometry.temporal_patch_size == video.temporal_patch_size
         assert geometry.video_target_num_patches == video.video_target_num_patches
         assert geometry.video_maintain_aspect_ratio == video.video_maintain_aspect_ratio
+
+
+@pytest.mark.parametrize("kind, frames", [("image", 1), ("video", 2), ("video", 3)])
+def test_nemotron_float_rows_native_equal_numpy(kind, frames, monkeypatch):
+    """Float32 frames (a float32 resize's (C, H, W) planes, or frames laid out (H, W, C)) give
+    the same rows bit for bit through the C kernel and through numpy."""
+    from energon_tasks.families.nemotron_omni import geometry
+
+    assert geometry._native_normalize_rows is not None, "energon_tasks._resample not built"
+    geo = get_geometry("nemotron-omni")
+    planes = np.random.default_rng(frames).uniform(
+        -20, 275, (frames, 3, geo.patch_size * 3, geo.patch_size * 5)).astype(np.float32)
+    planes[0, 0, 0, :4] = [0.0, 255.0, -0.0, 1e-39]  # the ends, a signed zero, a subnormal
+    as_views, as_copies = planes.transpose(0, 2, 3, 1), np.ascontiguousarray(
+        planes.transpose(0, 2, 3, 1))
+    native = geo.pixel_rows(as_views, kind=kind)
+    monkeypatch.setattr(geometry, "_native_normalize_rows", None)
+    expected = geo.pixel_rows(as_views, kind=kind)
+    assert native.tobytes() == expected.tobytes()
+    assert geo.pixel_rows(as_copies, kind=kind).tobytes() == expected.tobytes()

@@ -35,6 +35,11 @@ import numpy as np
 from contract.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from energon_tasks.image_grid import MAX_ASPECT_RATIO, ImageGrid
 
+try:  # float32 frames' rows in one pass: make install's C extension (energon_tasks/_resample.c)
+    from energon_tasks._resample import normalize_rows as _native_normalize_rows
+except ImportError:  # not built (no C compiler at install): numpy, the same values
+    _native_normalize_rows = None
+
 __all__ = [
     "NEMOTRON_OMNI",
     "NEMOTRON_OMNI_TILED",
@@ -437,6 +442,12 @@ class NemotronOmniGeometry:
         elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out of shape {out.shape} {out.dtype}: need C-contiguous float32 "
                              f"{shape}")
+        planes = frames.transpose(0, 3, 1, 2)  # a resized image: a view of (C, H, W) planes
+        if (frames.dtype == np.float32 and _native_normalize_rows is not None
+                and planes.flags.c_contiguous):
+            _native_normalize_rows(planes, *_float_ops(kind, self.image_mean, self.image_std),
+                                   out, p, step)
+            return out
         table = self.normalization_table(kind)
         # (T, grid row, grid col, C, patch row, patch col): a view of the frames
         source = frames.reshape(count, gh, p, gw, p, channels).transpose(0, 1, 3, 5, 2, 4)
@@ -486,23 +497,34 @@ def _normalization_table(kind: str, mean: tuple, std: tuple) -> np.ndarray:
     return table
 
 
-def _normalize(kind: str, values: np.ndarray, mean: tuple, std: tuple,
-               out: np.ndarray | None = None) -> np.ndarray:
-    """float32 values 0..255, channels on axis -3 -> the processor's normalised values (the float
-    ops of ``NemotronOmniGeometry.normalization_table``), written into ``out`` when given."""
-    mean32 = np.asarray(mean, dtype=np.float32)[:, None, None]
-    std32 = np.asarray(std, dtype=np.float32)[:, None, None]
-    if out is None:
-        out = np.empty(np.broadcast_shapes(values.shape, mean32.shape), dtype=np.float32)
+@functools.lru_cache(maxsize=8)
+def _float_ops(kind: str, mean: tuple, std: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pre, sub, div), each (C,) float32: the processor's value of x is ((x / pre) - sub) / div,
+    each op rounded to float32 (``NemotronOmniGeometry.normalization_table``'s float ops; an
+    image's pre is 1: x / 1 is x)."""
+    mean32, std32 = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
     if kind == "image":
         scale = np.float32(1.0 / (1.0 / 255))  # transformers: mean * (1.0 / rescale_factor)
-        np.subtract(values, mean32 * scale, out=out)
-        return np.divide(out, std32 * scale, out=out)
-    if kind == "video":
-        np.divide(values, np.float32(255.0), out=out)
-        np.subtract(out, mean32, out=out)
-        return np.divide(out, std32, out=out)
-    raise ValueError(f"kind {kind!r}: need 'image' or 'video'")
+        ops = (np.ones_like(mean32), mean32 * scale, std32 * scale)
+    elif kind == "video":
+        ops = (np.full_like(mean32, 255.0), mean32, std32)
+    else:
+        raise ValueError(f"kind {kind!r}: need 'image' or 'video'")
+    for op in ops:
+        op.setflags(write=False)
+    return ops
+
+
+def _normalize(kind: str, values: np.ndarray, mean: tuple, std: tuple,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """float32 values 0..255, channels on axis -3 -> the processor's normalised values
+    (``_float_ops``), written into ``out`` when given."""
+    pre, sub, div = (op[:, None, None] for op in _float_ops(kind, mean, std))
+    if out is None:
+        out = np.empty(np.broadcast_shapes(values.shape, sub.shape), dtype=np.float32)
+    np.divide(values, pre, out=out)
+    np.subtract(out, sub, out=out)
+    return np.divide(out, div, out=out)
 
 
 def pixel_shuffle(features: np.ndarray, merge_size: int = 2) -> np.ndarray:
