@@ -179,3 +179,58 @@ def test_layouts_and_configs_train_mtp_refuses():
     with pytest.raises(ValueError, match="mtp_loss_weight must be >= 0"):
         config.load_yaml(yaml, ["mtp_loss_weight=-1"])
     assert config.load_yaml(yaml, ["lm.mtp_pattern='M*'"]).lm.mtp_pattern == "M*"  # not built
+
+
+@pytest.mark.slow  # 3 train.py runs of 2 processes and 2 exports: 96 s on 2 shared cores
+def test_mtp_block_trains_resumes_and_exports(super_hf, tmp_path, mantis_out):
+    """``model.train_mtp=true`` from the Super VL folder, DP 2 (equal rows: the CPU expert
+    dispatcher needs them under EP), 4 steps: the loss and ``mtp_loss`` (logged apart) fall; a
+    resume from step 2 gives the same losses; EP 2 (the block's and the decoder's experts split
+    over the ranks) gives DP 2's losses and gradient norms; the exports' ``language_model.mtp.*``
+    keep the source's names and shapes but hold trained values, the rest of the model trained
+    too, and they load in transformers. (``train_mtp=false``: the byte-identical carry of
+    tests/models/test_nemotron_super.py.)"""
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import (
+        NemotronH_Omni_Reasoning_V3,
+    )
+
+    from tests.test_hf_journey import export
+    from tests.test_train import FAST, NEMOTRON_MANTIS_CFG, ok, records, train
+
+    common = [str(NEMOTRON_MANTIS_CFG), f"model.hf={super_hf}",
+              f"data.path={mantis_out}/metadataset.yaml", *FAST, "checkpoint.save_final=true",
+              f"train.hf_import_cache={tmp_path / 'cache'}", "train.eval_interval=0",
+              "model.train_mtp=true", "task_encoder.fixed_length=true", "train.warmup_steps=1",
+              "train.micro_batch_size=2", "checkpoint.interval=2", "train.keep_checkpoints=0"]
+    runs = {"dp2": ("train.steps=4",),
+            "resumed": ("train.steps=4", "--resume",
+                        str(tmp_path / "dp2" / "checkpoints" / "step_000002")),
+            "ep2": ("train.steps=4", "parallel.ep=2")}
+    logged = {}
+    for name, extra in runs.items():
+        proc = train(*common, f"out={tmp_path / name}", *extra, nproc=2)
+        ok(proc)
+        assert "mtp_loss" in proc.stdout, name
+        logged[name] = {key: [r[key] for r in records(tmp_path / name)]
+                        for key in ("loss", "mtp_loss", "mtp_loss_tokens", "grad_norm")}
+    print({name: {k: [round(v, 5) for v in values] for k, values in rows.items()}
+           for name, rows in logged.items()})
+    dp2 = logged["dp2"]
+    assert len(dp2["loss"]) == 4 and min(dp2["mtp_loss_tokens"]) > 0
+    for key in ("loss", "mtp_loss"):
+        assert dp2[key][-1] < dp2[key][0], (key, dp2[key])
+        assert logged["resumed"][key] == pytest.approx(dp2[key][2:], rel=1e-5), key
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        assert logged["ep2"][key] == pytest.approx(dp2[key], rel=1e-5), key
+    source = tensors(super_hf)
+    for name in ("dp2", "ep2"):
+        exported = tensors(export(tmp_path / name / "checkpoints" / "step_000004",
+                                  tmp_path / f"export_{name}"))
+        assert sorted(exported) == sorted(source), name
+        for key, tensor in source.items():
+            assert exported[key].shape == tensor.shape, key
+            if key.startswith(P) and not key.endswith("e_score_correction_bias"):
+                assert not torch.equal(exported[key], tensor), (name, key)  # trained
+        assert any(not torch.equal(exported[k], source[k]) for k in source
+                   if not k.startswith(P)), name  # the model itself trained
+        NemotronH_Omni_Reasoning_V3.from_pretrained(tmp_path / f"export_{name}")
