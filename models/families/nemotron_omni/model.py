@@ -24,6 +24,10 @@ layer count) and numbers the layers globally (dist checkpoints load at any PP); 
 embedding live on the first stage, the output layer + loss on the last
 (``models.multimodal.LanguageModelRunner``, as Qwen-VL).
 
+MTP (``model.train_mtp``): ``mtp_head`` builds the checkpoint's multi-token-prediction block
+(``lm.mtp_pattern``, attention then LatentMoE by default) from the same layer specs, as
+``models.layers.mtp``'s shared head on the last stage; its loss follows the LM's.
+
 Vision: this package's ``radio.RadioEncoder`` (tower, pixel shuffle, projector) behind the shared
 ``VisionDPOverCP`` (whole images / tiles / tubelets spread over the context-parallel ranks).
 ``encode_visual(pixel_values, grid_thw) -> embeds`` is the one call into it.
