@@ -295,7 +295,7 @@ def train_loop(plan: RunPlan, run: Run, trainee: Trainee, loaders, logger, start
     iterators = [iter(loader) for loader in loaders]
     meter, guard = StepMeter(), NonFiniteGuard(t.max_nonfinite_steps)
     plans = PlanLog(run.out, layout, cfg.data.virtual_dp, cfg.log.sample_keys)
-    trains_mtp = getattr(cfg.model, "train_mtp", False)  # Qwen3.5's MTP head: its own loss
+    trains_mtp = getattr(cfg.model, "train_mtp", False)  # the MTP head: its own loss
     for step in range(start, t.steps):
         step_start = time.perf_counter()
         batches, wait = next_batches(iterators, t.grad_accum)

@@ -332,8 +332,9 @@ def build_tiny_nemotron_super_vl(out: Path, *, vocab: int = 640, pattern: str = 
     """A tiny Nemotron 3.5 Super VL (``nemotron_h_omni`` with no audio, LatentMoE and an MTP
     layer): ``build_tiny_nemotron_omni`` with ``TINY_SUPER_VL``, config.json without the audio
     keys (no ``audio_config`` at all, as a checkpoint without a sound encoder), then the MTP
-    layer's tensors (``nemotron_mtp_shapes``, random) added to model.safetensors under their
-    published names (transformers builds no MTP module and ignores them on load)."""
+    layer's tensors (``nemotron_mtp_shapes``, random: N(0, 0.1), the norms' 1 + N(0, 0.1)) added
+    to model.safetensors under their published names (transformers builds no MTP module and
+    ignores them on load)."""
     from safetensors.torch import load_file, save_file
 
     build_tiny_nemotron_omni(out, vocab=vocab, pattern=pattern, seed=seed, tokens=tokens,
@@ -344,8 +345,8 @@ def build_tiny_nemotron_super_vl(out: Path, *, vocab: int = 640, pattern: str = 
     (out / "config.json").write_text(json.dumps(config, indent=2))
     text = config["text_config"]
     g = torch.Generator().manual_seed(seed + 1)
-    added = {key: torch.randn(shape, generator=g) * 0.1
-             for key, shape in nemotron_mtp_shapes(text).items()}
+    added = {key: torch.randn(shape, generator=g) * 0.1 + key.endswith("norm.weight")
+             for key, shape in nemotron_mtp_shapes(text).items()}  # norms about 1, as trained
     weights = load_file(str(out / "model.safetensors"))
     save_file(weights | added, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -69,8 +69,8 @@ class ModelFamily(Protocol):
         """Forward FLOPs of the language model (``models.flops`` conventions)."""
 
     def head_flops(self, cfg, tokens: float, lengths: list[int]) -> float:
-        """Forward FLOPs of heads trained beside the LM (Qwen3.5's MTP head under
-        ``model.train_mtp``; 0 for none)."""
+        """Forward FLOPs of heads trained beside the LM (the MTP head under
+        ``model.train_mtp``, ``models.layers.mtp``; 0 for none)."""
 
     def vision_flops(self, cfg, grids) -> float:
         """Forward FLOPs of the vision tower + projector on (t, h, w) grids."""

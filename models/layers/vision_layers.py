@@ -36,8 +36,8 @@ def vision_layer_spec(normalization: str, use_te: bool):
 def tower_sharded_state_dict(tower: torch.nn.Module, prefix="", sharded_offsets=(),
                              metadata=None) -> dict:
     """A vision tower's dist-checkpoint dict (or any module's whose ``layers`` are megatron
-    TransformerLayers: Qwen3.5's MTP head): its ``layers`` with their TP-sharded tensors, every
-    other child replicated."""
+    TransformerLayers: the MTP head, models/layers/mtp.py): its ``layers`` with their TP-sharded
+    tensors, every other child replicated."""
     from megatron.core.transformer.utils import sharded_state_dict_default
 
     out = {}

@@ -51,6 +51,16 @@ def tiny_nemotron_hf(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def super_hf(tmp_path_factory) -> Path:
+    """A hub-complete tiny Nemotron 3.5 Super VL folder (``lookalikes.models``: LatentMoE, the
+    MTP block's published tensors; test tokenizer, processor files)."""
+    from lookalikes.models import build_tiny_hf_model
+
+    return build_tiny_hf_model("nemotron_omni", tmp_path_factory.mktemp("super") / "hf",
+                               pixels=(16384, 16384), super_vl=True)
+
+
+@pytest.fixture(scope="session")
 def qwen_imported(tiny_hf, tmp_path_factory) -> dict[str, Path]:
     """family -> the hf-to-mcore import (TP=1, PP=1) of ``tiny_hf``'s model."""
     from models.convert import hf_to_mcore

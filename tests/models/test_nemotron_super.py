@@ -13,18 +13,11 @@ import json
 import pytest
 import torch
 
-from lookalikes.models import NEMOTRON_MTP_PREFIX, build_tiny_hf_model
+from lookalikes.models import NEMOTRON_MTP_PREFIX
 from tests.models.conftest import launch_world2, world2_result
 from tests.models.test_nemotron_omni import _hf_greedy, _prompt
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def super_hf(tmp_path_factory):
-    """A hub-complete tiny Super VL folder (test tokenizer, processor files)."""
-    return build_tiny_hf_model("nemotron_omni", tmp_path_factory.mktemp("super") / "hf",
-                               pixels=(16384, 16384), super_vl=True)
 
 
 @pytest.fixture(scope="module")

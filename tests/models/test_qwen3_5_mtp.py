@@ -1,4 +1,4 @@
-"""The MTP head of Qwen3.5 / 3.6 / 3.8 (``model.train_mtp``, models/families/qwen3_5/mtp.py)
+"""The MTP head of Qwen3.5 / 3.6 / 3.8 (``model.train_mtp``, models/layers/mtp.py)
 against an independent reference written here from the published architecture (vLLM's
 ``qwen3_5_mtp``): transformers' own Qwen3.5 decoder layer loaded with ``mtp.layers.0.*``, its
 zero-centred norms, ``fc`` over [embedding of token i+1; the LM's final-normed hidden state at

@@ -106,8 +106,15 @@ def vision_geometry(cfg: config.NemotronOmniModelConfig) -> dict[str, int]:
 
 def layout_problems(cfg: config.NemotronOmniModelConfig, parallel) -> list[str]:
     """MambaModel splits the layer pattern evenly over the pipeline stages; megatron's MoE
-    layers (``E``) train under TP only with sequence parallelism, which this LM does not run."""
+    layers (``E``) train under TP only with sequence parallelism, which this LM does not run.
+    ``model.train_mtp``: PP, CP and TP stay at 1 (the MTP block is built and checked at DP and
+    EP, packed or not)."""
     problems = []
+    if cfg.train_mtp:
+        problems += [f"model.train_mtp=true needs parallel.{key}=1 (the MTP head is not built "
+                     f"for {key.upper()} > 1 yet), got {value}"
+                     for key, value in (("pp", parallel.pp), ("cp", parallel.cp),
+                                        ("tp", parallel.tp)) if value > 1]
     if cfg.lm.num_layers % parallel.pp:
         problems.append(f"parallel.pp {parallel.pp} does not divide the {cfg.lm.num_layers} "
                         f"layers of model.lm.pattern {cfg.lm.pattern!r} (MambaModel splits it "
@@ -121,8 +128,9 @@ def layout_problems(cfg: config.NemotronOmniModelConfig, parallel) -> list[str]:
 
 
 def num_experts(cfg: config.NemotronOmniModelConfig) -> int:
-    """The experts of each ``E`` layer of the pattern (0 without one)."""
-    return cfg.lm.num_experts if "E" in cfg.lm.pattern else 0
+    """The experts of each ``E`` layer of the pattern, or of the MTP block it trains (0 without
+    one)."""
+    return cfg.lm.num_experts if "E" in cfg.layer_kinds else 0
 
 
 def parameter_group(name: str) -> str:

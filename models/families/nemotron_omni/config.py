@@ -31,6 +31,9 @@ FAMILY = NEMOTRON_OMNI
 HF_MODEL_TYPE = HF_MODEL_TYPES[NEMOTRON_OMNI]
 #: HF ``layers_block_type`` names <-> megatron hybrid pattern symbols
 LAYER_SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+#: the MTP block's inner layers the head builds (``train_mtp``): no Mamba layer (its state would
+#: need the head's own recurrence; no published checkpoint has one)
+MTP_SYMBOLS = "*-E"
 CLIP_MEAN = list(OPENAI_CLIP_MEAN)
 CLIP_STD = list(OPENAI_CLIP_STD)
 
@@ -104,7 +107,9 @@ class NemotronHConfig:
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
-    num_nextn_predict_layers: int = 0  #: MTP layers of the checkpoint (not built; see docs)
+    num_nextn_predict_layers: int = 0  #: MTP depths of the checkpoint (built with train_mtp)
+    #: the inner layers of an MTP depth, one symbol each (HF ``mtp_layers_block_type``)
+    mtp_pattern: str = "*E"
 
     @property
     def num_layers(self) -> int:
@@ -132,10 +137,16 @@ class NemotronOmniModelConfig:
     #: MoE expert capacity (models/layers/moe_aux.py: the assignments past it are dropped);
     #: null: none
     moe_capacity_factor: float | None = None
+    #: build and train the checkpoint's multi-token-prediction block (``language_model.mtp.*``,
+    #: ``models.layers.mtp``); false: its weights are carried unchanged
+    train_mtp: bool = False
+    #: the MTP loss's weight in the objective (LM loss + weight x MTP loss); 0.1 is megatron's
+    #: ``mtp_loss_scaling_factor`` default
+    mtp_loss_weight: float = 0.1
 
     def kernel_kinds(self) -> tuple[str, ...]:
         """The layer kinds whose kernels ``models.kernels`` chooses for this model."""
-        pattern = self.lm.pattern
+        pattern = self.layer_kinds
         return ("attention", *(("conv", "mamba") if "M" in pattern else ()),
                 *(("experts",) if "E" in pattern else ()))
 
@@ -144,12 +155,31 @@ class NemotronOmniModelConfig:
             raise ValueError(f"family must be {FAMILY!r}, got {self.family!r}")
         check_mode(self.recompute)
         check_capacity(self.moe_capacity_factor,
-                       self.lm.num_experts if "E" in self.lm.pattern else 0)
+                       self.lm.num_experts if "E" in self.layer_kinds else 0)
         bad = sorted(set(self.lm.pattern) - set(LAYER_SYMBOLS.values()))
         if bad or not self.lm.pattern:
             raise ValueError(f"lm.pattern {self.lm.pattern!r}: symbols must be M, *, - or E")
         if round(1 / self.downsample_ratio) ** 2 * self.downsample_ratio ** 2 != 1:
             raise ValueError(f"downsample_ratio {self.downsample_ratio} must be 1/integer")
+        problems = []
+        depths = self.lm.num_nextn_predict_layers
+        if self.train_mtp and depths != 1:
+            problems.append(f"train_mtp needs the checkpoint's one MTP depth "
+                            f"(lm.num_nextn_predict_layers 1), got {depths}")
+        if self.train_mtp and (set(self.lm.mtp_pattern) - set(MTP_SYMBOLS)
+                               or not self.lm.mtp_pattern):
+            problems.append(f"lm.mtp_pattern {self.lm.mtp_pattern!r}: train_mtp builds "
+                            f"attention (*), MLP (-) and MoE (E) layers only")
+        if not 0.0 <= self.mtp_loss_weight < float("inf"):
+            problems.append(f"mtp_loss_weight must be >= 0 and finite, got {self.mtp_loss_weight}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def layer_kinds(self) -> str:
+        """The symbols of every layer the model builds: the decoder's, and with ``train_mtp``
+        the MTP block's."""
+        return self.lm.pattern + (self.lm.mtp_pattern if self.train_mtp else "")
 
     @property
     def merge_size(self) -> int:
@@ -161,14 +191,32 @@ class NemotronOmniModelConfig:
 
 
 # ------------------------------------------------------------------ Hugging Face config
+#: the older names of ``layers_block_type`` / ``mtp_layers_block_type`` entries (transformers
+#: reads them as the new ones: ``remap_legacy_layer_types``)
+LEGACY_LAYER_NAMES = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def _symbols(types) -> str:
+    return "".join(LAYER_SYMBOLS[LEGACY_LAYER_NAMES.get(t, t)] for t in types)
+
+
 def _layer_pattern(text: Any) -> str:
     types = _get(text, "layers_block_type") or _get(text, "layer_types")
     if types:
-        return "".join(LAYER_SYMBOLS[t] for t in types)
+        return _symbols(types)
     pattern = _get(text, "hybrid_override_pattern")
     if not pattern:
         raise ValueError("text_config has neither layers_block_type nor hybrid_override_pattern")
     return pattern
+
+
+def _mtp_pattern(text: Any) -> str:
+    """The MTP block's inner layers (``mtp_layers_block_type``, or the published Nemotron-3
+    spelling ``mtp_hybrid_override_pattern``; transformers' default attention then MoE)."""
+    types = _get(text, "mtp_layers_block_type")
+    if types:
+        return _symbols(types)
+    return _get(text, "mtp_hybrid_override_pattern") or "*E"
 
 
 #: the values the model is built of (``models.model_config.check_hf_shapes``): the LM's (under
@@ -255,7 +303,7 @@ def from_hf_config(hf: Any) -> NemotronOmniModelConfig:
         routed_scaling_factor=float(_get(text, "routed_scaling_factor", 1.0)),
         n_group=_get(text, "n_group", 1), topk_group=_get(text, "topk_group", 1),
         norm_topk_prob=bool(_get(text, "norm_topk_prob", True)),
-        num_nextn_predict_layers=mtp,
+        num_nextn_predict_layers=mtp, mtp_pattern=_mtp_pattern(text),
     )
     image_token = _get(hf, "image_token_id", None)
     if image_token is None:
@@ -292,7 +340,8 @@ def to_hf_dict(cfg: NemotronOmniModelConfig) -> dict:
             "moe_shared_expert_intermediate_size": t.moe_shared_expert_intermediate_size,
             "moe_latent_size": t.moe_latent_size, "routed_scaling_factor": t.routed_scaling_factor,
             "n_group": t.n_group, "topk_group": t.topk_group, "norm_topk_prob": t.norm_topk_prob,
-            "num_nextn_predict_layers": t.num_nextn_predict_layers}
+            "num_nextn_predict_layers": t.num_nextn_predict_layers,
+            "mtp_layers_block_type": [names[s] for s in t.mtp_pattern]}
     ratio = v.intermediate_size / v.hidden_size
     vision = {"model_type": "radio", "hidden_size": v.hidden_size, "num_hidden_layers": v.depth,
               "num_attention_heads": v.num_heads,

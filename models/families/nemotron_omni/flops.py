@@ -36,12 +36,13 @@ def mamba_flops(lm, lengths: list[int]) -> float:
     return 2.0 * (per_token * tokens + chunk_pairs * (group_dim + inner))
 
 
-def lm_flops(lm, tokens: float, lengths: list[int]) -> float:
-    """NemotronH forward FLOPs: per layer symbol of ``lm.pattern`` (2 FLOPs per MAC)."""
+def _macs(lm) -> dict[str, float]:
+    """Multiply-accumulates per token of one layer of each symbol, excluding attention over
+    the sequence and the Mamba scan."""
     hidden = lm.hidden_size
     q, kv = lm.num_heads * lm.head_dim, lm.num_kv_heads * lm.head_dim
     expert_in = lm.moe_latent_size or hidden
-    macs = {  # per token, excluding attention over the sequence and the Mamba scan
+    return {
         "*": hidden * (2 * q + 2 * kv),
         "-": 2 * hidden * lm.intermediate_size,
         "M": 0,
@@ -49,7 +50,12 @@ def lm_flops(lm, tokens: float, lengths: list[int]) -> float:
               * lm.moe_intermediate_size + 2 * hidden * lm.moe_shared_expert_intermediate_size
               + (2 * hidden * expert_in if lm.moe_latent_size else 0)),
     }
-    per_token = 2 * (sum(macs[s] for s in lm.pattern) + hidden * lm.vocab_size)
+
+
+def lm_flops(lm, tokens: float, lengths: list[int]) -> float:
+    """NemotronH forward FLOPs: per layer symbol of ``lm.pattern`` (2 FLOPs per MAC)."""
+    macs, q = _macs(lm), lm.num_heads * lm.head_dim
+    per_token = 2 * (sum(macs[s] for s in lm.pattern) + lm.hidden_size * lm.vocab_size)
     attention = lm.pattern.count("*") * 4 * q * causal_pairs(lengths)
     return per_token * tokens + attention + lm.pattern.count("M") * mamba_flops(lm, lengths)
 
@@ -73,5 +79,13 @@ def vision_flops(model_cfg: NemotronOmniModelConfig, grids) -> float:
 
 
 def head_flops(cfg, tokens: float, lengths: list[int]) -> float:
-    """Forward FLOPs of heads trained beside the LM: none here."""
-    return 0.0
+    """Forward FLOPs of the MTP block (``model.train_mtp``; 0 without): ``eh_proj`` (2H -> H),
+    its inner layers by ``lm.mtp_pattern`` (as the decoder's of the same symbol), and the output
+    layer again."""
+    if not cfg.train_mtp:
+        return 0.0
+    lm, block = cfg.lm, cfg.lm.mtp_pattern
+    macs, h = _macs(lm), lm.hidden_size
+    per_token = 2 * (2 * h * h + sum(macs[s] for s in block) + h * lm.vocab_size)
+    return (per_token * tokens
+            + block.count("*") * 4 * lm.num_heads * lm.head_dim * causal_pairs(lengths))

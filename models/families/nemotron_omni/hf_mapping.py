@@ -24,10 +24,11 @@ A PEFT folder names transformers' modules, which its checkpoint conversion renam
 Import-only rules: RADIO's input conditioner buffers and ``summary_idxs`` and audio
 (``sound_*``) weights are not part of our model and are skipped; a checkpoint without LayerScale
 vectors gets ``layerscale_value`` (HF does the same). Export writes ``summary_idxs`` from the
-config. The multi-token-prediction layers (``language_model.mtp.*``, no module here: not
-trained) are not mapped: ``CARRIED_PREFIXES`` names them, and the import records them for the
-export, which writes them back byte for byte (the one mechanism of every family:
-``models.checkpointing.checkpoint.carried_record``).
+config. The multi-token-prediction layers (``language_model.mtp.*``): ``CARRIED_PREFIXES``
+names them, and the import records them for the export, which writes them back byte for byte
+(the one mechanism of every family: ``models.checkpointing.checkpoint.carried_record``) unless
+the model holds them (``model.train_mtp``: ``MTP_FIRST`` / ``MTP_LAST`` and the decoder's layer
+rows map them onto ``models.layers.mtp``'s head, exported with the trained values).
 
 LatentMoE (``moe_latent_size``): ``mixer.fc1_latent_proj`` / ``fc2_latent_proj`` map to the MoE
 layer's projections of the same names (megatron's; ``models/layers/latent_moe.py`` without TE),
@@ -114,8 +115,18 @@ LATENT = {LM + f"mixer.fc{n}_latent_proj.weight": (OL + f"mlp.fc{n}_latent_proj.
           for n in (1, 2)}
 #: HF weights our model does not hold, carried from the import into every export unchanged:
 #: the multi-token-prediction layers (``language_model.mtp.layers.{i}.*`` in the published
-#: ``nemotron_h_omni`` checkpoints; a text checkpoint's top-level ``mtp.*`` too)
+#: ``nemotron_h_omni`` checkpoints; a text checkpoint's top-level ``mtp.*`` too), unless
+#: ``model.train_mtp`` builds them (``MTP``)
 CARRIED_PREFIXES = ("language_model.mtp.", "mtp.")
+#: the MTP block (``model.train_mtp``, one depth): its inner layers ({i}, by ``lm.mtp_pattern``)
+#: as the decoder's layers of the same symbol (``LM_LAYER``, ``LATENT``) under ``mtp.layers.{i}.``
+#: (``models.layers.mtp.MTPHead``); the first also holds ``enorm`` / ``hnorm`` / ``eh_proj``,
+#: the last ``final_layernorm`` (the head's names for them: Qwen's)
+ML, OM = "language_model.mtp.layers.{i}.", "mtp.layers.{i}."
+MTP_FIRST = {ML + "enorm.weight": ("mtp.pre_fc_norm_embedding.weight", None),
+             ML + "hnorm.weight": ("mtp.pre_fc_norm_hidden.weight", None),
+             ML + "eh_proj.weight": ("mtp.fc.weight", None)}
+MTP_LAST = {ML + "final_layernorm.weight": ("mtp.norm.weight", None)}
 #: HF keys that are not part of our model and not exported (skipped on import)
 IGNORED = re.compile(r"^(sound_encoder\.|sound_projection\.|language_model\.backbone\.mtp"
                      r"|vision_model\.radio_model\.(input_conditioner\.|summary_idxs$))")
@@ -160,13 +171,25 @@ def expand_table(cfg: NemotronOmniModelConfig) -> dict[str, tuple[str, str | Non
     for i in range(cfg.vision.depth):
         add({**VISION_BLOCK, **VISION_MLP[cfg.vision.mlp]}, i=i)
     for i, symbol in enumerate(cfg.lm.pattern):
-        layer = dict(LM_LAYER[symbol])
-        if symbol == "E" and cfg.lm.moe_latent_size is not None:
-            layer.update(LATENT)
-        experts = range(cfg.lm.num_experts) if symbol == "E" else [0]
-        for e in experts:
-            add(layer, i=i, e=e)
+        for e in range(cfg.lm.num_experts) if symbol == "E" else [0]:
+            add(_layer_rows(cfg, symbol), i=i, e=e)
+    if cfg.train_mtp:
+        block = cfg.lm.mtp_pattern
+        for j, symbol in enumerate(block):
+            rows = {hf.replace(LM, ML): (ours.replace(OL, OM), part)
+                    for hf, (ours, part) in _layer_rows(cfg, symbol).items()}
+            rows.update({**(MTP_FIRST if j == 0 else {}),
+                         **(MTP_LAST if j == len(block) - 1 else {})})
+            for e in range(cfg.lm.num_experts) if symbol == "E" else [0]:
+                add(rows, i=j, e=e)
     return out
+
+
+def _layer_rows(cfg: NemotronOmniModelConfig, symbol: str) -> dict:
+    """One LM layer's rows (``LM`` / ``OL`` keys) for its symbol (LatentMoE's projections)."""
+    if symbol == "E" and cfg.lm.moe_latent_size is not None:
+        return {**LM_LAYER[symbol], **LATENT}
+    return LM_LAYER[symbol]
 
 
 def _as_model_names(table: dict[str, tuple[str, str | None]],
@@ -183,8 +206,9 @@ def _import_view(hf_sd: dict[str, torch.Tensor], cfg: NemotronOmniModelConfig,
                  table: dict[str, tuple[str, str | None]]) -> dict[str, torch.Tensor]:
     """The HF weights as the table reads them: ignored keys and a tied lm_head dropped, missing
     LayerScale vectors filled (see module docstring)."""
-    hf_sd = {k: v for k, v in hf_sd.items()
-             if not IGNORED.match(k) and not k.startswith(CARRIED_PREFIXES)}
+    built = ML.split("{")[0] if cfg.train_mtp else None  # the MTP block's, when the model has it
+    hf_sd = {k: v for k, v in hf_sd.items() if not IGNORED.match(k)
+             and (not k.startswith(CARRIED_PREFIXES) or built and k.startswith(built))}
     if cfg.lm.tie_embeddings:
         hf_sd.pop(LM_HEAD, None)
     for key in table:

@@ -24,6 +24,10 @@ layer count) and numbers the layers globally (dist checkpoints load at any PP); 
 embedding live on the first stage, the output layer + loss on the last
 (``models.multimodal.LanguageModelRunner``, as Qwen-VL).
 
+MTP (``model.train_mtp``): ``mtp_head`` builds the checkpoint's multi-token-prediction block
+(``lm.mtp_pattern``, attention then LatentMoE by default) from the same layer specs, as
+``models.layers.mtp``'s shared head on the last stage; its loss follows the LM's.
+
 Vision: this package's ``radio.RadioEncoder`` (tower, pixel shuffle, projector) behind the shared
 ``VisionDPOverCP`` (whole images / tiles / tubelets spread over the context-parallel ranks).
 ``encode_visual(pixel_values, grid_thw) -> embeds`` is the one call into it.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 
 import torch
@@ -44,6 +49,7 @@ from models import kernels
 from models.families.nemotron_omni.config import NemotronOmniModelConfig
 from models.families.nemotron_omni.radio import RadioEncoder
 from models.layers.moe_aux import capacity_kwargs
+from models.layers.mtp import MTPHead, with_head_logits, with_head_loss
 from models.layers.recompute import transformer_config_kwargs
 from models.layers.segment_attention import with_packed_attention
 from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
@@ -86,7 +92,7 @@ def lm_transformer_config(cfg: NemotronOmniModelConfig, use_te: bool = False) ->
                           parallel_state.get_context_parallel_world_size())
         kwargs.update(mamba_state_dim=t.ssm_state_size, mamba_head_dim=t.mamba_head_dim,
                       mamba_num_groups=t.mamba_groups, mamba_num_heads=t.mamba_num_heads)
-    if "E" in t.pattern:
+    if "E" in cfg.layer_kinds:
         kwargs.update(
             num_moe_experts=t.num_experts, moe_router_topk=t.experts_per_token,
             moe_ffn_hidden_size=t.moe_intermediate_size,
@@ -161,8 +167,9 @@ def _mamba_spec(cfg: NemotronOmniModelConfig):
 def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool, grouped_gemm: bool = True):
     """MambaStack spec: megatron's TE hybrid spec (its MoE experts grouped or sequential by
     ``grouped_gemm``), or local attention / MLP / MoE / Mamba layers. The Mamba mixer's kernels
-    are bound by ``models.kernels`` (``resolve_kernels``) before the stack is built."""
-    pattern = cfg.lm.pattern
+    are bound by ``models.kernels`` (``resolve_kernels``) before the stack is built. Layer
+    kinds of the MTP block (``train_mtp``) are in it too (``mtp_head``)."""
+    pattern = cfg.layer_kinds
     if use_te:
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
@@ -208,6 +215,19 @@ def lm_stack_spec(cfg: NemotronOmniModelConfig, use_te: bool, grouped_gemm: bool
     if "M" in pattern:
         submodules["mamba_layer"] = _mamba_spec(cfg)
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(**submodules))
+
+
+def mtp_head(cfg: NemotronOmniModelConfig, config: TransformerConfig, use_te: bool,
+             grouped_gemm: bool) -> MTPHead:
+    """The MTP block (``model.train_mtp``, ``models.layers.mtp``): its inner layers by
+    ``lm.mtp_pattern`` from the decoder's own layer specs (attention, MLP, LatentMoE), its norms
+    the stack's final norm's class (RMSNorm)."""
+    from megatron.core.ssm import mamba_block
+
+    layers = lm_stack_spec(cfg, use_te, grouped_gemm).submodules
+    specs = {"*": layers.attention_layer, "-": layers.mlp_layer, "E": layers.moe_layer}
+    return MTPHead(config, [specs[s] for s in cfg.lm.mtp_pattern], mamba_block.TENorm,
+                   cfg.lm.num_layers)
 
 
 def mark_mamba_tp_layout(lm) -> None:
@@ -276,6 +296,9 @@ class NemotronOmni(LanguageModelRunner, MegatronModule):
             share_embeddings_and_output_weights=cfg.lm.tie_embeddings,
             position_embedding_type="none", **{_pattern_kwarg(): cfg.lm.pattern},
         )
+        self.mtp = None  # model.train_mtp: the multi-token-prediction block (on the one stage)
+        if cfg.train_mtp and self.post_process:
+            self.mtp = mtp_head(cfg, config, use_te, getattr(config, "moe_grouped_gemm", False))
         mark_mamba_tp_layout(self.language_model)
         self._vision_dp = None
         if self.pre_process:
@@ -335,5 +358,19 @@ class NemotronOmni(LanguageModelRunner, MegatronModule):
             decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
                                           pixel_values_videos, video_grid_thw, sample_keys,
                                           visual_kinds)
-        return self.run_language_model(decoder_input, None, labels, loss_mask, (batch, length),
-                                       cu_seqlens, max_seqlen)
+        run = functools.partial(self.run_language_model, decoder_input, None, labels, loss_mask,
+                                (batch, length), cu_seqlens, max_seqlen)
+        if self.mtp is None or labels is None or not self.training:
+            return run()
+        return with_head_loss(self.language_model, self.mtp, run, labels, loss_mask, cu_seqlens)
+
+    def mtp_logits(self, input_ids, position_ids=None, pixel_values=None, image_grid_thw=None,
+                   pixel_values_videos=None, video_grid_thw=None, visual_kinds=None, **_unused):
+        """(the LM's logits, the MTP block's logits), each (B, L, V): position i of the second
+        predicts token i+2 (parity checks; one stage, TP = 1)."""
+        del position_ids
+        decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
+                                      pixel_values_videos, video_grid_thw,
+                                      visual_kinds=visual_kinds)
+        return with_head_logits(self.language_model, self.mtp, functools.partial(
+            self.run_language_model, decoder_input, None, None, None, tuple(input_ids.shape)))

@@ -121,7 +121,7 @@ class Qwen35ModelConfig:
     #: null: none
     moe_capacity_factor: float | None = None
     #: build and train the checkpoint's multi-token-prediction layer (``mtp.*``,
-    #: ``models.families.qwen3_5.mtp``); false: its weights are carried unchanged
+    #: ``models.layers.mtp``); false: its weights are carried unchanged
     train_mtp: bool = False
     #: the MTP loss's weight in the objective (LM loss + weight x MTP loss); 0.1 is megatron's
     #: ``mtp_loss_scaling_factor`` default

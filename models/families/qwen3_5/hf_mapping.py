@@ -17,7 +17,7 @@ are (zero-centred on both sides). The multi-token-prediction weights of the publ
 checkpoints (``mtp.*``): ``CARRIED_PREFIXES`` names them, and the import records them for the
 export (``models.checkpointing.checkpoint.carried_record``), which writes them back unchanged
 unless the model holds them (``model.train_mtp``: ``MTP`` maps them onto
-``models.families.qwen3_5.mtp``'s head, packed MTP experts split on import and packed again on
+``models.layers.mtp``'s head, packed MTP experts split on import and packed again on
 export in the source's layout).
 """
 

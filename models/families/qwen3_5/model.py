@@ -28,6 +28,7 @@ vision-DP module, models/vision_dp.py).
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -39,15 +40,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from models import kernels
 from models.families.qwen3_5.config import Qwen35ModelConfig
-from models.families.qwen3_5.mtp import Qwen35MTP, capture_decoder
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.moe_aux import capacity_kwargs, transformer_config
 from models.layers.mrope import megatron_mrope_section
+from models.layers.mtp import MTPHead, with_head_logits, with_head_loss
 from models.layers.norms import ZeroCenteredRMSNorm
 from models.layers.qwen_vision import QwenVisionEncoder
 from models.layers.recompute import transformer_config_kwargs
 from models.layers.segment_attention import with_packed_attention
-from models.multimodal import LanguageModelRunner, mtp_targets, resolve_kernels, scatter_visual
+from models.multimodal import LanguageModelRunner, resolve_kernels, scatter_visual
 from models.parallel import moe_parallel_kwargs
 from models.vision_dp import CostModel, VisionDPOverCP
 
@@ -185,7 +186,7 @@ class Qwen35(LanguageModelRunner, MegatronModule):
         self.mtp = None  # model.train_mtp: the multi-token-prediction head (on the one stage)
         if cfg.train_mtp and self.post_process:
             attention, _linear, norm = layer_specs(cfg, config, use_te)
-            self.mtp = Qwen35MTP(config, attention, norm, cfg.lm.num_layers)
+            self.mtp = MTPHead(config, [attention], norm, cfg.lm.num_layers)
         self._vision_dp = None
         if self.pre_process:
             self._vision_dp = VisionDPOverCP(
@@ -230,26 +231,11 @@ class Qwen35(LanguageModelRunner, MegatronModule):
             decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
                                           pixel_values_videos, video_grid_thw, sample_keys,
                                           visual_kinds)
+        run = functools.partial(self.run_language_model, decoder_input, position_ids, labels,
+                                loss_mask, (batch, length), cu_seqlens, max_seqlen)
         if self.mtp is None or labels is None or not self.training:
-            return self.run_language_model(decoder_input, position_ids, labels, loss_mask,
-                                           (batch, length), cu_seqlens, max_seqlen)
-        with capture_decoder(self.language_model.decoder) as seen:
-            loss, mask = self.run_language_model(decoder_input, position_ids, labels, loss_mask,
-                                                 (batch, length), cu_seqlens, max_seqlen)
-        target, mtp_mask = mtp_targets(labels, loss_mask, cu_seqlens)
-        logits = self._mtp_logits(seen)
-        lm = self.language_model
-        mtp_loss = lm.compute_language_model_loss(target.reshape(logits.shape[1], -1), logits)
-        return loss, mask, mtp_loss.reshape(batch, length) * mtp_mask
-
-    def _mtp_logits(self, seen: dict) -> torch.Tensor:
-        """The MTP head's logits (S, B, V/TP) from what ``capture_decoder`` saw."""
-        lm = self.language_model
-        x = self.mtp(seen["embeddings"], seen["hidden"], seen["rotary_pos_emb"],
-                     seen["packed_seq_params"])
-        weight = lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights \
-            else None
-        return lm.output_layer(x, weight=weight)[0]
+            return run()
+        return with_head_loss(self.language_model, self.mtp, run, labels, loss_mask, cu_seqlens)
 
     def mtp_logits(self, input_ids, position_ids, pixel_values=None, image_grid_thw=None,
                    pixel_values_videos=None, video_grid_thw=None, **_unused):
@@ -257,7 +243,6 @@ class Qwen35(LanguageModelRunner, MegatronModule):
         predicts token i+2 (parity checks; one stage, TP = 1)."""
         decoder_input, _ = self.embed(input_ids, pixel_values, image_grid_thw,
                                       pixel_values_videos, video_grid_thw)
-        with capture_decoder(self.language_model.decoder) as seen:
-            logits = self.run_language_model(decoder_input, position_ids, None, None,
-                                             tuple(input_ids.shape))
-        return logits, self._mtp_logits(seen).transpose(0, 1)
+        return with_head_logits(self.language_model, self.mtp, functools.partial(
+            self.run_language_model, decoder_input, position_ids, None, None,
+            tuple(input_ids.shape)))
