@@ -6,12 +6,15 @@ A step trains ``rows`` rows (the global batch, ``train.global_batch_size``) of a
 ``capacity`` tokens. ``pack_rows`` fills them from the candidates, in order, DP-independently:
 
 - with packing, several samples share a row (never a split sample: a visual span is never cut);
-  samples are placed by decreasing vision cost (then tokens) into the row with the least vision
-  cost that has room for their tokens (ties: the fewest tokens, then the first row), so that the
-  rows come out with nearly equal vision cost, then the text-only ones into the emptiest rows;
-  a candidate no row has room for waits for the next step (it goes first there); then a local
-  search (``plan_search.balance_rows``) moves and swaps samples between the rows and with the
-  candidates left out, to even the rows' tokens and vision cost;
+  the candidates carried over from earlier steps are placed first (the oldest first), then the
+  fresh ones by decreasing vision cost (then tokens), each into the row with the least vision
+  cost that has room for its tokens (ties: the fewest tokens, then the first row), so that the
+  rows come out with nearly equal vision cost, the text-only ones into the emptiest rows;
+  then a local search (``plan_search.balance_rows``) moves and swaps samples between the rows
+  and with the candidates left out, to even the rows' tokens and vision cost; a candidate left
+  out waits for a later step, at most ``MAX_WAIT`` steps: one that has waited that long is due
+  and placed first, and the search never leaves it out (when the next step could not place all
+  of its due ones, the step is planned again with the deadline one step earlier);
 - without packing, a row is one sample: the first ``rows`` candidates.
 
 ``assign_rows`` gives each rank ``rows / dp`` rows: longest-processing-time scheduling on the
@@ -26,7 +29,7 @@ so which rank trains which row changes nothing but the time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -40,6 +43,7 @@ class Item:
     ref: tuple  #: where it comes from (``global_stream.SampleRef``), carried as is
     tokens: int  #: tokens once encoded (the budget plan's, from metadata)
     vision: float  #: estimated vision-encoder cost (the model's cost model; 0: text only)
+    waited: int = 0  #: steps it has been left out of so far (a candidate carried over)
 
 
 @dataclass(slots=True)
@@ -56,34 +60,60 @@ class Row:
         self.vision += item.vision
 
 
+#: steps a candidate may be left out; then it is due and goes first (bench/bench_data_plan.py)
+MAX_WAIT = 3
+
+
 def pack_rows(carried: Sequence[Item], fresh: Sequence[Item], rows: int, capacity: int,
-              packing: bool) -> tuple[list[Row], list[Item]]:
-    """(the step's rows, the candidates left for the next step, in their order) of the
-    candidates ``carried`` over from the previous step (placed first, in their order, or
-    largest first when that leaves one out; never left out again by the local search, so none
-    waits twice) and ``fresh`` from the stream; see
-    the module docstring. Rows may stay empty when the candidates run out."""
+              packing: bool, max_wait: int = MAX_WAIT) -> tuple[list[Row], list[Item]]:
+    """(the step's rows, the candidates left for the next step, in their order, each with
+    ``waited`` one more) of the candidates ``carried`` over from the previous step and ``fresh``
+    from the stream; see the module docstring. A candidate is left out at most ``max_wait``
+    steps: one that has waited that long is due (placed first, never left out by the local
+    search), and the step leaves out no more than the next step can place first (else the
+    step is planned again with the deadline one step earlier). Rows may stay empty when the
+    candidates run out."""
     candidates = [*carried, *fresh]
     if not packing:
         chosen = [_one(item) for item in candidates[:rows]]
         return chosen + [Row() for _ in range(rows - len(chosen))], candidates[rows:]
+    for deadline in range(max_wait, 0, -1):
+        placed, where = _pack(candidates, rows, capacity, deadline)
+        late = [c for c, w in zip(candidates, where, strict=True)
+                if w < 0 and c.waited + 1 >= max_wait]
+        if (_greedy(late, _largest_first(late, range(len(late))), rows, capacity)[1] >= 0).all():
+            break  # the next step can place its due ones
+    return placed, [replace(candidates[i], waited=candidates[i].waited + 1)
+                    for i in np.flatnonzero(where == -1)]
 
-    def largest_first(positions: range) -> list[int]:
-        return sorted(positions, key=lambda i: (-candidates[i].vision, -candidates[i].tokens, i))
 
-    fresh_order = largest_first(range(len(carried), len(candidates)))
-    placed, where = _greedy(candidates, [*range(len(carried)), *fresh_order], rows, capacity)
-    if (where[:len(carried)] < 0).any():  # a carried one did not fit: the largest first
-        placed, where = _greedy(candidates, [*largest_first(range(len(carried))),
-                                             *fresh_order], rows, capacity)
+def _largest_first(candidates: Sequence[Item], positions) -> list[int]:
+    return sorted(positions, key=lambda i: (-candidates[i].vision, -candidates[i].tokens, i))
+
+
+def _pack(candidates: Sequence[Item], rows: int, capacity: int,
+          deadline: int) -> tuple[list[Row], np.ndarray]:
+    """(rows, each candidate's row: -1 for none): the candidates that waited ``deadline`` steps
+    placed first (in their order, or largest first when that leaves one out), then the other
+    carried ones in their order, then the fresh ones largest first; then the local search, which
+    may leave out any but a due one."""
+    due = [i for i, c in enumerate(candidates) if c.waited >= deadline]
+    rest = [i for i, c in enumerate(candidates) if 0 < c.waited < deadline]
+    rest += _largest_first(candidates, [i for i, c in enumerate(candidates) if not c.waited])
+    placed, where = _greedy(candidates, [*due, *rest], rows, capacity)
+    if (where[due] < 0).any():  # a due one did not fit: the largest first
+        placed, where = _greedy(candidates, [*_largest_first(candidates, due), *rest], rows,
+                                capacity)
+    fixed = np.zeros(len(candidates), dtype=bool)
+    fixed[due] = True
     balance_rows(np.array([c.tokens for c in candidates], dtype=np.float64),
                  np.array([c.vision for c in candidates], dtype=np.float64), where, rows,
-                 capacity, fixed=len(carried))
+                 capacity, fixed)
     for r, row in enumerate(placed):  # each row in stream order (loss-neutral)
         row.items = [candidates[i] for i in np.flatnonzero(where == r)]
         row.tokens = sum(item.tokens for item in row.items)
         row.vision = sum(item.vision for item in row.items)
-    return placed, [candidates[i] for i in np.flatnonzero(where == -1)]
+    return placed, where
 
 
 def _greedy(candidates: Sequence[Item], order: list[int], rows: int,

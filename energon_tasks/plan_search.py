@@ -6,9 +6,12 @@ possible; after the rank assignment, ``balance_ranks`` swaps whole rows between 
 A row's (or rank's) load is its tokens or its vision cost over the rows' (ranks') means,
 whichever is larger; both searches make, round after round, the one move that lowers the
 largest load most (ties: the first found), until none lowers it by 1e-4 or it is within 0.2 % of
-the mean. Each round is a few numpy operations over the step's samples, not a Python loop over
-pairs of them (``bench/bench_data_plan.py`` reports the planning time per step). Every rank and
-loader worker must come to the same plan: totals are exact sums (``math.fsum``), the rest is
+the mean; while it is over 1 % above the mean, a move also counts first when it lowers the most
+loaded row's own load with no other row rising above it (rows sharing the largest load, a
+plateau, come down one by one; a search scored by the largest load alone stops there). Each
+round is a few numpy operations over the step's samples, not a Python loop over pairs of them
+(``bench/bench_data_plan.py`` reports the planning time per step). Every rank and loader worker
+must come to the same plan: totals are exact sums (``math.fsum``), the rest is
 element-wise IEEE arithmetic and first-index ties, the same on any machine.
 """
 
@@ -22,7 +25,10 @@ _EPS = 1e-9
 _GAIN = 1e-4  #: a move must lower the largest load by more than this
 _EVEN = 1.002  #: the search stops once the largest load is within this of the mean
 _GIVE_BACK = 0.01  #: the share of the rows' tokens the search may leave out for the next step
-_LOW_ROWS = 3  #: the least loaded rows that trade with the samples left out
+_LOW_ROWS = 3
+#: above this largest load, a move counts when it lowers the most loaded row's own load while
+#: no other row rises above it, even if other rows share the largest load (a plateau)
+_PLATEAU = 1.01  #: the least loaded rows that trade with the samples left out
 
 
 def _over(value, mean):
@@ -44,16 +50,18 @@ def _rest(loads: np.ndarray, order: np.ndarray) -> np.ndarray:
     return rest
 
 
-def _best_exchange(unit_t, unit_v, owner, sizes_t, sizes_v, capacity):
+def _best_exchange(unit_t, unit_v, owner, sizes_t, sizes_v, capacity, plateau=False):
     """The best move or swap of one element of the most loaded unit with another unit's:
     (score, [(element, new unit), ...]) or None. ``owner[i]``: the unit of element i (-1: not in
     any unit); elements move only when ``capacity`` (tokens) allows (None: swaps only, the units
-    keep their sizes)."""
+    keep their sizes); with ``plateau``, scored by the two units' new loads alone."""
     count = len(unit_t)
     mean_t, mean_v = math.fsum(unit_t) / count, math.fsum(unit_v) / count
     loads = _load(unit_t, unit_v, mean_t, mean_v)
     order = np.argsort(-loads, kind="stable")
     worst, rest = order[0], _rest(loads, order)
+    if plateau:
+        rest = np.zeros_like(rest)
     best, change = loads[worst] - _GAIN, None
     if loads[worst] <= _EVEN:
         return None
@@ -89,12 +97,14 @@ def _best_exchange(unit_t, unit_v, owner, sizes_t, sizes_v, capacity):
     return None if change is None else (best, change)
 
 
-def _best_trade(row_t, row_v, where, sizes_t, sizes_v, capacity, fixed, floor, pairs):
+def _best_trade(row_t, row_v, where, sizes_t, sizes_v, capacity, fixed, floor, pairs,
+                plateau=False):
     """The best trade of one of the rows (the most loaded and the least loaded ones) with the
-    samples left out: a row gives one of its own (not one of the first ``fixed``) for one left
-    out, or for nothing, or takes one for nothing; with ``pairs``, the least loaded rows take two
-    left out, for nothing or for one of their own; the rows' tokens stay at ``floor`` or more.
-    (score, change) or None."""
+    samples left out: a row gives one of its own (not a ``fixed`` one) for one left out, or for
+    nothing, or takes one for nothing; with ``pairs``, the least loaded rows take two left out,
+    for nothing or for one of their own; the rows' tokens stay at ``floor`` or more; with
+    ``plateau``, the most loaded row's trades are scored by its own new load (the others may not
+    rise above its load). (score, change) or None."""
     count = len(row_t)
     sum_t, sum_v = math.fsum(row_t), math.fsum(row_v)
     loads = _load(row_t, row_v, sum_t / count, sum_v / count)
@@ -121,7 +131,7 @@ def _best_trade(row_t, row_v, where, sizes_t, sizes_v, capacity, fixed, floor, p
     in_v = np.where(present, sizes_v[ins], 0.0).sum(axis=1)[None, :]
     for row in rows:
         outs = np.concatenate([[-1], np.flatnonzero(where == row)])
-        outs = outs[(outs == -1) | (outs >= fixed)]
+        outs = outs[(outs == -1) | ~fixed[outs]]
         out_t = np.where(outs >= 0, sizes_t[outs], 0.0)[:, None]
         out_v = np.where(outs >= 0, sizes_v[outs], 0.0)[:, None]
         others = np.arange(count) != row
@@ -130,8 +140,10 @@ def _best_trade(row_t, row_v, where, sizes_t, sizes_v, capacity, fixed, floor, p
         new_t, new_v = row_t[row] - out_t + in_t, row_v[row] - out_v + in_v
         mean_t = np.maximum((sum_t - out_t + in_t) / count, _EPS)
         mean_v = (sum_v - out_v + in_v) / count
-        score = np.maximum(np.maximum(_over(top_t, mean_t), _over(top_v, mean_v)),
-                           _load(new_t, new_v, mean_t, mean_v))
+        others = np.maximum(_over(top_t, mean_t), _over(top_v, mean_v))
+        if plateau and row == order[0]:
+            others = np.where(others > loads[order[0]], np.inf, 0.0)
+        score = np.maximum(others, _load(new_t, new_v, mean_t, mean_v))
         score[(new_t > capacity) | (sum_t - out_t + in_t < floor)] = np.inf
         if not pairs:
             score[0, 0] = np.inf  # nothing for nothing
@@ -145,24 +157,31 @@ def _best_trade(row_t, row_v, where, sizes_t, sizes_v, capacity, fixed, floor, p
 
 
 def balance_rows(sizes_t: np.ndarray, sizes_v: np.ndarray, where: np.ndarray, rows: int,
-                 capacity: int, fixed: int, rounds: int = 0) -> None:
+                 capacity: int, fixed: np.ndarray, rounds: int = 0) -> None:
     """Even the ``rows`` rows' tokens and vision cost: ``where[i]`` is the row of candidate i
-    (-1: left for the next step), updated in place; the first ``fixed`` candidates (carried
-    over) are never left out again. Per round, the best of: the most loaded row gives a sample
+    (-1: left for the next step), updated in place; the ``fixed`` candidates (a mask: the due
+    ones) are never left out. Per round, the best of: the most loaded row gives a sample
     to another row or swaps one with one; the most loaded or one of the least loaded rows gives
-    one back, takes one left out, or swaps one of its own for one; when none helps, one of the
-    least loaded rows takes two left out, for nothing or for one of its own (rows of few large
-    samples: video clips). At most ``rounds`` moves (default 4 per row, plus 32)."""
+    one back, takes one left out, or swaps one of its own for one (while the largest load is
+    over ``_PLATEAU``, first scored as a plateau move: the most loaded row's own new load, so
+    that rows sharing the largest load come down one by one; then as usual); when none helps,
+    one of the least loaded rows takes two left out, for nothing or for one of its own (rows of
+    few large samples: video clips). At most ``rounds`` moves (default 4 per row, plus 32)."""
     placed = where >= 0
     floor = math.fsum(sizes_t[placed]) - _GIVE_BACK * rows * capacity
     for _ in range(rounds or 4 * rows + 32):
         placed = where >= 0
         row_t = np.bincount(where[placed], sizes_t[placed], minlength=rows)
         row_v = np.bincount(where[placed], sizes_v[placed], minlength=rows)
-        moves = [_best_exchange(row_t, row_v, where, sizes_t, sizes_v, capacity),
-                 _best_trade(row_t, row_v, where, sizes_t, sizes_v, capacity, fixed, floor,
-                             False)]
-        moves = [m for m in moves if m is not None]
+        loads = _load(row_t, row_v, math.fsum(row_t) / rows, math.fsum(row_v) / rows)
+        moves = []
+        for plateau in [True] * bool(loads.max() > _PLATEAU) + [False]:
+            moves = [_best_exchange(row_t, row_v, where, sizes_t, sizes_v, capacity, plateau),
+                     _best_trade(row_t, row_v, where, sizes_t, sizes_v, capacity, fixed, floor,
+                                 False, plateau)]
+            moves = [m for m in moves if m is not None]
+            if moves:
+                break
         if not moves:
             moves = [m for m in [_best_trade(row_t, row_v, where, sizes_t, sizes_v, capacity,
                                              fixed, floor, True)] if m is not None]

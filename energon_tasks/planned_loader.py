@@ -20,9 +20,10 @@ hands out in order); each worker runs the planner itself (metadata only). Every 
 ``plan`` (``VLMBatch.plan``): the step, the keys of the samples it trains, the step's
 ``dp_tokens_max_over_mean`` / ``dp_vision_max_over_mean`` over the ranks, the realised token
 share of each blended dataset; the last micro-batch of a step also the plan's state after that
-step (``PlanState``: the stream's position and the samples carried to the next step, plain
-JSON). A checkpoint stores that state once; it is the same for every DP size, so a run resumes
-at any DP size and trains the very samples the uninterrupted run would have.
+step (``PlanState``: the stream's position and the samples carried to the next step with the
+steps each has waited, plain JSON). A checkpoint stores that state once; it is the same for
+every DP size, so a run resumes at any DP size and trains the very samples the uninterrupted run
+would have.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from energon_tasks.global_plan import Item, assign_rows, imbalance, pack_rows, r
 from energon_tasks.global_stream import Readers, SampleRef, Stream, StreamState, members
 
 #: candidates a packed step draws, in rows' worth of tokens: the packer picks from more than
-#: fills the rows (the rest waits for the next step, first there); bench/bench_data_plan.py
+#: fills the rows (the rest waits, at most ``global_plan.MAX_WAIT`` steps); bench/bench_data_plan.py
 POOL = 1.5
 #: (image grids, video grids) of a sample -> its estimated vision-encoder cost
 VisionCost = Callable[[list[list[int]], list[list[int]]], float]
@@ -46,24 +47,29 @@ VisionCost = Callable[[list[list[int]], list[list[int]]], float]
 
 @dataclass(slots=True)
 class PlanState:
-    """Where the plan is: the next step, the stream's position, the samples carried over."""
+    """Where the plan is: the next step, the stream's position, the samples carried over and
+    how many steps each has waited (``global_plan.MAX_WAIT`` bounds it)."""
 
     step: int = 0
     stream: StreamState = field(default_factory=StreamState)
     carried: list[SampleRef] = field(default_factory=list)
+    waited: list[int] = field(default_factory=list)  #: steps each carried one was left out
 
     def to_plain(self) -> dict:
         return {"step": self.step, "stream": self.stream.to_plain(),
-                "carried": [[member, key] for member, key in self.carried]}
+                "carried": [[member, key, waited] for (member, key), waited
+                            in zip(self.carried, self.waited, strict=True)]}
 
     @classmethod
     def from_plain(cls, plain: dict, datasets: int) -> PlanState:
-        """Raises ValueError: not a plan state of ``datasets`` datasets."""
+        """Raises ValueError: not a plan state of ``datasets`` datasets. (A state saved before
+        the waits were kept: each carried one has waited one step.)"""
         try:
-            carried = [(int(m), str(k)) for m, k in plain["carried"]]
+            entries = [(int(e[0]), str(e[1]), int(e[2]) if len(e) > 2 else 1)
+                       for e in plain["carried"]]
             return cls(int(plain["step"]), StreamState.from_plain(plain["stream"], datasets),
-                       carried)
-        except (KeyError, TypeError, ValueError) as error:
+                       [(m, k) for m, k, _ in entries], [w for _, _, w in entries])
+        except (KeyError, TypeError, ValueError, IndexError) as error:
             raise ValueError(f"not a data plan state ({error})") from None
 
 
@@ -95,11 +101,12 @@ class Planner:
         self.step = state.step
         self.stream = Stream(data, seed, by_tokens=by_tokens,  # a copy: the state moves on
                              state=StreamState.from_plain(state.stream.to_plain(), len(data)))
-        self.carried = [self.item(ref) for ref in state.carried]
+        self.carried = [self.item(ref, waited)
+                        for ref, waited in zip(state.carried, state.waited, strict=True)]
         self.carried = [item for item in self.carried if item is not None]
         self._skipped: Counter = Counter()
 
-    def item(self, ref: SampleRef) -> Item | None:
+    def item(self, ref: SampleRef, waited: int = 0) -> Item | None:
         """The plan's view of a sample (None: skipped, and counted)."""
         try:
             conversation = self.readers.conversation(ref)
@@ -116,7 +123,7 @@ class Planner:
         for media in plan.media:
             grids[media.kind].append(list(media.grid.grid_thw))
         return Item(ref, plan.total_tokens, float(self.vision_cost(grids["image"],
-                                                                   grids["video"])))
+                                                                   grids["video"])), waited)
 
     def next_step(self) -> StepPlan:
         budget = self.encoder.budget
@@ -136,7 +143,8 @@ class Planner:
         self.carried = left
         skipped, self._skipped = dict(self._skipped), Counter()
         self.step += 1
-        state = PlanState(self.step, self.stream.state, [i.ref for i in left]).to_plain()
+        state = PlanState(self.step, self.stream.state, [i.ref for i in left],
+                          [i.waited for i in left]).to_plain()
         total = sum(self.stream.state.tokens) or 1
         blend = {}
         for member, tokens in zip(self.data, self.stream.state.tokens, strict=True):
