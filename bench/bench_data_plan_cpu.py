@@ -147,6 +147,9 @@ def summarize(mode: str, name: str, out: Path, warmup: int) -> dict:
         "step_time_s": statistics.fmean(m["step_time_s"] for m in metrics),
         "optimizer_step_s": statistics.fmean(pair[0]["step_s"] for pair in per_step),
         "compute_gap_s": statistics.fmean(max(c) - min(c) for c in compute),
+        # the step's critical path over the ranks' mean work: what balance can save
+        "slower_compute_over_mean": statistics.fmean(max(c) / statistics.fmean(c)
+                                                     for c in compute),
         "reduce_faster_rank_s": statistics.fmean(r[f] for r, f in zip(reduce, faster)),
         "reduce_slower_rank_s": statistics.fmean(r[1 - f] for r, f in zip(reduce, faster)),
         "tokens_max_over_mean": spread("tokens"),
@@ -156,6 +159,24 @@ def summarize(mode: str, name: str, out: Path, warmup: int) -> dict:
         if metrics and key in metrics[0]:
             summary[f"logged_{key}"] = statistics.fmean(m[key] for m in metrics)
     return summary
+
+
+def table(rows: list[dict]) -> str:
+    """The runs' summaries as a markdown table."""
+    lines = ["| plan | steps | step time (s) | optimizer step (s) | compute gap of the ranks (s) | "
+             "slower rank's compute / mean | reduction: faster rank (s) | reduction: slower rank "
+             "(s) | tokens max/mean | visual tokens max/mean | logged dp tokens / vision |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        logged = (f"{r['logged_dp_tokens_max_over_mean']:.3f} / "
+                  f"{r['logged_dp_vision_max_over_mean']:.3f}"
+                  if "logged_dp_tokens_max_over_mean" in r else "-")
+        lines.append(f"| {r['mode']} | {r['steps']} | {r['step_time_s']:.3f} | "
+                     f"{r['optimizer_step_s']:.3f} | {r['compute_gap_s']:.3f} | "
+                     f"{r['slower_compute_over_mean']:.3f} | {r['reduce_faster_rank_s']:.3f} | "
+                     f"{r['reduce_slower_rank_s']:.3f} | {r['tokens_max_over_mean']:.3f} | "
+                     f"{r['visual_tokens_max_over_mean']:.3f} | {logged} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -184,19 +205,7 @@ def main() -> None:
                      VISION_HEAVY if args.vision_heavy else [])
             rows.append(summarize(mode, name, out, args.warmup))
     (out / "data_plan_cpu.json").write_text(json.dumps(rows, indent=1))
-    print("| plan | steps | step time (s) | optimizer step (s) | compute gap of the ranks (s) | "
-          "reduction: faster rank (s) | reduction: slower rank (s) | tokens max/mean | "
-          "visual tokens max/mean | logged dp tokens / vision |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        logged = (f"{r['logged_dp_tokens_max_over_mean']:.3f} / "
-                  f"{r['logged_dp_vision_max_over_mean']:.3f}"
-                  if "logged_dp_tokens_max_over_mean" in r else "-")
-        print(f"| {r['mode']} | {r['steps']} | {r['step_time_s']:.3f} | "
-              f"{r['optimizer_step_s']:.3f} | {r['compute_gap_s']:.3f}"
-              f" | {r['reduce_faster_rank_s']:.3f} | {r['reduce_slower_rank_s']:.3f} | "
-              f"{r['tokens_max_over_mean']:.3f} | {r['visual_tokens_max_over_mean']:.3f} | "
-              f"{logged} |")
+    print(table(rows))
 
 
 if __name__ == "__main__":
