@@ -544,10 +544,12 @@ page; LLaVA-Video-like 640x360 30 fps clips:
 
 ## Machine
 
-- {m['cpu']}, {m['cores']} cores, **shared with other jobs during the run** (other agents'
-  tests and benches): load average {load} (1/5/15 min) at the start, {load_end} at the end.
-  Process CPU time does not count the other jobs' time, but they share the caches and memory
+- {m['cpu']}, {m['cores']} cores: load average {load} (1/5/15 min) at the start, {load_end} at
+  the end (the bench keeps about one core busy itself: a higher load means other jobs ran).
+  Process CPU time does not count other jobs' time, but they share the caches and memory
   bandwidth, so the rounds spread; the ratio ranges show by how much.
+- The project's process keeps the pages of freed pixel buffers (`energon_tasks.pixel_memory`,
+  as every loader process does); the HF paths run with glibc's defaults, as users run them.
 - project venv: Python {m['python']}, {project}; resize kernels: uint8 `{m['resize']}`;
   float32 `{m['float_resize']}`.
 - {ref_line}.
