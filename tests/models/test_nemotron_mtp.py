@@ -10,7 +10,6 @@ through import and export with the head built, and the layouts and configs train
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 
 import pytest
@@ -18,22 +17,15 @@ import torch
 
 from lookalikes.models import NEMOTRON_MTP_PREFIX as P
 from tests.models.test_nemotron_super import same_bytes, tensors
+from tests.models.test_qwen3_5_mtp import model_with_mtp
 
 TOL = 1e-4
 
 
 def our_model(folder):
-    from models.checkpointing.sharding import load_hf_weights
-    from models.families import build_model
     from models.families.nemotron_omni import config
-    from models.parallel import init_parallel
 
-    cfg = config.from_hf_config(json.loads((folder / "config.json").read_text()))
-    cfg = dataclasses.replace(cfg, train_mtp=True)
-    init_parallel()
-    model = build_model(cfg, use_te=False)
-    load_hf_weights(model, cfg, folder)
-    return cfg, model.eval()
+    return model_with_mtp(folder, config)
 
 
 def reference_blocks(text_config, mtp: dict) -> list:

@@ -17,12 +17,15 @@ import torch
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe"]
 
 
-def _our_model(folder):
+def model_with_mtp(folder, config=None):
+    """The family's model of the HF ``folder`` with its MTP head built and loaded (``config``:
+    the family's config module; Qwen3.5's by default), in eval mode, and its config."""
     from models.checkpointing.sharding import load_hf_weights
     from models.families import build_model
-    from models.families.qwen3_5 import config
     from models.parallel import init_parallel
 
+    if config is None:
+        from models.families.qwen3_5 import config
     cfg = config.from_hf_config(json.loads((folder / "config.json").read_text()))
     cfg = dataclasses.replace(cfg, train_mtp=True)
     init_parallel()
@@ -95,7 +98,7 @@ def test_mtp_logits_match_the_reference(qwen3_5_hf, family):
     from models.families.qwen3_5.verify_inputs import verify_inputs
 
     folder = qwen3_5_hf[family]
-    cfg, model = _our_model(folder)
+    cfg, model = model_with_mtp(folder)
     mtp = {k: v for k, v in load_file(str(folder / "model.safetensors")).items()
            if k.startswith("mtp.")}
     hf_model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
@@ -137,7 +140,7 @@ def test_trained_head_is_exported_in_the_source_layout(qwen3_5_hf, family, tmp_p
     from models.hf.export import mcore_to_hf
 
     folder = qwen3_5_hf[family]
-    cfg, model = _our_model(folder)
+    cfg, model = model_with_mtp(folder)
     with torch.no_grad():
         for param in model.mtp.parameters():
             param.add_(0.5)
