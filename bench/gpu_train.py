@@ -1,7 +1,8 @@
 """The ``train`` part of the GPU check (bench/gpu_check.py): every family trains a few steps at its
 published per-layer shapes on real-shaped samples, and what a throughput card reports.
 
-Per family (``FAMILIES``): the published model config (hidden size, heads, experts and top-k, the
+Per family (``FAMILIES``; Nemotron-Omni twice: Nano Omni and the Super VL's LatentMoE): the
+published model config (hidden size, heads, experts and top-k, the
 whole vision tower) with the LM's layer count cut to what one GPU holds (every layer kind kept:
 attention, Gated DeltaNet, Mamba, MoE), random init, bf16, the run's kernels
 (``recipes.model_setup.select_kernels``: the lines are in the row), activation recomputation
@@ -32,17 +33,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: family -> (published config, tiny config, overrides: the LM cut to what one GPU holds)
+#: row -> (family, published config, overrides: the LM cut to what one GPU holds, tiny config,
+#: its overrides: the smoke run's shape of the same kind)
 FAMILIES = {
-    "qwen2_5_vl": ("qwen2_5_vl_7b", "qwen2_5_vl_tiny", ["model.lm.num_layers=4"]),
-    "qwen3_vl": ("qwen3_vl_8b", "qwen3_vl_tiny", ["model.lm.num_layers=4"]),
-    "qwen3_vl_moe": ("qwen3_vl_30b_a3b", "qwen3_vl_moe_tiny", ["model.lm.num_layers=2"]),
-    "qwen3_5": ("qwen3_5_9b", "qwen3_5_tiny", [
+    "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_7b", ["model.lm.num_layers=4"], "qwen2_5_vl_tiny",
+                   []),
+    "qwen3_vl": ("qwen3_vl", "qwen3_vl_8b", ["model.lm.num_layers=4"], "qwen3_vl_tiny", []),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "qwen3_vl_30b_a3b", ["model.lm.num_layers=2"],
+                     "qwen3_vl_moe_tiny", []),
+    "qwen3_5": ("qwen3_5", "qwen3_5_9b", [
         "model.lm.num_layers=4", "model.lm.layer_types=[linear_attention, linear_attention, "
-                                 "linear_attention, full_attention]"]),
-    "qwen3_5_moe": ("qwen3_5_35b_a3b", "qwen3_5_moe_tiny", [
-        "model.lm.num_layers=2", "model.lm.layer_types=[linear_attention, full_attention]"]),
-    "nemotron_omni": ("nemotron_omni_30b_a3b", "nemotron_omni_tiny", ["model.lm.pattern=M*E"]),
+                                 "linear_attention, full_attention]"], "qwen3_5_tiny", []),
+    "qwen3_5_moe": ("qwen3_5_moe", "qwen3_5_35b_a3b", [
+        "model.lm.num_layers=2", "model.lm.layer_types=[linear_attention, full_attention]"],
+        "qwen3_5_moe_tiny", []),
+    "nemotron_omni": ("nemotron_omni", "nemotron_omni_30b_a3b", ["model.lm.pattern=M*E"],
+                      "nemotron_omni_tiny", []),
+    # Nemotron 3.5 Super VL: LatentMoE (megatron's MoE with its latent projections; TE's when it
+    # is importable, else models/layers/latent_moe.py), its experts cut to 128 of 512 for one GPU
+    "nemotron_omni_super": ("nemotron_omni", "nemotron_omni_super_120b_a12b", [
+        "model.lm.pattern=M*E", "model.lm.num_experts=128"], "nemotron_omni_tiny", [
+        "model.lm.pattern=M*E", "model.lm.moe_latent_size=32",
+        "model.lm.moe_shared_expert_intermediate_size=64"]),
 }
 #: the real-shaped samples: Mantis row (photos, (h, w)), the page (w, h), the video
 PHOTOS, PAGE, VIDEO = (12, (480, 640)), (6000, 9000), ((640, 360), 64, 2)
@@ -99,16 +111,17 @@ def run_config(family: str, smoke: bool, steps: int, out: Path):
     from recipes.compatibility import profile_for
     from recipes.run_config import from_dict
 
-    real, tiny, cut = FAMILIES[family]
+    name, real, cut, tiny, tiny_cut = FAMILIES[family]
     raw = {"out": str(out), "model": {"base": str(REPO / "configs" / f"{tiny if smoke else real}"
                                                                    ".yaml")},
-           "task_encoder": {"model": profile_for(family, None), "tokenizer": "test",
+           "task_encoder": {"model": profile_for(name, None), "tokenizer": "test",
                             "packing": True, "max_pixels": None, "max_num_images": 12,
                             "max_num_frames": 64, "max_visual_tokens": 16384,
                             "seq_length": 4096 if smoke else 20480},
            "train": {"steps": steps, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": WARMUP,
                      "precision": "fp32" if smoke else "bf16"}}
-    for item in (["model.lm.vocab_size=640"] if smoke else [*cut, "model.recompute=full"]):
+    for item in (["model.lm.vocab_size=640", *tiny_cut] if smoke
+                 else [*cut, "model.recompute=full"]):
         apply_override(raw, item)  # smoke: the tiny LM takes the test tokenizer's ids
     return from_dict(raw)
 
@@ -228,8 +241,8 @@ def train_family(family: str, smoke: bool, steps: int, out: Path, peak_tflops: f
     last = {step % len(rows): loss for step, loss in enumerate(losses)}  # each row's last loss
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "model": f"configs/{FAMILIES[family][1 if smoke else 0]}.yaml",
-        "cut": [] if smoke else FAMILIES[family][2], "recompute": cfg.model.recompute,
+        "model": f"configs/{FAMILIES[family][3 if smoke else 1]}.yaml",
+        "cut": FAMILIES[family][4 if smoke else 2], "recompute": cfg.model.recompute,
         "dtype": cfg.train.precision, "params": sum(p.numel() for p in model.parameters()),
         "kernels": [choice.line() for choice in choices.values()],
         "steps": steps, "timed_steps": len(timed), "rows": per_row,

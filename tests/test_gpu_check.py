@@ -44,7 +44,8 @@ def test_gpu_check_smoke_runs_every_part(smoke_report):
                                                         for r in speed.values())
     train = {row["family"]: row for row in parts["train"]}
     assert set(train) == {"qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
-                          "nemotron_omni"}
+                          "nemotron_omni", "nemotron_omni_super"}
+    assert train["nemotron_omni_super"]["cut"][0] == "model.lm.pattern=M*E"  # LatentMoE in
     for family, row in train.items():
         assert row["loss_finite"] and row["loss_falling"], (family, row["losses"])
         assert row["real_tokens_per_s"] > 0 and row["padded_slots_per_s"] >= row[
@@ -75,8 +76,8 @@ def test_cards_from_a_cpu_run_say_no_gpu_run_exists(smoke_report, tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     cards = sorted(p.name for p in tmp_path.glob("*.md"))
-    assert cards == ["nemotron_omni.md", "qwen2_5_vl.md", "qwen3_5.md", "qwen3_5_moe.md",
-                     "qwen3_vl.md", "qwen3_vl_moe.md"]
+    assert cards == ["nemotron_omni.md", "nemotron_omni_super.md", "qwen2_5_vl.md", "qwen3_5.md",
+                     "qwen3_5_moe.md", "qwen3_vl.md", "qwen3_vl_moe.md"]
     text = (tmp_path / "qwen3_5.md").read_text()
     assert "No GPU run exists yet" in text and "2,507" in text and "989" in text
     assert "| real tokens/s |" not in text and "## Figures" not in text
