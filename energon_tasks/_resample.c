@@ -753,47 +753,142 @@ static void stream_floats(float *dst, const float *src, Py_ssize_t count) {
 #define STREAM_FENCE() ((void)0)
 #endif
 
+/* The cells of one patch of one frame, one per channel (cell c at cells + c * stride): each
+   value lut[c][x] of the channel's uint8 x, the patch's rows in order. */
+static void cells_lookup(const uint8_t *src, Py_ssize_t row_bytes, Py_ssize_t channels,
+                         Py_ssize_t p, const float *table, float *cells, Py_ssize_t stride) {
+    for (Py_ssize_t c = 0; c < channels; c++) {
+        const float *lut = table + c * 256;
+        const uint8_t *row = src + c;
+        float *out = cells + c * stride;
+        for (Py_ssize_t py = 0; py < p; py++, row += row_bytes)
+            for (Py_ssize_t px = 0; px < p; px++) *out++ = lut[row[px * channels]];
+    }
+}
+
+#if AVX2_DISPATCH
+/* 16 channel values -> 16 floats ((float)x / divisor - mean) / std: the float32 ops of the Qwen
+   processors' rescale and normalise, each rounded as a scalar op rounds (no FMA). */
+__attribute__((target("avx2")))
+static inline void normalized16(__m128i values, const float *k, float *out) {
+    __m256 divisor = _mm256_set1_ps(k[0]), mean = _mm256_set1_ps(k[1]), std = _mm256_set1_ps(k[2]);
+    __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(values));
+    __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(values, 8)));
+    _mm256_storeu_ps(out, _mm256_div_ps(_mm256_sub_ps(_mm256_div_ps(low, divisor), mean), std));
+    _mm256_storeu_ps(out + 8,
+                     _mm256_div_ps(_mm256_sub_ps(_mm256_div_ps(high, divisor), mean), std));
+}
+
+/* Whether normalized16 gives table[c] for every uint8 of every channel (3 channels), bit for
+   bit: the table stays what the values are; the formula is only a faster way to them. */
+__attribute__((target("avx2")))
+static int formula_matches(const float *table, const float *constants) {
+    float got[256];
+    for (int c = 0; c < 3; c++) {
+        const float k[3] = {constants[c], constants[3 + c], constants[6 + c]};
+        for (int v = 0; v < 256; v += 16)
+            normalized16(_mm_add_epi8(_mm_set1_epi8((char)v),
+                                      _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                    14, 15)), k, got + v);
+        if (memcmp(got, table + c * 256, sizeof(got))) return 0;
+    }
+    return 1;
+}
+
+/* cells_lookup for 3 channels and p <= 16, by the formula: each patch row's first 48 bytes (the
+   caller checks they lie inside the frames) split into 16 values a channel with byte shuffles,
+   16 floats stored at the row's place (the p < 16 rows' extra floats are overwritten by the
+   next row, the last row's land in the cell's slack). */
+__attribute__((target("avx2")))
+static void cells_formula(const uint8_t *src, Py_ssize_t row_bytes, Py_ssize_t p,
+                          const float *constants, float *cells, Py_ssize_t stride) {
+    const __m128i r0 = _mm_setr_epi8(0, 3, 6, 9, 12, 15, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1),
+                  r1 = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, 2, 5, 8, 11, 14, -1, -1, -1, -1, -1),
+                  r2 = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 1, 4, 7, 10, 13),
+                  g0 = _mm_setr_epi8(1, 4, 7, 10, 13, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1),
+                  g1 = _mm_setr_epi8(-1, -1, -1, -1, -1, 0, 3, 6, 9, 12, 15, -1, -1, -1, -1, -1),
+                  g2 = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 2, 5, 8, 11, 14),
+                  b0 = _mm_setr_epi8(2, 5, 8, 11, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1),
+                  b1 = _mm_setr_epi8(-1, -1, -1, -1, -1, 1, 4, 7, 10, 13, -1, -1, -1, -1, -1, -1),
+                  b2 = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 3, 6, 9, 12, 15);
+    const float kr[3] = {constants[0], constants[3], constants[6]},
+                kg[3] = {constants[1], constants[4], constants[7]},
+                kb[3] = {constants[2], constants[5], constants[8]};
+    for (Py_ssize_t py = 0; py < p; py++, src += row_bytes) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src),
+                b = _mm_loadu_si128((const __m128i *)(src + 16)),
+                c = _mm_loadu_si128((const __m128i *)(src + 32));
+#define CHANNEL(m0, m1, m2) _mm_or_si128(_mm_or_si128(_mm_shuffle_epi8(a, m0), \
+                                         _mm_shuffle_epi8(b, m1)), _mm_shuffle_epi8(c, m2))
+        normalized16(CHANNEL(r0, r1, r2), kr, cells + py * p);
+        normalized16(CHANNEL(g0, g1, g2), kg, cells + stride + py * p);
+        normalized16(CHANNEL(b0, b1, b2), kb, cells + 2 * stride + py * p);
+#undef CHANNEL
+    }
+}
+#endif
+
+/* cells: tp * channels cells of stride floats (p * p + 16). formula: cells_formula may run
+   (AVX2, 3 channels, p <= 16, formula_matches). */
 static void patch_rows(const uint8_t *frames, Py_ssize_t count, Py_ssize_t height,
                        Py_ssize_t width, Py_ssize_t channels, const float *table, float *dst,
-                       Py_ssize_t p, Py_ssize_t m, Py_ssize_t tp, float *cell_buffer) {
+                       Py_ssize_t p, Py_ssize_t m, Py_ssize_t tp, float *cells,
+                       const float *constants, int formula) {
     Py_ssize_t grid_t = (count + tp - 1) / tp, block_h = height / (p * m),
-               block_w = width / (p * m), row_bytes = width * channels, cell = p * p;
+               block_w = width / (p * m), row_bytes = width * channels, cell = p * p,
+               stride = cell + 16;
+    const uint8_t *frames_end = frames + count * height * row_bytes;
     int stream = CAN_STREAM(dst, cell);
+#if !AVX2_DISPATCH
+    (void)constants, (void)formula, (void)frames_end;
+#endif
     for (Py_ssize_t gt = 0; gt < grid_t; gt++)
         for (Py_ssize_t by = 0; by < block_h; by++)
             for (Py_ssize_t bx = 0; bx < block_w; bx++)
                 for (Py_ssize_t my = 0; my < m; my++)
                     for (Py_ssize_t mx = 0; mx < m; mx++) {
                         Py_ssize_t y0 = (by * m + my) * p, x0 = (bx * m + mx) * p;
-                        for (Py_ssize_t c = 0; c < channels; c++) {
-                            const float *lut = table + c * 256;
-                            Py_ssize_t previous = -1;
-                            for (Py_ssize_t t = 0; t < tp; t++, dst += cell) {
-                                Py_ssize_t frame = gt * tp + t < count ? gt * tp + t : count - 1;
-                                if (frame != previous) {  /* else: the same cell again */
-                                    previous = frame;
-                                    const uint8_t *src = frames + (frame * height + y0) *
-                                                         row_bytes + x0 * channels + c;
-                                    float *out = cell_buffer;
-                                    for (Py_ssize_t py = 0; py < p; py++, src += row_bytes)
-                                        for (Py_ssize_t px = 0; px < p; px++)
-                                            *out++ = lut[src[px * channels]];
-                                }
-                                if (stream)
-                                    stream_floats(dst, cell_buffer, cell);
-                                else
-                                    memcpy(dst, cell_buffer, (size_t)cell * sizeof(float));
+                        /* each temporal slot's cells: its frame's, or the slot before's when
+                           the frame is the same (an image's two slots, a video's padding) */
+                        Py_ssize_t previous = -1, slot[tp];
+                        for (Py_ssize_t t = 0; t < tp; t++) {
+                            Py_ssize_t frame = gt * tp + t < count ? gt * tp + t : count - 1;
+                            if (frame == previous) {
+                                slot[t] = slot[t - 1];
+                                continue;
                             }
+                            previous = frame;
+                            slot[t] = t;
+                            const uint8_t *src = frames + (frame * height + y0) * row_bytes +
+                                                 x0 * channels;
+                            float *out = cells + t * channels * stride;
+#if AVX2_DISPATCH
+                            if (formula && src + (p - 1) * row_bytes + 48 <= frames_end) {
+                                cells_formula(src, row_bytes, p, constants, out, stride);
+                                continue;
+                            }
+#endif
+                            cells_lookup(src, row_bytes, channels, p, table, out, stride);
                         }
+                        for (Py_ssize_t c = 0; c < channels; c++)
+                            for (Py_ssize_t t = 0; t < tp; t++, dst += cell) {
+                                const float *from = cells + (slot[t] * channels + c) * stride;
+                                if (stream)
+                                    stream_floats(dst, from, cell);
+                                else
+                                    memcpy(dst, from, (size_t)cell * sizeof(float));
+                            }
                     }
     if (stream) STREAM_FENCE();
 }
 
 static PyObject *py_patch_rows(PyObject *self, PyObject *args) {
-    PyObject *frames_o, *table_o, *out_o;
+    PyObject *frames_o, *table_o, *out_o, *constants_o = Py_None;
     Py_ssize_t p, m, tp;
-    if (!PyArg_ParseTuple(args, "OOOnnn", &frames_o, &table_o, &out_o, &p, &m, &tp)) return NULL;
-    Py_buffer fv, tv, ov;
+    if (!PyArg_ParseTuple(args, "OOOnnn|O", &frames_o, &table_o, &out_o, &p, &m, &tp,
+                          &constants_o))
+        return NULL;
+    Py_buffer fv, tv, ov, kv = {0};
     if (contiguous_view(frames_o, &fv, 0, 4, "B", "frames") < 0) return NULL;
     if (contiguous_view(table_o, &tv, 0, 2, "f", "table") < 0) {
         PyBuffer_Release(&fv);
@@ -804,11 +899,17 @@ static PyObject *py_patch_rows(PyObject *self, PyObject *args) {
         PyBuffer_Release(&tv);
         return NULL;
     }
+    if (constants_o != Py_None && contiguous_view(constants_o, &kv, 0, 2, "f", "constants") < 0) {
+        PyBuffer_Release(&fv);
+        PyBuffer_Release(&tv);
+        PyBuffer_Release(&ov);
+        return NULL;
+    }
     Py_ssize_t count = fv.shape[0], height = fv.shape[1], width = fv.shape[2],
                channels = fv.shape[3], side = p * m;
-    int ok = p > 0 && m > 0 && tp > 0 && count > 0 && channels > 0 && height > 0 && width > 0 &&
-             height % side == 0 && width % side == 0 && tv.shape[0] == channels &&
-             tv.shape[1] == 256;
+    int ok = p > 0 && m > 0 && tp > 0 && tp <= 64 && count > 0 && channels > 0 && height > 0 &&
+             width > 0 && height % side == 0 && width % side == 0 && tv.shape[0] == channels &&
+             tv.shape[1] == 256 && (!kv.buf || (kv.shape[0] == 3 && kv.shape[1] == channels));
     if (ok) {
         Py_ssize_t grid_t = (count + tp - 1) / tp;
         ok = ov.shape[0] == grid_t * (height / p) * (width / p) &&
@@ -816,23 +917,30 @@ static PyObject *py_patch_rows(PyObject *self, PyObject *args) {
     }
     if (!ok) {
         PyErr_SetString(PyExc_ValueError, "patch_rows: frames (T, H, W, C) with H, W multiples "
-                        "of patch * merge, table (C, 256), out (rows, C * temporal * patch**2)");
+                        "of patch * merge, table (C, 256), out (rows, C * temporal * patch**2), "
+                        "temporal <= 64, constants (3, C) or None");
     }
-    float *cell_buffer = ok ? malloc((size_t)(p * p) * sizeof(float)) : NULL;
-    if (ok && !cell_buffer) {
+    float *cells = ok ? malloc((size_t)(tp * channels * (p * p + 16)) * sizeof(float)) : NULL;
+    if (ok && !cells) {
         ok = 0;
         PyErr_NoMemory();
     }
+    int formula = 0;
+#if AVX2_DISPATCH
+    formula = ok && kv.buf && channels == 3 && p <= 16 && uint8_vector() &&
+              formula_matches(tv.buf, kv.buf);
+#endif
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        patch_rows(fv.buf, count, height, width, channels, tv.buf, ov.buf, p, m, tp,
-                   cell_buffer);
+        patch_rows(fv.buf, count, height, width, channels, tv.buf, ov.buf, p, m, tp, cells,
+                   kv.buf, formula);
         Py_END_ALLOW_THREADS
     }
-    free(cell_buffer);
+    free(cells);
     PyBuffer_Release(&fv);
     PyBuffer_Release(&tv);
     PyBuffer_Release(&ov);
+    if (kv.buf) PyBuffer_Release(&kv);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }

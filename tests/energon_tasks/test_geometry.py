@@ -501,6 +501,29 @@ def test_pixel_rows_fill_a_slice_of_one_buffer(rows_path):
         geo.pixel_rows(items[0][:, :-1])
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
+def test_patch_rows_values_are_the_tables_whatever_the_constants(name):
+    """The C kernel computes values from its constants only where they give its table for all
+    256 values bit for bit: a table they do not give is looked up, constants or not."""
+    from energon_tasks import _resample
+
+    geo = get_geometry(name)
+    rng = np.random.default_rng(11)
+    pixels = rng.integers(0, 256, (3, geo.factor * 2, geo.factor * 3, 3), dtype=np.uint8)
+    constants = np.array([[255.0] * 3, geo.image_mean, geo.image_std], np.float32)
+    p, m, tp = geo.patch_size, geo.merge_size, geo.temporal_patch_size
+    rows = 2 * (geo.factor * 2 // p) * (geo.factor * 3 // p)
+    for table in (geo.normalization_table(), rng.standard_normal((3, 256)).astype(np.float32)):
+        table = np.ascontiguousarray(table)
+        looked_up = table[np.arange(3)[None, :, None, None], pixels.transpose(0, 3, 1, 2)]
+        for given in (constants, None):
+            out = np.full((rows, 3 * tp * p * p), np.nan, np.float32)
+            _resample.patch_rows(pixels, table, out, p, m, tp, given)
+            assert np.array_equal(out, geo.patchify(looked_up))
+    with pytest.raises(ValueError, match="constants"):
+        _resample.patch_rows(pixels, table, out, p, m, tp, constants[:2])
+
+
 def test_float32_rescale_equals_the_processor_rescale_for_every_uint8(rows_path):
     """pixel_rows rescales in float32 (x / 255); the processors go through float64 (x * 1/255)."""
     values = np.arange(256, dtype=np.uint8)

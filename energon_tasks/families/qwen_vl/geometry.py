@@ -38,8 +38,9 @@ try:  # pixel_rows in one pass: make install's C extension (energon_tasks/_resam
 except ImportError:  # not built (no C compiler at install): numpy, the same values
     _native_patch_rows = None
 
-#: (image_mean, image_std) -> ``QwenVLGeometry.normalization_table`` (the C kernel's lookup)
-_TABLES: dict[tuple, np.ndarray] = {}
+#: (image_mean, image_std) -> (``QwenVLGeometry.normalization_table``, the (3, C) float32
+#: divisor / mean / std by which the C kernel may compute the same values, see ``pixel_rows``)
+_TABLES: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 __all__ = [
     "QWEN2_5_VL",
@@ -307,7 +308,10 @@ class QwenVLGeometry:
 
         With the C extension (``energon_tasks._resample.patch_rows``) one pass writes ``out`` in
         row order, each value looked up in ``normalization_table`` (the same float32 values) and
-        each repeated temporal slot a copy. Without it, numpy: the uint8 frames are read through a
+        each repeated temporal slot a copy; with AVX2 (3 channels, patch <= 16) the values are
+        computed 8 at a time as ``(float32(x) / 255 - mean) / std`` instead, once the kernel has
+        checked that this gives the table for all 256 values of every channel (else it looks
+        them up). Without it, numpy: the uint8 frames are read through a
         strided patch-layout view (no copy); normalising runs in float32 over a cache-sized scratch
         block (about 256 rows) and each block is copied into its temporal slot of ``out`` (an
         image's second slot is the same block again): one pass of writes over the output.
@@ -341,10 +345,12 @@ class QwenVLGeometry:
                              f"{shape}")
         if _native_patch_rows is not None:
             key = (tuple(self.image_mean), tuple(self.image_std))
-            table = _TABLES.get(key)
-            if table is None:
-                table = _TABLES[key] = np.ascontiguousarray(self.normalization_table())
-            _native_patch_rows(np.ascontiguousarray(frames), table, out, p, m, tp)
+            if key not in _TABLES:
+                divisor = [1 / RESCALE_FACTOR] * len(self.image_mean)
+                _TABLES[key] = (np.ascontiguousarray(self.normalization_table()), np.array(
+                    [divisor, self.image_mean, self.image_std], dtype=np.float32))
+            table, constants = _TABLES[key]
+            _native_patch_rows(np.ascontiguousarray(frames), table, out, p, m, tp, constants)
             return out
         # (T, block row, block col, row in block, col in block, C, patch row, patch col): a view
         source = frames.reshape(count, block_h, m, p, block_w, m, p, channels)
