@@ -14,10 +14,12 @@ Measured per core: one process each, one thread, process CPU time (``time.proces
 the process that runs the path: this one for the project, the reference worker for the HF
 paths; the IPC between them is outside both clocks). One warm-up round, then ``--rounds`` rounds;
 in each round every sample runs every path in turn (the order rotated each round), so the
-machine's load drifts over all paths alike. Reported: the median over rounds of each path's CPU
-ms per sample, samples/s per core (1000 / ms), and for each HF path the median and the range of
-the per-round ratio HF / project. The pixels each HF path returns are compared with the
-project's (``pixel_values``: equal bit for bit, or the largest difference, in normalised units).
+machine's load drifts over all paths alike, and both processes run on one core, a different one
+each round (``OneCore``): a core slowed by its neighbours slows all paths of a round. Reported:
+the median over rounds of each path's CPU ms per sample, samples/s per core (1000 / ms), and
+for each HF path the median and the range of the per-round ratio HF / project. The pixels each
+HF path returns are compared with the project's (``pixel_values``: equal bit for bit, or the
+largest difference, in normalised units).
 
 Sets (generated; sizes as the hub's datasets show): Mantis-like samples of 10 photo JPEGs (the
 task encoder's default ``max_num_images``) of 400-900 px a side; InfoVQA-like text pages
@@ -244,13 +246,45 @@ def full_decode(images: list[bytes]) -> None:
         Image.open(io.BytesIO(data)).load()
 
 
-def measure(paths: dict, count: int, rounds: int) -> dict[str, list[float]]:
+class OneCore:
+    """Pins the bench's process and the reference worker (every thread of both) to one core a
+    round, the core changing from round to round: the two take turns (one waits on the other's
+    answer), so each round's paths all run on the same core and a core slowed by its neighbours
+    (a VM's vCPUs share physical cores with other guests) slows every path of that round alike,
+    not one process's paths in every round."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = [os.getpid(), *pids]
+        self.cores = sorted(os.sched_getaffinity(0))
+
+    def pin(self, round_: int) -> None:
+        core = {self.cores[round_ % len(self.cores)]}
+        for pid in self.pids:
+            for thread in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    os.sched_setaffinity(int(thread), core)
+                except (ProcessLookupError, PermissionError):
+                    pass  # a thread that ended meanwhile
+
+    def release(self) -> None:
+        for pid in self.pids:
+            for thread in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    os.sched_setaffinity(int(thread), set(self.cores))
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def measure(paths: dict, count: int, rounds: int, cores: OneCore | None = None
+            ) -> dict[str, list[float]]:
     """Per path, its CPU seconds per round summed over samples ``0..count-1``: one warm-up round,
     then ``rounds`` rounds, every sample running every path in turn, the order rotated each
-    round. Each path returns the CPU seconds of its call."""
+    round, each round on one core (``cores``). Each path returns the CPU seconds of its call."""
     names = list(paths)
     totals = {name: [0.0] * rounds for name in names}
     for round_ in range(rounds + 1):
+        if cores:
+            cores.pin(round_)
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         for i in range(count):
             for name in order:
@@ -278,7 +312,7 @@ def remote(reference: Reference, request_of):
 
 
 def run_set(encoder, reference, settings, name: str, samples: list, work: Path,
-            rounds: int) -> dict:
+            rounds: int, pin: bool = True) -> dict:
     """One family x dataset: the project's path, the floor (images), every HF path."""
     video = name == "llava_video"
     kind = settings["kind"]
@@ -324,7 +358,12 @@ def run_set(encoder, reference, settings, name: str, samples: list, work: Path,
         if hf not in errors:
             paths[hf] = remote(reference, lambda i, hf=hf: {
                 "op": "run", "path": hf, "family": settings, "save": None, **requests[i]})
-    totals = measure(paths, len(samples), rounds)
+    cores = OneCore([reference.process.pid] if reference else []) if pin else None
+    try:
+        totals = measure(paths, len(samples), rounds, cores)
+    finally:
+        if cores:
+            cores.release()
     n = len(samples)
     project = totals["project"]
     result = {"samples": n, "rounds": rounds, "errors": errors, "pixels": pixels,
@@ -429,8 +468,10 @@ def machine(reference_versions: dict | None, load: tuple, load_end: tuple) -> di
               show_default=True, help="make infer-venv's venv (torch + torchvision)")
 @click.option("--families", multiple=True, type=click.Choice(FAMILIES))
 @click.option("--sets", "only", multiple=True, type=click.Choice(SETS))
+@click.option("--pin/--no-pin", default=True, show_default=True,
+              help="both processes on one core a round, the core changing each round")
 def main(out: Path, doc: Path | None, rounds: int, quick: bool, infer_venv: Path,
-         families: tuple, only: tuple) -> None:
+         families: tuple, only: tuple, pin: bool) -> None:
     """Time the loader against the Hugging Face paths (see the module docstring)."""
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
 
@@ -464,7 +505,7 @@ def main(out: Path, doc: Path | None, rounds: int, quick: bool, infer_venv: Path
         results[family] = {}
         for name in only or SETS:
             results[family][name] = run_set(encoder, reference, settings, name, data[name], work,
-                                            rounds)
+                                            rounds, pin)
             print(f"[bench-loader] {family} {name} {time.perf_counter() - started:.0f} s",
                   file=sys.stderr, flush=True)
     if reference:
@@ -528,8 +569,10 @@ for the family, each on the same samples (`bench/loader_reference.py`):
 Per core: one thread, process CPU time (`time.process_time` in the process that runs the path:
 this one for the project, the reference worker for the HF paths). One warm-up round, then
 {record['rounds']} rounds; in each round every sample runs every path in turn, the order rotated
-each round. CPU ms per sample: the median over rounds; **ratios: the median of the per-round
-ratio (HF path / project) and its range over the rounds**. Pixels: each HF path's
+each round, and both processes are pinned to one core, the next core each round (on a VM a core
+can be slowed by its neighbours for minutes: pinned, that slows every path of its rounds alike,
+not one process's paths). CPU ms per sample: the median over rounds; **ratios: the median of
+the per-round ratio (HF path / project) and its range over the rounds**. Pixels: each HF path's
 `pixel_values` (`pixel_values_videos`) against the project's: bit-equal, or the largest
 difference in normalised units (1 grey level is about 0.015 with the CLIP std, 0.008 with
 Qwen3-VL's 0.5). Families: Qwen2.5-VL, Qwen3-VL and Nemotron-Omni (dynamic), the three image
