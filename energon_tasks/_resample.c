@@ -472,15 +472,77 @@ ALWAYS_INLINE void float_sum(
     }
 }
 
+#if AVX2_DISPATCH
+/* float_block's conversion of a whole block (ROWS rows) of RGBX pixels, 8 pixels at a time: the
+   16 x 8 pixels transposed as fill_block_avx2 does, each pixel's 8 rows' RGB packed to 24 bytes
+   and widened to floats at its lanes 3r + c. Returns the first pixel left to the plain loop. */
+__attribute__((target("avx2")))
+static int float_fill_avx2(const uint8_t *src, Py_ssize_t src_stride, int w, int y,
+                           float *block) {
+    const __m256i pack = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
+                                          0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+    const __m256i order = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 3, 7);  /* 24 bytes to the front */
+    int x = 0;
+    for (; x + 8 <= w; x += 8) {
+        __m256i half[2][8];
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *at = src + (size_t)(y + i) * src_stride + (size_t)x * 4;
+            half[0][i] = _mm256_loadu_si256((const __m256i *)at);
+            half[1][i] = _mm256_loadu_si256((const __m256i *)(at + 8 * src_stride));
+        }
+        transpose8x8(half[0]);
+        transpose8x8(half[1]);
+        for (int j = 0; j < 8; j++) {
+            float *lane = block + (size_t)(x + j) * LANES;
+            for (int k = 0; k < 2; k++, lane += 24) {
+                __m256i rgb = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(half[k][j], pack),
+                                                          order);
+                __m128i low = _mm256_castsi256_si128(rgb), high = _mm256_extracti128_si256(rgb, 1);
+                _mm256_storeu_ps(lane, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)));
+                _mm256_storeu_ps(lane + 8, _mm256_cvtepi32_ps(
+                    _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8))));
+                _mm256_storeu_ps(lane + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)));
+            }
+        }
+    }
+    return x;
+}
+
+/* float_unpack_row of every lane of a whole block, 8 columns at a time: 8 columns' values of 8
+   lanes transposed (8 x 8 floats), each lane's 8 stored in its row (rows[l]: lane l's row).
+   Returns the first column left to float_unpack_row. */
+__attribute__((target("avx2")))
+static int float_unpack_avx2(const float *done, float *const *rows, int w2) {
+    int o = 0;
+    for (; o + 8 <= w2; o += 8)
+        for (int g = 0; g < LANES; g += 8) {
+            __m256i v[8];
+            for (int j = 0; j < 8; j++)
+                v[j] = _mm256_castps_si256(_mm256_loadu_ps(done + (size_t)(o + j) * LANES + g));
+            transpose8x8(v);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(rows[g + i] + o, _mm256_castsi256_ps(v[i]));
+        }
+    return o;
+}
+#endif
+
 /* Source rows [y, y + rows) (rows <= ROWS) resampled horizontally (t; NULL: only converted) into
-   done: w2 columns of LANES values (row r, channel c at lane 3r + c). block: w * LANES floats. */
+   done: w2 columns of LANES values (row r, channel c at lane 3r + c). block: w * LANES floats.
+   vector: a whole block of RGBX pixels is converted by float_fill_avx2. */
 ALWAYS_INLINE void float_block(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes,
                                int w, int y, int rows, float *block, float *done, int w2,
-                               const float_taps *t) {
+                               const float_taps *t, int vector) {
+    int from = 0;
+#if AVX2_DISPATCH
+    if (vector && rows == ROWS && pixel_bytes == 4)
+        from = float_fill_avx2(src, src_stride, w, y, t ? block : done);
+#else
+    (void)vector;
+#endif
     for (int r = 0; r < rows; r++) {
-        const uint8_t *line = src + (size_t)(y + r) * src_stride;
-        float *lane = (t ? block : done) + r * 3;
-        for (int x = 0; x < w; x++, lane += LANES, line += pixel_bytes) {
+        const uint8_t *line = src + (size_t)(y + r) * src_stride + (size_t)from * pixel_bytes;
+        float *lane = (t ? block : done) + (size_t)from * LANES + r * 3;
+        for (int x = from; x < w; x++, lane += LANES, line += pixel_bytes) {
             lane[0] = line[0];
             lane[1] = line[1];
             lane[2] = line[2];
@@ -491,10 +553,11 @@ ALWAYS_INLINE void float_block(const uint8_t *src, Py_ssize_t src_stride, int pi
             float_sum(done + (size_t)o * LANES, block, LANES, LANES, t, o, 0);  /* all lanes */
 }
 
-/* row r, channel c of done into dst_c's row (w2 values) */
-ALWAYS_INLINE void float_unpack_row(const float *done, int r, int c, float *row, int w2) {
+/* row r, channel c of done from column `from` on into its row (w2 values) */
+ALWAYS_INLINE void float_unpack_row(const float *done, int r, int c, float *row, int from,
+                                    int w2) {
     const float *value = done + r * 3 + c;
-    for (int o = 0; o < w2; o++) row[o] = value[(size_t)o * LANES];
+    for (int o = from; o < w2; o++) row[o] = value[(size_t)o * LANES];
 }
 
 /* src (h x w) -> out planes (3, h2, w2): the horizontal pass (ht; NULL: width kept) in blocks of
@@ -503,7 +566,7 @@ ALWAYS_INLINE void float_unpack_row(const float *done, int r, int c, float *row,
    rows never leave the cache. Returns -1 when out of memory. */
 ALWAYS_INLINE int float_resize_body(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes,
                                     int h, int w, float *out, int h2, int w2,
-                                    const float_taps *ht, const float_taps *vt) {
+                                    const float_taps *ht, const float_taps *vt, int vector) {
     int cap = (vt ? vt->ksize : 0) + ROWS;
     /* zeroed: a last block of fewer than ROWS rows sums its unused lanes too */
     float *block = calloc((size_t)w * LANES, sizeof(float));
@@ -517,16 +580,21 @@ ALWAYS_INLINE int float_resize_body(const uint8_t *src, Py_ssize_t src_stride, i
         int need = vt ? vt->first[y] + vt->count[y] : y + 1;
         while (made < need) {
             int rows = h - made < ROWS ? h - made : ROWS;
-            float_block(src, src_stride, pixel_bytes, w, made, rows, block, done, w2, ht);
+            float_block(src, src_stride, pixel_bytes, w, made, rows, block, done, w2, ht, vector);
+            float *row_of[LANES];  /* each lane's row: the output's, or its ring slot */
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < 3; c++)
+                    row_of[3 * r + c] = vt ? ring + c * ring_plane + (size_t)((made + r) % cap) * w2
+                                           : out + c * plane + (size_t)(made + r) * w2;
+            int from = 0;
+#if AVX2_DISPATCH
+            if (vector && rows == ROWS) from = float_unpack_avx2(done, row_of, w2);
+#endif
             for (int r = 0; r < rows; r++)
                 for (int c = 0; c < 3; c++) {
-                    if (!vt) {
-                        float_unpack_row(done, r, c, out + c * plane + (size_t)(made + r) * w2, w2);
-                        continue;
-                    }
-                    float *slot = ring + c * ring_plane + (size_t)((made + r) % cap) * w2;
-                    float_unpack_row(done, r, c, slot, w2);
-                    memcpy(slot + (size_t)cap * w2, slot, sizeof(float) * w2);
+                    float *row = row_of[3 * r + c];
+                    float_unpack_row(done, r, c, row, from, w2);
+                    if (vt) memcpy(row + (size_t)cap * w2, row, sizeof(float) * w2);
                 }
             made += rows;
         }
@@ -552,13 +620,14 @@ end:
 
 #define FLOAT_RESIZE_ARGS const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, int h, \
     int w, float *out, int h2, int w2, const float_taps *ht, const float_taps *vt
-#define FLOAT_RESIZE_CALL(fn) fn(src, src_stride, pixel_bytes, h, w, out, h2, w2, ht, vt)
+#define FLOAT_RESIZE_PASS src, src_stride, pixel_bytes, h, w, out, h2, w2, ht, vt
+#define FLOAT_RESIZE_CALL(fn) fn(FLOAT_RESIZE_PASS)
 
-static int float_resize_plain(FLOAT_RESIZE_ARGS) { return FLOAT_RESIZE_CALL(float_resize_body); }
+static int float_resize_plain(FLOAT_RESIZE_ARGS) { return float_resize_body(FLOAT_RESIZE_PASS, 0); }
 
 #if FMA_DISPATCH
 __attribute__((target("avx2,fma")))
-static int float_resize_fma(FLOAT_RESIZE_ARGS) { return FLOAT_RESIZE_CALL(float_resize_body); }
+static int float_resize_fma(FLOAT_RESIZE_ARGS) { return float_resize_body(FLOAT_RESIZE_PASS, 1); }
 #endif
 
 /* whether this CPU runs the AVX2 + FMA code */
