@@ -54,6 +54,9 @@ from energon_tasks.pixel_memory import keep_freed_memory
 from energon_tasks.sample_format import PLACEHOLDER_RE, CanonicalSample, Media
 from energon_tasks.video_decode import decode_video_at
 
+#: ``encode_text`` caches the ids of texts of up to this many characters, up to this many texts
+SHORT_TEXT, SHORT_TEXTS = 48, 4096
+
 
 @stateless
 def cook_conversation(crude: dict) -> ConversationSample:
@@ -121,6 +124,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
             setattr(self, name, tokenizer.convert_tokens_to_ids(token))
         pad = tokenizer.pad_token_id
         self.pad_id = self.hooks.default_pad_id() if pad is None else pad
+        self._short_texts: dict[str, tuple[int, ...]] = {}  # encode_texts' cache
         self.newline = self.encode_text("\n")
         self._pending: Counter = Counter()  # counters since the last batch (this process)
         self._totals: Counter = Counter()  # counters since creation (this process)
@@ -129,23 +133,55 @@ class VLMTaskEncoder(DefaultTaskEncoder):
     # ---- text ---------------------------------------------------------------------------------
 
     def encode_text(self, text: str) -> list[int]:
-        """Token ids of plain text; special-token strings inside it are NOT special."""
-        if not text:
-            return []
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)[
-            "input_ids"
-        ]
+        """Token ids of plain text; special-token strings inside it are NOT special. Texts of
+        up to ``SHORT_TEXT`` characters (role headers, video timestamps, tile labels: the same
+        few strings in every sample) come from a per-encoder cache of up to ``SHORT_TEXTS``."""
+        known = self._short_texts.get(text)
+        if known is None:
+            known = tuple(self.encode_texts([text])[0])
+            if len(text) <= SHORT_TEXT and len(self._short_texts) < SHORT_TEXTS:
+                self._short_texts[text] = known
+        return list(known)
+
+    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode_text`` of each text (not cached), in one call of the tokenizer: a fast
+        tokenizer's Rust ``encode_batch`` directly, as transformers' ``__call__`` runs it (special
+        tokens split, no special tokens added, no truncation or padding: where the backend holds
+        either, the ``__call__`` itself); transformers' Python around the call costs more than
+        the call (0.15 against 0.06 ms for a turn pair)."""
+        ids: list[list[int]] = [[] for _ in texts]
+        todo = [i for i, text in enumerate(texts) if text]
+        if not todo:
+            return ids
+        batch = [texts[i] for i in todo]
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            before = backend.encode_special_tokens
+            backend.encode_special_tokens = True
+            try:
+                encoded = [e.ids for e in backend.encode_batch(batch, add_special_tokens=False)]
+            finally:
+                backend.encode_special_tokens = before
+        else:
+            encoded = self.tokenizer(batch, add_special_tokens=False,
+                                     split_special_tokens=True)["input_ids"]
+        for i, tokens in zip(todo, encoded, strict=True):
+            ids[i] = list(tokens)
+        return ids
 
     def tokenize_turns(self, sample: CanonicalSample) -> list[TurnTokens]:
-        """Each turn's template and content tokens, split at its placeholders."""
+        """Each turn's template and content tokens, split at its placeholders (the contents of
+        every turn in one ``encode_texts`` call)."""
+        split = [PLACEHOLDER_RE.split(turn.content) for turn in sample.conversation]
+        ids = iter(self.encode_texts([piece for pieces in split for piece in pieces]))
         return [
             TurnTokens(
                 header=[self.im_start, *self.encode_text(f"{turn.role}\n")],
-                pieces=[self.encode_text(p) for p in PLACEHOLDER_RE.split(turn.content)],
+                pieces=[next(ids) for _ in pieces],
                 footer=[self.im_end, *self.newline],
                 supervised=turn.role == "assistant",
             )
-            for turn in sample.conversation
+            for turn, pieces in zip(sample.conversation, split, strict=True)
         ]
 
     # ---- vision spans ---------------------------------------------------------------------

@@ -20,6 +20,7 @@ from tests.energon_tasks.conftest import (
     conversation,
     crude,
     image_bytes,
+    image_media,
     image_sample,
     video_bytes,
     video_media,
@@ -172,3 +173,33 @@ def test_no_visual_span_is_ever_cut(make_encoder, turns, seq_length, max_images)
     assert ids.count(encoder.vision_start) == ids.count(encoder.vision_end) == len(spans)
     assert (out.labels != IGNORE_INDEX).any()
     assert ids[-2] == encoder.im_end and out.labels[-2] == encoder.im_end
+
+
+TEXTS = ["", "user\n", " What does <image> say?", "plain <|im_start|>assistant\n and <|im_end|>",
+         "  spaces,\ttabs\n\nnewlines ", "unicode: é ü 漢字 🙂", "<|vision_start|><|image_pad|>",
+         "x" * 3000]
+
+
+def test_text_ids_are_the_tokenizers(make_encoder, tokenizer):
+    """encode_texts / encode_text / tokenize_turns give the tokenizer's own ids (special-token
+    strings split, none added), through the Rust backend or, where the backend was left
+    truncating, through the tokenizer's call."""
+    encoder = make_encoder()
+    expected = [tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                if text else [] for text in TEXTS]
+    tokenizer.backend_tokenizer.encode_special_tokens = False
+    assert encoder.encode_texts(TEXTS) == expected
+    assert tokenizer.backend_tokenizer.encode_special_tokens is False  # left as it was
+    assert [encoder.encode_text(text) for text in TEXTS] == expected
+    assert [encoder.encode_text(text) for text in TEXTS] == expected  # the cache's answers
+    sample = conversation([("user", TEXTS[2] + TEXTS[3]), ("assistant", TEXTS[4])],
+                          [image_media(0, 32, 32)])
+    turns = encoder.tokenize_turns(sample)
+    assert turns[0].pieces == [encoder.encode_text(p) for p in (" What does ", " say?" + TEXTS[3])]
+    assert turns[1].header[1:] == encoder.encode_text("assistant\n")
+    backend = tokenizer.backend_tokenizer
+    backend.enable_truncation(max_length=4)
+    try:
+        assert encoder.encode_texts(TEXTS) == expected
+    finally:
+        backend.no_truncation()
