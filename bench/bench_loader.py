@@ -32,7 +32,7 @@ The task encoder's defaults with
 in the same table: no exact path can skip it.
 
 Usage: python bench/bench_loader.py --out bench_out/loader_bench --doc docs/loader-benchmark.md
-       [--rounds 5] [--quick] [--infer-venv .venv-infer]
+       [--rounds 7] [--quick] [--no-pin] [--infer-venv .venv-infer]
 """
 
 from __future__ import annotations
@@ -462,7 +462,7 @@ def machine(reference_versions: dict | None, load: tuple, load_end: tuple) -> di
 @click.option("--out", default="bench_out/loader_bench", type=click.Path(path_type=Path))
 @click.option("--doc", default=None, type=click.Path(path_type=Path),
               help="write the markdown report here (docs/loader-benchmark.md)")
-@click.option("--rounds", default=5, show_default=True)
+@click.option("--rounds", default=7, show_default=True)
 @click.option("--quick", is_flag=True, help="fewer samples and clips, 2 rounds")
 @click.option("--infer-venv", default=Path(".venv-infer"), type=click.Path(path_type=Path),
               show_default=True, help="make infer-venv's venv (torch + torchvision)")
