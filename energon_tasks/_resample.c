@@ -399,19 +399,26 @@ static int resize(const uint8_t *src, Py_ssize_t src_stride, int pixel_bytes, in
                        src + (size_t)y * src_stride + (size_t)x * pixel_bytes, 3);
     } else if (h == h2) {
         status = horizontal(src, src_stride, pixel_bytes, w, 0, h, dst, w2, hk, hb, hw, vector);
-    } else if (w == w2 || vertical_first) {
+    } else if (w != w2 && vertical_first) {
         /* the vertical pass over every value of a row (RGBX: the X too), then the horizontal
-           one, or for RGBX with the width kept, the X dropped */
+           one, a band of ROWS output rows at a time (the band's rows stay in the cache) */
+        if (!(tmp = malloc((size_t)ROWS * src_values))) status = -1;
+        for (int y = 0; !status && y < h2; y += ROWS) {
+            int rows = h2 - y < ROWS ? h2 - y : ROWS;
+            vertical(src, src_stride, src_values, tmp, rows, vk, vb + 2 * y,
+                     vw + (size_t)y * vk, vector);
+            status = horizontal(tmp, src_values, pixel_bytes, w, 0, rows,
+                                dst + (size_t)y * w2 * 3, w2, hk, hb, hw, vector);
+        }
+    } else if (w == w2) {
+        /* the vertical pass alone; for RGBX, into a copy whose X is then dropped */
         uint8_t *target = dst;
-        if (w != w2 || pixel_bytes != 3) target = tmp = malloc((size_t)h2 * src_values);
+        if (pixel_bytes != 3) target = tmp = malloc((size_t)h2 * src_values);
         if (!target) {
             status = -1;
         } else {
             vertical(src, src_stride, src_values, target, h2, vk, vb, vw, vector);
-            if (w != w2)
-                status = horizontal(tmp, src_values, pixel_bytes, w, 0, h2, dst, w2, hk, hb, hw,
-                                    vector);
-            else if (pixel_bytes != 3)
+            if (pixel_bytes != 3)
                 for (size_t i = 0; i < (size_t)h2 * w; i++)
                     memcpy(dst + i * 3, tmp + i * pixel_bytes, 3);
         }
