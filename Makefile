@@ -106,7 +106,7 @@ bench: $(STAMP)
 
 # The published loader benchmark (docs/loader-benchmark.md): the loader per family and dataset
 # against the Hugging Face paths, which run in $(INFER_VENV) (make infer-venv; without it they are
-# skipped with a line); about 9 minutes on 2 cores. ROUNDS= (default 7).
+# skipped with a line); about 7 minutes on 2 cores. ROUNDS= (default 7).
 bench-loader: $(STAMP)
 	$(PY) bench/bench_loader.py --out bench_out/loader_benchmark --doc docs/loader-benchmark.md --infer-venv $(INFER_VENV) --rounds $(or $(ROUNDS),7)
 

@@ -444,6 +444,24 @@ def summary(results: dict) -> str:
     return "\n".join(lines)
 
 
+def first_touch_ms(size: int = 64 << 20) -> tuple[float, float]:
+    """CPU ms to write ``size`` bytes into fresh anonymous pages (their first touch: a page fault
+    and the kernel's zeroing per page), then into the same pages again: what a path that
+    allocates its buffers per call pays on this machine, against one that reuses them."""
+    import mmap
+
+    region = mmap.mmap(-1, size)
+    view = np.frombuffer(region, np.uint8)
+    start = time.process_time()
+    view.fill(1)
+    first = time.process_time()
+    view.fill(2)
+    again = time.process_time()
+    del view
+    region.close()
+    return 1000 * (first - start), 1000 * (again - first)
+
+
 def machine(reference_versions: dict | None, load: tuple, load_end: tuple) -> dict:
     import importlib.metadata
 
@@ -455,7 +473,7 @@ def machine(reference_versions: dict | None, load: tuple, load_end: tuple) -> di
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "project_venv": project, "resize": kernel(), "float_resize": float_kernel(),
             "reference_venv": reference_versions, "load_average_start": load,
-            "load_average_end": load_end}
+            "load_average_end": load_end, "first_touch_64mb_ms": first_touch_ms()}
 
 
 @click.command()
@@ -470,8 +488,11 @@ def machine(reference_versions: dict | None, load: tuple, load_end: tuple) -> di
 @click.option("--sets", "only", multiple=True, type=click.Choice(SETS))
 @click.option("--pin/--no-pin", default=True, show_default=True,
               help="both processes on one core a round, the core changing each round")
+@click.option("--reference-keeps-memory", is_flag=True,
+              help="the HF worker keeps freed pages as the project's loaders do (not what users "
+                   "run: to see what the allocator is worth to the HF paths)")
 def main(out: Path, doc: Path | None, rounds: int, quick: bool, infer_venv: Path,
-         families: tuple, only: tuple, pin: bool) -> None:
+         families: tuple, only: tuple, pin: bool, reference_keeps_memory: bool) -> None:
     """Time the loader against the Hugging Face paths (see the module docstring)."""
     from energon_tasks.tokenizer import build_test_tokenizer, load_tokenizer
 
@@ -490,6 +511,8 @@ def main(out: Path, doc: Path | None, rounds: int, quick: bool, infer_venv: Path
         ffmpeg = link_pyav_ffmpeg(Path(bundled), out / "ffmpeg-libs") if bundled else None
         reference = Reference(python, ffmpeg)
         versions = reference.ask({"op": "versions"})
+        if reference_keeps_memory and not reference.ask({"op": "keep_memory"})["kept"]:
+            raise click.UsageError("the reference worker could not set its allocator (not glibc)")
     tokenizer_dir = Path(tempfile.mkdtemp()) / "tokenizer"
     build_test_tokenizer(tokenizer_dir)
     tokenizer = load_tokenizer(str(tokenizer_dir))
@@ -511,6 +534,7 @@ def main(out: Path, doc: Path | None, rounds: int, quick: bool, infer_venv: Path
     if reference:
         reference.close()
     record = {"machine": machine(versions, load, os.getloadavg()), "rounds": rounds,
+              "reference_keeps_memory": reference_keeps_memory,
               "quick": quick, "reference_missing": why or None, "results": results,
               "wall_s": time.perf_counter() - started,
               "command": " ".join(["python", *sys.argv])}
@@ -531,6 +555,16 @@ def render(record: dict) -> str:
     project = ", ".join(f"{k} {v}" for k, v in m["project_venv"].items())
     load = "/".join(f"{v:.1f}" for v in m["load_average_start"])
     load_end = "/".join(f"{v:.1f}" for v in m["load_average_end"])
+    touch = m.get("first_touch_64mb_ms")
+    touch_line = "" if not touch else (
+        f" Writing 64 MB into fresh pages took {touch[0]:.1f} ms here, into the same pages again"
+        f"\n  {touch[1]:.1f} ms: where first touches cost less than here, the HF paths' times, "
+        "and the ratios,\n  are lower.")
+    reference_memory = (
+        "**in this run the HF worker keeps them too**\n  (`--reference-keeps-memory`: not what "
+        "users run)." if record.get("reference_keeps_memory") else
+        "the HF paths run with glibc's defaults, as users run them, and\n  allocate their "
+        "tensors per call.")
     clips = {name: FOREIGN.get(name) for name in VIDEO_CLIPS}
     clip_lines = "\n".join(
         f"  - `{name}`: " + ("the project's lookalike-style clip (`bench_task_encoder.make_video`: "
@@ -592,7 +626,7 @@ page; LLaVA-Video-like 640x360 30 fps clips:
   Process CPU time does not count other jobs' time, but they share the caches and memory
   bandwidth, so the rounds spread; the ratio ranges show by how much.
 - The project's process keeps the pages of freed pixel buffers (`energon_tasks.pixel_memory`,
-  as every loader process does); the HF paths run with glibc's defaults, as users run them.
+  as every loader process does); {reference_memory}{touch_line}
 - project venv: Python {m['python']}, {project}; resize kernels: uint8 `{m['resize']}`;
   float32 `{m['float_resize']}`.
 - {ref_line}.

@@ -6,6 +6,9 @@ one), so this worker runs there, as a subprocess of the bench, and imports nothi
 project. It reads one JSON request a line on stdin and answers one JSON line on stdout:
 
 - ``{"op": "versions"}`` -> the versions of what it runs;
+- ``{"op": "keep_memory"}`` -> ``{"kept": bool}``: glibc's mmap and trim thresholds raised to
+  1 GiB in this process (what ``energon_tasks.pixel_memory`` does in the project's loaders), for
+  the bench's ``--reference-keeps-memory``;
 - ``{"op": "run", "path": ..., "family": {...settings}, "files": [...], "targets": [[h, w]],
   "video": {...} | null, "save": "x.npy" | null}`` -> ``{"cpu_s": ..., "shape": [...]}``: the
   process CPU time (``time.process_time`` in this process) of one call of ``path`` on the media
@@ -168,6 +171,11 @@ def run_video(path: str, family: dict, file: str, video: dict) -> torch.Tensor:
 def handle(request: dict) -> dict:
     if request["op"] == "versions":
         return versions()
+    if request["op"] == "keep_memory":
+        import ctypes
+
+        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc: M_MMAP_ / M_TRIM_THRESHOLD
+        return {"kept": mallopt is not None and all(mallopt(k, 1 << 30) for k in (-3, -1))}
     path, family = request["path"], request["family"]
     for file in request["files"]:
         if file not in _bytes:
