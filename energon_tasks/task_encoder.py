@@ -124,7 +124,7 @@ class VLMTaskEncoder(DefaultTaskEncoder):
             setattr(self, name, tokenizer.convert_tokens_to_ids(token))
         pad = tokenizer.pad_token_id
         self.pad_id = self.hooks.default_pad_id() if pad is None else pad
-        self._short_texts: dict[str, tuple[int, ...]] = {}  # encode_texts' cache
+        self._short_texts: dict[str, tuple[int, ...]] = {}  # encode_text's cache
         self.newline = self.encode_text("\n")
         self._pending: Counter = Counter()  # counters since the last batch (this process)
         self._totals: Counter = Counter()  # counters since creation (this process)
