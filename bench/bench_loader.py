@@ -258,21 +258,18 @@ class OneCore:
         self.cores = sorted(os.sched_getaffinity(0))
 
     def pin(self, round_: int) -> None:
-        core = {self.cores[round_ % len(self.cores)]}
-        for pid in self.pids:
-            for thread in os.listdir(f"/proc/{pid}/task"):
-                try:
-                    os.sched_setaffinity(int(thread), core)
-                except (ProcessLookupError, PermissionError):
-                    pass  # a thread that ended meanwhile
+        self._allow({self.cores[round_ % len(self.cores)]})
 
     def release(self) -> None:
+        self._allow(set(self.cores))
+
+    def _allow(self, cores: set[int]) -> None:
         for pid in self.pids:
             for thread in os.listdir(f"/proc/{pid}/task"):
                 try:
-                    os.sched_setaffinity(int(thread), set(self.cores))
+                    os.sched_setaffinity(int(thread), cores)
                 except (ProcessLookupError, PermissionError):
-                    pass
+                    pass  # a thread that ended meanwhile
 
 
 def measure(paths: dict, count: int, rounds: int, cores: OneCore | None = None
